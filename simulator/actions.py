@@ -1,0 +1,68 @@
+"""Pipeline actions in torch.distributed.pipelining's vocabulary: `2F0`, `1B3`, `0I1`, `0W1`."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+FORWARD = "F"
+FULL_BACKWARD = "B"  # input and weight gradients together
+BACKWARD_INPUT = "I"
+BACKWARD_WEIGHT = "W"
+KINDS = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+BACKWARD_KINDS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_OVERLAP = re.compile(r"^\((.*);(.*)\)OVERLAP_F_B$")
+
+
+class Action(NamedTuple):
+    """One compute action: `kind` of virtual stage `stage_index` on micro-batch `microbatch`.
+
+    `overlapped` marks the second action of a DualPipeV forward/backward pair that the runtime
+    overlaps with the action before it (torch's `OVERLAP_F_B`); compute still runs one at a time.
+    """
+
+    stage_index: int
+    kind: str
+    microbatch: int
+    overlapped: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.stage_index}{self.kind}{self.microbatch}"
+
+
+def parse_action(text: str) -> Action:
+    """Parse `2F0`-style text (one action, not an overlapped pair)."""
+    match = _ACTION.match(text.strip())
+    if match is None:
+        raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 1B3, 0I1, 0W1)")
+    stage, kind, microbatch = match.groups()
+    return Action(int(stage), kind, int(microbatch))
+
+
+def format_rank_cells(actions: list[Action] | tuple[Action, ...]) -> list[str]:
+    """One CSV cell per runtime step: overlapped pairs become `(0F4;3B0)OVERLAP_F_B`."""
+    cells: list[str] = []
+    for action in actions:
+        if action.overlapped and cells:
+            cells[-1] = f"({cells[-1]};{action})OVERLAP_F_B"
+        else:
+            cells.append(str(action))
+    return cells
+
+
+def parse_rank_cells(cells: list[str]) -> list[Action]:
+    """Inverse of `format_rank_cells`; empty cells (torch's idle steps) are skipped."""
+    actions: list[Action] = []
+    for cell in cells:
+        cell = cell.strip()
+        if not cell:
+            continue
+        overlap = _OVERLAP.match(cell)
+        if overlap is not None:
+            first, second = (parse_action(part) for part in overlap.groups())
+            actions.extend((first, second._replace(overlapped=True)))
+        else:
+            actions.append(parse_action(cell))
+    return actions

@@ -1,0 +1,118 @@
+"""What each (stage, chunk) costs per micro-batch: times in milliseconds, memory in bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulator.errors import InputError
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """Costs of one chunk (virtual stage) on one rank, per micro-batch.
+
+    `backward_ms` is the full backward (input and weight gradients) without recompute;
+    `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
+    run as a separate W action (None: not measured). `recompute_ms` is the forward work the
+    backward redoes for activation recompute. `working_bytes` is held only while a backward of
+    this chunk runs (gradient buffers, re-materialised activations).
+    """
+
+    forward_ms: float
+    backward_ms: float
+    weight_ms: float | None = None
+    recompute_ms: float = 0.0
+    activation_bytes: float = 0.0
+    static_bytes: float = 0.0
+    working_bytes: float = 0.0
+
+    def check(self, where: str) -> None:
+        """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
+        for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes"):
+            _check_amount(f"{where} {name}", getattr(self, name))
+        if self.weight_ms is not None:
+            _check_amount(f"{where} weight_ms", self.weight_ms)
+            if self.weight_ms > self.backward_ms:
+                raise InputError(
+                    f"{where} weight_ms",
+                    f"expected at most backward_ms ({self.backward_ms:g}), got {self.weight_ms:g}",
+                )
+
+    def split_weight_ms(self) -> float:
+        """The weight-gradient part of the backward; half of it where it was not measured."""
+        return self.backward_ms / 2 if self.weight_ms is None else self.weight_ms
+
+
+def _check_amount(field_name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InputError(field_name, f"expected a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Costs of every chunk, indexed [stage][chunk], and the P2P time between neighbouring stages."""
+
+    chunk_costs: tuple[tuple[ChunkCosts, ...], ...]
+    p2p_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.chunk_costs or not self.chunk_costs[0]:
+            raise InputError("chunk_costs", "expected at least one stage with at least one chunk")
+        chunks = len(self.chunk_costs[0])
+        for stage, row in enumerate(self.chunk_costs):
+            if len(row) != chunks:
+                raise InputError(f"chunk_costs[{stage}]", f"expected {chunks} chunks like stage 0, got {len(row)}")
+            for chunk, costs in enumerate(row):
+                costs.check(f"stage {stage} chunk {chunk}")
+        _check_amount("p2p_ms", self.p2p_ms)
+
+    @property
+    def stages(self) -> int:
+        return len(self.chunk_costs)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_costs[0])
+
+    def __getitem__(self, stage_chunk: tuple[int, int]) -> ChunkCosts:
+        stage, chunk = stage_chunk
+        return self.chunk_costs[stage][chunk]
+
+    def all_chunks(self) -> list[ChunkCosts]:
+        return [costs for row in self.chunk_costs for costs in row]
+
+    @property
+    def weight_split_assumed(self) -> bool:
+        """True where some weight-gradient time was not given (I/W actions then split the backward in half)."""
+        return any(costs.weight_ms is None for costs in self.all_chunks())
+
+    @classmethod
+    def uniform(
+        cls,
+        stages: int,
+        chunks: int,
+        *,
+        forward_ms: float,
+        backward_ms: float,
+        weight_ms: float | None = None,
+        recompute_ms: float = 0.0,
+        activation_bytes: float = 0.0,
+        static_bytes: float = 0.0,
+        working_bytes: float = 0.0,
+        p2p_ms: float = 0.0,
+    ) -> PipelineCosts:
+        """Identical stages; each figure is a whole rank's, split evenly over its chunks."""
+        for name, value in (("stages", stages), ("chunks", chunks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(name, f"expected an integer >= 1, got {value!r}")
+        share = ChunkCosts(
+            forward_ms=forward_ms / chunks,
+            backward_ms=backward_ms / chunks,
+            weight_ms=None if weight_ms is None else weight_ms / chunks,
+            recompute_ms=recompute_ms / chunks,
+            activation_bytes=activation_bytes / chunks,
+            static_bytes=static_bytes / chunks,
+            working_bytes=working_bytes / chunks,
+        )
+        return cls(tuple((share,) * chunks for _ in range(stages)), p2p_ms)

@@ -1,0 +1,143 @@
+"""Replay a schedule with costs: when every action starts and ends, memory, and the bubble split.
+
+An action starts when its rank is free and the action it depends on has ended (plus the P2P
+time when that action ran on another rank). Sends are asynchronous: they never hold a rank.
+Memory of a rank: its static bytes, plus the activation of every (chunk, micro-batch) whose
+forward has ended and whose backward (B, or W when split) has not, plus the chunk's working
+set while one of its backward actions runs.
+"""
+
+from __future__ import annotations
+
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.costs import ChunkCosts, PipelineCosts
+from simulator.errors import InputError
+from simulator.program import Program
+from simulator.result import BubbleSplit, SimulationResult
+from simulator.schedule import Schedule
+
+
+def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
+    """Replay `schedule` with `costs` ([stage][chunk], as the schedule's ranks and chunks)."""
+    if (costs.stages, costs.chunks) != (schedule.stages, schedule.chunks):
+        raise InputError(
+            "costs",
+            f"expected {schedule.stages} stages x {schedule.chunks} chunks to match the schedule, "
+            f"got {costs.stages} x {costs.chunks}",
+        )
+    program = schedule.program
+    durations = _durations(program, costs)
+    start, end = _replay(program, durations, costs.p2p_ms)
+    iteration_ms = max(end)
+
+    busy = [0.0] * schedule.stages
+    for action_id, duration in enumerate(durations):
+        busy[program.rank[action_id]] += duration
+    peaks, in_flight = zip(*(_rank_memory(program, costs, rank) for rank in range(schedule.stages)))
+
+    return SimulationResult(
+        schedule=schedule,
+        costs=costs,
+        start_ms=start,
+        end_ms=end,
+        iteration_time_ms=iteration_ms,
+        stage_busy_ms=tuple(busy),
+        stage_peak_memory_bytes=peaks,
+        stage_peak_activations=in_flight,
+        bubble=_bubble_split(schedule, costs, iteration_ms),
+    )
+
+
+def _durations(program: Program, costs: PipelineCosts) -> list[float]:
+    by_rank_chunk = {}
+    for rank, row in enumerate(costs.chunk_costs):
+        for chunk, cost in enumerate(row):
+            weight = cost.split_weight_ms()
+            by_rank_chunk[rank, chunk] = {
+                FORWARD: cost.forward_ms,
+                FULL_BACKWARD: cost.backward_ms + cost.recompute_ms,
+                BACKWARD_INPUT: cost.backward_ms - weight + cost.recompute_ms,
+                BACKWARD_WEIGHT: weight,
+            }
+    table = [by_rank_chunk[rank, chunk] for rank, chunk in zip(program.rank, program.chunk)]
+    return [kind_costs[kind] for kind_costs, kind in zip(table, program.kind)]
+
+
+def _replay(program: Program, durations: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
+    rank, dependency, crosses = program.rank, program.dependency, program.crosses_ranks
+    start = [0.0] * len(durations)
+    end = [0.0] * len(durations)
+    rank_free = [0.0] * (len(program.rank_offsets) - 1)
+    for action_id in program.order:
+        r = rank[action_id]
+        begin = rank_free[r]
+        dep = dependency[action_id]
+        if dep >= 0:
+            ready = end[dep] + p2p_ms if crosses[action_id] else end[dep]
+            if ready > begin:
+                begin = ready
+        finish = begin + durations[action_id]
+        start[action_id] = begin
+        end[action_id] = finish
+        rank_free[r] = finish
+    return start, end
+
+
+def _rank_memory(program: Program, costs: PipelineCosts, rank: int) -> tuple[float, int]:
+    """Peak bytes and peak number of activations held on `rank` (independent of timing)."""
+    row: tuple[ChunkCosts, ...] = costs.chunk_costs[rank]
+    memory = sum(chunk.static_bytes for chunk in row)
+    peak = memory
+    held = peak_held = 0
+    first, last = program.rank_offsets[rank], program.rank_offsets[rank + 1]
+    for chunk_index, kind in zip(program.chunk[first:last], program.kind[first:last]):
+        chunk = row[chunk_index]
+        if kind == FORWARD:
+            memory += chunk.activation_bytes
+            held += 1
+            peak = max(peak, memory)
+            peak_held = max(peak_held, held)
+            continue
+        peak = max(peak, memory + chunk.working_bytes)
+        if kind != BACKWARD_INPUT:
+            memory -= chunk.activation_bytes
+            held -= 1
+    return peak, peak_held
+
+
+def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float) -> BubbleSplit:
+    """Split the idle time by what a replay without each cause gives (see BubbleSplit)."""
+    chunks = costs.all_chunks()
+    useful_ms = schedule.micro_batches * sum(c.forward_ms + c.backward_ms for c in chunks)
+    if useful_ms <= 0:
+        raise InputError("costs", "forward and backward times are all zero: there is no work to schedule")
+    program = schedule.program
+
+    def makespan(chunk_costs: PipelineCosts) -> float:
+        return max(_replay(program, _durations(program, chunk_costs), chunk_costs.p2p_ms)[1])
+
+    def share(extra_ms: float) -> float:
+        """Iteration time `extra_ms` as a fraction of the useful work per rank."""
+        return schedule.stages * extra_ms / useful_ms
+
+    without_p2p_ms = makespan(PipelineCosts(costs.chunk_costs)) if costs.p2p_ms > 0 else iteration_ms
+    count = len(chunks)
+    mean = ChunkCosts(
+        forward_ms=sum(c.forward_ms for c in chunks) / count,
+        backward_ms=sum(c.backward_ms for c in chunks) / count,
+        weight_ms=sum(c.split_weight_ms() for c in chunks) / count,
+    )
+    balanced_ms = makespan(PipelineCosts(tuple((mean,) * schedule.chunks for _ in range(schedule.stages))))
+    mean_recompute_ms = sum(c.recompute_ms for c in chunks) / count
+    balanced_recompute_ms = balanced_ms
+    if mean_recompute_ms > 0:
+        with_recompute = ChunkCosts(mean.forward_ms, mean.backward_ms, mean.weight_ms, mean_recompute_ms)
+        balanced_recompute_ms = makespan(
+            PipelineCosts(tuple((with_recompute,) * schedule.chunks for _ in range(schedule.stages)))
+        )
+
+    real = share(iteration_ms) - 1.0
+    ideal = share(balanced_ms) - 1.0
+    recompute = share(balanced_recompute_ms - balanced_ms)
+    comm = share(iteration_ms - without_p2p_ms)
+    return BubbleSplit(real=real, ideal=ideal, imbalance=real - ideal - recompute - comm, recompute=recompute, comm=comm)

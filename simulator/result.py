@@ -1,0 +1,120 @@
+"""What a replay yields: when every action ran, the iteration time, memory and the bubble split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
+from simulator.costs import PipelineCosts
+from simulator.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class BubbleSplit:
+    """Where the iteration time goes beyond the useful work, SAPP's split:
+    `real = ideal + imbalance + recompute + comm`, each a fraction of the useful work
+    (forward and backward, without recompute, summed over all ranks).
+
+    real: (stages x iteration time - useful work) / useful work.
+    ideal: `real` of the same schedule with every chunk at the average cost, no recompute, no
+        P2P: (S-1)/(V*M) for 1F1B and interleaved 1F1B, less for zero-bubble schedules.
+    recompute: the iteration time recompute adds to that balanced pipeline (x stages / useful
+        work). SAPP counts only the recompute work (M x recompute / useful work) and leaves the
+        longer warm-up and cool-down in imbalance; here balanced stages show zero imbalance.
+    comm: the iteration time P2P adds (x stages / useful work).
+    imbalance: the rest: what uneven stages cost.
+    """
+
+    real: float
+    ideal: float
+    imbalance: float
+    recompute: float
+    comm: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "real": self.real,
+            "ideal": self.ideal,
+            "imbalance": self.imbalance,
+            "recompute": self.recompute,
+            "comm": self.comm,
+        }
+
+
+class TimedAction(NamedTuple):
+    """An action with the rank and chunk that ran it and its start and end."""
+
+    action: Action
+    rank: int
+    chunk: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """A replayed schedule. Times in milliseconds from the start of the iteration, memory in bytes."""
+
+    schedule: Schedule
+    costs: PipelineCosts
+    start_ms: list[float]  # by action id (rank by rank, in schedule order)
+    end_ms: list[float]
+    iteration_time_ms: float
+    stage_busy_ms: tuple[float, ...]
+    stage_peak_memory_bytes: tuple[float, ...]
+    stage_peak_activations: tuple[int, ...]  # most (chunk, micro-batch) activations held at once
+    bubble: BubbleSplit
+
+    @property
+    def weight_split_assumed(self) -> bool:
+        """Some I/W action split a backward whose weight-gradient time was not given."""
+        uses_split = any(a.kind == BACKWARD_WEIGHT for actions in self.schedule.rank_actions for a in actions)
+        return uses_split and self.costs.weight_split_assumed
+
+    def rank_timeline(self, rank: int) -> list[TimedAction]:
+        """The actions of `rank` in the order it ran them."""
+        first = self.schedule.program.rank_offsets[rank]
+        stages = self.schedule.stages
+        return [
+            TimedAction(action, rank, action.stage_index // stages, self.start_ms[first + i], self.end_ms[first + i])
+            for i, action in enumerate(self.schedule.rank_actions[rank])
+        ]
+
+    def memory_curve(self, rank: int) -> list[tuple[float, float]]:
+        """(time, bytes) points of a step curve: the memory of `rank` from each point to the next."""
+        row = self.costs.chunk_costs[rank]
+        memory = sum(chunk.static_bytes for chunk in row)
+        points = [(0.0, memory)]
+        for timed in self.rank_timeline(rank):
+            chunk = row[timed.chunk]
+            kind = timed.action.kind
+            if kind == FORWARD:
+                memory += chunk.activation_bytes
+                points.append((timed.end_ms, memory))
+                continue
+            points.append((timed.start_ms, memory + chunk.working_bytes))
+            if kind in (FULL_BACKWARD, BACKWARD_WEIGHT):
+                memory -= chunk.activation_bytes
+            points.append((timed.end_ms, memory))
+        points.append((self.iteration_time_ms, memory))
+        return points
+
+    def to_dict(self) -> dict[str, object]:
+        """The summary as JSON-ready data (the `sapp-hook simulate --json` object)."""
+        return {
+            "schedule": self.schedule.name,
+            "stages": self.schedule.stages,
+            "chunks": self.schedule.chunks,
+            "micro_batches": self.schedule.micro_batches,
+            "placement": self.schedule.placement,
+            "num_actions": self.schedule.num_actions,
+            "time_unit": "ms",
+            "iteration_time": self.iteration_time_ms,
+            "bubble": self.bubble.to_dict(),
+            "stage_busy_ms": list(self.stage_busy_ms),
+            "stage_peak_memory_bytes": [round(b) for b in self.stage_peak_memory_bytes],
+            "stage_peak_activations": list(self.stage_peak_activations),
+            "p2p_ms": self.costs.p2p_ms,
+            "weight_split_assumed": self.weight_split_assumed,
+        }

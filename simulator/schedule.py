@@ -1,0 +1,166 @@
+"""A pipeline schedule as data: each rank's ordered list of compute actions.
+
+Virtual stages (torch's `stage_index`) run 0..stages*chunks-1 in model order. Rank `r` holds
+chunk `c` of the model as one virtual stage; where that stage sits depends on the placement:
+`loop` (interleaved schedules: stage c*S + r) or `v` (ZBV, DualPipeV: the model goes down the
+ranks and back up, so rank 0 holds both the first and the last stage).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from simulator.actions import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    KINDS,
+    Action,
+    format_rank_cells,
+    parse_rank_cells,
+)
+from simulator.errors import ScheduleError
+from simulator.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from simulator.program import Program
+
+PLACEMENTS = ("loop", "v")
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
+
+
+def stage_to_rank(stage_index: int, stages: int, placement: str) -> int:
+    """The rank that runs virtual stage `stage_index`."""
+    chunk, offset = divmod(stage_index, stages)
+    if placement == "v" and chunk % 2 == 1:
+        return stages - 1 - offset
+    return offset
+
+
+def rank_chunk_to_stage(rank: int, chunk: int, stages: int, placement: str) -> int:
+    """The virtual stage index of chunk `chunk` on rank `rank`."""
+    if placement == "v" and chunk % 2 == 1:
+        return chunk * stages + stages - 1 - rank
+    return chunk * stages + rank
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists for `stages` ranks x `chunks` chunks x `micro_batches` micro-batches."""
+
+    name: str
+    stages: int
+    chunks: int
+    micro_batches: int
+    placement: str
+    rank_actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        _check_actions(self)
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages in the model: stages x chunks."""
+        return self.stages * self.chunks
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(actions) for actions in self.rank_actions)
+
+    def rank_of(self, stage_index: int) -> int:
+        return stage_to_rank(stage_index, self.stages, self.placement)
+
+    def chunk_of(self, stage_index: int) -> int:
+        return stage_index // self.stages
+
+    def stage_index(self, rank: int, chunk: int) -> int:
+        return rank_chunk_to_stage(rank, chunk, self.stages, self.placement)
+
+    @cached_property
+    def program(self) -> Program:
+        """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
+        from simulator.program import compile_schedule
+
+        return compile_schedule(self)
+
+    def to_csv(self) -> str:
+        """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        for actions in self.rank_actions:
+            writer.writerow(format_rank_cells(actions))
+        return buffer.getvalue()
+
+    def write_csv(self, path: str | Path) -> None:
+        atomic_write_text(path, self.to_csv())
+
+    @classmethod
+    def from_csv(
+        cls,
+        text: str,
+        *,
+        name: str,
+        chunks: int,
+        micro_batches: int,
+        placement: str = "loop",
+    ) -> Schedule:
+        """Read a compute-only CSV (as torch's `_dump_csv` or `to_csv` writes it)."""
+        rows = [row for row in csv.reader(io.StringIO(text)) if row]
+        rank_actions = []
+        for rank, row in enumerate(rows):
+            try:
+                rank_actions.append(tuple(parse_rank_cells(row)))
+            except ValueError as exc:
+                raise ScheduleError(f"csv row {rank}", str(exc)) from None
+        return cls(name, len(rows), chunks, micro_batches, placement, tuple(rank_actions))
+
+
+def _check_actions(schedule: Schedule) -> None:
+    """Every (stage, micro-batch) has one forward and either one full backward or one I and one W,
+    each on the rank that holds the stage."""
+    stages, chunks, micro_batches = schedule.stages, schedule.chunks, schedule.micro_batches
+    for field, value in (("stages", stages), ("chunks", chunks), ("micro_batches", micro_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(field, f"expected an integer >= 1, got {value!r}")
+    if schedule.placement not in PLACEMENTS:
+        raise ScheduleError("placement", f"expected one of {PLACEMENTS}, got {schedule.placement!r}")
+    if len(schedule.rank_actions) != stages:
+        raise ScheduleError(
+            "rank_actions", f"expected one action list per rank ({stages}), got {len(schedule.rank_actions)}"
+        )
+    num_stages = stages * chunks
+    counts = bytearray(num_stages * micro_batches * 4)
+    for rank, actions in enumerate(schedule.rank_actions):
+        for position, action in enumerate(actions):
+            where = f"rank {rank} action {position} ({action})"
+            if action.kind not in KIND_CODE:
+                raise ScheduleError(where, f"unknown kind {action.kind!r}; expected one of {KINDS}")
+            if not 0 <= action.stage_index < num_stages:
+                raise ScheduleError(where, f"stage index outside 0..{num_stages - 1}")
+            if not 0 <= action.microbatch < micro_batches:
+                raise ScheduleError(where, f"micro-batch outside 0..{micro_batches - 1}")
+            owner = stage_to_rank(action.stage_index, stages, schedule.placement)
+            if owner != rank:
+                raise ScheduleError(where, f"stage {action.stage_index} runs on rank {owner} ({schedule.placement} placement)")
+            slot = (action.stage_index * micro_batches + action.microbatch) * 4 + KIND_CODE[action.kind]
+            if counts[slot]:
+                raise ScheduleError(where, "appears twice")
+            counts[slot] = 1
+    f, b, i, w = (KIND_CODE[k] for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+    for stage_index in range(num_stages):
+        for microbatch in range(micro_batches):
+            base = (stage_index * micro_batches + microbatch) * 4
+            has_f, has_b, has_i, has_w = counts[base + f], counts[base + b], counts[base + i], counts[base + w]
+            where = f"stage {stage_index} micro-batch {microbatch}"
+            if not has_f:
+                raise ScheduleError(where, "has no forward")
+            if has_b and (has_i or has_w):
+                raise ScheduleError(where, "has both a full backward and a split (I/W) backward")
+            if not has_b and not (has_i and has_w):
+                raise ScheduleError(where, "needs a full backward (B) or both I and W")

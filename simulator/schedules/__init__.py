@@ -1,0 +1,158 @@
+"""The schedules sapp-hook knows, by the names torch.distributed.pipelining gives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from simulator.actions import Action
+from simulator.errors import InputError
+from simulator.schedule import Schedule
+from simulator.schedules.dualpipev import dualpipev_actions
+from simulator.schedules.gpipe import gpipe_actions
+from simulator.schedules.interleaved import (
+    default_group_size,
+    less_memory_interleaved_actions,
+    megatron_accepts,
+    megatron_interleaved_actions,
+)
+from simulator.schedules.one_f_one_b import one_f_one_b_actions
+from simulator.schedules.zero_bubble import zbh1_actions, zbv_actions
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A named schedule: where its chunks sit, how many it takes, and how to build its actions."""
+
+    name: str
+    summary: str
+    placement: str
+    min_chunks: int
+    max_chunks: int | None  # None: no upper bound
+    min_micro_batches: Callable[[int, int], int]  # (stages, chunks) -> fewest micro-batches
+    build: Callable[[int, int, int], list[list[Action]]]  # (stages, chunks, micro_batches)
+    splits_backward: bool = False  # runs I and W actions, so the weight-gradient time matters
+
+    @property
+    def default_chunks(self) -> int:
+        return self.min_chunks
+
+
+SCHEDULES: dict[str, ScheduleKind] = {
+    kind.name: kind
+    for kind in (
+        ScheduleKind(
+            "GPipe",
+            "all forwards, then all backwards",
+            "loop", 1, 1, lambda s, v: 1,
+            lambda s, v, m: gpipe_actions(s, m),
+        ),
+        ScheduleKind(
+            "1F1B",
+            "warm-up forwards, then one forward and one backward in turn",
+            "loop", 1, 1, lambda s, v: 1,
+            lambda s, v, m: one_f_one_b_actions(s, m),
+        ),
+        ScheduleKind(
+            "Interleaved1F1B",
+            "Megatron's interleaved 1F1B over V chunks per rank",
+            "loop", 2, None, lambda s, v: s,
+            lambda s, v, m: megatron_interleaved_actions(s, v, m, default_group_size(s, m)),
+        ),
+        ScheduleKind(
+            "Interleaved1F1B-less-memory",
+            "MindFormers' small-memory interleaved order: fewer forwards in flight",
+            "loop", 2, None, lambda s, v: s,
+            lambda s, v, m: less_memory_interleaved_actions(s, v, m),
+        ),
+        ScheduleKind(
+            "ZBH1",
+            "1F1B with weight gradients deferred into the bubbles (zero bubble H1)",
+            "loop", 1, 1, lambda s, v: 1,
+            lambda s, v, m: zbh1_actions(s, m),
+            splits_backward=True,
+        ),
+        ScheduleKind(
+            "ZBVZeroBubble",
+            "zero bubble V: two chunks per rank in a V, W deferred",
+            "v", 2, 2, lambda s, v: 1,
+            lambda s, v, m: zbv_actions(s, m),
+            splits_backward=True,
+        ),
+        ScheduleKind(
+            "DualPipeV",
+            "DeepSeek's DualPipeV: two chunks in a V, forward and backward overlapped",
+            "v", 2, 2, lambda s, v: 2 * s,
+            lambda s, v, m: dualpipev_actions(s, m),
+            splits_backward=True,
+        ),
+    )
+}
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """Look a schedule up by name, case-insensitive, with or without torch's `Schedule` prefix."""
+    wanted = name.strip().lower().removeprefix("schedule")
+    for kind in SCHEDULES.values():
+        if kind.name.lower() == wanted:
+            return kind
+    raise InputError("schedule", f"expected one of {', '.join(SCHEDULES)}, got {name!r}")
+
+
+def build_schedule(
+    name: str,
+    stages: int,
+    micro_batches: int,
+    chunks: int | None = None,
+    *,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """Build the action lists of schedule `name` for `stages` ranks, `chunks` chunks per rank
+    (the schedule's own count when None) and `micro_batches` micro-batches.
+
+    `microbatch_group_size` is Megatron's `microbatch_group_size_per_vp_stage` (Interleaved1F1B only).
+    """
+    kind = schedule_kind(name)
+    _check_count("stages", stages, 1)
+    _check_count("micro_batches", micro_batches, 1)
+    if chunks is None:
+        chunks = kind.default_chunks
+    _check_count("chunks", chunks, 1)
+    if chunks < kind.min_chunks or (kind.max_chunks is not None and chunks > kind.max_chunks):
+        allowed = (
+            f"exactly {kind.min_chunks}" if kind.min_chunks == kind.max_chunks else f"{kind.min_chunks} or more"
+        )
+        raise InputError("chunks", f"{kind.name} runs {allowed} chunks per stage, got {chunks}")
+    fewest = kind.min_micro_batches(stages, chunks)
+    if micro_batches < fewest:
+        raise InputError(
+            "micro_batches", f"{kind.name} on {stages} stages needs at least {fewest} micro-batches, got {micro_batches}"
+        )
+
+    if microbatch_group_size is not None:
+        if kind.name != "Interleaved1F1B":
+            raise InputError("microbatch_group_size", f"applies to Interleaved1F1B only, not {kind.name}")
+        _check_count("microbatch_group_size", microbatch_group_size, 1)
+        if not megatron_accepts(stages, micro_batches, microbatch_group_size):
+            raise InputError(
+                "microbatch_group_size",
+                f"expected {stages} <= G <= {micro_batches} with {micro_batches} mod G = 0 or >= {stages} "
+                f"(Megatron's rule), got {microbatch_group_size}",
+            )
+        rank_actions = megatron_interleaved_actions(stages, chunks, micro_batches, microbatch_group_size)
+    else:
+        rank_actions = kind.build(stages, chunks, micro_batches)
+
+    return Schedule(
+        name=kind.name,
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        placement=kind.placement,
+        rank_actions=tuple(tuple(actions) for actions in rank_actions),
+    )
+
+
+def _check_count(field: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InputError(field, f"expected an integer >= {least}, got {value!r}")

@@ -1,0 +1,95 @@
+"""Interleaved 1F1B: V chunks per rank in loop placement (chunk c of rank r is stage c*S + r).
+
+Both orders walk a table of (micro-batch, chunk) pairs: micro-batches go in groups, and each
+group runs through chunk 0, then chunk 1, and so on. Rank r runs `warmup(r)` forwards, then one
+forward and one backward in turn, then the remaining backwards. Backwards walk the same table
+with the chunk reversed (the last chunk's gradient comes first).
+
+- Megatron's order (`Interleaved1F1B`): groups of `microbatch_group_size_per_vp_stage` G (S by
+  default) with a shorter last group; warm-up 2(S-r-1) + (V-1)G. Megatron requires
+  S <= G <= M and M mod G = 0 or >= S.
+- MindFormers' small-memory order (`Interleaved1F1B-less-memory`): groups of S, the M mod S
+  leftover micro-batches joining the first group; warm-up (V-1)(S + M mod S) + S-r-1. In flight
+  on rank r: S micro-batches of each chunk but the last, S-r of the last.
+"""
+
+from __future__ import annotations
+
+from simulator.actions import FORWARD, FULL_BACKWARD, Action
+
+Table = list[tuple[int, int]]  # (micro-batch, chunk), in the order forwards run
+
+
+def megatron_table(micro_batches: int, chunks: int, group_size: int) -> Table:
+    """Megatron's `get_schedule_table`: full groups of `group_size`, then the remainder."""
+    table: Table = []
+    for first in range(0, micro_batches, group_size):
+        last = micro_batches if first + group_size >= micro_batches else first + group_size
+        table.extend((mb, chunk) for chunk in range(chunks) for mb in range(first, last))
+    return table
+
+
+def leftover_first_table(micro_batches: int, chunks: int, stages: int) -> Table:
+    """MindFormers' table: groups of `stages`, the first one holding the M mod S leftovers too."""
+    leftover = micro_batches % stages
+    bounds = [0] + list(range(stages + leftover, micro_batches + 1, stages))
+    table: Table = []
+    for first, last in zip(bounds, bounds[1:]):
+        table.extend((mb, chunk) for chunk in range(chunks) for mb in range(first, last))
+    return table
+
+
+def default_group_size(stages: int, micro_batches: int) -> int:
+    """S where it divides M; else torch's choice (M over max(1, M // S) rounds) where that divides
+    M; else the smallest group Megatron accepts."""
+    if micro_batches % stages == 0:
+        return stages
+    rounds = max(1, micro_batches // stages)
+    if micro_batches % rounds == 0:
+        return micro_batches // rounds
+    return next(g for g in range(stages, micro_batches + 1) if megatron_accepts(stages, micro_batches, g))
+
+
+def megatron_accepts(stages: int, micro_batches: int, group_size: int) -> bool:
+    """Megatron's check on `microbatch_group_size_per_vp_stage`."""
+    remainder = micro_batches % group_size
+    return stages <= group_size <= micro_batches and (remainder == 0 or remainder >= stages)
+
+
+def megatron_interleaved_actions(stages: int, chunks: int, micro_batches: int, group_size: int) -> list[list[Action]]:
+    table = megatron_table(micro_batches, chunks, group_size)
+    return [
+        _one_f_one_b_over_table(table, stages, chunks, rank, 2 * (stages - rank - 1) + (chunks - 1) * group_size)
+        for rank in range(stages)
+    ]
+
+
+def less_memory_interleaved_actions(stages: int, chunks: int, micro_batches: int) -> list[list[Action]]:
+    table = leftover_first_table(micro_batches, chunks, stages)
+    first_group = stages + micro_batches % stages
+    # SAPP's own simulator uses V*S - r - 1 (the same when S divides M), which deadlocks on the
+    # last rank when it does not: the last chunk's first forward comes (V-1)(M mod S) later.
+    return [
+        _one_f_one_b_over_table(table, stages, chunks, rank, (chunks - 1) * first_group + stages - rank - 1)
+        for rank in range(stages)
+    ]
+
+
+def _one_f_one_b_over_table(table: Table, stages: int, chunks: int, rank: int, warmup: int) -> list[Action]:
+    total = len(table)
+    warmup = min(warmup, total)
+
+    def forward(k: int) -> Action:
+        mb, chunk = table[k]
+        return Action(chunk * stages + rank, FORWARD, mb)
+
+    def backward(k: int) -> Action:
+        mb, chunk = table[k]
+        return Action((chunks - 1 - chunk) * stages + rank, FULL_BACKWARD, mb)
+
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions.append(forward(warmup + k))
+        actions.append(backward(k))
+    actions.extend(backward(k) for k in range(total - warmup, total))
+    return actions
