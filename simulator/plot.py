@@ -1,0 +1,140 @@
+"""Gantt chart of a replay with each rank's memory curve under its row (PNG, SVG or PDF).
+
+matplotlib is imported here only, when a picture is asked for, and drawn without pyplot (no
+display, no global state).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from simulator.errors import InputError
+from simulator.files import atomic_write_bytes
+from simulator.result import SimulationResult
+from simulator.units import format_bytes
+
+FORMATS = (".png", ".svg", ".pdf")
+KIND_COLOURS = {"F": "#3b75af", "B": "#ef8636", "I": "#c2413b", "W": "#519e3e"}
+KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+MEMORY_COLOUR = "#7f7f7f"
+BAR_TOP, BAR_HEIGHT = 0.06, 0.5  # within a rank's row of height 1, measured downwards
+CURVE_BASE, CURVE_HEIGHT = 0.94, 0.32
+MAX_LABELS = 4000
+RASTERIZE_ABOVE = 20000  # actions; above this, bars are embedded as an image even in SVG
+
+
+def check_plot_path(path: str | Path, field: str = "plot") -> Path:
+    """The path as a Path if its suffix names a format this module draws; InputError otherwise."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise InputError(field, f"expected a file ending in {', '.join(FORMATS)}, got {path.name!r}")
+    return path
+
+
+def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None = None) -> None:
+    """Draw `result` to `path`; the suffix picks the format."""
+    path = check_plot_path(path)
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise InputError("plot", "drawing needs matplotlib: pip install 'sapp-hook[plot]'") from None
+
+    schedule = result.schedule
+    stages, chunks = schedule.stages, schedule.chunks
+    end_ms = result.iteration_time_ms or 1.0
+    width_in = 14.0
+    figure = Figure(figsize=(width_in, min(max(1.6 + 0.42 * stages, 3.2), 32.0)), layout="constrained")
+    axes = figure.add_subplot()
+    bar_px_per_ms = (width_in * 0.82 * figure.dpi) / end_ms
+
+    mean_ms = sum(result.stage_busy_ms) / max(schedule.num_actions, 1)
+    edges = "white" if mean_ms * bar_px_per_ms >= 6 else "none"
+    rasterized = schedule.num_actions > RASTERIZE_ABOVE
+    kinds_seen: set[str] = set()
+    labels = []
+    for rank in range(stages):
+        boxes: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for timed in result.rank_timeline(rank):
+            duration = timed.end_ms - timed.start_ms
+            boxes.setdefault((timed.action.kind, timed.chunk), []).append((timed.start_ms, duration))
+            if duration * bar_px_per_ms >= 14:
+                labels.append((timed.start_ms + duration / 2, rank, timed.action.microbatch))
+        for (kind, chunk), spans in boxes.items():
+            kinds_seen.add(kind)
+            axes.broken_barh(
+                spans,
+                (rank + BAR_TOP, BAR_HEIGHT),
+                facecolors=_shade(KIND_COLOURS[kind], chunk, chunks),
+                edgecolors=edges,
+                linewidth=0.4,
+                rasterized=rasterized,
+            )
+
+    if len(labels) <= MAX_LABELS:
+        for x, rank, microbatch in labels:
+            axes.text(x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white")
+
+    peak_bytes = max(result.stage_peak_memory_bytes)
+    curves = [result.memory_curve(rank) for rank in range(stages)] if peak_bytes > 0 else []
+    # All rows share one scale from the lowest level any rank reaches to the highest peak, so
+    # that the swing of activations shows on top of large static memory.
+    floor_bytes = min(m for curve in curves for _, m in curve) if curves else 0.0
+    span_bytes = peak_bytes - floor_bytes
+    for rank, curve in enumerate(curves):
+        times = [t for t, _ in curve]
+        levels = [
+            rank + CURVE_BASE - CURVE_HEIGHT * ((m - floor_bytes) / span_bytes if span_bytes > 0 else 1.0)
+            for _, m in curve
+        ]
+        axes.fill_between(
+            times, rank + CURVE_BASE, levels, step="post", color=MEMORY_COLOUR, alpha=0.45, linewidth=0,
+            rasterized=rasterized,
+        )
+        axes.text(
+            end_ms * 1.004, rank + 0.5, f"peak {format_bytes(result.stage_peak_memory_bytes[rank])}", va="center", fontsize=7
+        )
+
+    axes.axvline(end_ms, color="black", linewidth=0.8, linestyle="--")
+    axes.set_xlim(0, end_ms * (1.09 if peak_bytes > 0 else 1.01))
+    axes.set_ylim(stages, 0)
+    axes.set_yticks([rank + 0.5 for rank in range(stages)])
+    axes.set_yticklabels([f"rank {rank}" for rank in range(stages)], fontsize=7 if stages > 16 else 9)
+    axes.set_xlabel("time (ms)")
+    for spine in ("top", "right"):
+        axes.spines[spine].set_visible(False)
+
+    handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in KIND_COLOURS if k in kinds_seen]
+    if chunks > 1:
+        later = _shade(KIND_COLOURS["F"], chunks - 1, chunks)
+        handles.append(Patch(color=later, label=f"lighter = later chunk (of {chunks})"))
+    if peak_bytes > 0:
+        handles.append(
+            Patch(color=MEMORY_COLOUR, alpha=0.45, label=f"memory ({format_bytes(floor_bytes)} to {format_bytes(peak_bytes)})")
+        )
+    axes.legend(
+        handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(handles), fontsize=8, frameon=False
+    )
+
+    bubble = result.bubble
+    figure.suptitle(
+        title
+        or (
+            f"{schedule.name}: {stages} stages x {chunks} chunk{'s' if chunks > 1 else ''}, "
+            f"{schedule.micro_batches} micro-batches; iteration {result.iteration_time_ms:,.4g} ms\n"
+            f"bubble {bubble.real:.3f} = ideal {bubble.ideal:.3f} + imbalance {bubble.imbalance:.3f}"
+            f" + recompute {bubble.recompute:.3f} + comm {bubble.comm:.3f}"
+        ),
+        fontsize=11,
+    )
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=path.suffix.lower().lstrip("."), dpi=110)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """Later chunks are lighter: mix the colour with white."""
+    red, green, blue = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    mix = 0.55 * chunk / max(chunks - 1, 1) if chunks > 1 else 0.0
+    return (red + (1 - red) * mix, green + (1 - green) * mix, blue + (1 - blue) * mix)

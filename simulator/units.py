@@ -1,0 +1,43 @@
+"""Byte sizes with units: `56GB`, `56000MB`, `52GiB` in, `12.3 GiB` out."""
+
+from __future__ import annotations
+
+import re
+
+from simulator.errors import InputError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, field: str) -> int:
+    """`56GB` -> 56_000_000_000; `52GiB` -> 55_834_574_848. A bare number is taken only for 0."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise InputError(field, f"expected a size such as 56GB, 56000MB or 52GiB, got {text!r}")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit:
+        if number == 0:
+            return 0
+        raise InputError(field, f"expected a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) after {text!r}")
+    if unit not in _UNITS:
+        raise InputError(field, f"unknown unit {match.group(2)!r}; expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    return round(number * _UNITS[unit])
+
+
+def format_bytes(size: float) -> str:
+    """Binary units, three significant figures: `12.3 GiB`, `512 MiB`, `0 B`."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"
