@@ -1,0 +1,3 @@
+from sapp_hook.cli import main
+
+raise SystemExit(main())
