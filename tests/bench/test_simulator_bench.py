@@ -1,0 +1,52 @@
+"""Simulator speed (pytest-benchmark; `make bench`). SAPP's simulator: 3.4 s at 65,536 blocks, or a
+RecursionError. Target here: well under a second for each case, schedule building included."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator import PipelineCosts, build_schedule, simulate
+
+CASES = {
+    "1F1B-8x1x4096": ("1F1B", 8, 1, 4096),  # 65,536 actions
+    "Interleaved1F1B-32x4x512": ("Interleaved1F1B", 32, 4, 512),  # 131,072 actions
+    "DualPipeV-16x2x512": ("DualPipeV", 16, 2, 512),  # 49,152 actions, F/B/I/W
+}
+
+
+def costs(stages: int, chunks: int) -> PipelineCosts:
+    return PipelineCosts.uniform(
+        stages, chunks, forward_ms=1.0, backward_ms=2.0, weight_ms=0.8, p2p_ms=0.05,
+        activation_bytes=2**30, static_bytes=2**34, working_bytes=2**28,
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_build_and_simulate(benchmark, case):
+    name, stages, chunks, micro_batches = CASES[case]
+    pipeline_costs = costs(stages, chunks)
+
+    def run():
+        return simulate(build_schedule(name, stages, micro_batches, chunks), pipeline_costs)
+
+    result = benchmark.pedantic(run, rounds=5, iterations=1)
+    assert len(result.end_ms) == result.schedule.num_actions
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resimulate_built_schedule(benchmark, case):
+    """What a solver pays per candidate plan: the schedule is built and compiled once."""
+    name, stages, chunks, micro_batches = CASES[case]
+    schedule = build_schedule(name, stages, micro_batches, chunks)
+    schedule.program
+    pipeline_costs = costs(stages, chunks)
+    result = benchmark.pedantic(simulate, args=(schedule, pipeline_costs), rounds=5, iterations=1)
+    assert result.iteration_time_ms > 0
+
+
+def test_draw_64_ranks_256_micro_batches(benchmark, tmp_path):
+    from simulator.plot import draw_gantt
+
+    result = simulate(build_schedule("Interleaved1F1B", 64, 256, 2), costs(64, 2))
+    benchmark.pedantic(draw_gantt, args=(result, tmp_path / "gantt.png"), rounds=1, iterations=1)
+    assert (tmp_path / "gantt.png").stat().st_size > 0
