@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from simulator.errors import InputError
+from simulator.errors import InputError, check_non_negative
 
 
 @dataclass(frozen=True)
@@ -30,9 +29,9 @@ class ChunkCosts:
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
         for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes"):
-            _check_amount(f"{where} {name}", getattr(self, name))
+            check_non_negative(getattr(self, name), f"{where} {name}")
         if self.weight_ms is not None:
-            _check_amount(f"{where} weight_ms", self.weight_ms)
+            check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
                 raise InputError(
                     f"{where} weight_ms",
@@ -42,11 +41,6 @@ class ChunkCosts:
     def split_weight_ms(self) -> float:
         """The weight-gradient part of the backward; half of it where it was not measured."""
         return self.backward_ms / 2 if self.weight_ms is None else self.weight_ms
-
-
-def _check_amount(field_name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise InputError(field_name, f"expected a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,7 @@ class PipelineCosts:
                 raise InputError(f"chunk_costs[{stage}]", f"expected {chunks} chunks like stage 0, got {len(row)}")
             for chunk, costs in enumerate(row):
                 costs.check(f"stage {stage} chunk {chunk}")
-        _check_amount("p2p_ms", self.p2p_ms)
+        check_non_negative(self.p2p_ms, "p2p_ms")
 
     @property
     def stages(self) -> int:

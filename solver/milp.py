@@ -1,0 +1,150 @@
+"""A small mixed-integer linear program, built row by row and solved with HiGHS."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+INF = math.inf
+Terms = Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    status: str  # "optimal", "time-limit" (with or without a solution), "infeasible"
+    values: list[float] | None  # None when no solution was found
+    objective: float | None
+    bound: float  # proven lower bound on the objective (minimisation)
+    nodes: int
+
+
+class Milp:
+    """Variables and rows; `minimize` solves a copy, so rows can be added between solves."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.row_start: list[int] = [0]
+        self.row_index: list[int] = []
+        self.row_value: list[float] = []
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.lower)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    def variable(self, lower: float = 0.0, upper: float = INF, *, integer: bool = False) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def row(self, terms: Terms | Iterable[tuple[int, float]], lower: float = -INF, upper: float = INF) -> None:
+        """lower <= sum(coefficient x variable) <= upper."""
+        items = terms.items() if isinstance(terms, Mapping) else terms
+        for index, value in items:
+            if value:
+                self.row_index.append(index)
+                self.row_value.append(value)
+        self.row_start.append(len(self.row_index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    def minimize(
+        self,
+        objective: Terms,
+        *,
+        time_limit_s: float,
+        hint: list[float] | None = None,
+        relative_gap: float = 1e-9,
+    ) -> MilpResult:
+        import highspy
+        import numpy as np
+
+        lp = highspy.HighsLp()
+        lp.num_col_ = self.num_variables
+        lp.num_row_ = self.num_rows
+        cost = np.zeros(self.num_variables)
+        for index, value in objective.items():
+            cost[index] = value
+        lp.col_cost_ = cost
+        lp.col_lower_ = np.array(self.lower, dtype=float)
+        lp.col_upper_ = np.array(self.upper, dtype=float)
+        lp.row_lower_ = np.array(self.row_lower, dtype=float)
+        lp.row_upper_ = np.array(self.row_upper, dtype=float)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(self.row_start, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(self.row_index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(self.row_value, dtype=float)
+        lp.a_matrix_.num_col_ = self.num_variables
+        lp.a_matrix_.num_row_ = self.num_rows
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous for integer in self.integer
+        ]
+
+        highs = _new_highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("threads", 1)  # deterministic, and the machines this runs on are small
+        highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
+        highs.setOptionValue("mip_rel_gap", relative_gap)
+        highs.setOptionValue("mip_abs_gap", 1e-9)
+        highs.passModel(lp)
+        if hint is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = list(hint)
+            solution.value_valid = True
+            highs.setSolution(solution)
+        highs.run()
+
+        model_status = highs.getModelStatus()
+        info = highs.getInfo()
+        has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+        values = list(highs.getSolution().col_value) if has_solution else None
+        objective_value = info.objective_function_value if has_solution else None
+        if model_status == highspy.HighsModelStatus.kOptimal:
+            status = "optimal"
+            bound = objective_value if info.mip_dual_bound in (None, -INF) else info.mip_dual_bound
+        elif model_status == highspy.HighsModelStatus.kInfeasible:
+            status, bound = "infeasible", INF
+        elif model_status in (
+            highspy.HighsModelStatus.kTimeLimit,
+            highspy.HighsModelStatus.kInterrupt,
+            highspy.HighsModelStatus.kSolutionLimit,
+            highspy.HighsModelStatus.kIterationLimit,
+        ):
+            status, bound = "time-limit", info.mip_dual_bound
+        else:
+            raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
+        return MilpResult(status, values, objective_value, bound, int(info.mip_node_count))
+
+
+_banner_shown = False
+
+
+def _new_highs():
+    """A HiGHS instance. The first one in a process prints a copyright banner on the C-level stdout,
+    where it would break `--json`; it goes to /dev/null instead."""
+    import highspy
+
+    global _banner_shown
+    if _banner_shown:
+        return highspy.Highs()
+    _banner_shown = True
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

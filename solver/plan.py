@@ -1,0 +1,316 @@
+"""A Plan: which contiguous layers each virtual stage holds and each layer's recompute mode, with
+what the simulator says of it. Views as MindFormers keys, per-stage layer counts and per-layer lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from simulator import ChunkCosts, PipelineCosts, simulate
+from simulator.errors import InputError
+from simulator.result import BubbleSplit, SimulationResult
+from solver.fields import Fields
+from solver.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, ModelProfile
+from solver.spec import PipelineSpec, spec_from_dict, spec_to_dict
+
+# Within a virtual stage, the order MindFormers' per-stage counts imply: recompute (full) layers
+# first, then select+comm, then select or comm, then the rest.
+MODE_ORDER = (FULL, SELECTIVE_COMM, SELECTIVE, COMM, NONE)
+MINDFORMERS_KEYS = ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num")
+STATUSES = ("optimal", "feasible", "given")
+
+
+def ordered_modes(counts: Mapping[str, int]) -> list[str]:
+    """One mode per layer, in MODE_ORDER."""
+    return [mode for mode in MODE_ORDER for _ in range(counts.get(mode, 0))]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layer split and recompute choice, simulated. Virtual stage v holds layers
+    [sum(counts[:v]), sum(counts[:v+1])) of the model."""
+
+    spec: PipelineSpec
+    layer_names: tuple[str, ...]
+    layer_kinds: tuple[str, ...]
+    stage_layer_counts: tuple[int, ...]  # per virtual stage, in model order
+    layer_modes: tuple[str, ...]
+    iteration_time_ms: float
+    bubble: BubbleSplit
+    stage_peak_memory_bytes: tuple[float, ...]
+    weight_split_assumed: bool
+    status: str = "given"  # "optimal", "feasible" (time limit; see gap) or "given" (not searched)
+    gap: float | None = None  # proven relative gap to the best possible iteration time
+    lower_bound_ms: float | None = None
+    solve_seconds: float | None = None
+    simulation: SimulationResult | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return all(peak <= self.spec.memory_budget_bytes for peak in self.stage_peak_memory_bytes)
+
+    def with_search(self, *, status: str, gap: float, lower_bound_ms: float, solve_seconds: float) -> Plan:
+        return dataclasses.replace(
+            self, status=status, gap=gap, lower_bound_ms=lower_bound_ms, solve_seconds=solve_seconds
+        )
+
+    def virtual_stage_ranges(self) -> list[range]:
+        """The layers each virtual stage holds, in model order."""
+        ranges, start = [], 0
+        for count in self.stage_layer_counts:
+            ranges.append(range(start, start + count))
+            start += count
+        return ranges
+
+    def stage_chunk_ranges(self) -> list[list[range]]:
+        """[stage][chunk]: the layers chunk `chunk` of pipeline stage `stage` holds."""
+        schedule = self.spec.pipeline_schedule
+        ranges = self.virtual_stage_ranges()
+        return [
+            [ranges[schedule.stage_index(stage, chunk)] for chunk in range(schedule.chunks)]
+            for stage in range(schedule.stages)
+        ]
+
+    def _mode_counts(self, layers: range) -> dict[str, int]:
+        counts = {mode: 0 for mode in MODE_ORDER}
+        counts["body"] = 0
+        for index in layers:
+            if self.layer_kinds[index] not in (HEAD, TAIL):
+                counts["body"] += 1
+                counts[self.layer_modes[index]] += 1
+        return counts
+
+    def mindformers(self) -> dict[str, object]:
+        """MindFormers' keys: per chunk and stage, body layers held minus the even share
+        floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
+        schedule = self.spec.pipeline_schedule
+        body = sum(1 for kind in self.layer_kinds if kind not in (HEAD, TAIL))
+        share = body // schedule.num_stages
+        cells = self.stage_chunk_ranges()
+        keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
+        for chunk in range(schedule.chunks):
+            rows = {key: [] for key in keys}
+            for stage in range(schedule.stages):
+                counts = self._mode_counts(cells[stage][chunk])
+                full_or_both = counts[FULL] + counts[SELECTIVE_COMM]
+                rows["offset"].append(counts["body"] - share)
+                rows["recompute"].append(counts[FULL])
+                rows["select_recompute"].append(full_or_both + counts[SELECTIVE])
+                rows["select_comm_recompute"].append(full_or_both + counts[COMM])
+            for key in keys:
+                keys[key].append(rows[key])
+        flat = schedule.chunks == 1
+        view: dict[str, object] = {key: value[0] if flat else value for key, value in keys.items()}
+        view["pp_interleave_num"] = schedule.chunks
+        return view
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: the outcome, the spec, and the plan in every view."""
+        schedule = self.spec.pipeline_schedule
+        stage_of = {}
+        for virtual, layers in enumerate(self.virtual_stage_ranges()):
+            for index in layers:
+                stage_of[index] = virtual
+        return {
+            "status": self.status,
+            "iteration_time": self.iteration_time_ms,
+            "time_unit": "ms",
+            "gap": self.gap,
+            "lower_bound_ms": self.lower_bound_ms,
+            "solve_seconds": self.solve_seconds,
+            "bubble": self.bubble.to_dict(),
+            "stage_peak_memory_bytes": [round(b) for b in self.stage_peak_memory_bytes],
+            "memory_budget_bytes": None if math.isinf(self.spec.memory_budget_bytes) else self.spec.memory_budget_bytes,
+            "fits": self.fits,
+            "weight_split_assumed": self.weight_split_assumed,
+            "spec": spec_to_dict(self.spec),
+            "plan": {
+                **self.mindformers(),
+                "virtual_stage_layers": list(self.stage_layer_counts),
+                "stage_chunk_layers": [[len(r) for r in row] for row in self.stage_chunk_ranges()],
+                "layers": [
+                    {
+                        "name": name,
+                        "kind": kind,
+                        "virtual_stage": stage_of[index],
+                        "stage": schedule.rank_of(stage_of[index]),
+                        "chunk": schedule.chunk_of(stage_of[index]),
+                        "recompute": mode,
+                    }
+                    for index, (name, kind, mode) in enumerate(zip(self.layer_names, self.layer_kinds, self.layer_modes))
+                ],
+            },
+        }
+
+
+def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:
+    """The simulator's per-(stage, chunk) costs of a split: sums over each chunk's layers, its
+    working set the largest of theirs, each stage's constant memory on its first chunk."""
+    schedule = spec.pipeline_schedule
+    constant = profile.stage_constant_bytes + spec.stage_constant_bytes
+    grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
+    start = 0
+    for virtual, count in enumerate(counts):
+        layers = [(profile.layers[i], modes[i]) for i in range(start, start + count)]
+        start += count
+        stage, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
+        grid[stage][chunk] = ChunkCosts(
+            forward_ms=sum(layer.forward_ms for layer, _ in layers),
+            backward_ms=sum(layer.backward_ms for layer, _ in layers),
+            weight_ms=sum(layer.split_weight_ms() for layer, _ in layers),
+            recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
+            activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers),
+            static_bytes=sum(
+                spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
+                for layer, _ in layers
+            )
+            + (constant if chunk == 0 else 0.0),
+            working_bytes=max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0),
+        )
+    return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
+
+
+def evaluate_plan(
+    profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...] | list[int], modes: tuple[str, ...] | list[str]
+) -> Plan:
+    """Check a split and recompute choice against the profile and spec, and simulate it."""
+    counts, modes = tuple(counts), tuple(modes)
+    schedule = spec.pipeline_schedule
+    layers = profile.layers
+    if len(counts) != schedule.num_stages:
+        raise InputError("stage_layer_counts", f"expected {schedule.num_stages} virtual stages, got {len(counts)}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
+    if sum(counts) != len(layers):
+        raise InputError("stage_layer_counts", f"sum to {sum(counts)}; the profile has {len(layers)} layers")
+    heads = sum(1 for layer in layers if layer.kind == HEAD)
+    tails = sum(1 for layer in layers if layer.kind == TAIL)
+    if counts[0] < heads:
+        raise InputError("stage_layer_counts", f"the first virtual stage must hold all {heads} head layers")
+    if counts[-1] < tails:
+        raise InputError("stage_layer_counts", f"the last virtual stage must hold all {tails} tail layers")
+    if not spec.allow_empty_chunks and 0 in counts:
+        raise InputError("stage_layer_counts", f"virtual stage {counts.index(0)} is empty (allow empty chunks to permit it)")
+    if len(modes) != len(layers):
+        raise InputError("layer_modes", f"expected one recompute mode per layer ({len(layers)}), got {len(modes)}")
+    for index, (layer, mode) in enumerate(zip(layers, modes)):
+        if mode not in layer.recompute:
+            raise InputError(
+                f"layer_modes[{index}]", f"{layer.name} offers {', '.join(layer.modes)}; got {mode!r}"
+            )
+    result = simulate(schedule, pipeline_costs(profile, spec, counts, modes))
+    return Plan(
+        spec=spec,
+        layer_names=tuple(layer.name for layer in layers),
+        layer_kinds=tuple(layer.kind for layer in layers),
+        stage_layer_counts=counts,
+        layer_modes=modes,
+        iteration_time_ms=result.iteration_time_ms,
+        bubble=result.bubble,
+        stage_peak_memory_bytes=result.stage_peak_memory_bytes,
+        weight_split_assumed=result.weight_split_assumed,
+        simulation=result,
+    )
+
+
+def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]) -> Plan:
+    """A user's hand-made plan from MindFormers' keys (offset and the three recompute counts)."""
+    unknown = sorted(set(keys) - set(MINDFORMERS_KEYS))
+    if unknown:
+        raise InputError(unknown[0], f"unknown key; expected {', '.join(MINDFORMERS_KEYS)}")
+    schedule = spec.pipeline_schedule
+    stages, chunks = schedule.stages, schedule.chunks
+    interleave = keys.get("pp_interleave_num", chunks)
+    if interleave != chunks:
+        raise InputError("pp_interleave_num", f"the plan has {interleave!r} chunks; the spec runs {chunks}")
+    body = [i for i, layer in enumerate(profile.layers) if layer.is_body]
+    share = len(body) // schedule.num_stages
+    offset = _per_cell(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
+    body_counts = [[share + offset[c][s] for s in range(stages)] for c in range(chunks)]
+    for c in range(chunks):
+        for s in range(stages):
+            if body_counts[c][s] < 0:
+                raise InputError(f"offset[{c}][{s}]", f"leaves {body_counts[c][s]} layers (even share {share})")
+    total = sum(map(sum, body_counts))
+    if total != len(body):
+        raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
+    full = _per_cell(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
+    # Fully recomputed layers count in both select lists; a list not given holds just those.
+    select = _per_cell(keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts)
+    comm = _per_cell(keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts)
+
+    counts = [0] * schedule.num_stages
+    cell_modes: list[list[str]] = [[] for _ in range(schedule.num_stages)]
+    for c in range(chunks):
+        for s in range(stages):
+            where = f"[{c}][{s}]"
+            held, f, sel, com = body_counts[c][s], full[c][s], select[c][s], comm[c][s]
+            for key, value in (("select_recompute", sel), ("select_comm_recompute", com)):
+                if value < f:
+                    raise InputError(f"{key}{where}", f"is {value}, below recompute ({f}): full recompute counts in it too")
+            both = max(0, min(sel - f, com - f))
+            modes = {FULL: f, SELECTIVE_COMM: both, SELECTIVE: sel - f - both, COMM: com - f - both}
+            if sum(modes.values()) > held:
+                raise InputError(f"select_recompute{where}", f"recomputes {sum(modes.values())} layers of a stage holding {held}")
+            modes[NONE] = held - sum(modes.values())
+            virtual = schedule.stage_index(s, c)
+            counts[virtual] = held
+            cell_modes[virtual] = ordered_modes(modes)
+    layer_modes = [NONE] * len(profile.layers)
+    position = 0
+    for virtual in range(schedule.num_stages):
+        for mode in cell_modes[virtual]:
+            index = body[position]
+            if mode not in profile.layers[index].recompute:
+                raise InputError("recompute", f"asks for {mode} recompute of {profile.layers[index].name}, which the profile does not offer")
+            layer_modes[index] = mode
+            position += 1
+    heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
+    tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
+    counts[0] += heads
+    counts[-1] += tails
+    return evaluate_plan(profile, spec, counts, layer_modes)
+
+
+def _per_cell(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
+    """MindFormers' forms: a bool (true: every layer of each stage), 0, a list per stage, or a list per chunk of lists."""
+    if isinstance(value, bool):
+        if per_stage is None:
+            raise InputError(key, f"expected integers, got {value!r}")
+        return [[held if value else 0 for held in row] for row in per_stage]
+    if value == 0 and not isinstance(value, list):
+        return [[0] * stages for _ in range(chunks)]
+    if isinstance(value, list) and value and not isinstance(value[0], list):
+        value = [value]
+    if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
+        raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {value!r}")
+    for c, row in enumerate(value):
+        for s, item in enumerate(row):
+            if isinstance(item, bool) and per_stage is not None:
+                row[s] = per_stage[c][s] if item else 0
+            elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
+                raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {item!r}")
+    return [list(row) for row in value]
+
+
+def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
+    """Read back a plan JSON (Plan.to_dict) and re-simulate it against `profile`."""
+    fields = Fields(data, "")
+    spec = spec_from_dict(fields.raw("spec"))
+    plan = Fields(fields.raw("plan"), "plan")
+    counts = plan.raw("virtual_stage_layers")
+    layer_items = plan.raw("layers")
+    if not isinstance(layer_items, list) or len(layer_items) != len(profile.layers):
+        raise InputError("plan.layers", f"expected {len(profile.layers)} layers like the profile")
+    modes = []
+    for index, item in enumerate(layer_items):
+        layer = Fields(item, f"plan.layers[{index}]")
+        name = layer.text("name", required=True)
+        if name != profile.layers[index].name:
+            raise InputError(layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}")
+        modes.append(layer.text("recompute", required=True))
+    if not isinstance(counts, list):
+        raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {counts!r}")
+    return evaluate_plan(profile, spec, counts, modes)

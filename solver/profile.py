@@ -1,0 +1,259 @@
+"""What every layer of a model costs: the ModelProfile the profiler fills in and the solver reads.
+
+Times are milliseconds per micro-batch, memory is bytes. A profile is JSON with a schema version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from simulator.errors import InputError, check_non_negative
+from simulator.files import atomic_write_text
+from solver.fields import Fields
+
+SCHEMA_VERSION = 1
+NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL = "none", "selective", "comm", "selective+comm", "full"
+# In MindFormers' enum order: none, select_recompute, select_comm_recompute, both, recompute.
+RECOMPUTE_MODES = (NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL)
+HEAD, TAIL, BODY_PREFIX = "head", "tail", "body:"
+MAX_FILE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """One way of keeping a layer's activations for its backward.
+
+    extra_ms: forward work the backward redoes. activation_bytes: kept per micro-batch until the
+    backward. working_bytes: held only while this layer's backward runs (gradient buffers and,
+    for full recompute, the re-materialised activations).
+    """
+
+    extra_ms: float
+    activation_bytes: float
+    working_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer in model order. `kind` is `head`, `tail` or `body:<type>` (e.g. `body:decoder`)."""
+
+    name: str
+    kind: str
+    forward_ms: float
+    backward_ms: float  # input and weight gradients, without recompute
+    recompute: Mapping[str, RecomputeCost]  # always holds "none"
+    weight_ms: float | None = None  # the weight-gradient part of backward_ms, where measured
+    parameter_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    spread: Mapping[str, float] = field(default_factory=dict)  # spread over the measured steps, per field
+
+    @property
+    def is_body(self) -> bool:
+        return self.kind.startswith(BODY_PREFIX)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The recompute modes this layer offers, in RECOMPUTE_MODES order."""
+        return tuple(mode for mode in RECOMPUTE_MODES if mode in self.recompute)
+
+    def split_weight_ms(self) -> float:
+        """The weight-gradient time; half the backward where it was not measured (as the simulator does)."""
+        return self.backward_ms / 2 if self.weight_ms is None else self.weight_ms
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Every layer's costs, in model order: heads first, then body layers, then tails."""
+
+    layers: tuple[LayerProfile, ...]
+    model: str = ""
+    source: str = ""  # "measured", "analytic", "sapp-json", ...
+    device: str = ""
+    dtype: str = ""
+    micro_batch: Mapping[str, int] = field(default_factory=dict)  # e.g. {"size": 1, "sequence": 4096}
+    fingerprint: str = ""
+    stage_constant_bytes: float = 0.0  # held by every stage whatever its layers (framework, buffers)
+
+    def __post_init__(self) -> None:
+        _check_profile(self)
+
+    @property
+    def body_kinds(self) -> tuple[str, ...]:
+        """Body layer kinds in the order they first appear."""
+        return tuple(dict.fromkeys(layer.kind for layer in self.layers if layer.is_body))
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Recompute modes any body layer offers."""
+        offered = {mode for layer in self.layers if layer.is_body for mode in layer.recompute}
+        return tuple(mode for mode in RECOMPUTE_MODES if mode in offered)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "source": self.source,
+            "device": self.device,
+            "dtype": self.dtype,
+            "micro_batch": dict(self.micro_batch),
+            "fingerprint": self.fingerprint,
+            "stage_constant_bytes": self.stage_constant_bytes,
+            "layers": [_layer_to_dict(layer) for layer in self.layers],
+        }
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: object) -> ModelProfile:
+        fields = Fields(data, "")
+        version = fields.raw("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InputError("schema_version", f"expected {SCHEMA_VERSION}, got {version!r}")
+        layers_data = fields.raw("layers")
+        if not isinstance(layers_data, list) or not layers_data:
+            raise InputError("layers", "expected a non-empty list of layers")
+        micro_batch = fields.raw("micro_batch", {})
+        if not isinstance(micro_batch, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in micro_batch.items()
+        ):
+            raise InputError("micro_batch", f"expected an object of integers, got {micro_batch!r}")
+        profile = cls(
+            layers=tuple(_layer_from_dict(item, f"layers[{i}]") for i, item in enumerate(layers_data)),
+            model=fields.text("model"),
+            source=fields.text("source"),
+            device=fields.text("device"),
+            dtype=fields.text("dtype"),
+            micro_batch=dict(micro_batch),
+            fingerprint=fields.text("fingerprint"),
+            stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+        )
+        fields.done()
+        return profile
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Read a profile: sapp-hook's JSON, or SAPP's layer JSON (`layers_description`)."""
+    data = read_json(path, "profile")
+    if isinstance(data, Mapping) and "layers_description" in data:
+        from solver.sapp import profile_from_sapp
+
+        return profile_from_sapp(data)
+    return ModelProfile.from_dict(data)
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """Parse a JSON file of at most MAX_FILE_BYTES; InputError on anything else."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise InputError(what, f"{path} is {size:,} bytes; expected at most {MAX_FILE_BYTES:,}")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
+        raise InputError(what, f"{path} is not valid JSON: {exc}") from None
+
+
+def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
+    data: dict[str, object] = {
+        "name": layer.name,
+        "kind": layer.kind,
+        "forward_ms": layer.forward_ms,
+        "backward_ms": layer.backward_ms,
+        "weight_ms": layer.weight_ms,
+        "parameter_bytes": layer.parameter_bytes,
+        "gradient_bytes": layer.gradient_bytes,
+        "optimizer_bytes": layer.optimizer_bytes,
+        "recompute": {
+            mode: {"extra_ms": c.extra_ms, "activation_bytes": c.activation_bytes, "working_bytes": c.working_bytes}
+            for mode, c in layer.recompute.items()
+        },
+    }
+    if layer.spread:
+        data["spread"] = dict(layer.spread)
+    return data
+
+
+def _layer_from_dict(data: object, where: str) -> LayerProfile:
+    fields = Fields(data, where)
+    recompute_data = fields.raw("recompute")
+    if not isinstance(recompute_data, Mapping) or not recompute_data:
+        raise InputError(f"{where}.recompute", 'expected an object of recompute modes holding at least "none"')
+    recompute = {}
+    for mode, cost_data in recompute_data.items():
+        cost = Fields(cost_data, f"{where}.recompute.{mode}")
+        recompute[mode] = RecomputeCost(
+            extra_ms=cost.number("extra_ms", required=True),
+            activation_bytes=cost.number("activation_bytes", required=True),
+            working_bytes=cost.number("working_bytes", 0.0),
+        )
+        cost.done()
+    spread = fields.raw("spread", {})
+    if not isinstance(spread, Mapping):
+        raise InputError(f"{where}.spread", f"expected an object, got {spread!r}")
+    layer = LayerProfile(
+        name=fields.text("name", required=True),
+        kind=fields.text("kind", required=True),
+        forward_ms=fields.number("forward_ms", required=True),
+        backward_ms=fields.number("backward_ms", required=True),
+        weight_ms=fields.number("weight_ms"),
+        parameter_bytes=fields.number("parameter_bytes", 0.0),
+        gradient_bytes=fields.number("gradient_bytes", 0.0),
+        optimizer_bytes=fields.number("optimizer_bytes", 0.0),
+        recompute=recompute,
+        spread={str(k): check_non_negative(v, f"{where}.spread.{k}") for k, v in spread.items()},
+    )
+    fields.done()
+    return layer
+
+
+def _check_profile(profile: ModelProfile) -> None:
+    if not profile.layers:
+        raise InputError("layers", "expected at least one layer")
+    check_non_negative(profile.stage_constant_bytes, "stage_constant_bytes")
+    seen_body = seen_tail = False
+    for index, layer in enumerate(profile.layers):
+        where = f"layers[{index}] ({layer.name})"
+        _check_layer(layer, where)
+        if layer.kind == HEAD and (seen_body or seen_tail):
+            raise InputError(f"{where}.kind", "a head layer must come before every body and tail layer")
+        if layer.is_body and seen_tail:
+            raise InputError(f"{where}.kind", "a body layer must come before every tail layer")
+        seen_body |= layer.is_body
+        seen_tail |= layer.kind == TAIL
+    if not seen_body:
+        raise InputError("layers", "expected at least one body layer (kind body:<type>)")
+
+
+def _check_layer(layer: LayerProfile, where: str) -> None:
+    if layer.kind not in (HEAD, TAIL) and not (layer.is_body and len(layer.kind) > len(BODY_PREFIX)):
+        raise InputError(f"{where}.kind", f"expected head, tail or body:<type>, got {layer.kind!r}")
+    for name in ("forward_ms", "backward_ms", "parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        check_non_negative(getattr(layer, name), f"{where}.{name}")
+    if layer.weight_ms is not None:
+        check_non_negative(layer.weight_ms, f"{where}.weight_ms")
+        if layer.weight_ms > layer.backward_ms:
+            raise InputError(f"{where}.weight_ms", f"expected at most backward_ms ({layer.backward_ms:g}), got {layer.weight_ms:g}")
+    if NONE not in layer.recompute:
+        raise InputError(f"{where}.recompute", 'expected the mode "none" (no recompute)')
+    kept = layer.recompute[NONE].activation_bytes
+    for mode, cost in layer.recompute.items():
+        if mode not in RECOMPUTE_MODES:
+            raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
+        for name in ("extra_ms", "activation_bytes", "working_bytes"):
+            check_non_negative(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
+        if cost.activation_bytes > kept:
+            raise InputError(
+                f"{where}.recompute.{mode}.activation_bytes",
+                f"keeps more ({cost.activation_bytes:,.0f}) than no recompute ({kept:,.0f}); a recompute mode must save memory",
+            )
+    if layer.recompute[NONE].extra_ms != 0:
+        raise InputError(f"{where}.recompute.none.extra_ms", f"expected 0 (no recompute redoes nothing), got {layer.recompute[NONE].extra_ms:g}")
+    if not layer.is_body and set(layer.recompute) != {NONE}:
+        raise InputError(f"{where}.recompute", "head and tail layers are not recomputed; give only \"none\"")

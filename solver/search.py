@@ -1,0 +1,470 @@
+"""The search: the layer split and recompute modes with the least simulated iteration time that fit.
+
+One mixed-integer program states the simulator itself for the schedule at hand: a start time for
+every action, each action after its rank's previous action and after the action it waits for (plus
+P2P), durations linear in how many layers of each kind and recompute mode each virtual stage
+holds, and memory at every point of every rank's action list within the budget. Its optimum is the
+simulated optimum; HiGHS proves it, or reports the gap at the time limit. Ties are broken in two
+more solves: least recompute time, then least peak memory.
+
+Consecutive layers of one kind with identical costs form a group whose layers are interchangeable,
+so the program counts layers per group instead of placing each one: the more a profile's layers of
+one kind agree, the smaller the program. Head layers sit on the first virtual stage and tail layers
+on the last, where the schedule puts them (rank 0 for both in a V).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.errors import InputError
+from simulator.schedule import Schedule, rank_chunk_to_stage
+from simulator.units import format_bytes
+from solver.errors import InfeasibleError
+from solver.milp import INF, Milp, MilpResult
+from solver.plan import Plan, evaluate_plan, ordered_modes
+from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
+from solver.spec import PipelineSpec
+
+log = logging.getLogger("solver")
+MIB = 2**20
+TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
+
+
+@dataclass
+class _Group:
+    """Consecutive layers of one kind, planned as interchangeable copies of their mean."""
+
+    kind: str
+    first: int
+    size: int
+    modes: tuple[str, ...]
+    forward_ms: float
+    backward_ms: float
+    weight_ms: float
+    static_mib: float
+    extra_ms: dict[str, float]
+    activation_mib: dict[str, float]
+    working_mib: dict[str, float]
+    pinned_cell: int | None = None  # heads and tails do not move
+
+
+@dataclass
+class _Linear:
+    terms: dict[int, float] = field(default_factory=dict)
+    constant: float = 0.0
+
+    def add(self, variable: int, coefficient: float) -> None:
+        if coefficient:
+            self.terms[variable] = self.terms.get(variable, 0.0) + coefficient
+
+
+def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0) -> Plan:
+    """The fastest plan that fits `spec.memory_budget_bytes`; raises InfeasibleError when none fits.
+
+    Status "optimal" when the search proved it, "feasible" with the proven gap when the time limit
+    stopped it. Deterministic unless the time limit stops a search.
+    """
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
+    started = time.perf_counter()
+    deadline = started + time_limit_s
+    schedule = spec.pipeline_schedule
+    groups = _groups(profile, spec, schedule.num_stages)
+    _check_room(profile, schedule, groups, spec)
+    log.info(
+        "solving %s: %d layers on %d stages x %d chunks, %d micro-batches (%d actions)",
+        schedule.name, len(profile.layers), schedule.stages, schedule.chunks, schedule.micro_batches,
+        schedule.num_actions,
+    )
+
+    model = _Formulation(profile, spec, schedule, groups, with_budget=True)
+    fastest = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline))
+    log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
+    if fastest.values is None:
+        if fastest.status == "infeasible":
+            raise _infeasible(profile, spec, schedule, groups, deadline)
+        raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
+    proven = fastest.status == "optimal"
+    best = fastest
+    if proven:
+        best = _break_ties(model, fastest, deadline)
+
+    plan = evaluate_plan(profile, spec, model.stage_layer_counts(best.values), model.layer_modes(best.values))
+    if proven and abs(plan.iteration_time_ms - fastest.objective) > 1e-6 * max(fastest.objective, 1.0):
+        raise RuntimeError(
+            f"the program's optimum is {fastest.objective} ms but the simulator replays its plan in "
+            f"{plan.iteration_time_ms} ms: the formulation and the simulator disagree"
+        )
+    lower_bound = plan.iteration_time_ms if proven else min(fastest.bound, plan.iteration_time_ms)
+    return plan.with_search(
+        status="optimal" if proven else "feasible",
+        gap=(plan.iteration_time_ms - lower_bound) / plan.iteration_time_ms,
+        lower_bound_ms=lower_bound,
+        solve_seconds=time.perf_counter() - started,
+    )
+
+
+def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> MilpResult:
+    """Among plans as fast as the fastest: least recompute time, then least peak memory. Each solve
+    gets part of the time left; a tie-break the time limit cuts short keeps the best plan found."""
+    best = fastest
+    model.milp.row({model.iteration: 1.0}, upper=fastest.objective * (1 + TIME_SLACK))
+    if model.recompute_terms:
+        least_recompute = model.milp.minimize(
+            model.recompute_terms, time_limit_s=_left(deadline) / 2, hint=fastest.values
+        )
+        if least_recompute.values is None:
+            return best
+        best = least_recompute
+        recompute = sum(c * best.values[v] for v, c in model.recompute_terms.items())
+        model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
+    peak = model.add_peak_variable()
+    hint = best.values + [max(model.memory_value(best.values, row) for _, row in model.memory_rows)]
+    least_memory = model.milp.minimize({peak: 1.0}, time_limit_s=_left(deadline), hint=hint)
+    if least_memory.values is not None:
+        best = least_memory
+    log.info("tie-breaks done")
+    return best
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.perf_counter(), 0.05)
+
+
+def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_Group]:
+    """Runs of consecutive layers with one kind and identical costs: the solver's interchangeable units.
+    (Layers of one kind that cost differently form separate groups, kept in model order.)"""
+    runs: list[list[int]] = []
+    for index, layer in enumerate(profile.layers):
+        if runs and _costs_key(profile.layers[runs[-1][0]]) == _costs_key(layer):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    groups = []
+    for run in runs:
+        layer = profile.layers[run[0]]
+        modes = _undominated_modes(layer)
+        groups.append(
+            _Group(
+                kind=layer.kind,
+                first=run[0],
+                size=len(run),
+                modes=modes,
+                forward_ms=layer.forward_ms,
+                backward_ms=layer.backward_ms,
+                weight_ms=layer.split_weight_ms(),
+                static_mib=spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes) / MIB,
+                extra_ms={m: layer.recompute[m].extra_ms for m in modes},
+                activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
+                working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
+                pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
+            )
+        )
+    return groups
+
+
+def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
+    """Modes no other mode beats on extra time, activation and working set alike (the first of equals)."""
+    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes) for m, c in layer.recompute.items()}
+    kept = []
+    for mode in layer.modes:
+        beaten = any(
+            all(o <= c for o, c in zip(costs[other], costs[mode])) and (costs[other] != costs[mode] or other in kept)
+            for other in layer.modes
+            if other != mode
+        )
+        if not beaten:
+            kept.append(mode)
+    return tuple(kept)
+
+
+def _costs_key(layer: LayerProfile) -> tuple:
+    return (
+        layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.parameter_bytes,
+        layer.gradient_bytes, layer.optimizer_bytes, tuple(sorted(layer.recompute.items())),
+    )
+
+
+def _check_room(profile: ModelProfile, schedule: Schedule, groups: list[_Group], spec: PipelineSpec) -> None:
+    if spec.allow_empty_chunks:
+        return
+    pinned_cells = {g.pinned_cell for g in groups if g.pinned_cell is not None}
+    body = sum(g.size for g in groups if g.pinned_cell is None)
+    needed = schedule.num_stages - len(pinned_cells)
+    if body < needed:
+        raise InputError(
+            "stages",
+            f"{schedule.stages} stages x {schedule.chunks} chunks make {schedule.num_stages} virtual stages, "
+            f"but only {body} body layers can fill the {needed} without a head or tail; "
+            "use fewer stages or chunks, or allow empty chunks",
+        )
+
+
+class _Formulation:
+    """The program: layer counts per (group, virtual stage, mode), durations, start times, memory."""
+
+    def __init__(
+        self, profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], *, with_budget: bool,
+        timing: str = "starts",
+    ) -> None:
+        self.profile, self.spec, self.schedule, self.groups = profile, spec, schedule, groups
+        self.milp = milp = Milp()
+        cells = schedule.num_stages
+        self.count: dict[tuple[int, int, str], int] = {}  # (group, cell, mode) -> variable
+        for g, group in enumerate(groups):
+            if group.pinned_cell is not None:
+                continue
+            for c in range(cells):
+                for mode in group.modes:
+                    self.count[g, c, mode] = milp.variable(0, group.size, integer=True)
+            milp.row({self.count[g, c, m]: 1.0 for c in range(cells) for m in group.modes}, group.size, group.size)
+        self._order_groups(cells)
+        self._mindformers_expressible(cells)
+        if not spec.allow_empty_chunks:
+            for c in range(cells):
+                pinned = sum(g.size for g in groups if g.pinned_cell == c)
+                if not pinned:
+                    milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
+
+        forward, backward, weight, activation, static = (self._cell_sum(f) for f in (
+            lambda g, m: g.forward_ms,
+            lambda g, m: g.backward_ms + g.extra_ms[m],
+            lambda g, m: g.weight_ms,
+            lambda g, m: g.activation_mib[m],
+            lambda g, m: g.static_mib,
+        ))
+        self.recompute_terms: dict[int, float] = {}
+        for (g, _, mode), variable in self.count.items():
+            if groups[g].extra_ms[mode]:
+                self.recompute_terms[variable] = groups[g].extra_ms[mode]
+        self.activation, self.static = activation, static
+        self.working = self._working_sets(cells)
+
+        # Durations of each kind of action on each virtual stage, as variables.
+        duration: dict[tuple[int, str], int] = {}
+        for c in range(cells):
+            input_grad = _Linear(dict(backward[c].terms), backward[c].constant - weight[c].constant)
+            for variable, coefficient in weight[c].terms.items():
+                input_grad.add(variable, -coefficient)
+            for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
+                                     (BACKWARD_INPUT, input_grad), (BACKWARD_WEIGHT, weight[c])):
+                duration[c, kind] = self._defined(expression)
+
+        # Start times: the simulator's replay as constraints.
+        program = schedule.program
+        cell_of = [
+            rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
+            for rank, chunk in zip(program.rank, program.chunk)
+        ]
+        self.duration = duration
+        self.cell_of = cell_of
+        self.iteration = milp.variable()
+        action_duration = [duration[cell_of[i], program.kind[i]] for i in range(program.num_actions)]
+        offsets = program.rank_offsets
+        start = [milp.variable() for _ in range(program.num_actions)] if timing == "starts" else []
+        for rank in range(schedule.stages if timing == "starts" else 0):
+            for i in range(offsets[rank] + 1, offsets[rank + 1]):
+                milp.row({start[i]: 1.0, start[i - 1]: -1.0, action_duration[i - 1]: -1.0}, lower=0.0)
+            last = offsets[rank + 1] - 1
+            milp.row({self.iteration: 1.0, start[last]: -1.0, action_duration[last]: -1.0}, lower=0.0)
+        for i, dep in enumerate(program.dependency if timing == "starts" else []):
+            if dep >= 0 and program.crosses_ranks[i]:
+                milp.row({start[i]: 1.0, start[dep]: -1.0, action_duration[dep]: -1.0}, lower=spec.p2p_ms)
+
+        # Memory at every distinct point of each rank's action list.
+        self.memory_rows = self._memory_rows()
+        if with_budget and spec.memory_budget_bytes < INF:
+            budget_mib = spec.memory_budget_bytes / MIB
+            for _, expression in self.memory_rows:
+                milp.row(expression.terms, upper=budget_mib - expression.constant)
+
+    def _cell_sum(self, value) -> list[_Linear]:
+        """Per virtual stage: the sum of `value(group, mode)` over the layers it holds."""
+        sums = [_Linear() for _ in range(self.schedule.num_stages)]
+        for group in self.groups:
+            if group.pinned_cell is not None:
+                sums[group.pinned_cell].constant += group.size * value(group, NONE)
+        for (g, c, mode), variable in self.count.items():
+            sums[c].add(variable, value(self.groups[g], mode))
+        return sums
+
+    def _defined(self, expression: _Linear) -> int:
+        """A variable equal to `expression`."""
+        variable = self.milp.variable()
+        terms = {variable: 1.0}
+        for index, coefficient in expression.terms.items():
+            terms[index] = -coefficient
+        self.milp.row(terms, expression.constant, expression.constant)
+        return variable
+
+    def _order_groups(self, cells: int) -> None:
+        """Body groups keep model order: group g ends in or before the cell where group g+1 starts."""
+        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+        for g, nxt in zip(body, body[1:]):
+            crossed = [self.milp.variable(0, 1, integer=True) for _ in range(cells)]  # g+1 may sit in cell c
+            for c in range(cells):
+                if c + 1 < cells:
+                    self.milp.row({crossed[c]: 1.0, crossed[c + 1]: -1.0}, upper=0.0)
+                for mode in self.groups[nxt].modes:
+                    self.milp.row({self.count[nxt, c, mode]: 1.0, crossed[c]: -self.groups[nxt].size}, upper=0.0)
+                if c > 0:
+                    for mode in self.groups[g].modes:
+                        self.milp.row({self.count[g, c, mode]: 1.0, crossed[c - 1]: self.groups[g].size}, upper=self.groups[g].size)
+
+    def _mindformers_expressible(self, cells: int) -> None:
+        """MindFormers counts recompute per stage as prefixes (recompute <= both <= select or comm), so
+        a stage cannot hold select-only and comm-only layers at once."""
+        for g, group in enumerate(self.groups):
+            if group.pinned_cell is None and SELECTIVE in group.modes and COMM in group.modes:
+                for c in range(cells):
+                    comm_side = self.milp.variable(0, 1, integer=True)
+                    self.milp.row({self.count[g, c, SELECTIVE]: 1.0, comm_side: group.size}, upper=group.size)
+                    self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
+
+    def _working_sets(self, cells: int) -> list[_Linear]:
+        """Per virtual stage, the largest working set of the layers it holds."""
+        pinned = [0.0] * cells
+        for group in self.groups:
+            if group.pinned_cell is not None:
+                pinned[group.pinned_cell] = max(pinned[group.pinned_cell], group.working_mib[NONE])
+        largest = max([0.0] + [w for g in self.groups for w in g.working_mib.values()])
+        if largest <= max(pinned):
+            return [_Linear(constant=value) for value in pinned]
+        working = []
+        for c in range(cells):
+            variable = self.milp.variable(pinned[c])
+            for (g, cell, mode), count in self.count.items():
+                size = self.groups[g].working_mib[mode]
+                if cell == c and size > pinned[c]:
+                    present = self.milp.variable(0, 1, integer=True)
+                    self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
+                    self.milp.row({variable: 1.0, present: -size}, lower=0.0)
+            working.append(_Linear({variable: 1.0}))
+        return working
+
+    def _memory_rows(self) -> list[tuple[int, _Linear]]:
+        """(rank, memory in MiB) at each point of each rank's action list that no other point bounds."""
+        schedule = self.schedule
+        program = schedule.program
+        constant_mib = (self.profile.stage_constant_bytes + self.spec.stage_constant_bytes) / MIB
+        rows = []
+        for rank in range(schedule.stages):
+            cells = [rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)]
+            held = [0] * schedule.chunks
+            points: set[tuple[tuple[int, ...], int]] = set()
+            for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
+                chunk, kind = program.chunk[i], program.kind[i]
+                if kind == FORWARD:
+                    held[chunk] += 1
+                    points.add((tuple(held), -1))
+                    continue
+                points.add((tuple(held), chunk))
+                if kind != BACKWARD_INPUT:
+                    held[chunk] -= 1
+            for held_counts, working_chunk in _undominated(points):
+                row = _Linear(constant=constant_mib)
+                for chunk, cell in enumerate(cells):
+                    for part, scale in ((self.static[cell], 1), (self.activation[cell], held_counts[chunk])):
+                        row.constant += scale * part.constant
+                        for variable, coefficient in part.terms.items():
+                            row.add(variable, scale * coefficient)
+                if working_chunk >= 0:
+                    part = self.working[cells[working_chunk]]
+                    row.constant += part.constant
+                    for variable, coefficient in part.terms.items():
+                        row.add(variable, coefficient)
+                rows.append((rank, row))
+        return rows
+
+    def add_peak_variable(self) -> int:
+        peak = self.milp.variable()
+        for _, expression in self.memory_rows:
+            terms = {peak: 1.0}
+            for variable, coefficient in expression.terms.items():
+                terms[variable] = terms.get(variable, 0.0) - coefficient
+            self.milp.row(terms, lower=expression.constant)
+        return peak
+
+    @staticmethod
+    def memory_value(values: list[float], expression: _Linear) -> float:
+        return expression.constant + sum(c * values[v] for v, c in expression.terms.items())
+
+    def _counts(self, values: list[float]) -> dict[tuple[int, int, str], int]:
+        return {key: round(values[variable]) for key, variable in self.count.items()}
+
+    def stage_layer_counts(self, values: list[float]) -> tuple[int, ...]:
+        counts = [0] * self.schedule.num_stages
+        for group in self.groups:
+            if group.pinned_cell is not None:
+                counts[group.pinned_cell] += group.size
+        for (_, c, _), number in self._counts(values).items():
+            counts[c] += number
+        return tuple(counts)
+
+    def layer_modes(self, values: list[float]) -> tuple[str, ...]:
+        modes = [NONE] * len(self.profile.layers)
+        counts = self._counts(values)
+        for g, group in enumerate(self.groups):
+            if group.pinned_cell is not None:
+                continue
+            position = group.first
+            for c in range(self.schedule.num_stages):
+                for mode in ordered_modes({m: counts[g, c, m] for m in group.modes}):
+                    modes[position] = mode
+                    position += 1
+        return tuple(modes)
+
+
+def _undominated(points: set[tuple[tuple[int, ...], int]]) -> list[tuple[tuple[int, ...], int]]:
+    """Drop memory points another point of the rank bounds from above (more held, same working set)."""
+    ordered = sorted(points, key=lambda p: (-sum(p[0]), p))
+    kept: list[tuple[tuple[int, ...], int]] = []
+    for held, working in ordered:
+        if not any(
+            all(a <= b for a, b in zip(held, other)) and (working < 0 or working == other_working)
+            for other, other_working in kept
+        ):
+            kept.append((held, working))
+    return kept
+
+
+def _infeasible(
+    profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], deadline: float
+) -> InfeasibleError:
+    """The least peak memory any plan reaches, which stage holds it, and what to try."""
+    model = _Formulation(profile, spec, schedule, groups, with_budget=False)
+    peak = model.add_peak_variable()
+    result: MilpResult = model.milp.minimize({peak: 1.0}, time_limit_s=_left(deadline))
+    budget = format_bytes(spec.memory_budget_bytes)
+    if result.values is None:
+        return InfeasibleError(
+            f"no plan fits {budget}, and none was found without the budget either in the time left",
+            smallest_budget_bytes=None,
+            binding_stage=None,
+        )
+    # The least-peak plan, simulated: its peak is a budget that surely fits.
+    least = evaluate_plan(profile, spec, model.stage_layer_counts(result.values), model.layer_modes(result.values))
+    smallest = max(least.stage_peak_memory_bytes)
+    stage = least.stage_peak_memory_bytes.index(smallest)
+    tries = ["more stages"]
+    if "full" not in profile.modes:
+        tries.append("a profile with full recompute")
+    if spec.data_parallel > 1 and spec.zero_stage < 3:
+        tries.append(f"ZeRO stage {spec.zero_stage + 1}")
+    elif spec.data_parallel == 1:
+        tries.append("data-parallel sharding of optimizer state (ZeRO)")
+    if schedule.name in ("GPipe", "Interleaved1F1B", "ZBH1"):
+        tries.append("a schedule that holds fewer activations (1F1B, Interleaved1F1B-less-memory)")
+    if result.status != "optimal":  # only a lower bound is proven; the plan found still fits
+        smallest = max(result.bound * MIB, spec.memory_budget_bytes)
+    exact = "" if result.status == "optimal" else "at least "
+    return InfeasibleError(
+        f"no plan fits {budget}: the smallest budget that fits is {exact}{format_bytes(smallest)} "
+        f"({smallest:,.0f} bytes), where stage {stage} peaks; try a larger budget, " + ", ".join(tries),
+        smallest_budget_bytes=smallest,
+        binding_stage=stage,
+    )

@@ -1,0 +1,112 @@
+"""How the job runs: the PipelineSpec a plan is made for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from simulator import build_schedule
+from simulator.errors import InputError, check_non_negative
+from simulator.schedule import Schedule
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Stages (pipeline ranks), chunks per stage, micro-batches per iteration, the schedule, and
+    what memory each device has.
+
+    The profile's parameter, gradient and optimizer bytes are taken as unsharded; with
+    `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also gradients, 3 (FSDP)
+    also parameters, each by `data_parallel`. `stage_constant_bytes` is added to the profile's.
+    """
+
+    stages: int
+    micro_batches: int
+    schedule: str = "1F1B"
+    chunks: int | None = None  # None: the schedule's own
+    memory_budget_bytes: float = math.inf
+    stage_constant_bytes: float = 0.0
+    p2p_ms: float = 0.0
+    data_parallel: int = 1
+    zero_stage: int = 0
+    allow_empty_chunks: bool = False
+    microbatch_group_size: int | None = None  # Interleaved1F1B only (Megatron's)
+
+    def __post_init__(self) -> None:
+        for name in ("memory_budget_bytes", "stage_constant_bytes", "p2p_ms"):
+            value = getattr(self, name)
+            if not (name == "memory_budget_bytes" and value == math.inf):
+                check_non_negative(value, name)
+        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise InputError("data_parallel", f"expected an integer >= 1, got {self.data_parallel!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {self.zero_stage!r}")
+        self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
+
+    @cached_property
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule's per-rank action lists."""
+        return build_schedule(
+            self.schedule,
+            self.stages,
+            self.micro_batches,
+            self.chunks,
+            microbatch_group_size=self.microbatch_group_size,
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pipeline_schedule.chunks
+
+    def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float) -> float:
+        """A layer's resident bytes on one device after data-parallel sharding."""
+        dp = self.data_parallel
+        return (
+            parameter_bytes / (dp if self.zero_stage >= 3 else 1)
+            + gradient_bytes / (dp if self.zero_stage >= 2 else 1)
+            + optimizer_bytes / (dp if self.zero_stage >= 1 else 1)
+        )
+
+
+def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
+    return {
+        "stages": spec.stages,
+        "chunks": spec.num_chunks,
+        "micro_batches": spec.micro_batches,
+        "schedule": spec.pipeline_schedule.name,
+        "memory_budget_bytes": None if spec.memory_budget_bytes == math.inf else spec.memory_budget_bytes,
+        "stage_constant_bytes": spec.stage_constant_bytes,
+        "p2p_ms": spec.p2p_ms,
+        "data_parallel": spec.data_parallel,
+        "zero_stage": spec.zero_stage,
+        "allow_empty_chunks": spec.allow_empty_chunks,
+        "microbatch_group_size": spec.microbatch_group_size,
+    }
+
+
+def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
+    from solver.fields import Fields
+
+    fields = Fields(data, where)
+    budget = fields.raw("memory_budget_bytes")
+    allow_empty = fields.raw("allow_empty_chunks", False)
+    if not isinstance(allow_empty, bool):
+        raise InputError(fields.at("allow_empty_chunks"), f"expected true or false, got {allow_empty!r}")
+    spec = PipelineSpec(
+        stages=fields.integer("stages", required=True, least=1),
+        micro_batches=fields.integer("micro_batches", required=True, least=1),
+        schedule=fields.text("schedule", required=True),
+        chunks=fields.integer("chunks", least=1),
+        memory_budget_bytes=math.inf if budget is None else check_non_negative(budget, fields.at("memory_budget_bytes")),
+        stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+        p2p_ms=fields.number("p2p_ms", 0.0),
+        data_parallel=fields.integer("data_parallel", 1, least=1),
+        zero_stage=fields.integer("zero_stage", 0),
+        allow_empty_chunks=allow_empty,
+        microbatch_group_size=fields.raw("microbatch_group_size"),
+    )
+    fields.done()
+    return spec

@@ -1,0 +1,142 @@
+"""The solver: exact against brute force, fits when it says so, breaks ties, says why nothing fits,
+and beats SAPP on SAPP's own runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from solver_cases import MIB, SAPP, all_plans, brute_force, small_profile
+
+from simulator import InputError, simulate
+from solver import InfeasibleError, PipelineSpec, load_profile, plan_from_mindformers, solve
+from solver.plan import pipeline_costs
+
+CASES = [
+    ("1F1B", 4, 1, 6),
+    ("GPipe", 4, 1, 4),
+    ("ZBH1", 4, 1, 6),
+    ("Interleaved1F1B", 2, 2, 4),
+    ("Interleaved1F1B-less-memory", 2, 2, 4),
+    ("ZBVZeroBubble", 2, 2, 4),
+    ("DualPipeV", 2, 2, 4),
+]
+
+
+def spec_for(name, stages, chunks, micro_batches, budget_mib, **extra):
+    return PipelineSpec(
+        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
+        memory_budget_bytes=budget_mib * MIB, **extra,
+    )
+
+
+@pytest.mark.parametrize("name, stages, chunks, micro_batches", CASES)
+@pytest.mark.parametrize("budget_mib", [520, 400])
+def test_matches_brute_force(name, stages, chunks, micro_batches, budget_mib):
+    profile = small_profile(6)
+    spec = spec_for(name, stages, chunks, micro_batches, budget_mib)
+    expected = brute_force(profile, spec)
+    plan = solve(profile, spec)
+    assert plan.status == "optimal" and plan.gap == 0.0
+    assert plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms, rel=1e-9)
+    assert plan.fits
+
+
+@pytest.mark.parametrize("name, stages, chunks, micro_batches", [CASES[0], CASES[3], CASES[6]])
+def test_two_body_kinds_keep_model_order_and_match_brute_force(name, stages, chunks, micro_batches):
+    profile = small_profile(6, two_kinds=True)
+    spec = spec_for(name, stages, chunks, micro_batches, 480)
+    plan = solve(profile, spec)
+    assert plan.iteration_time_ms == pytest.approx(brute_force(profile, spec).iteration_time_ms, rel=1e-9)
+    kinds_in_order = [kind for stage in plan.virtual_stage_ranges() for kind in (plan.layer_kinds[i] for i in stage)]
+    assert kinds_in_order == list(plan.layer_kinds)
+
+
+def test_no_recompute_where_memory_has_room():
+    plan = solve(small_profile(6), spec_for("1F1B", 4, 1, 6, 10_000))
+    assert set(plan.layer_modes) == {"none"}
+
+
+def test_least_recompute_among_the_fastest_plans():
+    profile = small_profile(6)
+    spec = spec_for("1F1B", 4, 1, 6, 400)
+    plan = solve(profile, spec)
+
+    def recompute_ms(candidate):
+        return sum(profile.layers[i].recompute[m].extra_ms for i, m in enumerate(candidate.layer_modes))
+
+    fastest = [p for p in all_plans(profile, spec) if p.fits and p.iteration_time_ms <= plan.iteration_time_ms + 1e-9]
+    assert recompute_ms(plan) > 0
+    assert recompute_ms(plan) == pytest.approx(min(map(recompute_ms, fastest)))
+    least = [p for p in fastest if recompute_ms(p) <= recompute_ms(plan) + 1e-9]
+    assert max(plan.stage_peak_memory_bytes) == pytest.approx(min(max(p.stage_peak_memory_bytes) for p in least))
+
+
+def test_infeasible_says_the_smallest_budget_and_the_stage():
+    profile = small_profile(6)
+    unlimited = spec_for("1F1B", 4, 1, 6, 10**9)
+    least_peak = min(max(p.stage_peak_memory_bytes) for p in all_plans(profile, unlimited))
+    with pytest.raises(InfeasibleError) as caught:
+        solve(profile, PipelineSpec(stages=4, micro_batches=6, memory_budget_bytes=least_peak - MIB))
+    error = caught.value
+    assert error.smallest_budget_bytes == pytest.approx(least_peak)
+    assert "smallest budget that fits" in str(error) and f"stage {error.binding_stage} peaks" in str(error)
+    fits = solve(profile, PipelineSpec(stages=4, micro_batches=6, memory_budget_bytes=least_peak))
+    assert fits.fits
+
+
+def test_too_many_virtual_stages_for_the_layers():
+    with pytest.raises(InputError, match="virtual stages, but only 6 body layers"):
+        solve(small_profile(6), spec_for("Interleaved1F1B", 4, 3, 8, 10_000))
+
+
+def test_empty_chunks_only_when_asked():
+    profile = small_profile(1)  # one body layer for two stages that hold no head or tail
+    with pytest.raises(InputError, match="virtual stages, but only 1 body layers"):
+        solve(profile, spec_for("1F1B", 4, 1, 4, 10_000))
+    spec = spec_for("1F1B", 4, 1, 4, 10_000, allow_empty_chunks=True)
+    plan = solve(profile, spec)
+    assert 0 in plan.stage_layer_counts
+    assert plan.iteration_time_ms == pytest.approx(brute_force(profile, spec).iteration_time_ms)
+
+
+@pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_schedules_put_head_and_tail_on_rank_zero(name):
+    plan = solve(small_profile(6), spec_for(name, 2, 2, 4, 10_000))
+    layers = plan.to_dict()["plan"]["layers"]
+    assert layers[0]["kind"] == "head" and layers[0]["stage"] == 0
+    assert layers[-1]["kind"] == "tail" and layers[-1]["stage"] == 0 and layers[-1]["chunk"] == 1
+
+
+def test_plan_time_is_the_simulators():
+    profile = small_profile(6)
+    spec = spec_for("Interleaved1F1B", 2, 2, 4, 450, p2p_ms=0.5)
+    plan = solve(profile, spec)
+    replay = simulate(spec.pipeline_schedule, pipeline_costs(profile, spec, plan.stage_layer_counts, plan.layer_modes))
+    assert replay.iteration_time_ms == plan.iteration_time_ms
+    assert replay.stage_peak_memory_bytes == plan.stage_peak_memory_bytes
+
+
+def test_mindformers_keys_round_trip():
+    profile = small_profile(6)
+    spec = spec_for("Interleaved1F1B", 2, 2, 4, 400)
+    plan = solve(profile, spec)
+    again = plan_from_mindformers(profile, spec, plan.mindformers())
+    assert again.stage_layer_counts == plan.stage_layer_counts
+    assert sorted(again.layer_modes) == sorted(plan.layer_modes)
+    assert again.iteration_time_ms == plan.iteration_time_ms
+
+
+@pytest.mark.parametrize("case", json.loads((SAPP / "vectors.json").read_text())["cases"])
+def test_sapp_parity_and_no_slower(case):
+    profile = load_profile(SAPP / Path(case["layers"]).name)
+    spec = PipelineSpec(
+        stages=case["stages"], chunks=case["chunks"], micro_batches=case["micro_batches"],
+        schedule=case["schedule"], memory_budget_bytes=case["memory_mib"] * MIB,
+    )
+    theirs = plan_from_mindformers(profile, spec, case["sapp_plan"])
+    assert theirs.iteration_time_ms == case["sapp_simulated_iteration_time"]
+    ours = solve(profile, spec)
+    assert ours.status == "optimal" and ours.fits
+    assert ours.iteration_time_ms <= theirs.iteration_time_ms

@@ -1,0 +1,173 @@
+"""Profiles, SAPP layer files, specs and plans: read faithfully, refused clearly when wrong."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+from solver_cases import MIB, SAPP, small_profile
+
+from simulator import InputError
+from solver import ModelProfile, PipelineSpec, evaluate_plan, load_profile, plan_from_dict, plan_from_mindformers, solve
+from solver.sapp import profile_from_sapp
+
+
+def test_profile_json_round_trip(tmp_path):
+    profile = small_profile(4, two_kinds=True)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert load_profile(path) == profile
+
+
+def test_sapp_semantics():
+    profile = load_profile(SAPP / "sim.json")
+    heads = [l for l in profile.layers if l.kind == "head"]
+    body = [l for l in profile.layers if l.is_body]
+    tails = [l for l in profile.layers if l.kind == "tail"]
+    assert (len(heads), len(body), len(tails)) == (1, 192, 1)
+    block = body[0]
+    assert block.kind == "body:LLamaDecodeLayer"
+    assert block.forward_ms == 180 and block.backward_ms == 360  # 2 x time x (1 + backward_coef 0)
+    assert block.parameter_bytes == 1583 * MIB
+    expected = {  # extra = 2 x time x coef; activation in MiB
+        "none": (0, 826), "selective": (45, 614), "comm": (45, 426), "selective+comm": (59.4, 310), "full": (180, 32),
+    }
+    assert {m: (round(c.extra_ms, 6), c.activation_bytes / MIB) for m, c in block.recompute.items()} == expected
+    assert heads[0].forward_ms == 30 and heads[0].backward_ms == 60 and heads[0].parameter_bytes == 11000 * MIB
+    assert tails[0].forward_ms == 90 and tails[0].backward_ms == 180 and tails[0].parameter_bytes == 2473 * MIB
+    assert load_profile(SAPP / "seq.json").stage_constant_bytes == 3422 * MIB
+
+
+def test_sapp_defaults_and_explicit_times():
+    data = json.loads((SAPP / "layers_template.json").read_text())
+    body = data["layers_description"][1]
+    body.update(time=10, memory_activation=100, memory_select_rec=60, memory_recompute=5, nb_layer=2)
+    body["recompute_time "] = 40  # SAPP's own key has a trailing space (its bug B6); read it anyway
+    profile = profile_from_sapp(data)
+    block = profile.layers[1]
+    assert block.recompute["selective"].extra_ms == pytest.approx(20 * 0.04)  # SAPP's default coefficient
+    assert block.recompute["full"].extra_ms == pytest.approx(40 - 20)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d["layers_description"][1].update(memory_activation=0), "memory_activation"),
+        (lambda d: d["layers_description"][1].update(memory_activation=-45), "memory_activation"),
+        (lambda d: d["layers_description"][1].update(memory_recompute=900), "full.activation_bytes"),
+        (lambda d: d["layers_description"][1].update(type="NECK"), "type"),
+        (lambda d: d["layers_description"][1].update(colour="red"), "colour"),
+        (lambda d: d.update(extra=1), "extra"),
+        (lambda d: d["layers_description"][1].update(time=-1), "time"),
+        (lambda d: d["layers_description"][1].update(nb_layer=0), "nb_layer"),
+    ],
+)
+def test_bad_sapp_files_are_refused(change, field):
+    data = json.loads((SAPP / "test.json").read_text())
+    change(data)
+    with pytest.raises(InputError) as caught:
+        profile_from_sapp(data)
+    assert field in str(caught.value)
+
+
+def profile_dict():
+    return small_profile(2).to_dict()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d.update(schema_version=2), "schema_version: expected 1"),
+        (lambda d: d.update(surprise=True), "surprise: unknown key"),
+        (lambda d: d["layers"][1].update(parameter_bytes=-1), "layers[1].parameter_bytes"),
+        (lambda d: d["layers"][1]["recompute"]["full"].update(activation_bytes=10**12), "keeps more"),
+        (lambda d: d["layers"][1]["recompute"].pop("none"), 'the mode "none"'),
+        (lambda d: d["layers"][1]["recompute"].update(magic={"extra_ms": 0, "activation_bytes": 0}), "unknown mode"),
+        (lambda d: d["layers"][1].update(kind="decoder"), "expected head, tail or body:<type>"),
+        (lambda d: d["layers"].reverse(), "must come before"),
+        (lambda d: d["layers"][1].update(weight_ms=99), "weight_ms: expected at most backward_ms"),
+        (lambda d: d["layers"][1].update(forward_ms="fast"), "forward_ms: expected a finite number"),
+        (lambda d: d["layers"][1].update(forward_ms=math.inf), "forward_ms: expected a finite number"),
+        (lambda d: d.update(layers=[]), "layers: expected a non-empty list"),
+        (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),
+    ],
+)
+def test_bad_profiles_are_refused(change, words):
+    data = profile_dict()
+    change(data)
+    with pytest.raises(InputError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        ModelProfile.from_dict(data)
+
+
+@pytest.mark.parametrize("content", ["{", "[1, 2", "\xff\xfe", "[" * 100_000 + "]" * 100_000])
+def test_broken_json_is_one_clear_error(tmp_path, content):
+    path = tmp_path / "profile.json"
+    path.write_bytes(content.encode("latin-1") if content.startswith("\xff") else content.encode())
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_profile(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="cannot read"):
+        load_profile(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes"),
+        ({"data_parallel": 0}, "data_parallel"),
+        ({"zero_stage": 4}, "zero_stage"),
+        ({"stages": 0}, "stages"),
+        ({"schedule": "Wavy"}, "schedule"),
+        ({"p2p_ms": math.nan}, "p2p_ms"),
+    ],
+)
+def test_bad_specs(kwargs, field):
+    arguments = {"stages": 2, "micro_batches": 4, **kwargs}
+    with pytest.raises(InputError) as caught:
+        PipelineSpec(**arguments)
+    assert caught.value.field == field
+
+
+def test_zero_sharding_divides_static_memory():
+    spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=1)
+    assert spec.static_bytes(100, 100, 800) == 100 + 100 + 200
+    assert PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=3).static_bytes(100, 100, 800) == 25 + 25 + 200
+
+
+def test_bad_plans_are_refused():
+    profile = small_profile(6)
+    spec = PipelineSpec(stages=2, micro_batches=4)
+    with pytest.raises(InputError, match="sum to 7; the profile has 8"):
+        evaluate_plan(profile, spec, [4, 3], ["none"] * 8)
+    with pytest.raises(InputError, match="offers none, selective, full; got 'comm'"):
+        evaluate_plan(profile, spec, [4, 4], ["none", "comm"] + ["none"] * 6)
+    with pytest.raises(InputError, match="offset: gives 5 body layers; the profile has 6"):
+        plan_from_mindformers(profile, spec, {"offset": [0, -1]})
+    with pytest.raises(InputError, match=r"select_recompute\[0\]\[1\]: is 0, below recompute"):
+        plan_from_mindformers(profile, spec, {"recompute": [0, 1], "select_recompute": [0, 0]})
+    with pytest.raises(InputError, match="pp_interleave_num"):
+        plan_from_mindformers(profile, spec, {"offset": 0, "pp_interleave_num": 2})
+    with pytest.raises(InputError, match="asks for comm recompute"):
+        plan_from_mindformers(profile, spec, {"select_comm_recompute": [1, 0]})
+    with pytest.raises(InputError, match="unknown key"):
+        plan_from_mindformers(profile, spec, {"offsets": [0, 0]})
+
+
+def test_mindformers_true_means_every_layer_of_the_stage():
+    profile = small_profile(6)
+    plan = plan_from_mindformers(profile, PipelineSpec(stages=2, micro_batches=4), {"recompute": True})
+    assert plan.layer_modes == ("none",) + ("full",) * 6 + ("none",)
+
+
+def test_plan_json_round_trip():
+    profile = small_profile(6)
+    plan = solve(profile, PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B", memory_budget_bytes=450 * MIB))
+    again = plan_from_dict(profile, json.loads(json.dumps(plan.to_dict())))
+    assert (again.stage_layer_counts, again.layer_modes, again.iteration_time_ms) == (
+        plan.stage_layer_counts, plan.layer_modes, plan.iteration_time_ms,
+    )
+    assert again.spec == plan.spec

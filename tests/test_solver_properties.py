@@ -1,0 +1,66 @@
+"""Every plan the solver returns fits when simulated; when it says nothing fits, its smallest budget
+does (hypothesis, random small profiles)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_cases import MIB, layer
+
+from simulator import SCHEDULES, simulate
+from solver import InfeasibleError, ModelProfile, PipelineSpec, solve
+from solver.plan import pipeline_costs
+
+SMALL = [("1F1B", 1), ("GPipe", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B-less-memory", 2),
+         ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+
+
+@st.composite
+def problems(draw):
+    name, chunks = draw(st.sampled_from(SMALL))
+    stages = draw(st.integers(1, 3))
+    fewest = SCHEDULES[name].min_micro_batches(stages, chunks)
+    micro_batches = draw(st.integers(fewest, fewest + 3))
+    kinds = draw(st.lists(st.sampled_from(["body:a", "body:b"]), min_size=stages * chunks, max_size=stages * chunks + 4))
+    kinds.sort()  # one run per kind, in model order
+    times = st.floats(0.5, 9.0)
+
+    def body(i, kind):
+        forward = draw(times)
+        backward = 2 * forward
+        keep = draw(st.floats(5, 50))
+        return layer(f"l{i}", kind, forward, backward, draw(st.floats(0, 1)) * backward,
+                     parameter_mib=draw(st.floats(0, 40)),
+                     modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
+                            "full": (forward, keep * 0.1, keep)})
+
+    layers = [layer("head", "head", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)))]
+    layers += [body(i, kind) for i, kind in enumerate(kinds)]
+    layers += [layer("tail", "tail", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
+                     modes={"none": (0.0, draw(st.floats(0, 30)), 0.0)})]
+    spec = PipelineSpec(
+        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
+        memory_budget_bytes=draw(st.floats(30, 600)) * MIB, p2p_ms=draw(st.sampled_from([0.0, 0.3])),
+    )
+    return ModelProfile(layers=tuple(layers)), spec
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_plans_fit_and_infeasibility_is_exact(problem):
+    profile, spec = problem
+    try:
+        plan = solve(profile, spec, time_limit_s=30)
+    except InfeasibleError as error:
+        assert error.smallest_budget_bytes > spec.memory_budget_bytes
+        looser = PipelineSpec(
+            stages=spec.stages, chunks=spec.chunks, micro_batches=spec.micro_batches, schedule=spec.schedule,
+            memory_budget_bytes=error.smallest_budget_bytes * (1 + 1e-9), p2p_ms=spec.p2p_ms,
+        )
+        assert solve(profile, looser, time_limit_s=30).fits
+        return
+    assert plan.status == "optimal" and plan.fits
+    replay = simulate(spec.pipeline_schedule, pipeline_costs(profile, spec, plan.stage_layer_counts, plan.layer_modes))
+    assert replay.iteration_time_ms == pytest.approx(plan.iteration_time_ms)
+    assert max(replay.stage_peak_memory_bytes) <= spec.memory_budget_bytes
