@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import NoReturn
 
-from sapp_hook.cli import simulate
+from sapp_hook.cli import simulate, solve
+from sapp_hook.cli.common import fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -16,15 +16,11 @@ class _Parser(argparse.ArgumentParser):
         fail(self.prog, message)
 
 
-def fail(prog: str, message: str) -> NoReturn:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: simulate schedules.")
+    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: simulate schedules, solve plans.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     simulate.add_parser(commands)
+    solve.add_parser(commands)
     return parser
 
 

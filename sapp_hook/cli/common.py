@@ -1,0 +1,125 @@
+"""What the CLI commands share: pipeline flags, output files, logging, error reporting."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from simulator import SCHEDULES, InputError, SimulationResult
+from simulator.plot import check_plot_path
+from simulator.units import format_bytes, parse_bytes
+
+# Library field names as the flags a CLI user typed.
+FLAGS = {
+    "schedule": "--schedule",
+    "stages": "--stages",
+    "chunks": "--chunks",
+    "micro_batches": "--micro-batches",
+    "microbatch_group_size": "--microbatch-group-size",
+    "memory_budget_bytes": "--memory",
+    "time_limit_s": "--time-limit",
+    "data_parallel": "--data-parallel",
+    "zero_stage": "--zero-stage",
+}
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def fail_input(prog: str, error: InputError) -> NoReturn:
+    flag = FLAGS.get(error.field)
+    fail(prog, f"{flag}: {error.detail}" if flag else str(error))
+
+
+def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument("--schedule", required=required, metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
+    parser.add_argument("--stages", required=required, type=int, metavar="S", help="pipeline ranks")
+    parser.add_argument("--chunks", type=int, metavar="V", help="chunks (virtual stages) per rank; default: the schedule's")
+    parser.add_argument("--micro-batches", required=required, type=int, metavar="M")
+    parser.add_argument("--p2p", type=float, default=0.0, metavar="T", help="ms to send one activation or gradient")
+    parser.add_argument(
+        "--microbatch-group-size",
+        type=int,
+        metavar="G",
+        help="Interleaved1F1B: Megatron's microbatch_group_size_per_vp_stage (default S, or what fits M)",
+    )
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plot", metavar="OUT", help="write a Gantt chart with memory curves (.png, .svg or .pdf)")
+    parser.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace (.json)")
+    parser.add_argument("--csv", metavar="OUT", help="write the schedule in torch.distributed.pipelining's CSV format")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+
+
+def check_milliseconds(flag: str, value: float | None) -> None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise InputError(flag, f"expected a number of milliseconds >= 0, got {value:g}")
+
+
+def size_flag(args: argparse.Namespace, name: str, notes: list[str]) -> int:
+    """A size flag in bytes; what it took goes to `notes`, said once every input has been checked."""
+    text = getattr(args, name)
+    flag = "--" + name.replace("_", "-")
+    size = parse_bytes(text, flag)
+    if size:
+        notes.append(f"{flag} {text} = {size:,} bytes ({format_bytes(size)})")
+    return size
+
+
+def say(notes: list[str], talk: bool) -> None:
+    if talk:
+        for note in notes:
+            print(note, file=sys.stderr)
+
+
+def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Path]:
+    """The output files asked for, checked before any work: the folder exists, the name is a file."""
+    outputs = {name: Path(getattr(args, name)) for name in names if getattr(args, name, None)}
+    for name, path in outputs.items():
+        flag = "--" + name.replace("_", "-")
+        if not path.parent.is_dir():
+            raise InputError(flag, f"folder {path.parent} does not exist")
+        if path.is_dir():
+            raise InputError(flag, f"{path} is a folder; expected a file name")
+    if "plot" in outputs:
+        check_plot_path(outputs["plot"], "--plot")
+    return outputs
+
+
+def write_replay_outputs(result: SimulationResult, outputs: dict[str, Path], talk: bool) -> list[str]:
+    """Chart, trace and CSV of a replay, as asked."""
+    written = []
+    for name, path in outputs.items():
+        if name not in ("plot", "trace", "csv"):
+            continue
+        if talk:
+            print(f"writing {path} ...", file=sys.stderr)
+        try:
+            if name == "plot":
+                from simulator.plot import draw_gantt
+
+                draw_gantt(result, path)
+            elif name == "trace":
+                from simulator.trace import write_chrome_trace
+
+                write_chrome_trace(result, path)
+            else:
+                result.schedule.write_csv(path)
+        except OSError as exc:
+            raise InputError(f"--{name}", f"cannot write {path}: {exc.strerror or exc}") from None
+        written.append(str(path))
+    return written
+
+
+def configure_logging(talk: bool) -> None:
+    """Library progress (logging) on stderr while the command talks."""
+    if talk:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -1,0 +1,85 @@
+"""Reading the files a user points the CLI at: profiles, plans, MindFormers YAML. Safely."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from simulator.errors import InputError
+from solver.profile import MAX_FILE_BYTES, read_json
+
+MAX_DEPTH = 32
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe subset, without anchors and aliases (a few lines of aliases can expand to
+    gigabytes) and at most MAX_DEPTH levels deep."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise InputError("yaml", f"aliases are not accepted (line {event.start_mark.line + 1})")
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise InputError("yaml", f"nested deeper than {MAX_DEPTH} levels")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def read_document(path: str | Path, what: str) -> object:
+    """A JSON or YAML file (by suffix) as plain data."""
+    path = Path(path)
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        return read_json(path, what)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise InputError(what, f"{path} is {size:,} bytes; expected at most {MAX_FILE_BYTES:,}")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(what, f"{path} is not UTF-8 text: {exc}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except InputError as exc:
+        raise InputError(what, f"{path}: {exc.detail}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(what, f"{path} is not valid YAML: {exc}".replace("\n", " ")) from None
+
+
+# Where MindFormers keeps each key in a training config, besides the top level.
+MINDFORMERS_PLACES = {
+    "offset": (("model", "model_config", "offset"),),
+    "pp_interleave_num": (("model", "model_config", "pp_interleave_num"),),
+    "recompute": (("recompute_config", "recompute"),),
+    "select_recompute": (("recompute_config", "select_recompute"),),
+    "select_comm_recompute": (("recompute_config", "select_comm_recompute"),),
+}
+
+
+def mindformers_keys(document: object, what: str) -> dict[str, object]:
+    """The plan keys of a flat mapping or of a MindFormers training config."""
+    if not isinstance(document, Mapping):
+        raise InputError(what, f"expected a mapping of MindFormers keys, got {type(document).__name__}")
+    keys: dict[str, object] = {}
+    for key, places in MINDFORMERS_PLACES.items():
+        if key in document:
+            keys[key] = document[key]
+            continue
+        for place in places:
+            node: object = document
+            for part in place:
+                node = node.get(part) if isinstance(node, Mapping) else None
+            if node is not None:
+                keys[key] = node
+                break
+    if "offset" not in keys and not any(k in keys for k in ("recompute", "select_recompute", "select_comm_recompute")):
+        raise InputError(what, "found none of offset, recompute, select_recompute, select_comm_recompute")
+    return keys

@@ -1,0 +1,74 @@
+"""Human-readable reports of a replay and of a plan."""
+
+from __future__ import annotations
+
+import math
+
+from simulator import SimulationResult
+from simulator.result import BubbleSplit
+from simulator.units import format_bytes
+from solver import Plan
+from solver.plan import MODE_ORDER
+
+
+def bubble_line(bubble: BubbleSplit) -> str:
+    return (
+        f"bubble          {bubble.real:.4f} = ideal {bubble.ideal:.4f} + imbalance {bubble.imbalance:.4f}"
+        f" + recompute {bubble.recompute:.4f} + comm {bubble.comm:.4f}"
+    )
+
+
+def replay_report(result: SimulationResult) -> str:
+    schedule = result.schedule
+    chunk_word = "chunk" if schedule.chunks == 1 else "chunks"
+    lines = [
+        f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} {chunk_word}, "
+        f"{schedule.micro_batches} micro-batches ({schedule.num_actions:,} actions)",
+        f"iteration time  {result.iteration_time_ms:,.6g} ms",
+        bubble_line(result.bubble),
+    ]
+    if result.weight_split_assumed:
+        lines.append("note            weight-gradient time not given (--weight): I and W each took half of B")
+    lines.append(f"{'rank':>4}  {'busy ms':>10}  {'peak memory':>12}  {'peak activations':>16}")
+    for rank in range(schedule.stages):
+        lines.append(
+            f"{rank:>4}  {result.stage_busy_ms[rank]:>10,.6g}  "
+            f"{format_bytes(result.stage_peak_memory_bytes[rank]):>12}  {result.stage_peak_activations[rank]:>16}"
+        )
+    return "\n".join(lines)
+
+
+def plan_report(plan: Plan) -> str:
+    spec = plan.spec
+    schedule = spec.pipeline_schedule
+    budget = spec.memory_budget_bytes
+    status = plan.status
+    if plan.status == "feasible" and plan.gap is not None:
+        status += f" (time limit; within {plan.gap:.2%} of the best possible, >= {plan.lower_bound_ms:,.6g} ms)"
+    if plan.solve_seconds is not None:
+        status += f", {plan.solve_seconds:.2f} s"
+    lines = [
+        f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} chunk{'s' if schedule.chunks > 1 else ''}, "
+        f"{schedule.micro_batches} micro-batches, {len(plan.layer_names)} layers",
+        f"status          {status}",
+        f"iteration time  {plan.iteration_time_ms:,.6g} ms",
+        bubble_line(plan.bubble),
+    ]
+    if plan.weight_split_assumed:
+        lines.append("note            weight-gradient times not in the profile: I and W each took half of B")
+    lines.append(f"{'stage':>5}  {'layers per chunk':<18}  {'recompute':<28}  {'peak memory':>12}")
+    for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
+        counts = "+".join(str(len(r)) for r in chunk_ranges)
+        modes = {mode: 0 for mode in MODE_ORDER}
+        for layers in chunk_ranges:
+            for index in layers:
+                modes[plan.layer_modes[index]] += 1
+        recompute = ", ".join(f"{mode} {count}" for mode, count in modes.items() if count and mode != "none") or "-"
+        peak = plan.stage_peak_memory_bytes[stage]
+        share = "" if math.isinf(budget) else f" ({peak / budget:.0%})"
+        lines.append(f"{stage:>5}  {counts:<18}  {recompute:<28}  {format_bytes(peak):>12}{share}")
+    if not math.isinf(budget):
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        lines.append(f"memory budget   {format_bytes(budget)} per device: {verdict}")
+    lines.append("MindFormers     " + "; ".join(f"{key}: {value}" for key, value in plan.mindformers().items()))
+    return "\n".join(lines)

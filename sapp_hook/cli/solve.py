@@ -1,0 +1,109 @@
+"""`sapp-hook solve`: the fastest layer split and recompute that fit the memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import yaml
+
+from sapp_hook.cli.common import (
+    add_output_flags,
+    add_pipeline_flags,
+    check_milliseconds,
+    configure_logging,
+    fail_input,
+    output_paths,
+    say,
+    size_flag,
+    write_replay_outputs,
+)
+from sapp_hook.cli.report import plan_report
+from simulator import InputError
+from simulator.files import atomic_write_text
+from solver import PipelineSpec, load_profile, solve
+
+PROG = "sapp-hook solve"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "solve",
+        help="find the fastest layer split and per-layer recompute that fit the memory budget",
+        description=(
+            "Find the layer-to-stage split and per-layer recompute with the least simulated iteration "
+            "time whose per-device peak memory fits --memory. Proven optimal, or the gap when "
+            "--time-limit stops the search. SAPP layer JSON files work as profiles (their memory is "
+            "in MiB: say --memory 53000MiB)."
+        ),
+    )
+    parser.add_argument("--profile", required=True, metavar="FILE", help="sapp-hook profile JSON or SAPP layer JSON")
+    add_pipeline_flags(parser, required=True)
+    parser.add_argument("--memory", required=True, metavar="SIZE", help="memory per device, e.g. 56GB or 52GiB")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60")
+    parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
+    parser.add_argument(
+        "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+        help="shard optimizer state (1), also gradients (2), also parameters (3, FSDP) over --data-parallel",
+    )
+    parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
+    parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
+    parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
+    parser.add_argument("--plan-out", metavar="OUT", help="write the plan as JSON (sapp-hook simulate --plan reads it)")
+    add_output_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except InputError as exc:
+        fail_input(PROG, exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    talk = not (args.json or args.quiet)
+    check_milliseconds("--p2p", args.p2p)
+    notes: list[str] = []
+    budget = size_flag(args, "memory", notes)
+    constant = size_flag(args, "stage_constant", notes)
+    outputs = output_paths(args, ("plot", "trace", "csv", "mindformers_yaml", "plan_out"))
+    profile = load_profile(args.profile)
+    spec = PipelineSpec(
+        stages=args.stages,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        memory_budget_bytes=budget,
+        stage_constant_bytes=constant,
+        p2p_ms=args.p2p,
+        data_parallel=args.data_parallel,
+        zero_stage=args.zero_stage,
+        allow_empty_chunks=args.allow_empty_chunks,
+        microbatch_group_size=args.microbatch_group_size,
+    )
+    if not args.time_limit > 0:
+        raise InputError("--time-limit", f"expected a number of seconds > 0, got {args.time_limit:g}")
+    say(notes, talk)
+    configure_logging(talk)
+    plan = solve(profile, spec, time_limit_s=args.time_limit)
+
+    written = write_replay_outputs(plan.simulation, outputs, talk)
+    for name, text in (
+        ("mindformers_yaml", lambda: yaml.safe_dump(plan.mindformers(), sort_keys=False, default_flow_style=None)),
+        ("plan_out", lambda: json.dumps(plan.to_dict(), indent=1) + "\n"),
+    ):
+        if name in outputs:
+            try:
+                atomic_write_text(outputs[name], text())
+            except OSError as exc:
+                raise InputError(f"--{name.replace('_', '-')}", f"cannot write {outputs[name]}: {exc.strerror or exc}") from None
+            written.append(str(outputs[name]))
+
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "written": written}, indent=2))
+    elif not args.quiet:
+        print(plan_report(plan))
+        for path in written:
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,122 @@
+"""`sapp-hook solve`, and `sapp-hook simulate` replaying a plan: the contract and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from solver_cases import SAPP
+
+from sapp_hook.cli import main
+
+CASE = ["--profile", str(SAPP / "test.json"), "--stages", "4", "--chunks", "2", "--micro-batches", "8",
+        "--schedule", "Interleaved1F1B"]
+SOLVE = ["solve", *CASE, "--memory", "53000MiB"]
+
+
+def test_solve_json_contract_and_files(capsys, tmp_path):
+    mf, plan_json, chart = tmp_path / "mf.yaml", tmp_path / "plan.json", tmp_path / "plan.png"
+    code = main([*SOLVE, "--json", "--mindformers-yaml", str(mf), "--plan-out", str(plan_json), "--plot", str(chart)])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    report = json.loads(out)
+    for key in ("status", "iteration_time", "stage_peak_memory_bytes", "solve_seconds", "bubble", "plan"):
+        assert key in report
+    assert report["status"] == "optimal" and report["iteration_time"] == 153000.0
+    assert set(report["bubble"]) == {"real", "ideal", "imbalance", "recompute", "comm"}
+    for key in ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num"):
+        assert key in report["plan"]
+    assert max(report["stage_peak_memory_bytes"]) <= 53000 * 2**20
+    assert yaml.safe_load(mf.read_text())["offset"] == report["plan"]["offset"]
+    assert json.loads(plan_json.read_text())["plan"]["layers"] == report["plan"]["layers"]
+    assert chart.read_bytes().startswith(b"\x89PNG")
+    assert report["written"] == [str(chart), str(mf), str(plan_json)]
+
+
+def test_simulate_replays_a_mindformers_plan_and_a_plan_json(capsys, tmp_path):
+    main([*SOLVE, "--quiet", "--mindformers-yaml", str(tmp_path / "mf.yaml"), "--plan-out", str(tmp_path / "plan.json")])
+    main(["simulate", *CASE, "--mindformers-plan", str(tmp_path / "mf.yaml"), "--json"])
+    from_keys = json.loads(capsys.readouterr().out)
+    main(["simulate", "--profile", str(SAPP / "test.json"), "--plan", str(tmp_path / "plan.json"), "--json"])
+    from_plan = json.loads(capsys.readouterr().out)
+    assert from_keys["iteration_time"] == from_plan["iteration_time"] == 153000.0
+    assert from_keys["status"] == "given"
+
+
+def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        "# a MindFormers config\n"
+        "parallel_config:\n  pipeline_stage: 4\n"
+        "recompute_config:\n  recompute: [23, 19, 16, 13]\n  select_recompute: [23, 19, 16, 13]\n"
+        "  select_comm_recompute: [23, 19, 16, 13]\n"
+        "model:\n  model_config:\n    offset: [-1, 0, 0, 1]\n"
+    )
+    args = ["simulate", "--profile", str(SAPP / "test.json"), "--stages", "4", "--micro-batches", "8",
+            "--schedule", "1F1B", "--mindformers-plan", str(config), "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time"] == 179910.0  # SAPP's own figure for this plan
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("a: &x [1]\nb: *x\n", "aliases are not accepted"),
+        ("offset: " + "[" * 40 + "0" + "]" * 40 + "\n", "nested deeper than 32"),
+        ("offset: [1, 2\n", "not valid YAML"),
+        ("!!python/object/apply:os.system ['echo hi']\n", "not valid YAML"),
+        ("just text\n", "expected a mapping"),
+    ],
+)
+def test_unsafe_or_broken_yaml_is_one_line(capsys, tmp_path, text, words):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    with pytest.raises(SystemExit) as caught:
+        main(["simulate", *CASE, "--mindformers-plan", str(plan)])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and words in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memory", "50"], "--memory: expected a unit"),
+        (["--memory", "1GiB"], "--memory: no plan fits 1 GiB: the smallest budget that fits is"),
+        (["--time-limit", "0"], "--time-limit: expected a number of seconds > 0"),
+        (["--stages", "0"], "--stages: expected an integer >= 1"),
+        (["--zero-stage", "5"], "argument --zero-stage: invalid choice"),
+        (["--profile", "/nonexistent.json"], "profile: cannot read /nonexistent.json"),
+        (["--plan-out", "/nonexistent-dir/p.json"], "--plan-out: folder /nonexistent-dir does not exist"),
+    ],
+)
+def test_solve_errors_are_one_line(capsys, args, message):
+    argv = list(SOLVE)
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert caught.value.code == 2 and out == ""
+    lines = err.splitlines()
+    assert message in lines[-1] and sum("error:" in line for line in lines) == 1
+    if "no plan fits" not in message:  # found only after solving, behind its progress lines
+        assert len(lines) == 1
+
+
+def test_simulate_profile_needs_a_plan(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", *CASE])
+    assert "--profile needs one of --mindformers-plan FILE or --plan FILE" in capsys.readouterr().err
+
+
+def test_json_stdout_is_clean_in_a_fresh_process():
+    # HiGHS prints a banner on the C-level stdout the first time; it must not reach --json.
+    done = subprocess.run([sys.executable, "-m", "sapp_hook", *SOLVE, "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "optimal"
