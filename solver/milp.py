@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 INF = math.inf
 Terms = Mapping[int, float]
+PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class Milp:
         time_limit_s: float,
         hint: list[float] | None = None,
         relative_gap: float = 1e-9,
+        progress: Callable[[float, float, float], None] | None = None,
     ) -> MilpResult:
+        """Minimise; `progress(seconds, best, bound)` is called every few seconds of a long search."""
         import highspy
         import numpy as np
 
@@ -103,6 +107,8 @@ class Milp:
             solution.col_value = list(hint)
             solution.value_valid = True
             highs.setSolution(solution)
+        if progress is not None:
+            _report_progress(highs, progress)
         highs.run()
 
         model_status = highs.getModelStatus()
@@ -125,6 +131,19 @@ class Milp:
         else:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
         return MilpResult(status, values, objective_value, bound, int(info.mip_node_count))
+
+
+def _report_progress(highs, progress: Callable[[float, float, float], None]) -> None:
+    next_report = time.perf_counter() + PROGRESS_EVERY_S
+
+    def on_interrupt_check(event) -> None:  # type: ignore[no-untyped-def]
+        nonlocal next_report
+        if time.perf_counter() >= next_report:
+            next_report = time.perf_counter() + PROGRESS_EVERY_S
+            data = event.data_out
+            progress(data.running_time, data.mip_primal_bound, data.mip_dual_bound)
+
+    highs.cbMipInterrupt.subscribe(on_interrupt_check)
 
 
 _banner_shown = False

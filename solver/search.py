@@ -16,6 +16,7 @@ on the last, where the schedule puts them (rank 0 for both in a V).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -82,7 +83,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     )
 
     model = _Formulation(profile, spec, schedule, groups, with_budget=True)
-    fastest = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline))
+    fastest = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline), progress=_log_progress)
     log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
     if fastest.values is None:
         if fastest.status == "infeasible":
@@ -129,6 +130,14 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
         best = least_memory
     log.info("tie-breaks done")
     return best
+
+
+def _log_progress(seconds: float, best_ms: float, bound_ms: float) -> None:
+    if math.isfinite(best_ms):
+        log.info("searching: best %.6g ms, proven >= %.6g ms (gap %.1f%%), %.0f s", best_ms, bound_ms,
+                 100 * (best_ms - bound_ms) / best_ms, seconds)
+    else:
+        log.info("searching: no plan yet, proven >= %.6g ms, %.0f s", bound_ms, seconds)
 
 
 def _left(deadline: float) -> float:

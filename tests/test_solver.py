@@ -140,3 +140,16 @@ def test_sapp_parity_and_no_slower(case):
     ours = solve(profile, spec)
     assert ours.status == "optimal" and ours.fits
     assert ours.iteration_time_ms <= theirs.iteration_time_ms
+
+
+def test_long_searches_report_progress(caplog, monkeypatch):
+    import logging
+
+    import solver.milp
+
+    monkeypatch.setattr(solver.milp, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="solver"):
+        solve(small_profile(6), spec_for("Interleaved1F1B", 2, 2, 4, 400))
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(message.startswith("searching: ") for message in messages)
+    assert any(message.startswith("fastest plan: optimal") for message in messages)
