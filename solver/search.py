@@ -217,8 +217,7 @@ class _Formulation:
     """The program: layer counts per (group, virtual stage, mode), durations, start times, memory."""
 
     def __init__(
-        self, profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], *, with_budget: bool,
-        timing: str = "starts",
+        self, profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], *, with_budget: bool
     ) -> None:
         self.profile, self.spec, self.schedule, self.groups = profile, spec, schedule, groups
         self.milp = milp = Milp()
@@ -269,18 +268,16 @@ class _Formulation:
             rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
             for rank, chunk in zip(program.rank, program.chunk)
         ]
-        self.duration = duration
-        self.cell_of = cell_of
         self.iteration = milp.variable()
         action_duration = [duration[cell_of[i], program.kind[i]] for i in range(program.num_actions)]
         offsets = program.rank_offsets
-        start = [milp.variable() for _ in range(program.num_actions)] if timing == "starts" else []
-        for rank in range(schedule.stages if timing == "starts" else 0):
+        start = [milp.variable() for _ in range(program.num_actions)]
+        for rank in range(schedule.stages):
             for i in range(offsets[rank] + 1, offsets[rank + 1]):
                 milp.row({start[i]: 1.0, start[i - 1]: -1.0, action_duration[i - 1]: -1.0}, lower=0.0)
             last = offsets[rank + 1] - 1
             milp.row({self.iteration: 1.0, start[last]: -1.0, action_duration[last]: -1.0}, lower=0.0)
-        for i, dep in enumerate(program.dependency if timing == "starts" else []):
+        for i, dep in enumerate(program.dependency):
             if dep >= 0 and program.crosses_ranks[i]:
                 milp.row({start[i]: 1.0, start[dep]: -1.0, action_duration[dep]: -1.0}, lower=spec.p2p_ms)
 
