@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_args import with_flags
 
 from sapp_hook.cli import main
 
@@ -84,14 +85,8 @@ def test_quiet_prints_nothing(capsys):
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, args, message):
-    argv = list(BASE)
-    for flag, value in zip(args[::2], args[1::2]):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
     with pytest.raises(SystemExit) as caught:
-        main(argv)
+        main(with_flags(BASE, args))
     out, err = capsys.readouterr()
     assert caught.value.code == 2
     assert out == ""

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import yaml
+from cli_args import with_flags
 from solver_cases import SAPP
 
 from sapp_hook.cli import main
@@ -93,14 +94,8 @@ def test_unsafe_or_broken_yaml_is_one_line(capsys, tmp_path, text, words):
     ],
 )
 def test_solve_errors_are_one_line(capsys, args, message):
-    argv = list(SOLVE)
-    for flag, value in zip(args[::2], args[1::2]):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
     with pytest.raises(SystemExit) as caught:
-        main(argv)
+        main(with_flags(SOLVE, args))
     out, err = capsys.readouterr()
     assert caught.value.code == 2 and out == ""
     lines = err.splitlines()

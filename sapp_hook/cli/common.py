@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -117,6 +118,17 @@ def write_replay_outputs(result: SimulationResult, outputs: dict[str, Path], tal
             raise InputError(f"--{name}", f"cannot write {path}: {exc.strerror or exc}") from None
         written.append(str(path))
     return written
+
+
+def finish(args: argparse.Namespace, data: dict[str, object], report: str, written: list[str]) -> int:
+    """The command's result: one JSON object with `--json`, else the report and the files written."""
+    if args.json:
+        print(json.dumps({**data, "written": written}, indent=2))
+    elif not args.quiet:
+        print(report)
+        for path in written:
+            print(f"wrote {path}")
+    return 0
 
 
 def configure_logging(talk: bool) -> None:

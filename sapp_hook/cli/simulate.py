@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 from sapp_hook.cli.common import (
@@ -12,6 +11,7 @@ from sapp_hook.cli.common import (
     check_milliseconds,
     fail,
     fail_input,
+    finish,
     output_paths,
     say,
     size_flag,
@@ -101,13 +101,7 @@ def _replay_uniform(args: argparse.Namespace) -> int:
     say([*notes, f"simulating {schedule.num_actions:,} actions ..."], talk)
     result = simulate(schedule, costs)
     written = write_replay_outputs(result, outputs, talk)
-    if args.json:
-        print(json.dumps({**result.to_dict(), "written": written}, indent=2))
-    elif not args.quiet:
-        print(replay_report(result))
-        for path in written:
-            print(f"wrote {path}")
-    return 0
+    return finish(args, result.to_dict(), replay_report(result), written)
 
 
 def _replay_plan(args: argparse.Namespace) -> int:
@@ -138,10 +132,4 @@ def _replay_plan(args: argparse.Namespace) -> int:
         plan = plan_from_mindformers(profile, spec, keys)
     say(notes, talk)
     written = write_replay_outputs(plan.simulation, outputs, talk)
-    if args.json:
-        print(json.dumps({**plan.to_dict(), "written": written}, indent=2))
-    elif not args.quiet:
-        print(plan_report(plan))
-        for path in written:
-            print(f"wrote {path}")
-    return 0
+    return finish(args, plan.to_dict(), plan_report(plan), written)

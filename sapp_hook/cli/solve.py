@@ -13,6 +13,7 @@ from sapp_hook.cli.common import (
     check_milliseconds,
     configure_logging,
     fail_input,
+    finish,
     output_paths,
     say,
     size_flag,
@@ -100,10 +101,4 @@ def _run(args: argparse.Namespace) -> int:
                 raise InputError(f"--{name.replace('_', '-')}", f"cannot write {outputs[name]}: {exc.strerror or exc}") from None
             written.append(str(outputs[name]))
 
-    if args.json:
-        print(json.dumps({**plan.to_dict(), "written": written}, indent=2))
-    elif not args.quiet:
-        print(plan_report(plan))
-        for path in written:
-            print(f"wrote {path}")
-    return 0
+    return finish(args, plan.to_dict(), plan_report(plan), written)
