@@ -19,7 +19,6 @@ from solver.spec import PipelineSpec, spec_from_dict, spec_to_dict
 # first, then select+comm, then select or comm, then the rest.
 MODE_ORDER = (FULL, SELECTIVE_COMM, SELECTIVE, COMM, NONE)
 MINDFORMERS_KEYS = ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num")
-STATUSES = ("optimal", "feasible", "given")
 
 
 def ordered_modes(counts: Mapping[str, int]) -> list[str]:
@@ -73,12 +72,11 @@ class Plan:
             for stage in range(schedule.stages)
         ]
 
-    def _mode_counts(self, layers: range) -> dict[str, int]:
+    def _body_modes(self, layers: range) -> dict[str, int]:
+        """How many body layers (not head or tail) of `layers` use each recompute mode."""
         counts = {mode: 0 for mode in MODE_ORDER}
-        counts["body"] = 0
         for index in layers:
             if self.layer_kinds[index] not in (HEAD, TAIL):
-                counts["body"] += 1
                 counts[self.layer_modes[index]] += 1
         return counts
 
@@ -93,9 +91,9 @@ class Plan:
         for chunk in range(schedule.chunks):
             rows = {key: [] for key in keys}
             for stage in range(schedule.stages):
-                counts = self._mode_counts(cells[stage][chunk])
+                counts = self._body_modes(cells[stage][chunk])
                 full_or_both = counts[FULL] + counts[SELECTIVE_COMM]
-                rows["offset"].append(counts["body"] - share)
+                rows["offset"].append(sum(counts.values()) - share)
                 rows["recompute"].append(counts[FULL])
                 rows["select_recompute"].append(full_or_both + counts[SELECTIVE])
                 rows["select_comm_recompute"].append(full_or_both + counts[COMM])
@@ -286,13 +284,16 @@ def _per_cell(value: object, key: str, stages: int, chunks: int, per_stage: list
         value = [value]
     if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
         raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {value!r}")
+    cells = []
     for c, row in enumerate(value):
+        cells.append([])
         for s, item in enumerate(row):
             if isinstance(item, bool) and per_stage is not None:
-                row[s] = per_stage[c][s] if item else 0
+                item = per_stage[c][s] if item else 0
             elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
                 raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {item!r}")
-    return [list(row) for row in value]
+            cells[c].append(item)
+    return cells
 
 
 def plan_from_dict(profile: ModelProfile, data: object) -> Plan:

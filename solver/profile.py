@@ -20,6 +20,7 @@ NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL = "none", "selective", "comm", "sele
 RECOMPUTE_MODES = (NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL)
 HEAD, TAIL, BODY_PREFIX = "head", "tail", "body:"
 MAX_FILE_BYTES = 64 * 2**20
+MAX_LAYERS = 100_000
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,8 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
 def _check_profile(profile: ModelProfile) -> None:
     if not profile.layers:
         raise InputError("layers", "expected at least one layer")
+    if len(profile.layers) > MAX_LAYERS:
+        raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
     check_non_negative(profile.stage_constant_bytes, "stage_constant_bytes")
     seen_body = seen_tail = False
     for index, layer in enumerate(profile.layers):

@@ -18,7 +18,19 @@ from collections.abc import Mapping
 
 from simulator.errors import InputError
 from solver.fields import Fields
-from solver.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, LayerProfile, ModelProfile, RecomputeCost
+from solver.profile import (
+    COMM,
+    FULL,
+    HEAD,
+    MAX_LAYERS,
+    NONE,
+    SELECTIVE,
+    SELECTIVE_COMM,
+    TAIL,
+    LayerProfile,
+    ModelProfile,
+    RecomputeCost,
+)
 
 MIB = 2**20
 BACKWARD_RATIO = 2.0
@@ -43,6 +55,8 @@ def profile_from_sapp(data: Mapping) -> ModelProfile:
     layers: list[LayerProfile] = []
     for index, item in enumerate(description):
         layers.extend(_layers(item, f"layers_description[{index}]"))
+        if len(layers) > MAX_LAYERS:  # before a huge nb_layer is expanded further
+            raise InputError(f"layers_description[{index}].nb_layer", f"brings the model past {MAX_LAYERS:,} layers")
     profile = ModelProfile(
         layers=tuple(layers),
         model=top.text("name"),
@@ -61,6 +75,8 @@ def _layers(item: object, where: str) -> list[LayerProfile]:
     fields.text("model_name")
     kind_name = fields.text("type", required=True)
     count = fields.integer("nb_layer", 1, least=1)
+    if count > MAX_LAYERS:
+        raise InputError(f"{where}.nb_layer", f"expected at most {MAX_LAYERS:,}, got {count:,}")
     forward_ms = fields.number("forward_time")
     time_ms = fields.number("time", required=True)
     forward_ms = time_ms if forward_ms is None else forward_ms

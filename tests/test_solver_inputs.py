@@ -62,6 +62,7 @@ def test_sapp_defaults_and_explicit_times():
         (lambda d: d.update(extra=1), "extra"),
         (lambda d: d["layers_description"][1].update(time=-1), "time"),
         (lambda d: d["layers_description"][1].update(nb_layer=0), "nb_layer"),
+        (lambda d: d["layers_description"][1].update(nb_layer=10**12), "nb_layer: expected at most 100,000"),
     ],
 )
 def test_bad_sapp_files_are_refused(change, field):
