@@ -147,16 +147,23 @@ def load_profile(path: str | Path) -> ModelProfile:
     return ModelProfile.from_dict(data)
 
 
-def read_json(path: str | Path, what: str) -> object:
-    """Parse a JSON file of at most MAX_FILE_BYTES; InputError on anything else."""
+def read_limited(path: str | Path, what: str) -> bytes:
+    """The bytes of a file of at most MAX_FILE_BYTES; InputError naming `what` otherwise."""
     path = Path(path)
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
             raise InputError(what, f"{path} is {size:,} bytes; expected at most {MAX_FILE_BYTES:,}")
-        return json.loads(path.read_text(encoding="utf-8"))
+        return path.read_bytes()
     except OSError as exc:
         raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """Parse a JSON file of at most MAX_FILE_BYTES; InputError on anything else."""
+    data = read_limited(path, what)
+    try:
+        return json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise InputError(what, f"{path} is not valid JSON: {exc}") from None
 

@@ -9,6 +9,7 @@ from functools import cached_property
 from simulator import build_schedule
 from simulator.errors import InputError, check_non_negative
 from simulator.schedule import Schedule
+from solver.fields import Fields
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -88,8 +89,6 @@ def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
 
 
 def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
-    from solver.fields import Fields
-
     fields = Fields(data, where)
     budget = fields.raw("memory_budget_bytes")
     allow_empty = fields.raw("allow_empty_chunks", False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from simulator.errors import InputError
-from solver.profile import MAX_FILE_BYTES, read_json
+from solver.profile import read_json, read_limited
 
 MAX_DEPTH = 32
 
@@ -38,12 +38,7 @@ def read_document(path: str | Path, what: str) -> object:
     if path.suffix.lower() not in (".yaml", ".yml"):
         return read_json(path, what)
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise InputError(what, f"{path} is {size:,} bytes; expected at most {MAX_FILE_BYTES:,}")
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+        text = read_limited(path, what).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(what, f"{path} is not UTF-8 text: {exc}") from None
     try:
