@@ -67,6 +67,16 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class TiedParameter:
+    """One parameter several layers use (a tied embedding and LM head). Each layer counts its bytes:
+    on different stages each holds a copy, kept equal by an all-reduce of their gradients."""
+
+    names: tuple[str, ...]
+    layers: tuple[str, ...]
+    bytes: float
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """Every layer's costs, in model order: heads first, then body layers, then tails."""
 
@@ -78,6 +88,7 @@ class ModelProfile:
     micro_batch: Mapping[str, int] = field(default_factory=dict)  # e.g. {"size": 1, "sequence": 4096}
     fingerprint: str = ""
     stage_constant_bytes: float = 0.0  # held by every stage whatever its layers (framework, buffers)
+    tied_parameters: tuple[TiedParameter, ...] = ()
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -104,6 +115,9 @@ class ModelProfile:
             "fingerprint": self.fingerprint,
             "stage_constant_bytes": self.stage_constant_bytes,
             "layers": [_layer_to_dict(layer) for layer in self.layers],
+            "tied_parameters": [
+                {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
+            ],
         }
 
     def save(self, path: str | Path) -> None:
@@ -132,6 +146,7 @@ class ModelProfile:
             micro_batch=dict(micro_batch),
             fingerprint=fields.text("fingerprint"),
             stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+            tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
         fields.done()
         return profile
@@ -166,6 +181,21 @@ def read_json(path: str | Path, what: str) -> object:
         return json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise InputError(what, f"{path} is not valid JSON: {exc}") from None
+
+
+def _tied_from_list(data: object) -> tuple[TiedParameter, ...]:
+    if not isinstance(data, list):
+        raise InputError("tied_parameters", f"expected a list, got {type(data).__name__}")
+    tied = []
+    for index, item in enumerate(data):
+        fields = Fields(item, f"tied_parameters[{index}]")
+        names, layers = fields.raw("names", []), fields.raw("layers", [])
+        for key, value in (("names", names), ("layers", layers)):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise InputError(fields.at(key), f"expected a list of strings, got {value!r}")
+        tied.append(TiedParameter(names=tuple(names), layers=tuple(layers), bytes=fields.number("bytes", required=True)))
+        fields.done()
+    return tuple(tied)
 
 
 def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:

@@ -1,0 +1,181 @@
+"""From measured samples to a `ModelProfile`, and the one measurement made outside the training steps:
+how a block's backward splits into input-gradient and weight-gradient work."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from profiler.clock import clock_for
+from profiler.recorder import HEAD, TAIL, _output_tensor, _storage_key
+from profiler.samples import LayerSamples, median, spread
+from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
+
+if TYPE_CHECKING:
+    from profiler.layer_profiler import LayerProfiler
+
+
+def build_profile(profiler: LayerProfiler) -> ModelProfile:
+    recorder = profiler.recorder
+    structure = recorder.structure
+    slots: list[object] = [*([HEAD] if recorder.has_head else []), *structure.body_order,
+                           *([TAIL] if recorder.has_tail else [])]
+    samples = {slot: profiler.samples.get(slot, LayerSamples()) for slot in slots}
+    timing = dict(samples)
+    if profiler.pool:
+        by_kind: dict[str, LayerSamples] = {}
+        for index in structure.body_order:
+            kind = profiler.blocks[index].kind
+            by_kind[kind] = by_kind[kind].merged(samples[index]) if kind in by_kind else samples[index]
+        timing.update({index: by_kind[profiler.blocks[index].kind] for index in structure.body_order})
+    layers = []
+    for slot in slots:
+        params = structure.slot_parameters.get(slot, [])
+        if slot in (HEAD, TAIL):
+            name, kind, modes = str(slot), str(slot), (NONE,)
+        else:
+            name, kind, modes = profiler.blocks[slot].name, profiler.blocks[slot].kind, profiler.modes
+        layers.append(_layer(name, kind, modes, samples[slot], timing[slot], params, recorder, profiler))
+    return ModelProfile(
+        layers=tuple(layers),
+        model=profiler.model_name,
+        source="measured",
+        device=_device_name(profiler.device),
+        dtype=_dtype(profiler.model),
+        micro_batch=profiler.micro_batch or _micro_batch(recorder.input_shape),
+        fingerprint=fingerprint(profiler.model, [b.kind for b in profiler.blocks]),
+        tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
+    )
+
+
+def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, timing: LayerSamples,
+           params: list[nn.Parameter], recorder: object, profiler: LayerProfiler) -> LayerProfile:
+    forward_ms = median(timing.forward_ms.get(NONE, []))
+    backward_ms = median(timing.backward_ms.get(NONE, []))
+    kept_none = median(memory.kept_bytes.get(NONE, []))
+    boundary_bytes = median(memory.input_bytes)
+    recompute = {}
+    for mode in modes:
+        extra_ms = 0.0
+        if mode != NONE:  # what the mode adds to the whole layer, its slower forward included
+            with_mode = median(timing.forward_ms.get(mode, [])) + median(timing.backward_ms.get(mode, []))
+            extra_ms = max(0.0, with_mode - forward_ms - backward_ms)
+        kept = min(median(memory.kept_bytes.get(mode, [])), kept_none)
+        if memory.backward_peak_bytes.get(mode):
+            working = median(memory.backward_peak_bytes[mode])
+        elif kind.startswith("body:"):  # CPU: the gradients flowing in and out, and what is rebuilt
+            working = 2 * boundary_bytes + (kept_none - kept)
+        else:
+            working = 0.0
+        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working)
+    if kind == HEAD:
+        weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
+    elif kind in profiler.weight_fractions:
+        weight_ms = backward_ms * profiler.weight_fractions[kind]
+    else:
+        weight_ms = None
+    return LayerProfile(
+        name=name,
+        kind=kind,
+        forward_ms=forward_ms,
+        backward_ms=backward_ms,
+        weight_ms=weight_ms,
+        recompute=recompute,
+        parameter_bytes=_unique_bytes(params),
+        gradient_bytes=sum(recorder.gradient_bytes.get(id(p), 0) for p in _unique(params)),
+        optimizer_bytes=sum(recorder.optimizer_bytes.get(id(p), 0) for p in _unique(params)),
+        spread={
+            "forward_ms": spread(timing.forward_ms.get(NONE, [])),
+            "backward_ms": spread(timing.backward_ms.get(NONE, [])),
+        },
+    )
+
+
+def weight_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3) -> float | None:
+    """The share of `module`'s backward spent on weight gradients: one backward for the input gradient
+    alone, one for everything, on the same graph; the median over `repeats` after a warm-up.
+    The random number generators are restored, so training continues as if this never ran."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not inputs or not params:
+        return None
+    clock = clock_for(device)
+    fractions = []
+    accelerators = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
+        for attempt in range(repeats + 1):
+            output = _output_tensor(module(*args, **kwargs))
+            if output is None:
+                return None
+            grad = torch.ones_like(output)
+            start = clock.mark()
+            torch.autograd.grad(output, inputs, grad, retain_graph=True)
+            middle = clock.mark()
+            torch.autograd.grad(output, inputs + params, grad)
+            end = clock.mark()
+            clock.synchronize()
+            input_ms, total_ms = clock.elapsed_ms(start, middle), clock.elapsed_ms(middle, end)
+            if attempt and total_ms > 0:
+                fractions.append(min(1.0, max(0.0, (total_ms - input_ms) / total_ms)))
+    return float(statistics.median(fractions)) if fractions else None
+
+
+def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],
+                    layers: dict[object, LayerProfile]) -> tuple[TiedParameter, ...]:
+    """Parameters used by more than one layer (a tied embedding and LM head): each layer counts them."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    holders: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for slot, slot_params in slot_parameters.items():
+        if slot not in layers:
+            continue
+        for param in _unique(slot_params):
+            holders.setdefault(id(param), []).append(layers[slot].name)
+            params[id(param)] = param
+    return tuple(
+        TiedParameter(names=tuple(names.get(key, [])), layers=tuple(held), bytes=_unique_bytes([params[key]]))
+        for key, held in holders.items()
+        if len(held) > 1
+    )
+
+
+def fingerprint(model: nn.Module, kinds: list[str]) -> str:
+    """The model's structure: every parameter's name, shape and dtype, and the body kinds in order."""
+    parts = [kinds, [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def _unique_bytes(params: list[nn.Parameter]) -> int:
+    storages = dict(_storage_key(p) for p in params)
+    return sum(storages.values())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _dtype(model: nn.Module) -> str:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return str(param.dtype).removeprefix("torch.")
+    return ""
+
+
+def _micro_batch(shape: tuple[int, ...] | None) -> dict[str, int]:
+    if not shape or len(shape) < 2:
+        return {}
+    return {"size": int(shape[0]), "sequence": int(shape[1])}

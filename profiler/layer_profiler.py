@@ -1,0 +1,200 @@
+"""`LayerProfiler`: attach to a model, run a few real training steps, get a `ModelProfile`.
+
+    with LayerProfiler(model, optimizer, steps=2) as profiler:
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            profiler.step()
+            if profiler.done:
+                break
+    profile = profiler.profile()
+
+The first `warmup_steps` steps warm up and find the layers' order; then each recompute mode runs
+`steps` times, the modes taking turns so that drift in the machine's speed spreads over all of them.
+Every block runs under the mode of its step (full or selective checkpointing), which leaves losses and
+gradients bit-identical: checkpointing recomputes the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from profiler.build import build_profile, weight_fraction
+from profiler.clock import clock_for, device_of, memory_for
+from profiler.layers import find_blocks
+from profiler.recompute import TORCH_MODES
+from profiler.recorder import HEAD, Recorder
+from profiler.samples import LayerSamples
+from simulator.errors import InputError
+from solver.profile import NONE, ModelProfile
+
+log = logging.getLogger(__name__)
+
+
+class LayerProfiler:
+    """Measures every layer's time and memory, per recompute mode, in the training steps the user runs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        steps: int = 2,
+        warmup_steps: int = 1,
+        modes: Sequence[str] = TORCH_MODES,
+        layers: Sequence[str] | None = None,
+        pool: bool = True,
+        split_backward: bool = True,
+        model_name: str = "",
+        micro_batch: Mapping[str, int] | None = None,
+        on_step: Callable[[int, int, str], None] | None = None,
+    ) -> None:
+        """`steps`: measured steps per recompute mode. `layers`: module-name patterns for the body blocks
+        (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
+        `split_backward`: time each body kind's input-gradient and weight-gradient parts once, alone.
+        `on_step(done, total, mode)`: progress after each step."""
+        _check_count(steps, "steps", 1)
+        _check_count(warmup_steps, "warmup_steps", 1)
+        modes = tuple(modes)
+        if NONE not in modes or len(set(modes)) != len(modes) or not set(modes) <= set(TORCH_MODES):
+            raise InputError("modes", f"expected distinct modes among {', '.join(TORCH_MODES)}, including none; got {modes}")
+        self.model = model
+        self.optimizer = optimizer
+        self.blocks = find_blocks(model, layers)
+        self.steps, self.warmup_steps, self.modes = steps, warmup_steps, modes
+        self.pool, self.split_backward = pool, split_backward
+        self.model_name = model_name or type(model).__name__
+        self.micro_batch = dict(micro_batch) if micro_batch else None
+        self.on_step = on_step
+        self.device = device_of(model)
+        self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device))
+        self.samples: dict[object, LayerSamples] = {}
+        self.step_ms: dict[str, list[float]] = {}
+        self.steps_done = 0
+        self._attached = False
+        self._step_started = 0.0
+        self._weight_fractions: dict[str, float] = {}
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps * len(self.modes)
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= self.total_steps
+
+    def mode_of(self, step: int) -> str:
+        """The recompute mode step `step` (0-based) runs under; warm-up steps run without recompute."""
+        if step < self.warmup_steps:
+            return NONE
+        return self.modes[(step - self.warmup_steps) % len(self.modes)]
+
+    def __enter__(self) -> LayerProfiler:
+        self.attach()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        if self._attached or self.done:
+            return
+        self.recorder.attach(self.optimizer)
+        self._attached = True
+        self._step_started = time.perf_counter()
+        log.info("profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)", len(self.blocks),
+                 self.model_name, self.warmup_steps, self.steps, len(self.modes), ", ".join(self.modes))
+
+    def detach(self) -> None:
+        """Remove every hook and restore every block's forward; safe to call twice."""
+        if self._attached:
+            self.recorder.detach()
+            self._attached = False
+
+    def step(self) -> None:
+        """Call once after each training step (after `optimizer.step()`)."""
+        if not self._attached:
+            raise RuntimeError("LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`")
+        recorder = self.recorder
+        recorder.clock.synchronize()
+        now = time.perf_counter()
+        mode = self.mode_of(self.steps_done)
+        if self.steps_done >= self.warmup_steps:
+            self._collect(mode)
+            self.step_ms.setdefault(mode, []).append((now - self._step_started) * 1e3)
+        recorder.passes.clear()
+        self.steps_done += 1
+        if self.steps_done == self.warmup_steps:
+            recorder.finish_discovery()
+        if self.on_step is not None:
+            self.on_step(self.steps_done, self.total_steps, mode)
+        if self.done:
+            self.detach()
+            self._measure_weight_split()
+        else:
+            self._start_step()
+        self._step_started = time.perf_counter()
+
+    def profile(self) -> ModelProfile:
+        """The measured profile; after the last profiled step."""
+        if not self.done:
+            raise RuntimeError(f"profiled {self.steps_done} of {self.total_steps} steps; call step() after each training step")
+        return build_profile(self)
+
+    def _start_step(self) -> None:
+        recorder = self.recorder
+        mode = self.mode_of(self.steps_done)
+        recorder.recording = self.steps_done >= self.warmup_steps
+        recorder.set_mode(mode, on_kept=True)
+        last_plain_step = self.total_steps - len(self.modes) + self.modes.index(NONE)
+        if self.split_backward and self.steps_done == last_plain_step:
+            first_of_kind = {}
+            for index, block in enumerate(self.blocks):
+                first_of_kind.setdefault(block.kind, index)
+            recorder.capture_for = set(first_of_kind.values())
+
+    def _collect(self, mode: str) -> None:
+        elapsed = self.recorder.clock.elapsed_ms
+        for slot, record in self.recorder.passes:
+            if record.forward_end is None or record.backward_start is None:
+                continue  # a forward without backward (evaluation under no_grad)
+            ends = [record.backward_end] if record.backward_end is not None else record.parameter_marks
+            backward_ms = max((elapsed(record.backward_start, end) for end in ends), default=0.0)
+            self.samples.setdefault(slot, LayerSamples()).add(
+                mode,
+                forward_ms=elapsed(record.forward_start, record.forward_end),
+                backward_ms=backward_ms,
+                kept_bytes=sum(record.kept_bytes.values()),
+                input_bytes=record.input_bytes,
+                backward_peak_bytes=record.backward_peak_bytes,
+            )
+
+    def _measure_weight_split(self) -> None:
+        for index, (args, kwargs) in self.recorder.captured_inputs.items():
+            block = self.blocks[index]
+            fraction = weight_fraction(block.module, args, kwargs, self.device)
+            if fraction is not None:
+                self._weight_fractions[block.kind] = fraction
+        self.recorder.captured_inputs.clear()
+
+    @property
+    def weight_fractions(self) -> dict[str, float]:
+        """Per body kind: the share of the backward that computes weight gradients (measured alone)."""
+        return dict(self._weight_fractions)
+
+    @property
+    def has_head(self) -> bool:
+        return HEAD in self.recorder.structure.slot_parameters
+
+
+def _check_count(value: object, field: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(field, f"expected an integer >= {minimum}, got {value!r}")

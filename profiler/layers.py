@@ -1,0 +1,122 @@
+"""Finding a model's body layers: the repeated blocks a pipeline splits between stages.
+
+The head (embedding and whatever runs before the first block) and the tail (final norm, LM head, loss)
+are not modules of their own: the recorder finds them by when they run relative to the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from simulator.errors import InputError
+
+
+@dataclass(frozen=True)
+class Block:
+    """One body layer: a module the pipeline keeps whole. `kind` is the profile's `body:<type>`."""
+
+    name: str
+    module: nn.Module
+    kind: str
+
+
+def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> tuple[Block, ...]:
+    """The body layers of `model` in module order.
+
+    With `patterns` (fnmatch on qualified module names, e.g. `model.layers.*`), the outermost modules
+    that match. Otherwise the modules named in transformers' `_no_split_modules`, else the largest
+    `ModuleList`/`Sequential` of two or more same-typed children.
+    """
+    if patterns:
+        found = _matching(model, patterns)
+    else:
+        found = _no_split_blocks(model) or _largest_repeated_list(model)
+        if not found:
+            raise InputError(
+                "layers",
+                "found no repeated blocks (no ModuleList of two or more modules of one type); "
+                "name the blocks with module-name patterns such as 'model.layers.*'",
+            )
+    return _with_kinds(found)
+
+
+def _matching(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    named = [(name, module) for name, module in model.named_modules() if name]
+    for pattern in patterns:
+        if not any(fnmatchcase(name, pattern) for name, _ in named):
+            examples = ", ".join(name for name, _ in named[:6])
+            raise InputError("layers", f"pattern {pattern!r} matches no module (module names look like: {examples})")
+    return _outermost([(name, module) for name, module in named if any(fnmatchcase(name, p) for p in patterns)])
+
+
+def _no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not classes:
+        return []
+    found = _outermost([(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes])
+    return found if len(found) >= 2 else []
+
+
+def _largest_repeated_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: tuple[tuple[int, int], list[tuple[str, nn.Module]]] | None = None
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+            continue
+        children = list(container.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        size = (len(children), sum(p.numel() for p in container.parameters()))
+        if best is None or size > best[0]:
+            prefix = f"{name}." if name else ""
+            best = (size, [(prefix + child_name, child) for child_name, child in children])
+    return best[1] if best else []
+
+
+def _outermost(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop modules nested inside another one of the list (a block's own sub-blocks)."""
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in named:  # named_modules order: parents before their children
+        if not any(name.startswith(outer + ".") for outer, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def _with_kinds(found: list[tuple[str, nn.Module]]) -> tuple[Block, ...]:
+    """Name each block's kind after its class; blocks of one class that differ inside (dense and MoE
+    layers of one decoder class) get the class of what tells them apart as a suffix."""
+    structures = {name: _structure(module) for name, module in found}
+    by_class: dict[str, list[tuple[tuple[str, ...], ...]]] = {}
+    for name, module in found:
+        variants = by_class.setdefault(type(module).__name__, [])
+        if structures[name] not in variants:
+            variants.append(structures[name])
+    blocks = []
+    for name, module in found:
+        cls = type(module).__name__
+        variants = by_class[cls]
+        kind = f"body:{cls}"
+        if len(variants) > 1:
+            kind += "/" + _distinguishing_class(structures[name], variants)
+        blocks.append(Block(name=name, module=module, kind=kind))
+    return tuple(blocks)
+
+
+def _structure(module: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """What a block is made of: each submodule's class and its parameters' shapes."""
+    return tuple(
+        (name, type(sub).__name__, *(f"{p}:{tuple(t.shape)}" for p, t in sub.named_parameters(recurse=False)))
+        for name, sub in module.named_modules()
+    )
+
+
+def _distinguishing_class(structure: tuple[tuple[str, ...], ...], variants: list[tuple[tuple[str, ...], ...]]) -> str:
+    """The class of the first submodule whose class differs from the same submodule in another variant."""
+    others = [{entry[0]: entry[1] for entry in other} for other in variants if other != structure]
+    for name, cls, *_ in structure[1:]:
+        if any(other.get(name) != cls for other in others):
+            return cls
+    return f"variant{variants.index(structure)}"  # same classes, different shapes

@@ -1,0 +1,47 @@
+"""Measured values per layer and recompute mode, gathered over the profiled steps."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerSamples:
+    """Everything measured for one layer (slot): per recompute mode, one value per micro-batch pass."""
+
+    forward_ms: dict[str, list[float]] = field(default_factory=dict)
+    backward_ms: dict[str, list[float]] = field(default_factory=dict)
+    kept_bytes: dict[str, list[int]] = field(default_factory=dict)
+    input_bytes: list[int] = field(default_factory=list)
+    backward_peak_bytes: dict[str, list[int]] = field(default_factory=dict)  # accelerators only
+
+    def add(self, mode: str, forward_ms: float, backward_ms: float, kept_bytes: int, input_bytes: int,
+            backward_peak_bytes: int | None) -> None:
+        self.forward_ms.setdefault(mode, []).append(forward_ms)
+        self.backward_ms.setdefault(mode, []).append(backward_ms)
+        self.kept_bytes.setdefault(mode, []).append(kept_bytes)
+        self.input_bytes.append(input_bytes)
+        if backward_peak_bytes is not None:
+            self.backward_peak_bytes.setdefault(mode, []).append(backward_peak_bytes)
+
+    def merged(self, other: LayerSamples) -> LayerSamples:
+        """This layer's samples and another's together (pooling the layers of one kind)."""
+        out = LayerSamples()
+        for name in ("forward_ms", "backward_ms", "kept_bytes", "backward_peak_bytes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(out, name, {m: mine.get(m, []) + theirs.get(m, []) for m in {*mine, *theirs}})
+        out.input_bytes = self.input_bytes + other.input_bytes
+        return out
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else 0.0
+
+
+def spread(values: Iterable[float]) -> float:
+    """Max minus min: how far the measured steps disagree."""
+    values = list(values)
+    return float(max(values) - min(values)) if values else 0.0

@@ -1,0 +1,128 @@
+"""`sapp-hook profile`: measure a model's layers in a few real training steps and write the profile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sapp_hook.cli.common import configure_logging, fail_input, finish, output_paths
+from simulator import InputError
+from simulator.units import format_bytes
+from solver.profile import NONE, ModelProfile
+
+PROG = "sapp-hook profile"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from sapp_hook.models import BUILTIN_MODELS
+
+    parser = commands.add_parser(
+        "profile",
+        help="measure every layer's time and memory, per recompute mode, in real training steps",
+        description=(
+            "Build a transformers model from its config with random weights (no download), train it for a "
+            "few steps on random tokens and write what every layer costs: forward and backward time, "
+            "activation bytes per recompute mode and what each mode adds, parameter, gradient and "
+            "optimizer bytes. `sapp-hook solve --profile` reads the result."
+        ),
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="NAME",
+        help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a transformers config.json or a folder holding one",
+    )
+    parser.add_argument("--steps", type=int, default=2, metavar="N", help="measured steps per recompute mode (default 2)")
+    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N", help="steps before measuring (default 1)")
+    parser.add_argument("--micro-batch-size", type=int, default=2, metavar="B", help="default 2")
+    parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
+    parser.add_argument("--modes", default="none,selective,full", metavar="LIST", help="recompute modes to measure")
+    parser.add_argument(
+        "--layers", action="append", metavar="PATTERN",
+        help="module-name pattern of the body blocks, e.g. 'model.layers.*' (repeatable; found automatically otherwise)",
+    )
+    parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
+    parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except InputError as exc:
+        fail_input(PROG, exc)
+
+
+def _run(args: argparse.Namespace) -> int:
+    talk = not (args.json or args.quiet)
+    outputs = output_paths(args, ("out",))
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    for flag, value in (("--steps", args.steps), ("--warmup-steps", args.warmup_steps)):
+        if value < 1:
+            raise InputError(flag, f"expected an integer >= 1, got {value}")
+    configure_logging(talk)
+
+    import torch
+    import transformers
+
+    from sapp_hook.models import load_config, profile_example
+
+    torch.set_num_threads(1)  # see the README: two threads per process are far slower on small CPUs
+    transformers.logging.set_verbosity_error()  # the CLI owns the terminal
+    config = load_config(args.model)
+
+    def progress(done: int, total: int, mode: str) -> None:
+        if talk:
+            what = "warm-up" if done <= args.warmup_steps else f"recompute {mode}"
+            print(f"profiling: step {done}/{total} done ({what})", file=sys.stderr, flush=True)
+
+    try:
+        profile = profile_example(
+            config, steps=args.steps, warmup_steps=args.warmup_steps, micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len, modes=modes, layers=args.layers, model_name=args.model, on_step=progress,
+        )
+    except InputError as exc:
+        if exc.field in ("modes", "layers"):
+            raise InputError(f"--{exc.field}", exc.detail) from None
+        raise
+    try:
+        profile.save(outputs["out"])
+    except OSError as exc:
+        raise InputError("--out", f"cannot write {outputs['out']}: {exc.strerror or exc}") from None
+    return finish(args, profile.to_dict(), profile_report(profile), [str(outputs["out"])])
+
+
+def profile_report(profile: ModelProfile) -> str:
+    """A table of the layers; runs of layers with equal numbers share one row."""
+    modes = profile.modes
+    batch = ", ".join(f"{k} {v}" for k, v in profile.micro_batch.items())
+    rows: list[tuple[list[str], tuple]] = []
+    for layer in profile.layers:
+        cells = (
+            layer.kind, f"{layer.forward_ms:.2f}", f"{layer.backward_ms:.2f}", format_bytes(layer.parameter_bytes),
+            *(
+                f"{format_bytes(layer.recompute[m].activation_bytes):>14} {layer.recompute[m].extra_ms:>7.2f}"
+                if m in layer.recompute else f"{'-':>14} {'-':>7}"
+                for m in modes
+            ),
+        )
+        if rows and rows[-1][1] == cells:
+            rows[-1][0].append(layer.name)
+        else:
+            rows.append(([layer.name], cells))
+    labels = [names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} (x{len(names)})" for names, _ in rows]
+    name_width = max(6, *map(len, labels))
+    kind_width = max(4, *(len(layer.kind) for layer in profile.layers))
+    lines = [
+        f"{profile.model}: {len(profile.layers)} layers, {profile.dtype} on {profile.device}, micro-batch {batch}",
+        f"{'layers':<{name_width}}  {'kind':<{kind_width}}  {'fwd ms':>8} {'bwd ms':>8} {'params':>10} "
+        + " ".join(f"{'act ' + mode:>14} {'+ms':>7}" for mode in modes),
+    ]
+    for label, (_, cells) in zip(labels, rows):
+        kind, fwd, bwd, params, *per_mode = cells
+        lines.append(f"{label:<{name_width}}  {kind:<{kind_width}}  {fwd:>8} {bwd:>8} {params:>10} " + " ".join(per_mode))
+    for tied in profile.tied_parameters:
+        lines.append(f"tied            {' = '.join(tied.names)} ({format_bytes(tied.bytes)}), held by {', '.join(tied.layers)}")
+    body_modes = [m for m in modes if m != NONE]
+    if body_modes:
+        lines.append("act MODE: activation bytes kept per micro-batch; +ms: what the mode adds to forward+backward")
+    return "\n".join(lines)

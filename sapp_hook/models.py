@@ -1,0 +1,147 @@
+"""Models to profile without downloading anything: transformers architectures built from a config with
+random weights. The built-in examples, or any `config.json` transformers knows."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from simulator.errors import InputError
+from solver.profile import ModelProfile, read_json
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+# Small enough to train a few steps on two CPU cores in seconds; shaped like the real families.
+BUILTIN_MODELS: dict[str, dict[str, object]] = {
+    "tiny-llama": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+    "tiny-gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 256,
+        "n_layer": 8,
+        "n_head": 8,
+        "n_positions": 1024,
+        "vocab_size": 8192,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
+    # Dense blocks, then mixture-of-experts blocks: two body kinds in one model.
+    "tiny-moe": {
+        "model_type": "qwen2_moe",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 512,
+        "num_hidden_layers": 8,
+        "mlp_only_layers": [0, 1],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 8192,
+        "max_position_embeddings": 1024,
+    },
+}
+
+
+def load_config(model: str) -> PretrainedConfig:
+    """A built-in model's config, or one read from a `config.json` (or a folder holding one)."""
+    if model in BUILTIN_MODELS:
+        return _config_from_dict(dict(BUILTIN_MODELS[model]), model)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise InputError("--model", f"{model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a config.json or a folder holding one")
+    data = read_json(path, "--model")
+    if not isinstance(data, Mapping):
+        raise InputError("--model", f"{path} holds {type(data).__name__}; expected a transformers config object")
+    return _config_from_dict(dict(data), str(path))
+
+
+def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """The causal language model of `config` with random weights, in training mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except ValueError as exc:
+        raise InputError("--model", f"{config.model_type} has no causal language model in transformers: {exc}") from None
+    return model.train()
+
+
+def random_batch(config: PretrainedConfig, micro_batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """Token ids (and the same as labels) for one training step; no cache, as in training."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (micro_batch_size, seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: nothing to download
+    from transformers import AutoConfig
+
+    model_type = data.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise InputError("--model", f"{where}: expected a string `model_type` (llama, gpt2, qwen2_moe, ...)")
+    for key in ("auto_map", "_name_or_path", "transformers_version", "architectures"):
+        data.pop(key, None)  # remote code and provenance: not what the architecture is built from
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InputError("--model", f"{where}: transformers cannot build model_type {model_type!r}: {exc}") from None
+
+
+def profile_example(
+    config: PretrainedConfig,
+    *,
+    steps: int = 2,
+    warmup_steps: int = 1,
+    micro_batch_size: int = 2,
+    seq_len: int = 128,
+    modes: tuple[str, ...] | None = None,
+    layers: list[str] | None = None,
+    model_name: str = "",
+    on_step: Callable[[int, int, str], None] | None = None,
+) -> ModelProfile:
+    """Build `config`'s model and profile it over a few AdamW training steps on random tokens."""
+    import torch
+
+    from profiler import LayerProfiler
+    from profiler.recompute import TORCH_MODES
+
+    if micro_batch_size < 1 or seq_len < 1:
+        field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)
+        raise InputError(field, f"expected an integer >= 1, got {value}")
+    model = build_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    profiler = LayerProfiler(
+        model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,
+        model_name=model_name or config.model_type, on_step=on_step,
+        micro_batch={"size": micro_batch_size, "sequence": seq_len},
+    )
+    with profiler:
+        while not profiler.done:
+            loss = model(**random_batch(config, micro_batch_size, seq_len, seed=profiler.steps_done)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            profiler.step()
+    return profiler.profile()

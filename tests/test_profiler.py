@@ -1,0 +1,314 @@
+"""The profiler on models no one here wrote: transformers' Llama, GPT-2 and Qwen2-MoE from small configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from profiler_cases import BATCH, GPT2, LLAMA, SEQ, batch, gpt2, llama, moe, profiled, train_step
+
+from profiler import LayerProfiler, find_blocks
+from simulator import InputError
+from solver import PipelineSpec, solve
+from solver.profile import ModelProfile
+
+FP32 = 4
+
+
+def unique_parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() skips tied duplicates
+
+
+@pytest.fixture(scope="module")
+def llama_run():
+    model = llama()
+    profiler = profiled(model, steps=2)
+    return model, profiler, profiler.profile()
+
+
+@pytest.fixture(scope="module")
+def gpt2_run():
+    model = gpt2()
+    profiler = profiled(model, steps=1)
+    return model, profiler, profiler.profile()
+
+
+# -- finding the layers --------------------------------------------------------------------------
+
+
+def test_blocks_found_from_transformers_hints():
+    assert [b.name for b in find_blocks(llama())] == [f"model.layers.{i}" for i in range(4)]
+    assert [b.name for b in find_blocks(gpt2())] == [f"transformer.h.{i}" for i in range(4)]
+    assert {b.kind for b in find_blocks(gpt2())} == {"body:GPT2Block"}
+
+
+def test_dense_and_moe_blocks_are_two_kinds_in_model_order():
+    kinds = [b.kind for b in find_blocks(moe())]
+    assert kinds == ["body:Qwen2MoeDecoderLayer/Qwen2MoeMLP"] * 2 + ["body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"] * 2
+
+
+def test_largest_repeated_module_list_without_hints():
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+
+    assert [b.name for b in find_blocks(Net())] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_patterns_pick_the_outermost_matching_modules():
+    blocks = find_blocks(llama(), ["model.layers.*"])
+    assert [b.name for b in blocks] == [f"model.layers.{i}" for i in range(4)]
+
+
+def test_no_repeated_blocks_is_a_clear_error():
+    with pytest.raises(InputError, match="found no repeated blocks") as caught:
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    assert caught.value.field == "layers"
+
+
+def test_a_pattern_matching_nothing_is_a_clear_error():
+    with pytest.raises(InputError, match="'decoder.blocks.*' matches no module") as caught:
+        LayerProfiler(llama(), layers=["decoder.blocks.*"])
+    assert caught.value.field == "layers"
+
+
+# -- accuracy ------------------------------------------------------------------------------------
+
+
+def test_layers_in_model_order(llama_run):
+    _, _, profile = llama_run
+    assert [layer.name for layer in profile.layers] == ["head", *(f"model.layers.{i}" for i in range(4)), "tail"]
+    assert profile.micro_batch == {"size": BATCH, "sequence": SEQ}
+    assert profile.dtype == "float32" and profile.source == "measured"
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_the_models(llama_run):
+    model, profiler, profile = llama_run
+    parameter_bytes = unique_parameter_bytes(model)
+    assert sum(layer.parameter_bytes for layer in profile.layers) == parameter_bytes
+    assert sum(layer.gradient_bytes for layer in profile.layers) == parameter_bytes
+    state_bytes = sum(
+        t.numel() * t.element_size() for state in profiler.optimizer.state.values() for t in state.values()
+    )
+    assert sum(layer.optimizer_bytes for layer in profile.layers) == state_bytes
+    block = model.model.layers[1]
+    assert profile.layers[2].parameter_bytes == sum(p.numel() * FP32 for p in block.parameters())
+
+
+def test_tied_embedding_and_lm_head_are_found_and_counted_by_both(gpt2_run):
+    model, _, profile = gpt2_run
+    (tied,) = profile.tied_parameters
+    assert tied.names == ("transformer.wte.weight", "lm_head.weight")
+    assert tied.layers == ("head", "tail")
+    assert tied.bytes == GPT2["vocab_size"] * GPT2["n_embd"] * FP32
+    counted = sum(layer.parameter_bytes for layer in profile.layers)
+    assert counted - tied.bytes == unique_parameter_bytes(model)
+
+
+def llama_block_bytes(first: bool) -> int:
+    """A hand count of what transformers' Llama block (SDPA, fp32, on the CPU) saves for backward."""
+    b, s, h, f = BATCH, SEQ, LLAMA["hidden_size"], LLAMA["intermediate_size"]
+    heads, kv_heads = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"]
+    d = h // heads
+    elements = (
+        2 * b * s * h  # block input and the attention residual sum: the two RMSNorm inputs
+        + 2 * b * s  # their rsqrt
+        + 2 * b * s * h  # the normalised x, and x * weight flattened for the projections (both norms)
+        + 2 * b * s * h  # the normalised x * weight for q/k/v and for gate/up: the matmul inputs
+        + b * s * heads * d + 2 * b * s * kv_heads * d  # q, k (after rotary) and v
+        + b * s * heads * d  # the attention output
+        + 4 * b * s * f  # gate, up, silu(gate) and silu(gate) * up
+    )
+    logsumexp = b * heads * s  # kept in fp32 by the attention kernel
+    rotary = 2 * s * d if first else 0  # cos and sin, computed once before the blocks
+    return (elements + logsumexp + rotary) * FP32
+
+
+def test_activation_bytes_of_a_plain_block_match_a_hand_count(llama_run):
+    _, _, profile = llama_run
+    body = [layer for layer in profile.layers if layer.is_body]
+    assert body[0].recompute["none"].activation_bytes == llama_block_bytes(first=True)
+    for layer in body[1:]:
+        assert layer.recompute["none"].activation_bytes == llama_block_bytes(first=False)
+
+
+def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):
+    for _, _, profile in (llama_run, gpt2_run):
+        hidden = profile.layers[1].recompute["none"].working_bytes / 2  # input and its gradient
+        for layer in profile.layers:
+            if layer.is_body:
+                assert layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * FP32 == hidden
+
+
+def test_selective_keeps_the_input_and_matmul_and_attention_outputs(llama_run):
+    _, _, profile = llama_run
+    b, s, h, f = BATCH, SEQ, LLAMA["hidden_size"], LLAMA["intermediate_size"]
+    kv = LLAMA["num_key_value_heads"] * h // LLAMA["num_attention_heads"]
+    # input; q, k, v, o projections; gate, up, down; attention output; its logsumexp
+    expected = (b * s * (h + h + 2 * kv + h + 2 * f + h + h)) * FP32 + b * LLAMA["num_attention_heads"] * s * FP32
+    for layer in profile.layers[1:-1]:
+        assert layer.recompute["selective"].activation_bytes == expected
+        assert layer.recompute["full"].extra_ms >= 0 and layer.recompute["selective"].extra_ms >= 0
+
+
+def test_layer_times_add_up_to_the_step(llama_run):
+    """Per step, the layers' forward and backward times cover the whole forward and backward."""
+    model, _, _ = llama_run
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ratios = []
+    with LayerProfiler(model, optimizer, steps=3, modes=("none",), pool=False, split_backward=False) as profiler:
+        while not profiler.done:
+            import time
+
+            ids = batch(profiler.steps_done)
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step_ms = (time.perf_counter() - start) * 1e3
+            optimizer.step()
+            optimizer.zero_grad()
+            before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.samples.items()}
+            profiler.step()
+            if profiler.steps_done > profiler.warmup_steps:
+                layers_ms = sum(
+                    s.forward_ms["none"][-1] + s.backward_ms["none"][-1]
+                    for slot, s in profiler.samples.items()
+                    if len(s.forward_ms["none"]) > before.get(slot, 0)
+                )
+                ratios.append(layers_ms / step_ms)
+    assert len(ratios) == 3
+    assert all(0.85 <= ratio <= 1.0 for ratio in ratios), ratios
+
+
+def test_pooled_layers_of_a_kind_share_their_times(llama_run):
+    _, _, profile = llama_run
+    body = [layer for layer in profile.layers if layer.is_body]
+    assert len({(layer.forward_ms, layer.backward_ms, layer.weight_ms) for layer in body}) == 1
+    assert 0 < body[0].weight_ms < body[0].backward_ms
+    assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
+
+
+def test_each_kind_of_a_mixed_model_is_timed_on_its_own():
+    profile = profiled(moe(), steps=1, modes=("none", "full")).profile()
+    kinds = [layer.kind for layer in profile.layers]
+    assert kinds == ["head"] + ["body:Qwen2MoeDecoderLayer/Qwen2MoeMLP"] * 2 + [
+        "body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"] * 2 + ["tail"]
+    assert profile.layers[1].forward_ms == profile.layers[2].forward_ms
+    assert profile.layers[3].forward_ms == profile.layers[4].forward_ms
+    assert profile.modes == ("none", "full")
+
+
+def test_the_profile_round_trips_and_solves(llama_run, tmp_path):
+    _, _, profile = llama_run
+    profile.save(tmp_path / "profile.json")
+    again = ModelProfile.from_dict(__import__("json").loads((tmp_path / "profile.json").read_text()))
+    assert again == profile
+    plan = solve(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), time_limit_s=10)
+    assert plan.status == "optimal" and sum(plan.stage_layer_counts) == len(profile.layers)
+
+
+# -- no side effects -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2-with-dropout"])
+def test_losses_and_weights_are_bit_identical_with_and_without_the_profiler(make):
+    plain, watched = make(), make()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    watched_optimizer = torch.optim.AdamW(watched.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    plain_losses = [train_step(plain, plain_optimizer, step) for step in range(6)]
+    torch.manual_seed(1)
+    watched_losses = []
+    with LayerProfiler(watched, watched_optimizer, steps=1) as profiler:  # 1 warm-up + none, selective, full
+        for step in range(6):  # two more steps after the profiler let go
+            watched_losses.append(train_step(watched, watched_optimizer, step))
+            if not profiler.done:
+                profiler.step()
+    assert watched_losses == plain_losses
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a, b)
+
+
+def hooks_left(model: torch.nn.Module) -> list[str]:
+    """Hooks, wrapped forwards and checkpointing switches the profiler may have left (a fresh model has none)."""
+    fresh = dict(llama().named_modules())
+    left = []
+    for name, module in model.named_modules():
+        for attribute in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, attribute):
+                left.append(f"{name}.{attribute}")
+        for attribute in ("forward", "gradient_checkpointing", "_gradient_checkpointing_func"):
+            if module.__dict__.get(attribute) != fresh[name].__dict__.get(attribute):
+                left.append(f"{name}.{attribute}")
+    for name, param in model.named_parameters():
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            left.append(f"{name}._post_accumulate_grad_hooks")
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        left.append("saved_tensors_hooks")
+    return left
+
+
+def test_no_hook_is_left_behind(llama_run):
+    model, profiler, _ = llama_run
+    assert hooks_left(model) == []
+    assert not profiler.optimizer._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("fail_at", [0, 2, 3])
+def test_a_step_that_raises_leaves_no_hook(fail_at):
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError, match="boom"):
+        with LayerProfiler(model, optimizer, steps=1) as profiler:
+            while not profiler.done:
+                if profiler.steps_done == fail_at:  # 2: under selective recompute, 3: under full
+                    ids = batch(0)
+                    model(input_ids=ids, labels=ids, use_cache=False)
+                    raise RuntimeError("boom")
+                train_step(model, optimizer, profiler.steps_done)
+                profiler.step()
+    assert hooks_left(model) == []
+    assert not optimizer._optimizer_step_post_hooks
+    train_step(model, optimizer, 0)  # trains as before
+
+
+def test_evaluation_forwards_inside_the_window_are_ignored():
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with LayerProfiler(model, optimizer, steps=1, modes=("none",)) as profiler:
+        while not profiler.done:
+            with torch.no_grad():
+                model(input_ids=batch(9), use_cache=False)
+            train_step(model, optimizer, profiler.steps_done)
+            profiler.step()
+    assert all(len(s.forward_ms["none"]) == 1 for s in profiler.samples.values())
+
+
+def test_without_an_optimizer_there_is_no_optimizer_state():
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with LayerProfiler(model, None, steps=1, modes=("none",)) as profiler:
+        while not profiler.done:
+            train_step(model, optimizer, profiler.steps_done)
+            profiler.step()
+    assert all(layer.optimizer_bytes == 0 for layer in profiler.profile().layers)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [({"steps": 0}, "steps"), ({"warmup_steps": 0}, "warmup_steps"), ({"modes": ("full",)}, "modes"),
+     ({"modes": ("none", "comm")}, "modes")],
+)
+def test_bad_options_are_clear_errors(options, field):
+    with pytest.raises(InputError) as caught:
+        LayerProfiler(llama(), **options)
+    assert caught.value.field == field
+
+
+def test_asking_for_the_profile_too_early_says_how_far_it_got():
+    model = llama()
+    profiler = LayerProfiler(model, steps=1)
+    with profiler, pytest.raises(RuntimeError, match="profiled 0 of 4 steps"):
+        profiler.profile()
+    with pytest.raises(RuntimeError, match="outside the profiling window"):
+        profiler.step()
