@@ -1,0 +1,72 @@
+"""Under `torchrun`: every rank profiles the stages it holds; one rank gets the whole model's profile.
+
+Profiles travel as JSON in byte tensors (no pickling), so this works over any backend, gloo included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from solver.profile import LayerProfile, ModelProfile
+
+
+def gather_profiles(
+    local: Sequence[tuple[int, ModelProfile]], *, dst: int = 0, group: dist.ProcessGroup | None = None
+) -> ModelProfile | None:
+    """Join every rank's `(stage index, profile of that stage's layers)` in stage order on rank `dst`.
+
+    Every rank of `group` must call it; ranks other than `dst` get None.
+    """
+    payload = json.dumps([{"stage": stage, "profile": profile.to_dict()} for stage, profile in local]).encode()
+    parts = _all_gather_bytes(payload, group)
+    if dist.get_rank(group) != dst:
+        return None
+    stages = [(item["stage"], ModelProfile.from_dict(item["profile"])) for part in parts for item in json.loads(part)]
+    return join_profiles(stages)
+
+
+def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
+    """One profile from the profiles of consecutive stages, in stage order."""
+    ordered = [profile for _, profile in sorted(stages, key=lambda item: item[0])]
+    indices = sorted(stage for stage, _ in stages)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"stage indices repeat: {indices}")
+    layers: list[LayerProfile] = [layer for profile in ordered for layer in profile.layers]
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):  # stage modules that name their layers from 0 each
+        layers = [
+            LayerProfile(**{**layer.__dict__, "name": f"stage{stage}.{layer.name}"}) if layer.is_body else layer
+            for stage, profile in zip(indices, ordered)
+            for layer in profile.layers
+        ]
+    first = ordered[0]
+    return ModelProfile(
+        layers=tuple(layers),
+        model=first.model,
+        source=first.source,
+        device=first.device,
+        dtype=first.dtype,
+        micro_batch=first.micro_batch,
+        fingerprint=hashlib.sha256("".join(p.fingerprint for p in ordered).encode()).hexdigest()[:16],
+        stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
+        tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),
+    )
+
+
+def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
+    world = dist.get_world_size(group)
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(torch.accelerator.current_accelerator())
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    buffers = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(buffers, buffer, group=group)
+    return [bytes(b[: int(s.item())].cpu().tolist()) for b, s in zip(buffers, sizes)]

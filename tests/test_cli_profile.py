@@ -1,0 +1,82 @@
+"""`sapp-hook profile`: built-in models and any transformers config.json, a table, JSON, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_args import with_flags
+from profiler_cases import LLAMA
+
+from sapp_hook.cli import main
+from solver import load_profile
+
+FAST = ["--steps", "1", "--micro-batch-size", "1", "--seq-len", "16"]
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **LLAMA}))
+    return path
+
+
+def test_a_config_json_is_profiled_with_a_table_and_progress(capsys, tmp_path, config_json):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(config_json), *FAST, "--out", str(out)]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert "profiling: step 4/4 done (recompute full)" in stderr
+    assert "model.layers.1..model.layers.3 (x3)" in stdout and f"wrote {out}" in stdout
+    profile = load_profile(out)
+    assert [layer.kind for layer in profile.layers] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
+    assert profile.micro_batch == {"size": 1, "sequence": 16}
+
+
+def test_a_folder_holding_a_config_and_json_output(capsys, tmp_path, config_json):
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--model", str(config_json.parent), *FAST, "--modes", "none,full", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    stdout, stderr = capsys.readouterr()
+    report = json.loads(stdout)
+    assert stderr == ""
+    assert report["written"] == [str(out)]
+    assert set(report["layers"][1]["recompute"]) == {"none", "full"}
+    assert report["schema_version"] == 1
+
+
+def test_a_built_in_model(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "tiny-gpt2", *FAST, "--modes", "none", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
+    profile = load_profile(out)
+    assert len(profile.layers) == 10
+    assert profile.tied_parameters[0].layers == ("head", "tail")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "no-such-model"], "--model: 'no-such-model' is neither a built-in model"),
+        (["--modes", "none,fast"], "--modes: expected distinct modes among none, selective, full"),
+        (["--layers", "decoder.*"], "--layers: pattern 'decoder.*' matches no module"),
+        (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
+        (["--out", "/no/such/folder/p.json"], "--out: folder /no/such/folder does not exist"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, tmp_path, config_json, flags, message):
+    argv = with_flags(["profile", "--model", str(config_json), *FAST, "--out", str(tmp_path / "p.json")], flags)
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sapp-hook profile: error: {message}") and err.count("\n") == 1
+
+
+def test_a_config_transformers_cannot_build(capsys, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "not-a-model"}))
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", str(bad), "--out", str(tmp_path / "p.json")])
+    assert "--model: " in capsys.readouterr().err

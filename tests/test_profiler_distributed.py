@@ -1,0 +1,80 @@
+"""Two gloo ranks each profile the pipeline stage they hold; rank 0 gathers one profile of the model."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from profiler_cases import BATCH, SEQ, batch, llama
+
+from profiler import LayerProfiler
+from profiler.distributed import gather_profiles
+from solver.profile import ModelProfile
+
+
+class FirstStage(torch.nn.Module):
+    """Embedding and the first two blocks of a Llama."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens, self.rotary_emb = model.model.embed_tokens, model.model.rotary_emb
+        self.layers = torch.nn.ModuleList(model.model.layers[:2])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(ids)
+        position = self.rotary_emb(hidden, torch.arange(ids.shape[1])[None])
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings=position)
+        return hidden
+
+
+class LastStage(torch.nn.Module):
+    """The last two blocks, the final norm and the LM head."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.rotary_emb, self.norm, self.lm_head = model.model.rotary_emb, model.model.norm, model.lm_head
+        self.layers = torch.nn.ModuleList(model.model.layers[2:])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        position = self.rotary_emb(hidden, torch.arange(hidden.shape[1])[None])
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings=position)
+        return self.lm_head(self.norm(hidden))
+
+
+def rank_main(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    stage = (FirstStage if rank == 0 else LastStage)(llama())
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    with LayerProfiler(stage, optimizer, steps=1, modes=("none", "full")) as profiler:
+        while not profiler.done:
+            if rank == 0:
+                stage(batch(profiler.steps_done)).backward(torch.ones(BATCH, SEQ, 64))
+            else:
+                logits = stage(torch.randn(BATCH, SEQ, 64, requires_grad=True))
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch(0).flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            profiler.step()
+    joined = gather_profiles([(rank, profiler.profile())])
+    if rank == 0:
+        joined.save(out)
+    else:
+        assert joined is None
+    dist.destroy_process_group()
+
+
+def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
+    out = tmp_path / "profile.json"
+    mp.spawn(rank_main, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    profile = ModelProfile.from_dict(json.loads(out.read_text()))
+    assert [layer.kind for layer in profile.layers] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
+    assert [layer.name for layer in profile.layers] == [
+        "head", "stage0.layers.0", "stage0.layers.1", "stage1.layers.0", "stage1.layers.1", "tail"]
+    model = llama()
+    assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
+    assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 for layer in profile.layers[1:5])
