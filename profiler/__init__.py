@@ -3,10 +3,30 @@
 `LayerProfiler` attaches to a model (and its optimizer), records the steps the user runs and returns a
 `solver.ModelProfile`: each layer's forward and backward time, the activation bytes it keeps for backward
 under each recompute mode and what that mode costs, and its parameter, gradient and optimizer bytes.
-`find_blocks` finds the body layers; `gather_profiles` joins the profiles ranks took of their own layers.
+`find_blocks` finds the body layers; `gather_profiles` joins the profiles ranks took of their own layers;
+`analytic` estimates a profile from a model config without torch or hardware.
 """
 
-from profiler.layer_profiler import LayerProfiler
-from profiler.layers import Block, find_blocks
+from __future__ import annotations
 
-__all__ = ["Block", "LayerProfiler", "find_blocks"]
+from typing import Any
+
+# Imported on first use, so that `profiler.analytic` works where torch is not installed.
+_EXPORTS = {
+    "Block": "profiler.layers",
+    "LayerProfiler": "profiler.layer_profiler",
+    "find_blocks": "profiler.layers",
+    "gather_profiles": "profiler.distributed",
+    "analytic_profile": "profiler.analytic",
+    "shape_from_config": "profiler.analytic",
+    "TransformerShape": "profiler.analytic",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'profiler' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,184 @@
+"""A profile without running anything: Llama-family costs estimated from a model config.
+
+For planning before hardware is free. Times are FLOPs over a throughput you give (`flops_per_second`:
+the device's peak times the utilisation you expect); memory counts the tensors transformers' Llama
+block saves for backward (RMSNorm, rotary, grouped-query SDPA, SwiGLU), which is what the profiler
+measures on the CPU. Fused kernels on a GPU keep less, so treat the activation figures as an upper bound
+there. Needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from simulator.errors import InputError
+from solver.profile import FULL, NONE, SELECTIVE, LayerProfile, ModelProfile, RecomputeCost
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What the estimate needs to know about a decoder-only model and how it is trained."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    sequence: int
+    ffn_size: int
+    num_kv_heads: int = 0  # 0: as many as num_heads
+    micro_batch_size: int = 1
+    dtype: str = "bfloat16"
+    num_experts: int = 0  # 0: a dense model
+    experts_per_token: int = 0
+    moe_ffn_size: int = 0
+    shared_expert_ffn_size: int = 0
+    dense_layers: tuple[int, ...] = ()  # MoE models: the layers that keep a dense MLP
+    tied_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 family: biases on the q, k and v projections
+    tensor_parallel: int = 1  # with sequence parallelism: activations are split too
+    context_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "sequence", "ffn_size",
+                     "micro_batch_size", "tensor_parallel", "context_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(name, f"expected an integer >= 1, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.hidden_size % self.num_heads:
+            raise InputError("num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise InputError("experts_per_token", f"expected 1..{self.num_experts}, got {self.experts_per_token}")
+
+
+def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batch_size: int = 1,
+                      dtype: str = "bfloat16", tensor_parallel: int = 1, context_parallel: int = 1) -> TransformerShape:
+    """A `TransformerShape` from a transformers `config.json` of the Llama family (dict form)."""
+    model_type = config.get("model_type")
+    if model_type not in LLAMA_FAMILY:
+        raise InputError("model_type", f"analytic estimates cover {', '.join(LLAMA_FAMILY)}; got {model_type!r}")
+    num_layers = int(config["num_hidden_layers"])
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    dense_layers: tuple[int, ...] = ()
+    if experts:
+        sparse_step = int(config.get("decoder_sparse_step") or 1)
+        only_mlp = set(config.get("mlp_only_layers") or ())
+        dense_layers = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % sparse_step)
+    return TransformerShape(
+        hidden_size=int(config["hidden_size"]),
+        num_layers=num_layers,
+        num_heads=int(config["num_attention_heads"]),
+        num_kv_heads=int(config.get("num_key_value_heads") or 0),
+        ffn_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        sequence=sequence,
+        micro_batch_size=micro_batch_size,
+        dtype=dtype,
+        num_experts=experts,
+        experts_per_token=int(config.get("num_experts_per_tok") or 0),
+        moe_ffn_size=int(config.get("moe_intermediate_size") or config.get("intermediate_size")),
+        shared_expert_ffn_size=int(config.get("shared_expert_intermediate_size") or 0),
+        dense_layers=dense_layers,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias", str(model_type).startswith("qwen2"))),
+        tensor_parallel=tensor_parallel,
+        context_parallel=context_parallel,
+    )
+
+
+def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
+                     bytes_per_second: float = 2e12, optimizer_bytes_per_parameter: float = 8.0) -> ModelProfile:
+    """Every layer's estimated costs. Adam keeps two fp32 states per parameter (8 bytes, plus 4 per
+    parameter tensor for its step count); add 4 for an fp32 master copy of 16-bit weights."""
+    if not flops_per_second > 0 or not bytes_per_second > 0:
+        raise InputError("flops_per_second", "expected throughputs > 0")
+    s = shape
+    p = DTYPE_BYTES[s.dtype]
+    tokens = s.micro_batch_size * s.sequence // s.context_parallel  # per device, before tensor parallelism
+    tp = s.tensor_parallel
+    head_dim = s.hidden_size // s.num_heads
+    q_width, kv_width = s.hidden_size, (s.num_kv_heads or s.num_heads) * head_dim
+
+    def seconds_ms(flops: float, moved_bytes: float = 0.0) -> float:
+        return 1e3 * (flops / tp / flops_per_second + moved_bytes / tp / bytes_per_second)
+
+    def optimizer_bytes(elements: float, tensors: int) -> float:
+        return elements * optimizer_bytes_per_parameter / tp + 4 * tensors
+
+    layers = []
+    vocab_elements = s.vocab_size * s.hidden_size
+    layers.append(LayerProfile(
+        name="head", kind="head", forward_ms=seconds_ms(0, tokens * s.hidden_size * p),
+        backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
+        recompute={NONE: RecomputeCost(0.0, 8.0 * tokens)},  # the token ids
+        parameter_bytes=vocab_elements * p / tp, gradient_bytes=vocab_elements * p / tp,
+        optimizer_bytes=optimizer_bytes(vocab_elements, 1),
+    ))
+    attention_elements = s.hidden_size * (q_width + 2 * kv_width) + q_width * s.hidden_size
+    bias_elements, bias_tensors = (q_width + 2 * kv_width, 3) if s.qkv_bias else (0, 0)
+    for index in range(s.num_layers):
+        moe = s.num_experts > 0 and index not in s.dense_layers
+        if moe:
+            mlp_elements = s.num_experts * 3 * s.hidden_size * s.moe_ffn_size + s.hidden_size * s.num_experts
+            mlp_elements += 3 * s.hidden_size * s.shared_expert_ffn_size + (s.hidden_size if s.shared_expert_ffn_size else 0)
+            active_ffn = s.experts_per_token * s.moe_ffn_size + s.shared_expert_ffn_size
+            # transformers v5 keeps the experts as two stacked tensors (gate+up, down) and a router
+            tensors = 2 + 1 + (4 if s.shared_expert_ffn_size else 0)
+        else:
+            mlp_elements, active_ffn, tensors = 3 * s.hidden_size * s.ffn_size, s.ffn_size, 3
+        elements = attention_elements + bias_elements + mlp_elements + 2 * s.hidden_size
+        tensors += 4 + bias_tensors + 2
+        matmul_flops = 2 * tokens * (attention_elements + 3 * s.hidden_size * active_ffn)
+        attention_flops = 2 * tokens * s.sequence // s.context_parallel * q_width  # causal: half of 4*b*s^2*h
+        forward_ms = seconds_ms(matmul_flops + attention_flops)
+        kept = _block_activation_bytes(tokens, s, q_width, kv_width, active_ffn, p, first=index == 0)
+        elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
+        layers.append(LayerProfile(
+            name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
+            forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,
+            weight_ms=seconds_ms(matmul_flops),
+            recompute={
+                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * tokens * s.hidden_size * p / tp),
+                SELECTIVE: RecomputeCost(elementwise_ms, kept[SELECTIVE] / tp,
+                                         (2 * tokens * s.hidden_size * p + kept[NONE] - kept[SELECTIVE]) / tp),
+                FULL: RecomputeCost(forward_ms + elementwise_ms, kept[FULL] / tp,
+                                    (2 * tokens * s.hidden_size * p + kept[NONE] - kept[FULL]) / tp),
+            },
+            parameter_bytes=elements * p / tp, gradient_bytes=elements * p / tp,
+            optimizer_bytes=optimizer_bytes(elements, tensors),
+        ))
+    tail_elements = s.hidden_size + vocab_elements
+    logits_flops = 2 * tokens * vocab_elements
+    loss_bytes = tokens * s.vocab_size * 4  # log-softmax output, fp32
+    layers.append(LayerProfile(
+        name="tail", kind="tail",
+        forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
+        weight_ms=seconds_ms(logits_flops),
+        recompute={NONE: RecomputeCost(0.0, (3 * tokens * s.hidden_size + tokens) * p / tp + loss_bytes / tp + 8 * tokens + 4)},
+        parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
+        optimizer_bytes=optimizer_bytes(tail_elements, 2),
+    ))
+    return ModelProfile(
+        layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,
+        micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
+    )
+
+
+def _block_activation_bytes(tokens: int, s: TransformerShape, q_width: int, kv_width: int, ffn: int, p: int,
+                            first: bool) -> dict[str, float]:
+    """What a Llama block keeps for backward, per recompute mode (a hand count of transformers' block)."""
+    h = s.hidden_size
+    logsumexp = 4 * tokens * s.num_heads  # fp32, from the attention kernel
+    rotary = 2 * (s.sequence // s.context_parallel) * (h // s.num_heads) * p if first else 0
+    none = p * (6 * tokens * h + 2 * tokens + 2 * tokens * q_width + 2 * tokens * kv_width + 4 * tokens * ffn)
+    selective = p * tokens * (h + q_width + 2 * kv_width + h + 2 * ffn + h + q_width)
+    return {
+        NONE: none + logsumexp + rotary,
+        SELECTIVE: selective + logsumexp,
+        FULL: float(p * tokens * h),
+    }

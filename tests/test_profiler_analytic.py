@@ -1,0 +1,71 @@
+"""`profiler.analytic` against the measured profile of the same transformers models."""
+
+from __future__ import annotations
+
+import pytest
+from profiler_cases import BATCH, LLAMA, MOE, SEQ, llama, moe, profiled
+
+from profiler.analytic import TransformerShape, analytic_profile, shape_from_config
+from simulator import InputError
+from solver import PipelineSpec, solve
+
+
+def estimate(config: dict) -> object:
+    return analytic_profile(shape_from_config(config, sequence=SEQ, micro_batch_size=BATCH, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return profiled(llama(), steps=1).profile(), estimate({"model_type": "llama", **LLAMA})
+
+
+def test_llama_memory_estimate_equals_the_measurement(llama_pair):
+    measured, estimated = llama_pair
+    assert [layer.kind.split(":")[0] for layer in estimated.layers] == [layer.kind.split(":")[0] for layer in measured.layers]
+    for got, want in zip(estimated.layers, measured.layers):
+        assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
+            want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
+        for mode, cost in want.recompute.items():
+            assert got.recompute[mode].activation_bytes == cost.activation_bytes, (got.name, mode)
+
+
+def test_moe_estimate_is_close_where_routing_decides():
+    measured = profiled(moe(), steps=1).profile()
+    estimated = estimate({"model_type": "qwen2_moe", **MOE})
+    assert [layer.kind for layer in estimated.layers][1:5] == ["body:dense"] * 2 + ["body:moe"] * 2
+    for got, want in zip(estimated.layers, measured.layers):
+        assert got.parameter_bytes == want.parameter_bytes and got.optimizer_bytes == want.optimizer_bytes
+        for mode, cost in want.recompute.items():
+            # the tokens each expert receives depend on the router: within 30% with random weights
+            assert got.recompute[mode].activation_bytes == pytest.approx(cost.activation_bytes, rel=0.3)
+
+
+def test_parallel_degrees_split_what_a_device_holds():
+    config = {"model_type": "llama", **LLAMA}
+    one = analytic_profile(shape_from_config(config, sequence=64))
+    split = analytic_profile(shape_from_config(config, sequence=64, tensor_parallel=2, context_parallel=2))
+    body_one, body_split = one.layers[2], split.layers[2]
+    assert body_split.parameter_bytes == body_one.parameter_bytes / 2
+    assert body_split.recompute["full"].activation_bytes == body_one.recompute["full"].activation_bytes / 4
+    assert body_split.forward_ms < body_one.forward_ms / 2
+
+
+def test_an_estimate_plans_without_hardware():
+    profile = estimate({"model_type": "llama", **LLAMA, "num_hidden_layers": 8})
+    plan = solve(profile, PipelineSpec(stages=4, micro_batches=8, schedule="1F1B"), time_limit_s=10)
+    assert plan.status == "optimal"
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads")],
+)
+def test_bad_configs_are_clear_errors(config, field):
+    with pytest.raises(InputError) as caught:
+        shape_from_config(config, sequence=16)
+    assert caught.value.field == field
+
+
+def test_bad_shape_values_name_the_field():
+    with pytest.raises(InputError, match="dtype: expected one of float32, bfloat16, float16"):
+        TransformerShape(hidden_size=8, num_layers=1, num_heads=1, vocab_size=8, sequence=8, ffn_size=8, dtype="int8")
