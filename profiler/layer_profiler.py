@@ -53,6 +53,7 @@ class LayerProfiler:
         layers: Sequence[str] | None = None,
         pool: bool = True,
         split_backward: bool = True,
+        count_memory: bool = True,
         model_name: str = "",
         micro_batch: Mapping[str, int] | None = None,
         on_step: Callable[[int, int, str], None] | None = None,
@@ -60,6 +61,7 @@ class LayerProfiler:
         """`steps`: measured steps per recompute mode. `layers`: module-name patterns for the body blocks
         (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
         `split_backward`: time each body kind's input-gradient and weight-gradient parts once, alone.
+        `count_memory`: count what autograd saves (off: times only, for the least overhead).
         `on_step(done, total, mode)`: progress after each step."""
         _check_count(steps, "steps", 1)
         _check_count(warmup_steps, "warmup_steps", 1)
@@ -75,7 +77,7 @@ class LayerProfiler:
         self.micro_batch = dict(micro_batch) if micro_batch else None
         self.on_step = on_step
         self.device = device_of(model)
-        self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device))
+        self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device), count_memory)
         self.samples: dict[object, LayerSamples] = {}
         self.step_ms: dict[str, list[float]] = {}
         self.steps_done = 0

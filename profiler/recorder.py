@@ -79,9 +79,15 @@ class Recorder:
     """Installs the hooks on a model and collects passes; `LayerProfiler` drives it step by step."""
 
     def __init__(
-        self, model: nn.Module, blocks: tuple[Block, ...], clock: WallClock | EventClock, memory: DeviceMemory | None
+        self,
+        model: nn.Module,
+        blocks: tuple[Block, ...],
+        clock: WallClock | EventClock,
+        memory: DeviceMemory | None,
+        count_memory: bool = True,
     ) -> None:
         self.model = model
+        self.count_memory = count_memory
         self.blocks = blocks
         self.clock = clock
         self.memory = memory
@@ -122,8 +128,9 @@ class Recorder:
         for module in self.model.modules():
             if id(module) not in inside_blocks and any(True for _ in module.parameters(recurse=False)):
                 self._discovery_handles.append(module.register_forward_pre_hook(self._owner_pre(module)))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._saved_hooks.__enter__()
+        if self.count_memory:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_hooks.__enter__()
 
     def detach(self) -> None:
         """Remove every hook and restore every forward; safe to call twice."""
@@ -176,7 +183,7 @@ class Recorder:
         for undo in self._undo_recompute:
             undo()
         self._undo_recompute = [
-            set_recompute(block.module, mode, self._kept_by(index) if on_kept else None)
+            set_recompute(block.module, mode, self._kept_by(index) if on_kept and self.count_memory else None)
             for index, block in enumerate(self.blocks)
         ]
         self.mode = mode
