@@ -269,6 +269,11 @@ def _check_profile(profile: ModelProfile) -> None:
         seen_tail |= layer.kind == TAIL
     if not seen_body:
         raise InputError("layers", "expected at least one body layer (kind body:<type>)")
+    names = {layer.name for layer in profile.layers}
+    for index, tied in enumerate(profile.tied_parameters):
+        unknown = [name for name in tied.layers if name not in names]
+        if unknown:
+            raise InputError(f"tied_parameters[{index}].layers", f"{unknown[0]!r} is not a layer of this profile")
 
 
 def _check_layer(layer: LayerProfile, where: str) -> None:

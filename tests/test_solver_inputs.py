@@ -93,6 +93,9 @@ def profile_dict():
         (lambda d: d["layers"][1].update(forward_ms=math.inf), "forward_ms: expected a finite number"),
         (lambda d: d.update(layers=[]), "layers: expected a non-empty list"),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),
+        (lambda d: d.update(tied_parameters=[{"names": ["w"], "layers": ["nowhere"], "bytes": 4}]), "tied_parameters[0].layers: 'nowhere' is not a layer"),
+        (lambda d: d.update(tied_parameters=[{"names": "w", "layers": [], "bytes": 4}]), "tied_parameters[0].names: expected a list of strings"),
+        (lambda d: d.update(tied_parameters=[{"names": [], "layers": [], "bytes": -4}]), "tied_parameters[0].bytes: expected a finite number"),
     ],
 )
 def test_bad_profiles_are_refused(change, words):
