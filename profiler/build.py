@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from profiler.clock import clock_for
-from profiler.recorder import HEAD, TAIL, _output_tensor, _storage_key
+from profiler.recorder import HEAD, TAIL, Recorder, _output_tensor, _storage_key
 from profiler.samples import LayerSamples, median, spread
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
 
@@ -55,7 +55,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
 
 
 def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, timing: LayerSamples,
-           params: list[nn.Parameter], recorder: object, profiler: LayerProfiler) -> LayerProfile:
+           params: list[nn.Parameter], recorder: Recorder, profiler: LayerProfiler) -> LayerProfile:
     forward_ms = median(timing.forward_ms.get(NONE, []))
     backward_ms = median(timing.backward_ms.get(NONE, []))
     kept_none = median(memory.kept_bytes.get(NONE, []))

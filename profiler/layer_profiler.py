@@ -31,7 +31,7 @@ from profiler.build import build_profile, weight_fraction
 from profiler.clock import clock_for, device_of, memory_for
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
-from profiler.recorder import HEAD, Recorder
+from profiler.recorder import Recorder
 from profiler.samples import LayerSamples
 from simulator.errors import InputError
 from solver.profile import NONE, ModelProfile
@@ -191,10 +191,6 @@ class LayerProfiler:
     def weight_fractions(self) -> dict[str, float]:
         """Per body kind: the share of the backward that computes weight gradients (measured alone)."""
         return dict(self._weight_fractions)
-
-    @property
-    def has_head(self) -> bool:
-        return HEAD in self.recorder.structure.slot_parameters
 
 
 def _check_count(value: object, field: str, minimum: int) -> None:

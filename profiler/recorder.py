@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from profiler.clock import DeviceMemory, EventClock, WallClock
 from profiler.layers import Block
 from profiler.recompute import set_recompute
+from simulator.errors import InputError
 from solver.profile import NONE
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Recorder:
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._undo_recompute: list[Callable[[], None]] = []
         self._body_started = -1  # discovery: index of the last block that ran in this forward, -1 before any
-        self._excluded_storages = {_storage_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        self._excluded_storages: set[int] = set()  # parameters and buffers: not activations
         self.gradient_bytes: dict[int, int] = {}  # id(param) -> bytes of its .grad
         self.optimizer_bytes: dict[int, int] = {}  # id(param) -> bytes of its optimizer state
         self.captured_inputs: dict[int, tuple[tuple, dict]] = {}  # body index -> (args, kwargs), for split_backward
@@ -113,6 +114,7 @@ class Recorder:
     # -- installing and removing ------------------------------------------------------------------
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._excluded_storages = {_storage_key(t)[0] for t in [*self.model.parameters(), *self.model.buffers()]}
         add = self._handles.append
         add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         add(self.model.register_forward_hook(self._model_post))
@@ -152,7 +154,7 @@ class Recorder:
         self._discovery_handles.clear()
         missing = [b.name for i, b in enumerate(self.blocks) if i not in self.structure.body_order]
         if missing:
-            raise RuntimeError(f"layers never ran in the warm-up step: {', '.join(missing)}")
+            raise InputError("layers", f"never ran in the warm-up step: {', '.join(missing)}")
         structure = self.structure
         last = structure.last_body
         for index, block in enumerate(self.blocks):

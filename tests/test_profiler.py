@@ -312,3 +312,15 @@ def test_asking_for_the_profile_too_early_says_how_far_it_got():
         profiler.profile()
     with pytest.raises(RuntimeError, match="outside the profiling window"):
         profiler.step()
+
+
+def test_a_block_that_never_runs_is_named():
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(InputError, match="never ran in the warm-up step: model.layers.3") as caught:
+        with LayerProfiler(model, optimizer, steps=1) as profiler:
+            ids = batch(0)
+            model.model.layers = model.model.layers[:3]  # the last block no longer runs
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            profiler.step()
+    assert caught.value.field == "layers"
