@@ -126,7 +126,7 @@ class Recorder:
                 add(param.register_post_accumulate_grad_hook(self._gradient_accumulated))
         if optimizer is not None:
             add(optimizer.register_step_post_hook(self._optimizer_stepped))
-        inside_blocks = {id(m) for block in self.blocks for m in block.module.modules()}
+        inside_blocks = self._inside_blocks()
         for module in self.model.modules():
             if id(module) not in inside_blocks and any(True for _ in module.parameters(recurse=False)):
                 self._discovery_handles.append(module.register_forward_pre_hook(self._owner_pre(module)))
@@ -159,7 +159,7 @@ class Recorder:
         last = structure.last_body
         for index, block in enumerate(self.blocks):
             structure.slot_parameters[index] = list(block.module.parameters())
-        inside_blocks = {id(m) for block in self.blocks for m in block.module.modules()}
+        inside_blocks = self._inside_blocks()
         for module in self.model.modules():
             own = list(module.parameters(recurse=False))
             if not own or id(module) in inside_blocks:
@@ -179,6 +179,9 @@ class Recorder:
                 structure.parameter_slots.setdefault(id(param), slot)
         self.has_head = HEAD in structure.slot_parameters
         self.has_tail = TAIL in structure.slot_parameters
+
+    def _inside_blocks(self) -> set[int]:
+        return {id(m) for block in self.blocks for m in block.module.modules()}
 
     def set_mode(self, mode: str, on_kept: bool = False) -> None:
         """Run every block under recompute `mode` from the next forward on."""
