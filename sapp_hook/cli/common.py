@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,6 +37,18 @@ def fail(prog: str, message: str) -> NoReturn:
 def fail_input(prog: str, error: InputError) -> NoReturn:
     flag = FLAGS.get(error.field)
     fail(prog, f"{flag}: {error.detail}" if flag else str(error))
+
+
+def command(prog: str, body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`body` run as `prog`: bad input becomes one line on stderr naming the flag, exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except InputError as exc:
+            fail_input(prog, exc)
+
+    return run
 
 
 def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sapp_hook.cli.common import configure_logging, fail_input, finish, output_paths
+from sapp_hook.cli.common import command, configure_logging, finish, output_paths
 from simulator import InputError
 from simulator.units import format_bytes
 from solver.profile import NONE, ModelProfile
@@ -42,14 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except InputError as exc:
-        fail_input(PROG, exc)
+    parser.set_defaults(run=command(PROG, _run))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -9,8 +9,8 @@ from sapp_hook.cli.common import (
     add_output_flags,
     add_pipeline_flags,
     check_milliseconds,
+    command,
     fail,
-    fail_input,
     finish,
     output_paths,
     say,
@@ -53,16 +53,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--plan", metavar="FILE", help="with --profile: a plan JSON written by sapp-hook solve")
     parser.add_argument("--memory", default="0", metavar="SIZE", help="with --mindformers-plan: the budget to check")
     add_output_flags(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=command(PROG, _run))
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        if args.profile:
-            return _replay_plan(args)
-        return _replay_uniform(args)
-    except InputError as exc:
-        fail_input(PROG, exc)
+def _run(args: argparse.Namespace) -> int:
+    if args.profile:
+        return _replay_plan(args)
+    return _replay_uniform(args)
 
 
 def _replay_uniform(args: argparse.Namespace) -> int:

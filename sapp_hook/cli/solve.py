@@ -11,8 +11,8 @@ from sapp_hook.cli.common import (
     add_output_flags,
     add_pipeline_flags,
     check_milliseconds,
+    command,
     configure_logging,
-    fail_input,
     finish,
     output_paths,
     say,
@@ -52,14 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
     parser.add_argument("--plan-out", metavar="OUT", help="write the plan as JSON (sapp-hook simulate --plan reads it)")
     add_output_flags(parser)
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except InputError as exc:
-        fail_input(PROG, exc)
+    parser.set_defaults(run=command(PROG, _run))
 
 
 def _run(args: argparse.Namespace) -> int:
