@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from sapp_hook.cli import profile, simulate, solve
+from sapp_hook.cli import apply, profile, simulate, solve
 from sapp_hook.cli.common import fail
 
 
@@ -17,11 +17,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules.")
+    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     profile.add_parser(commands)
-    simulate.add_parser(commands)
     solve.add_parser(commands)
+    simulate.add_parser(commands)
+    apply.add_parser(commands)
     return parser
 
 

@@ -37,6 +37,12 @@ def read_document(path: str | Path, what: str) -> object:
     path = Path(path)
     if path.suffix.lower() not in (".yaml", ".yml"):
         return read_json(path, what)
+    return read_yaml(path, what)
+
+
+def read_yaml(path: str | Path, what: str) -> object:
+    """A YAML file as plain data, through the strict safe loader."""
+    path = Path(path)
     try:
         text = read_limited(path, what).decode("utf-8")
     except UnicodeDecodeError as exc:

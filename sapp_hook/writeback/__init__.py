@@ -1,0 +1,36 @@
+"""Writing a plan into the launch config of a training job: one module per target.
+
+Every writer keeps comments, key order and unrelated keys, checks the plan against the config (stage
+count, schedule) before touching anything, writes atomically with a backup, and in a dry run only
+returns the diff. Where a target cannot express the plan it says so in `WriteBack.notes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from sapp_hook.writeback.files import WriteBack
+from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
+from sapp_hook.writeback.megatron import write_megatron
+from sapp_hook.writeback.mindformers import write_mindformers
+from sapp_hook.writeback.plain import write_plan
+from sapp_hook.writeback.torchtitan import write_torchtitan
+from simulator.errors import InputError
+
+TARGETS: dict[str, Callable[..., WriteBack]] = {
+    "mindformers": write_mindformers,
+    "megatron": write_megatron,
+    "torchtitan": write_torchtitan,
+    "plan": write_plan,
+}
+
+
+def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
+    """Write `layout` into the `target` config at `path`."""
+    if target not in TARGETS:
+        raise InputError("--target", f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    return TARGETS[target](Path(path), layout, dry_run=dry_run)
+
+
+__all__ = ["TARGETS", "Layout", "WriteBack", "layout_from_dict", "layout_of", "write_config"]

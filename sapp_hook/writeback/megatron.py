@@ -1,0 +1,139 @@
+"""Megatron-LM arguments in a launch script: the pipeline layout string and the recompute flags.
+
+`--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` loss, stages split by `|`,
+virtual stages in Megatron's vpp-major order, which is sapp-hook's model order for loop placement)
+expresses any split. Megatron recomputes the same way on every stage (`--recompute-method block`
+recomputes the first N layers of each stage): a plan it cannot express gets the nearest setting that
+recomputes at least as much, and a side file with the exact plan.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
+from sapp_hook.writeback.layout import Layout
+from simulator.errors import InputError
+from solver.profile import NONE, SELECTIVE
+
+LAYOUT = "--pipeline-model-parallel-layout"
+PP_SIZE = "--pipeline-model-parallel-size"
+# Other ways of saying the split: Megatron refuses them next to a layout.
+SPLIT_FLAGS = (
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+)
+SWITCHES = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--recompute-activations")
+RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")  # the orders Megatron runs
+
+
+def layout_string(layout: Layout) -> str:
+    stages = []
+    for cell in layout.virtual_stages():
+        text = "E" if cell and cell[0].kind == "head" else ""
+        body = sum(1 for layer in cell if layer.is_body)
+        text += "t" * body if body < 3 else f"t*{body}"
+        text += "L" if cell and cell[-1].kind == "tail" else ""
+        stages.append(text)
+    return "|".join(stages)
+
+
+def parse_layout(text: str) -> list[int]:
+    """Decoder layers per virtual stage of a layout string (`*k` repeats, `(...)*k` groups)."""
+    text = text.replace(",", "").strip("\"'")
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while group.search(text):
+        text = group.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    counts = []
+    for stage in text.split("|"):
+        count = 0
+        for symbol, repeat in re.findall(r"([EtmL])(?:\*(\d+))?", stage):
+            count += int(repeat or 1) if symbol == "t" else 0
+        counts.append(count)
+    return counts
+
+
+def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
+    if layout.schedule not in SCHEDULES:
+        raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
+    old = read_config(path)
+    size = _value(old, PP_SIZE)
+    if size is None:
+        raise InputError("--config", f"{path} has no {PP_SIZE}: is it a Megatron-LM launch script?")
+    if size != str(layout.stages):
+        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
+    result = WriteBack(path=path, diff="")
+    new = old
+    for flag in SPLIT_FLAGS + RECOMPUTE_FLAGS:
+        new = _remove(new, flag, takes_value=True)
+    for flag in SWITCHES:
+        new = _remove(new, flag, takes_value=False)
+    flags = [(LAYOUT, f'"{layout_string(layout)}"'), *_recompute_flags(layout, result)]
+    for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
+        new = _set(new, flag, value)
+    commit(result, old, new, dry_run=dry_run)
+    if result.notes:
+        write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
+    return result
+
+
+def _recompute_flags(layout: Layout, result: WriteBack) -> list[tuple[str, str]]:
+    modes = layout.body_modes()
+    if modes <= {NONE}:
+        return []
+    if modes == {SELECTIVE}:
+        return [("--recompute-granularity", "selective")]
+    full = layout.uniform_full_count()
+    if full is not None:
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(full))]
+    most = max(sum(1 for layer in cell if layer.recompute != NONE) for cell in layout.virtual_stages())
+    result.notes.append(
+        f"Megatron-LM recomputes the same number of layers on every stage; the plan varies it per stage, so "
+        f"every stage fully recomputes its first {most} layers (at least what the plan asks, slower than the plan)"
+    )
+    return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(most))]
+
+
+def _pattern(flag: str, takes_value: bool) -> re.Pattern[str]:
+    value = r"(?:[ \t]+|=)(\"[^\"]*\"|'[^']*'|[^\s\\]+)" if takes_value else ""
+    return re.compile(rf"(?<![\w-]){re.escape(flag)}{value}(?![\w-])")
+
+
+def _value(text: str, flag: str) -> str | None:
+    match = _pattern(flag, True).search(text)
+    return match.group(1) if match else None
+
+
+def _remove(text: str, flag: str, *, takes_value: bool) -> str:
+    """Drop the flag (and its value); a line left holding only a continuation goes too."""
+    pattern = _pattern(flag, takes_value)
+    lines = []
+    for line in text.splitlines(keepends=True):
+        stripped = pattern.sub("", line)
+        if stripped != line and stripped.strip() in ("", "\\"):
+            continue
+        lines.append(stripped)
+    return "".join(lines)
+
+
+def _set(text: str, flag: str, value: str) -> str:
+    """Give `flag` `value`: in place if present, else on a line of its own after the pipeline size."""
+    pattern = _pattern(flag, True)
+    if pattern.search(text):
+        return pattern.sub(lambda m: f"{flag} {value}", text, count=1)
+    lines = text.splitlines(keepends=True)
+    size = _pattern(PP_SIZE, True)
+    for index, line in enumerate(lines):
+        if size.search(line):
+            if line.rstrip().endswith("\\"):  # one flag per line, continued: add a line like it
+                indent = line[: len(line) - len(line.lstrip())]
+                lines.insert(index + 1, f"{indent}{flag} {value} \\\n")
+            else:
+                lines[index] = size.sub(lambda m: f"{m.group(0)} {flag} {value}", line, count=1)
+            return "".join(lines)
+    raise AssertionError("the pipeline size was found before")

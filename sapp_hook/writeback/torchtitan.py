@@ -1,0 +1,86 @@
+"""TorchTitan TOML: the module names of every model part, the schedule, the micro-batch count and the
+activation-checkpoint mode.
+
+TorchTitan names a Llama's modules `tok_embeddings`, `layers.<i>`, `norm` and `output`; the head is the
+first, the tail the last two. It checkpoints every block the same way: a plan that varies recompute by
+layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
+from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
+from sapp_hook.writeback.layout import Layout
+from simulator.errors import InputError
+from solver.profile import FULL, NONE, SELECTIVE
+
+HEAD_MODULES, TAIL_MODULES = ["tok_embeddings"], ["norm", "output"]
+# sapp-hook's schedule names as torch.distributed.pipelining's get_schedule_class knows them.
+SCHEDULES = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "Interleaved1F1B",
+             "ZBVZeroBubble": "ZBVZeroBubble", "DualPipeV": "DualPipeV"}
+# Other ways of saying the split, which module_fqns_per_model_part replaces.
+SPLIT_KEYS = ("pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+              "pipeline_parallel_last_stage_less_layers")
+
+
+def module_names(layout: Layout) -> list[list[str]]:
+    parts, body = [], 0
+    for cell in layout.virtual_stages():
+        names: list[str] = []
+        for layer in cell:
+            if layer.kind == "head":
+                names += HEAD_MODULES
+            elif layer.kind == "tail":
+                names += TAIL_MODULES
+            else:
+                names.append(f"layers.{body}")
+                body += 1
+        parts.append(names)
+    return parts
+
+
+def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
+    if layout.schedule not in SCHEDULES:
+        raise InputError("--plan", f"torch.distributed.pipelining has no {layout.schedule}; TorchTitan runs {', '.join(SCHEDULES)}")
+    old = read_config(path)
+    try:
+        document = tomlkit.parse(old)
+    except TOMLKitError as exc:
+        raise InputError("--config", f"{path} is not valid TOML: {exc}") from None
+    parallelism = document.get("parallelism")
+    if not isinstance(parallelism, dict):
+        raise InputError("--config", f"{path} has no [parallelism] table: is it a TorchTitan config?")
+    degree = parallelism.get("pipeline_parallel_degree")
+    if degree is not None and degree != layout.stages:
+        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has pipeline_parallel_degree {degree}")
+    result = WriteBack(path=path, diff="")
+    parallelism["pipeline_parallel_degree"] = layout.stages
+    parallelism["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
+    parallelism["num_pp_microbatches"] = layout.micro_batches
+    for key in SPLIT_KEYS:
+        parallelism.pop(key, None)
+    parallelism["module_fqns_per_model_part"] = module_names(layout)
+    checkpoint = document.get("activation_checkpoint")
+    if not isinstance(checkpoint, dict):
+        checkpoint = document["activation_checkpoint"] = tomlkit.table()
+    mode = layout.heaviest_mode()
+    checkpoint["mode"] = {NONE: "none", SELECTIVE: "selective", FULL: "full"}.get(mode, "full")
+    if len(layout.body_modes()) > 1:
+        result.notes.append(
+            f"TorchTitan checkpoints every block alike; the plan recomputes some layers only, so mode is "
+            f"{checkpoint['mode']!r} for all (at least what the plan asks)"
+        )
+    commit(result, old, tomlkit.dumps(document), dry_run=dry_run)
+    if result.notes:
+        write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
+    return result
+
+
+def read_torchtitan_parts(path: Path) -> list[list[str]]:
+    """module_fqns_per_model_part as written (for checking a write)."""
+    return [list(part) for part in tomlkit.parse(read_config(path))["parallelism"]["module_fqns_per_model_part"]]

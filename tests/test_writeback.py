@@ -1,0 +1,190 @@
+"""Writing plans into MindFormers YAML, Megatron-LM launch scripts, TorchTitan TOML and plain files:
+each round-trips, keeps what was there, and refuses what does not match."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import tomlkit
+import yaml
+from solver_cases import small_profile
+
+from sapp_hook.cli.inputs import mindformers_keys, read_document
+from sapp_hook.writeback import layout_of, write_config
+from sapp_hook.writeback.megatron import layout_string, parse_layout
+from simulator import InputError
+from solver import PipelineSpec, evaluate_plan
+
+CONFIGS = Path(__file__).parents[1] / "examples" / "configs"
+FILES = {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh", "torchtitan": "torchtitan_llama.toml"}
+
+
+def plan(modes_per_layer: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B"):
+    profile = small_profile(8)  # head, 8 body layers, tail
+    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=8, schedule=schedule)
+    # virtual stages hold the head, 8 body layers and the tail: body [2, 2, 3, 1] with 4 virtual stages
+    counts = {2: [5, 5], 4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[stages * chunks]
+    modes = ["none"] * 10
+    for index, mode in (modes_per_layer or {}).items():
+        modes[index] = mode
+    return evaluate_plan(profile, spec, counts, modes)
+
+
+@pytest.fixture
+def config(tmp_path):
+    def copy(target: str) -> Path:
+        path = tmp_path / FILES[target]
+        shutil.copy(CONFIGS / FILES[target], path)
+        return path
+
+    return copy
+
+
+def test_mindformers_round_trip_keeps_comments(config):
+    path = config("mindformers")
+    chosen = plan({1: "full", 2: "full", 4: "selective"})
+    result = write_config("mindformers", path, layout_of(chosen))
+    text = path.read_text()
+    assert "# parallel settings: the pipeline split lives under model.model_config" in text
+    assert "micro_batch_num: 8\n" in text and "offset: [0, 0, 1, -1]" in text
+    before = yaml.safe_load((CONFIGS / FILES["mindformers"]).read_text())
+    after = yaml.safe_load(text)
+    assert after["parallel_config"] == before["parallel_config"] and after["seed"] == before["seed"]
+    keys = mindformers_keys(read_document(path, "config"), "config")
+    assert {k: keys[k] for k in ("offset", "recompute", "select_recompute")} == {
+        k: chosen.mindformers()[k] for k in ("offset", "recompute", "select_recompute")}
+    assert "pp_interleave_num" not in text  # one chunk: not written
+    assert result.backup.read_text() == (CONFIGS / FILES["mindformers"]).read_text()
+    assert result.written == [str(path)]
+
+
+def test_mindformers_interleaved_writes_lists_of_lists(config):
+    path = config("mindformers")
+    chosen = plan(chunks=2, schedule="Interleaved1F1B")
+    write_config("mindformers", path, layout_of(chosen))
+    model_config = yaml.safe_load(path.read_text())["model"]["model_config"]
+    assert model_config["offset"] == chosen.mindformers()["offset"] and model_config["pp_interleave_num"] == 2
+
+
+def test_megatron_layout_round_trips(config):
+    path = config("megatron")
+    chosen = plan({1: "full", 3: "full", 5: "full", 8: "full"})  # the first body layer of every stage
+    write_config("megatron", path, layout_of(chosen))
+    text = path.read_text()
+    assert '--pipeline-model-parallel-size 4 \\\n    --pipeline-model-parallel-layout "Ett|tt|t*3|tL" \\\n' in text
+    assert parse_layout(_flag(text, "--pipeline-model-parallel-layout")) == [2, 2, 3, 1]
+    assert "--decoder-first-pipeline-num-layers" not in text and "--recompute-activations" not in text
+    assert "--recompute-granularity full \\" in text and "--recompute-num-layers 1 \\" in text
+    assert os.access(path, os.X_OK)  # still a runnable script
+    assert text.splitlines()[0] == "#!/bin/bash" and "--lr 3e-4" in text
+
+
+def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):
+    path = config("megatron")
+    result = write_config("megatron", path, layout_of(plan({1: "full", 2: "full"})))
+    assert "--recompute-num-layers 2" in path.read_text()
+    assert any("same number of layers on every stage" in note for note in result.notes)
+    side = path.with_name(path.name + ".sapp-hook.json")
+    assert str(side) in result.written and '"recompute": "full"' in side.read_text()
+
+
+def test_megatron_interleaved_layout_is_vpp_major():
+    chosen = plan(chunks=2, schedule="Interleaved1F1B")
+    assert layout_string(layout_of(chosen)) == "Et|t|t|t|t|t|tt|L"
+    assert parse_layout("Et*3|(tt|)*2,t|L") == [3, 2, 2, 1, 0]
+
+
+def test_torchtitan_module_names_schedule_and_checkpointing(config):
+    path = config("torchtitan")
+    result = write_config("torchtitan", path, layout_of(plan({1: "selective", 5: "full"})))
+    document = tomlkit.parse(path.read_text())
+    parallelism = document["parallelism"]
+    assert parallelism["module_fqns_per_model_part"] == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"],
+        ["layers.4", "layers.5", "layers.6"], ["layers.7", "norm", "output"]]
+    assert parallelism["num_pp_microbatches"] == 8 and "pipeline_parallel_first_stage_less_layers" not in parallelism
+    assert document["activation_checkpoint"]["mode"] == "full"
+    assert "# applied to every block" in path.read_text() and "[training]" in path.read_text()
+    assert any("checkpoints every block alike" in note for note in result.notes)
+
+
+def test_plain_plan_files(tmp_path):
+    chosen = layout_of(plan({3: "full"}))
+    for name in ("plan.json", "plan.yaml"):
+        write_config("plan", tmp_path / name, chosen)
+        data = read_document(tmp_path / name, "plan")
+        assert [layer["recompute"] for layer in data["layers"]][3] == "full"
+
+
+def test_dry_run_prints_the_diff_and_writes_nothing(config):
+    path = config("torchtitan")
+    before = path.read_text()
+    result = write_config("torchtitan", path, layout_of(plan()), dry_run=True)
+    assert path.read_text() == before and result.written == [] and result.backup is None
+    assert "+module_fqns_per_model_part" in result.diff and "-pipeline_parallel_first_stage_less_layers" in result.diff
+
+
+@pytest.mark.parametrize("target", list(FILES))
+def test_a_failure_between_write_and_rename_leaves_the_old_file(config, target, monkeypatch):
+    path = config(target)
+    before = path.read_bytes()
+
+    def broken_rename(source, destination):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_rename)
+    with pytest.raises(InputError, match="left as it was"):
+        write_config(target, path, layout_of(plan()))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(".bak")) == [path.name]
+
+
+@pytest.mark.parametrize("target", list(FILES))
+def test_a_plan_for_another_stage_count_is_refused(config, target):
+    path = config(target)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="is for 2 pipeline stages") as caught:
+        write_config(target, path, layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B")))
+    assert caught.value.field == "--plan" and path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("target", "content", "message"),
+    [
+        ("megatron", "python train.py --num-layers 8\n", "has no --pipeline-model-parallel-size"),
+        ("torchtitan", "[training]\nsteps = 1\n", "has no [parallelism] table"),
+        ("torchtitan", "[parallelism\n", "is not valid TOML"),
+        ("mindformers", "model:\n  arch: {type: X}\nparallel_config: {pipeline_stage: 4}\n", "lacks the section model.model_config"),
+        ("mindformers", "a: &x [1]\nb: *x\n", "aliases are not accepted"),
+    ],
+)
+def test_configs_without_the_expected_sections(tmp_path, target, content, message):
+    path = tmp_path / "config"
+    path.write_text(content)
+    with pytest.raises(InputError, match=message.replace("[", r"\[")):
+        write_config(target, path, layout_of(plan()))
+    assert path.read_text() == content
+
+
+def test_read_only_config_and_unknown_target(config, monkeypatch):
+    path = config("mindformers")
+    before = path.read_bytes()
+    # what os.access says of a read-only file to anyone but root (CI may run as root)
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != path)
+    with pytest.raises(InputError, match="read-only"):
+        write_config("mindformers", path, layout_of(plan()))
+    assert path.read_bytes() == before
+    with pytest.raises(InputError, match="unknown target 'deepspeed'"):
+        write_config("deepspeed", path, layout_of(plan()))
+
+
+def test_schedules_a_target_cannot_run(config):
+    with pytest.raises(InputError, match="Megatron-LM runs 1F1B, Interleaved1F1B, GPipe"):
+        write_config("megatron", config("megatron"), layout_of(plan(stages=4, chunks=2, schedule="ZBVZeroBubble")))
+
+
+def _flag(text: str, flag: str) -> str:
+    return text.split(flag, 1)[1].split()[0]
