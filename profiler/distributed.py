@@ -23,7 +23,7 @@ def gather_profiles(
     Every rank of `group` must call it; ranks other than `dst` get None.
     """
     payload = json.dumps([{"stage": stage, "profile": profile.to_dict()} for stage, profile in local]).encode()
-    parts = _all_gather_bytes(payload, group)
+    parts = all_gather_bytes(payload, group)
     if dist.get_rank(group) != dst:
         return None
     stages = [(item["stage"], ModelProfile.from_dict(item["profile"])) for part in parts for item in json.loads(part)]
@@ -58,7 +58,8 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
     )
 
 
-def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's `payload`, in rank order, on every rank (byte tensors: nothing is pickled)."""
     world = dist.get_world_size(group)
     device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(torch.accelerator.current_accelerator())
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)

@@ -1,9 +1,13 @@
 """sapp-hook: balance pipeline-parallel training from inside the run.
 
-The public face. Today it offers the schedule simulator; the profiler, the solver and the
-`autotune` hook will join it here.
+The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`, and
+the schedule simulator's names. The torch parts are imported on first use, so planning and
+simulation work where torch is not installed.
 """
 
+from typing import Any
+
+from sapp_hook.writeback import layout_from_dict, layout_of, write_config
 from simulator import (
     SCHEDULES,
     ChunkCosts,
@@ -16,7 +20,28 @@ from simulator import (
     simulate,
 )
 
+# Imported on first use: these need torch.
+_TORCH_EXPORTS = {
+    "autotune": "sapp_hook.tune",
+    "AutoTuner": "sapp_hook.tune",
+    "REPLAN_EXIT_CODE": "sapp_hook.tune",
+    "TuneResult": "sapp_hook.tune",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TORCH_EXPORTS:
+        raise AttributeError(f"module 'sapp_hook' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
+
+
 __all__ = [
+    *_TORCH_EXPORTS,
+    "layout_from_dict",
+    "layout_of",
+    "write_config",
     "SCHEDULES",
     "ChunkCosts",
     "InputError",

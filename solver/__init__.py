@@ -5,7 +5,7 @@ simulator times them. Never imports torch.
 """
 
 from solver.errors import InfeasibleError
-from solver.plan import Plan, evaluate_plan, plan_from_dict, plan_from_mindformers
+from solver.plan import Plan, evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
 from solver.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost, load_profile
 from solver.sapp import profile_from_sapp
 from solver.search import solve
@@ -20,6 +20,7 @@ __all__ = [
     "Plan",
     "RecomputeCost",
     "evaluate_plan",
+    "even_plan",
     "load_profile",
     "plan_from_dict",
     "plan_from_mindformers",

@@ -315,3 +315,18 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
     if not isinstance(counts, list):
         raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {counts!r}")
     return evaluate_plan(profile, spec, counts, modes)
+
+
+def even_plan(profile: ModelProfile, spec: PipelineSpec, mode: str = NONE) -> Plan:
+    """The split people start from: body layers spread evenly over the virtual stages (the first ones
+    take one more where they do not divide), head layers on the first, tail layers on the last, every
+    body layer under recompute `mode`. Simulated like any plan; it may not fit."""
+    stages = spec.pipeline_schedule.num_stages
+    heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
+    tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
+    body = len(profile.layers) - heads - tails
+    counts = [body // stages + (1 if v < body % stages else 0) for v in range(stages)]
+    counts[0] += heads
+    counts[-1] += tails
+    modes = [mode if layer.is_body and mode in layer.recompute else NONE for layer in profile.layers]
+    return evaluate_plan(profile, spec, counts, modes)

@@ -12,7 +12,7 @@ import tomlkit
 import yaml
 from solver_cases import small_profile
 
-from sapp_hook.cli.inputs import mindformers_keys, read_document
+from sapp_hook.inputs import mindformers_keys, read_document
 from sapp_hook.writeback import layout_of, write_config
 from sapp_hook.writeback.megatron import layout_string, parse_layout
 from simulator import InputError

@@ -7,7 +7,7 @@ import json
 import sys
 
 from sapp_hook.cli.common import command
-from sapp_hook.cli.inputs import read_document
+from sapp_hook.inputs import read_document
 from sapp_hook.writeback import TARGETS, layout_from_dict, write_config
 
 PROG = "sapp-hook apply"

@@ -17,8 +17,8 @@ from sapp_hook.cli.common import (
     size_flag,
     write_replay_outputs,
 )
-from sapp_hook.cli.inputs import mindformers_keys, read_document
 from sapp_hook.cli.report import plan_report, replay_report
+from sapp_hook.inputs import mindformers_keys, read_document
 from simulator import InputError, PipelineCosts, build_schedule, simulate
 from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedSeq
 
-from sapp_hook.cli.inputs import MINDFORMERS_PLACES, read_yaml
+from sapp_hook.inputs import MINDFORMERS_PLACES, read_yaml
 from sapp_hook.writeback.files import WriteBack, commit, read_config
 from sapp_hook.writeback.layout import Layout
 from simulator.errors import InputError

@@ -1,0 +1,288 @@
+"""`autotune`: a training run that balances its own pipeline.
+
+    with sapp_hook.autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B",
+                            memory_budget="56GB", config="train.yaml", target="mindformers") as tuner:
+        for batch in batches:
+            ...                      # forward, backward, optimizer step, as always
+            tuner.step()
+
+The first steps are profiled (one warm-up step, then `profile_steps` per recompute mode); then the
+plan is solved, checked in the simulator, written into the launch config and reported. Training goes
+on (`on_plan="continue"`) or the process exits with status 75 (`on_plan="exit"`) so the launcher
+restarts the job with the new config. A run whose model, micro-batch shape, parallel settings and
+device match a cached plan skips profiling after its first step. Under torchrun every rank profiles
+the stage it holds, rank 0 solves and writes, and every rank gets the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from profiler import LayerProfiler
+from profiler.build import fingerprint
+from profiler.distributed import all_gather_bytes, gather_profiles
+from profiler.recompute import TORCH_MODES
+from sapp_hook.cache import PlanCache, cache_key
+from sapp_hook.cli.report import plan_report
+from sapp_hook.writeback import Layout, WriteBack, layout_from_dict, write_config
+from simulator.errors import InputError
+from simulator.files import atomic_write_text
+from simulator.units import format_bytes, parse_bytes
+from solver import ModelProfile, PipelineSpec, Plan, even_plan, solve
+from solver.profile import FULL
+from solver.spec import spec_to_dict
+
+log = logging.getLogger(__name__)
+
+REPLAN_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", which is what the launcher should do
+ON_PLAN = ("continue", "exit")
+
+
+@dataclass
+class TuneResult:
+    """What autotune decided. `plan` (with its simulation) and `profile` exist on the rank that solved."""
+
+    plan_data: dict[str, Any]
+    layout: Layout
+    from_cache: bool
+    plan: Plan | None = None
+    profile: ModelProfile | None = None
+    writeback: WriteBack | None = None
+    report: str = ""
+
+
+class AutoTuner:
+    """Profiles the first steps, then solves, simulates, writes the config and reports. See the module doc."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        stages: int,
+        micro_batches: int,
+        schedule: str = "1F1B",
+        chunks: int | None = None,
+        memory_budget: str | float | None = None,
+        config: str | Path | None = None,
+        target: str | None = None,
+        profile_steps: int = 2,
+        warmup_steps: int = 1,
+        modes: Sequence[str] = TORCH_MODES,
+        layers: Sequence[str] | None = None,
+        on_plan: str = "continue",
+        cache_dir: str | Path | None = None,
+        force: bool = False,
+        time_limit_s: float = 60.0,
+        data_parallel: int = 1,
+        zero_stage: int = 0,
+        out_dir: str | Path | None = None,
+    ) -> None:
+        if on_plan not in ON_PLAN:
+            raise InputError("on_plan", f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
+        if (config is None) != (target is None):
+            raise InputError("target" if target is None else "config", "give config and target together")
+        budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
+        self.spec = PipelineSpec(
+            stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks,
+            memory_budget_bytes=float("inf") if budget is None else budget,
+            data_parallel=data_parallel, zero_stage=zero_stage,
+        )
+        self.model, self.optimizer = model, optimizer
+        self.config, self.target = (Path(config) if config else None), target
+        self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.cache = PlanCache(cache_dir)
+        self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
+                                      layers=layers, on_step=self._progress)
+        self.result: TuneResult | None = None
+        self._key: str | None = None
+        self._key_parts: dict[str, object] = {}
+
+    # -- the user's side ---------------------------------------------------------------------------
+
+    def __enter__(self) -> AutoTuner:
+        if self.result is None:
+            self.profiler.attach()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
+
+    def step(self) -> None:
+        """Call once after each training step."""
+        if self.result is not None:
+            return
+        self.profiler.step()
+        if self.profiler.steps_done == self.profiler.warmup_steps and self._cached():
+            return
+        if self.profiler.done:
+            self._plan()
+
+    def __call__(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
+        """As a decorator of a per-step training function: profiling starts with its first call."""
+
+        @functools.wraps(train_step)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.result is None and not self.profiler.steps_done:
+                self.profiler.attach()
+            try:
+                value = train_step(*args, **kwargs)
+            except BaseException:
+                self.profiler.detach()
+                raise
+            self.step()
+            return value
+
+        return wrapped
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    # -- deciding ----------------------------------------------------------------------------------
+
+    def _cached(self) -> bool:
+        """After the warm-up step: reuse a cached plan for this exact model and setting, if there is one."""
+        recorder = self.profiler.recorder
+        local = {
+            "fingerprint": fingerprint(self.model, [block.kind for block in self.profiler.blocks]),
+            "input_shape": list(recorder.input_shape or ()),
+        }
+        parts = [json.loads(part) for part in _everyone(json.dumps(local).encode())]
+        device = self.profiler.device
+        self._key_parts = {
+            "ranks": parts,
+            "spec": spec_to_dict(self.spec),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "dtype": str(next(self.model.parameters()).dtype),
+            "modes": list(self.profiler.modes),
+        }
+        self._key = cache_key(self._key_parts)
+        entry = None if self.force or _rank() else self.cache.load(self._key)
+        shared = _from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
+        if not shared:
+            log.info("sapp-hook: no cached plan for this model and setting (key %s); profiling", self._key)
+            return False
+        self.profiler.detach()
+        plan_data = json.loads(shared)
+        log.info("sapp-hook: reusing the cached plan %s", self.cache.path(self._key))
+        self._finish(plan_data, from_cache=True, plan=None, profile=None)
+        return True
+
+    def _plan(self) -> None:
+        local = self.profiler.profile()
+        profile = gather_profiles([(_rank(), local)]) if _distributed() else local
+        error = ""
+        plan = None
+        if profile is not None:  # the rank that solves
+            try:
+                log.info("sapp-hook: solving %s ...", self.spec.pipeline_schedule.name)
+                plan = solve(profile, self.spec, time_limit_s=self.time_limit_s)
+            except InputError as exc:
+                error = str(exc)
+        payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""
+        plan_data = json.loads(_from_rank0(payload))
+        if "error" in plan_data:
+            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {plan_data['error']}")
+        if plan is not None:
+            self.cache.store(self._key or "unkeyed", self._key_parts, plan_data, profile.to_dict())
+        self._finish(plan_data, from_cache=False, plan=plan, profile=profile)
+
+    def _finish(self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None) -> None:
+        layout = layout_from_dict(plan_data)
+        if layout.stages != self.spec.stages or layout.micro_batches != self.spec.micro_batches:
+            raise InputError("plan", "the cached plan is for other parallel settings")
+        result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
+        if _rank() == 0:
+            if self.config is not None:
+                result.writeback = write_config(self.target, self.config, layout)
+            result.report = self._report(result)
+            log.info("%s", result.report)
+            if self.out_dir is not None:
+                self._write_outputs(result)
+        self.result = result
+        if self.on_plan == "exit":
+            where = f" into {self.config}" if self.config else ""
+            log.warning("sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
+                        where, REPLAN_EXIT_CODE)
+            raise SystemExit(REPLAN_EXIT_CODE)
+
+    def _report(self, result: TuneResult) -> str:
+        lines = []
+        if result.plan is not None and result.profile is not None:
+            lines.append(plan_report(result.plan))
+            lines.append(_against_even(result.plan, result.profile, self.spec))
+        else:
+            data = result.plan_data
+            lines.append(f"cached plan: iteration time {data['iteration_time']:,.6g} ms, peak memory per stage "
+                         + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"]))
+        if result.writeback is not None:
+            lines += [f"wrote {path}" for path in result.writeback.written]
+            lines += [f"note: {note}" for note in result.writeback.notes]
+        return "\n".join(lines)
+
+    def _write_outputs(self, result: TuneResult) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out_dir / "plan.json", json.dumps(result.plan_data, indent=1) + "\n")
+        atomic_write_text(self.out_dir / "report.txt", result.report + "\n")
+        if result.profile is not None:
+            result.profile.save(self.out_dir / "profile.json")
+        if result.plan is not None and result.plan.simulation is not None:
+            try:
+                from simulator.plot import draw_gantt
+
+                draw_gantt(result.plan.simulation, self.out_dir / "plan.png")
+            except ImportError:
+                log.info("sapp-hook: matplotlib is not installed; no chart")
+
+    def _progress(self, done: int, total: int, mode: str) -> None:
+        if _rank() == 0:
+            log.info("sapp-hook: profiling step %d/%d done (%s)", done, total,
+                     "warm-up" if done <= self.profiler.warmup_steps else f"recompute {mode}")
+
+
+def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
+    """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
+    step), or a decorator of the per-step training function."""
+    return AutoTuner(model, optimizer, **options)
+
+
+def _against_even(plan: Plan, profile: ModelProfile, spec: PipelineSpec) -> str:
+    even = even_plan(profile, spec)
+    if even.fits:
+        return (f"even split      {even.iteration_time_ms:,.6g} ms: the plan is "
+                f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast")
+    worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
+    recomputed = even_plan(profile, spec, FULL)
+    tail = (f"; with full recompute {recomputed.iteration_time_ms:,.6g} ms, the plan is "
+            f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast") if recomputed.fits else ""
+    return (f"even split      does not fit: stage {worst} peaks at "
+            f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _everyone(payload: bytes) -> list[bytes]:
+    return all_gather_bytes(payload) if _distributed() else [payload]
+
+
+def _from_rank0(payload: bytes) -> bytes:
+    return _everyone(payload)[0]

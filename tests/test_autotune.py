@@ -1,0 +1,123 @@
+"""`sapp_hook.autotune` around a real CPU training loop: profile, solve, write, cache, re-plan."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from profiler_cases import batch, llama, train_step
+
+from sapp_hook import REPLAN_EXIT_CODE, autotune
+from simulator import InputError
+
+CONFIGS = Path(__file__).parents[1] / "examples" / "configs"
+SETTING = {"stages": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps": 1}
+
+
+@pytest.fixture
+def mindformers_yaml(tmp_path):
+    path = tmp_path / "train.yaml"
+    shutil.copy(CONFIGS / "mindformers_llama.yaml", path)
+    return path
+
+
+def train(model: torch.nn.Module, steps: int, **options: object):
+    """A training script wrapped with autotune; the tuner when the loop ends."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with autotune(model, optimizer, **{**SETTING, **options}) as tuner:
+        for step in range(steps):
+            train_step(model, optimizer, step)
+            tuner.step()
+    return tuner
+
+
+def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_yaml):
+    options = {"config": mindformers_yaml, "target": "mindformers", "cache_dir": tmp_path / "cache"}
+    first = train(llama(), 6, **options)
+    assert first.done and not first.result.from_cache and first.profiler.steps_done == 4
+    text = mindformers_yaml.read_text()
+    assert "# parallel settings: the pipeline split lives under model.model_config" in text
+    offset = yaml.safe_load(text)["model"]["model_config"]["offset"]
+    assert offset == first.result.plan.mindformers()["offset"] and sum(offset) == 0
+    assert "even split" in first.result.report
+
+    again = train(llama(), 3, **options)  # same model and setting: the cached plan, after one step
+    assert again.result.from_cache and again.profiler.steps_done == 1
+    assert again.result.plan_data == first.result.plan_data
+
+    deeper = train(llama(num_hidden_layers=5), 6, **options)  # a layer more: profiled and solved again
+    assert not deeper.result.from_cache and deeper.profiler.steps_done == 4
+    assert len(deeper.result.layout.layers) == 7
+
+    forced = train(llama(), 6, **options, force=True)
+    assert not forced.result.from_cache
+
+
+def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml):
+    with pytest.raises(SystemExit) as caught:
+        train(llama(), 6, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, on_plan="exit")
+    assert caught.value.code == REPLAN_EXIT_CODE
+    assert mindformers_yaml.with_name("train.yaml.bak").exists()
+
+
+def test_a_crash_while_profiling_leaves_the_config_and_no_hooks(tmp_path, mindformers_yaml):
+    before = mindformers_yaml.read_text()
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(KeyboardInterrupt):
+        with autotune(model, optimizer, **SETTING, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path) as tuner:
+            for step in range(6):
+                train_step(model, optimizer, step)
+                tuner.step()
+                if step == 2:
+                    raise KeyboardInterrupt
+    assert mindformers_yaml.read_text() == before
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_as_a_decorator_of_the_step_function(tmp_path):
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tuner = autotune(model, optimizer, **SETTING, cache_dir=tmp_path, out_dir=tmp_path / "out")
+
+    @tuner
+    def step(index: int) -> float:
+        return train_step(model, optimizer, index)
+
+    losses = [step(i) for i in range(6)]
+    assert tuner.done and len(losses) == 6
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"plan.json", "report.txt", "profile.json", "plan.png"}
+
+
+def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
+    before = mindformers_yaml.read_text()
+    with pytest.raises(InputError, match="sapp-hook found no plan; the config is untouched"):
+        train(llama(), 6, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, memory_budget="1MB")
+    assert mindformers_yaml.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [({"on_plan": "restart"}, "on_plan"), ({"config": "x.yaml"}, "target"), ({"memory_budget": "56"}, "memory_budget")],
+)
+def test_bad_options(options, field):
+    with pytest.raises(InputError) as caught:
+        autotune(llama(), **{**SETTING, **options})
+    assert caught.value.field == field
+
+
+def test_the_model_trains_the_same_under_autotune(tmp_path):
+    plain, tuned = llama(), llama()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    expected = [train_step(plain, plain_optimizer, step) for step in range(6)]
+    tuned_optimizer = torch.optim.AdamW(tuned.parameters(), lr=1e-3)
+    with autotune(tuned, tuned_optimizer, **SETTING, cache_dir=tmp_path) as tuner:
+        got = []
+        for step in range(6):
+            got.append(train_step(tuned, tuned_optimizer, step))
+            tuner.step()
+    assert got == expected
+    assert batch(0).shape == (2, 32)
