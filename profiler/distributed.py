@@ -67,7 +67,8 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> 
     dist.all_gather(sizes, size, group=group)
     longest = int(max(s.item() for s in sizes))
     buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    if payload:  # frombuffer refuses an empty buffer
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     buffers = [torch.empty_like(buffer) for _ in range(world)]
     dist.all_gather(buffers, buffer, group=group)
     return [bytes(b[: int(s.item())].cpu().tolist()) for b, s in zip(buffers, sizes)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,3 +79,37 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
     model = llama()
     assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
     assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 for layer in profile.layers[1:5])
+
+
+def tuned_rank(rank: int, store: str, folder: str) -> None:
+    from sapp_hook import autotune
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    stage = (FirstStage if rank == 0 else LastStage)(llama())
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    plan_file = Path(folder) / "plan.json"
+    with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
+                  modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
+        for step in range(4):
+            if rank == 0:
+                stage(batch(step)).backward(torch.ones(BATCH, SEQ, 64))
+            else:
+                logits = stage(torch.randn(BATCH, SEQ, 64, requires_grad=True))
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch(0).flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tuner.step()
+    result = tuner.result
+    assert (result.plan is not None) == (rank == 0)  # rank 0 solved; both have the layout
+    (Path(folder) / f"layout{rank}.json").write_text(json.dumps(result.layout.per_layer()))
+    dist.destroy_process_group()
+
+
+def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path):
+    mp.spawn(tuned_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in (0, 1)]
+    assert layouts[0] == layouts[1]
+    assert [layer["kind"] for layer in layouts[0]["layers"]] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["layers"] == layouts[0]["layers"] and written["stages"] == 2
