@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python examples/simulate_schedules.py --out $(DEMO_OUT)
+	$(BIN)/sapp-hook demo --out $(DEMO_OUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --benchmark-disable

@@ -13,7 +13,7 @@ from profiler_cases import batch, llama, train_step
 from sapp_hook import REPLAN_EXIT_CODE, autotune
 from simulator import InputError
 
-CONFIGS = Path(__file__).parents[1] / "examples" / "configs"
+CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 SETTING = {"stages": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps": 1}
 
 

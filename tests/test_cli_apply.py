@@ -11,7 +11,7 @@ from solver_cases import small_profile
 
 from sapp_hook.cli import main
 
-CONFIGS = Path(__file__).parents[1] / "examples" / "configs"
+CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from sapp_hook.writeback.megatron import layout_string, parse_layout
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan
 
-CONFIGS = Path(__file__).parents[1] / "examples" / "configs"
+CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 FILES = {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh", "torchtitan": "torchtitan_llama.toml"}
 
 

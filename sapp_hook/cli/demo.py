@@ -1,0 +1,46 @@
+"""`sapp-hook demo`: profile, solve and write back on a tiny Llama, into one folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from sapp_hook.cli.common import command, configure_logging
+
+PROG = "sapp-hook demo"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="train a tiny Llama under autotune on the CPU and write its plan into example configs",
+        description=(
+            "A tiny Llama built from a transformers config (random weights, CPU, no download) trains a few "
+            "steps under autotune with 4 pipeline stages and a memory budget no split fits without "
+            "recompute. The plan goes into example MindFormers, Megatron-LM and TorchTitan configs; a "
+            "chart and a report go next to them."
+        ),
+    )
+    parser.add_argument("--out", default="demo", metavar="DIR", help="output folder (default: demo)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    parser.set_defaults(run=command(PROG, _run))
+
+
+def _run(args: argparse.Namespace) -> int:
+    talk = not (args.json or args.quiet)
+    configure_logging(talk)
+    import transformers
+
+    from sapp_hook.demo import run_demo
+
+    transformers.logging.set_verbosity_error()
+    started = time.perf_counter()
+    outcome = run_demo(args.out)
+    if args.json:
+        print(json.dumps(outcome, indent=2))
+    elif talk:
+        print(f"demo done in {time.perf_counter() - started:.0f} s; read {args.out}/report.md", file=sys.stderr)
+    return 0
