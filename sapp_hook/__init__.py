@@ -26,6 +26,8 @@ _TORCH_EXPORTS = {
     "AutoTuner": "sapp_hook.tune",
     "REPLAN_EXIT_CODE": "sapp_hook.tune",
     "TuneResult": "sapp_hook.tune",
+    "apply": "sapp_hook.stages",
+    "schedule_class": "sapp_hook.stages",
 }
 
 

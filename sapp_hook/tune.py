@@ -38,9 +38,10 @@ from sapp_hook.cli.report import plan_report
 from sapp_hook.writeback import Layout, WriteBack, layout_from_dict, write_config
 from simulator.errors import InputError
 from simulator.files import atomic_write_text
+from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, even_plan, solve
-from solver.profile import FULL
+from solver.profile import FULL, SELECTIVE
 from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ class AutoTuner:
         self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
         self.out_dir = Path(out_dir) if out_dir else None
         self.cache = PlanCache(cache_dir)
+        if schedule_kind(schedule).splits_backward and SELECTIVE in modes:
+            # torch allows one backward through a selective-checkpoint region; these schedules run two
+            modes = tuple(mode for mode in modes if mode != SELECTIVE)
+            log.info("sapp-hook: %s splits the backward: selective recompute is left out", schedule)
         self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
                                       layers=layers, on_step=self._progress)
         self.result: TuneResult | None = None

@@ -121,3 +121,8 @@ def test_the_model_trains_the_same_under_autotune(tmp_path):
             tuner.step()
     assert got == expected
     assert batch(0).shape == (2, 32)
+
+
+def test_split_backward_schedules_are_profiled_without_selective_recompute(tmp_path):
+    tuner = autotune(llama(), stages=2, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", cache_dir=tmp_path)
+    assert tuner.profiler.modes == ("none", "full")

@@ -1,0 +1,151 @@
+"""`apply`: a plan made real for `torch.distributed.pipelining`. A rank's stage modules, each holding the
+plan's layers of one virtual stage (the embedding on the first, the final norm and LM head on the last)
+with each layer under the plan's recompute, ready for `PipelineStage` and the plan's schedule class.
+
+transformers' decoder-only models are cut the way their own forward runs them: the Llama family
+(`embed_tokens`, `rotary_emb`, `layers`, `norm`, `lm_head`) and GPT-2 (`wte`, `wpe`, `drop`, `h`, `ln_f`,
+`lm_head`). Every stage recomputes the position embeddings it needs; attention is causal with no padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from profiler.layers import find_blocks
+from profiler.recompute import TORCH_MODES, set_recompute
+from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
+from simulator.errors import InputError
+from simulator.schedule import rank_chunk_to_stage
+from simulator.schedules import schedule_kind
+from solver import Plan
+from solver.profile import NONE, SELECTIVE
+
+# sapp-hook's schedule names as torch.distributed.pipelining's classes.
+TORCH_SCHEDULES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+@dataclass
+class _Parts:
+    """Where a model family keeps what runs around its blocks."""
+
+    embed: nn.Module
+    position_embed: nn.Module | None  # GPT-2's learned positions
+    dropout: nn.Module | None
+    rotary: nn.Module | None  # Llama's rotary embedding: computed by every stage
+    norm: nn.Module
+    head: nn.Module
+
+
+class PipelineStageModule(nn.Module):
+    """One virtual stage: optionally the embedding, some blocks, optionally the final norm and LM head.
+    Takes token ids on the first stage and hidden states elsewhere; returns hidden states or logits."""
+
+    def __init__(self, parts: _Parts, blocks: list[nn.Module], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.embed = parts.embed if first else None
+        self.position_embed = parts.position_embed if first else None
+        self.dropout = parts.dropout if first else None
+        self.rotary = parts.rotary
+        self.layers = nn.ModuleList(blocks)
+        self.norm = parts.norm if last else None
+        self.head = parts.head if last else None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        sequence = inputs.shape[1]
+        positions = torch.arange(sequence, device=inputs.device).unsqueeze(0)
+        hidden = inputs
+        if self.first:
+            hidden = self.embed(inputs)
+            if self.position_embed is not None:
+                hidden = hidden + self.position_embed(positions)
+            if self.dropout is not None:
+                hidden = self.dropout(hidden)
+        extra = {}
+        if self.rotary is not None and len(self.layers):
+            extra["position_embeddings"] = self.rotary(hidden, positions)
+        for layer in self.layers:
+            output = layer(hidden, attention_mask=None, **extra)
+            hidden = next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        if self.last:
+            hidden = self.head(self.norm(hidden))
+        return hidden
+
+
+def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int) -> list[tuple[int, PipelineStageModule]]:
+    """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order."""
+    layout = _layout(plan)
+    parts = _parts(model)
+    blocks = [block.module for block in find_blocks(model)]
+    body = [layer for layer in layout.layers if layer.is_body]
+    if len(body) != len(blocks):
+        raise InputError("plan", f"holds {len(body)} body layers; the model has {len(blocks)} blocks")
+    if not 0 <= rank < layout.stages:
+        raise InputError("rank", f"expected 0..{layout.stages - 1}, got {rank}")
+    kind = schedule_kind(layout.schedule)
+    if kind.splits_backward and any(layer.recompute == SELECTIVE for layer in body):
+        raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "
+                                 "through a selective-checkpoint region: plan with none or full recompute")
+    placement = kind.placement
+    stages = []
+    block_of = {id(layer): blocks[index] for index, layer in enumerate(body)}
+    cells = layout.virtual_stages()
+    for chunk in range(layout.chunks):
+        stage_index = rank_chunk_to_stage(rank, chunk, layout.stages, placement)
+        cell = cells[stage_index]
+        chosen = []
+        for layer in cell:
+            if not layer.is_body:
+                continue
+            if layer.recompute not in TORCH_MODES:
+                raise InputError("plan", f"{layer.name}: torch has no {layer.recompute!r} recompute; use none, selective or full")
+            block = block_of[id(layer)]
+            if layer.recompute != NONE:
+                set_recompute(block, layer.recompute)
+            chosen.append(block)
+        first = stage_index == 0
+        last = stage_index == layout.num_virtual_stages - 1
+        stages.append((stage_index, PipelineStageModule(parts, chosen, first=first, last=last)))
+    return stages
+
+
+def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
+    """The torch.distributed.pipelining schedule class that runs `plan`."""
+    import torch.distributed.pipelining as pipelining
+
+    layout = _layout(plan)
+    if layout.schedule not in TORCH_SCHEDULES:
+        raise InputError("plan", f"torch.distributed.pipelining has no {layout.schedule}; it runs {', '.join(TORCH_SCHEDULES)}")
+    return getattr(pipelining, TORCH_SCHEDULES[layout.schedule])
+
+
+def _layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
+    if isinstance(plan, Layout):
+        return plan
+    if isinstance(plan, Plan):
+        return layout_of(plan)
+    return layout_from_dict(plan)
+
+
+def _parts(model: nn.Module) -> _Parts:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None:
+        raise InputError("model", f"{type(model).__name__}: expected a transformers causal LM (a base model and lm_head)")
+    if hasattr(base, "embed_tokens") and hasattr(base, "norm"):  # the Llama family
+        return _Parts(embed=base.embed_tokens, position_embed=None, dropout=None,
+                      rotary=getattr(base, "rotary_emb", None), norm=base.norm, head=head)
+    if hasattr(base, "wte") and hasattr(base, "ln_f"):  # GPT-2
+        return _Parts(embed=base.wte, position_embed=base.wpe, dropout=base.drop, rotary=None, norm=base.ln_f, head=head)
+    raise InputError("model", f"{type(model).__name__}: sapp_hook.apply knows the Llama family and GPT-2")

@@ -1,0 +1,69 @@
+"""`sapp_hook.apply`: a plan's stage modules for torch.distributed.pipelining, on transformers models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from profiler_cases import batch, gpt2, llama
+
+from profiler.layers import find_blocks
+from sapp_hook import apply, schedule_class
+from sapp_hook.writeback import Layout
+from sapp_hook.writeback.layout import PlacedLayer
+from simulator import InputError
+
+
+def layout(counts: list[int], schedule: str = "1F1B", chunks: int = 1, modes: dict[int, str] | None = None) -> Layout:
+    """Head, 4 body layers, tail over virtual stages holding `counts` layers each."""
+    kinds = ["head", *["body:block"] * 4, "tail"]
+    stage_of = [v for v, count in enumerate(counts) for _ in range(count)]
+    layers = tuple(
+        PlacedLayer(name=f"layer{i}", kind=kind, virtual_stage=stage_of[i], recompute=(modes or {}).get(i, "none"))
+        for i, kind in enumerate(kinds)
+    )
+    return Layout(schedule=schedule, stages=len(counts) // chunks, chunks=chunks, micro_batches=4, layers=layers,
+                  mindformers={})
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    ("counts", "schedule", "chunks"),
+    [([3, 3], "1F1B", 1), ([2, 1, 1, 2], "Interleaved1F1B", 2), ([1, 2, 2, 1], "ZBVZeroBubble", 2)],
+)
+def test_the_stages_in_order_compute_what_the_model_computes(make, counts, schedule, chunks):
+    model = make().eval()
+    plan = layout(counts, schedule, chunks)
+    stages = dict(stage for rank in range(plan.stages) for stage in apply(model, plan, rank))
+    assert sorted(stages) == list(range(len(counts)))
+    ids = batch(0)
+    hidden = ids
+    with torch.no_grad():
+        for index in range(len(counts)):
+            hidden = stages[index](hidden)
+        expected = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
+    model = llama()
+    plan = layout([2, 1, 1, 2], "Interleaved1F1B", 2, modes={1: "full", 3: "selective"})
+    held = [id(block) for rank in range(2) for _, stage in apply(model, plan, rank) for block in stage.layers]
+    blocks = [block.module for block in find_blocks(model)]
+    assert sorted(held) == sorted(id(block) for block in blocks)
+    assert blocks[0].gradient_checkpointing and blocks[2].gradient_checkpointing
+    assert not getattr(blocks[1], "gradient_checkpointing", False)
+    assert schedule_class(plan).__name__ == "ScheduleInterleaved1F1B"
+
+
+def test_bad_plans_for_the_model():
+    with pytest.raises(InputError, match="holds 4 body layers; the model has 5 blocks"):
+        apply(llama(num_hidden_layers=5), layout([3, 3]), 0)
+    with pytest.raises(InputError, match="rank: expected 0..1, got 2"):
+        apply(llama(), layout([3, 3]), 2)
+    with pytest.raises(InputError, match="has no ZBH1"):
+        schedule_class(layout([3, 3], "ZBH1"))
+
+
+def test_selective_recompute_under_a_split_backward_schedule_is_refused():
+    with pytest.raises(InputError, match="torch allows one backward through a selective-checkpoint region"):
+        apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: "selective"}), 0)
