@@ -7,6 +7,7 @@ simulation work where torch is not installed.
 
 from typing import Any
 
+from sapp_hook.protocol import REPLAN_EXIT_CODE
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
 from simulator import (
     SCHEDULES,
@@ -24,7 +25,6 @@ from simulator import (
 _TORCH_EXPORTS = {
     "autotune": "sapp_hook.tune",
     "AutoTuner": "sapp_hook.tune",
-    "REPLAN_EXIT_CODE": "sapp_hook.tune",
     "TuneResult": "sapp_hook.tune",
     "apply": "sapp_hook.stages",
     "schedule_class": "sapp_hook.stages",
@@ -41,6 +41,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     *_TORCH_EXPORTS,
+    "REPLAN_EXIT_CODE",
     "layout_from_dict",
     "layout_of",
     "write_config",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from profiler.distributed import all_gather_bytes, gather_profiles
 from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import plan_report
+from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
 from sapp_hook.writeback import Layout, WriteBack, layout_from_dict, write_config
 from simulator.errors import InputError
 from simulator.files import atomic_write_text
@@ -46,8 +48,6 @@ from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
 
-REPLAN_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", which is what the launcher should do
-ON_PLAN = ("continue", "exit")
 
 
 @dataclass
@@ -90,6 +90,11 @@ class AutoTuner:
         zero_stage: int = 0,
         out_dir: str | Path | None = None,
     ) -> None:
+        config = os.environ.get(ENVIRONMENT["config"]) or config
+        target = os.environ.get(ENVIRONMENT["target"]) or target
+        on_plan = os.environ.get(ENVIRONMENT["on_plan"]) or on_plan
+        cache_dir = os.environ.get(ENVIRONMENT["cache_dir"]) or cache_dir
+        force = force or os.environ.get(ENVIRONMENT["force"]) == "1"
         if on_plan not in ON_PLAN:
             raise InputError("on_plan", f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
         if (config is None) != (target is None):

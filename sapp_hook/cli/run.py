@@ -1,0 +1,69 @@
+"""`sapp-hook run -- COMMAND`: launch a training job that uses `autotune`, let it plan, relaunch it.
+
+The first launch runs with `on_plan="exit"`: the job profiles its first steps, writes the plan into
+the config and exits with status 75. The second launch finds the plan in the cache after one step,
+and trains with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from sapp_hook.cli.common import command
+from sapp_hook.protocol import ENVIRONMENT, REPLAN_EXIT_CODE
+from sapp_hook.writeback import TARGETS
+from simulator.errors import InputError
+
+PROG = "sapp-hook run"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "run",
+        help="launch a training command that uses autotune: plan, write the config, relaunch",
+        description=(
+            "Launch COMMAND (e.g. torchrun ... train.py ...) whose script wraps its loop in "
+            "sapp_hook.autotune. The first launch profiles, solves, writes --config and exits with "
+            f"status {REPLAN_EXIT_CODE}; sapp-hook then launches COMMAND again to train with the plan."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="the launch config to write the plan into")
+    parser.add_argument("--target", metavar="NAME", help=f"its kind: {', '.join(TARGETS)}")
+    parser.add_argument("--cache-dir", metavar="DIR", help="where plans are cached (default ~/.cache/sapp-hook)")
+    parser.add_argument("--force", action="store_true", help="profile again even if a plan is cached")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the training command")
+    parser.set_defaults(run=command(PROG, _run))
+
+
+def _run(args: argparse.Namespace) -> int:
+    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not argv:
+        raise InputError("COMMAND", "give the training command after --, e.g. sapp-hook run -- torchrun train.py")
+    if (args.config is None) != (args.target is None):
+        raise InputError("--target" if args.target is None else "--config", "give --config and --target together")
+    if args.target is not None and args.target not in TARGETS:
+        raise InputError("--target", f"unknown target {args.target!r}; expected one of {', '.join(TARGETS)}")
+    environment = dict(os.environ)
+    for name in ("config", "target", "cache_dir"):
+        if getattr(args, name):
+            environment[ENVIRONMENT[name]] = str(getattr(args, name))
+    print(f"{PROG}: planning: {' '.join(argv)}", file=sys.stderr, flush=True)
+    first = _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "exit", ENVIRONMENT["force"]: "1" if args.force else "0"})
+    if first != REPLAN_EXIT_CODE:
+        if first == 0:
+            print(f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)", file=sys.stderr)
+        else:
+            print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
+        return first
+    print(f"{PROG}: planned; training: {' '.join(argv)}", file=sys.stderr, flush=True)
+    return _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "continue", ENVIRONMENT["force"]: "0"})
+
+
+def _launch(argv: list[str], environment: dict[str, str]) -> int:
+    try:
+        return subprocess.run(argv, env=environment, check=False).returncode
+    except FileNotFoundError:
+        raise InputError("COMMAND", f"{argv[0]!r} not found") from None

@@ -1,0 +1,7 @@
+"""How `sapp-hook run` and the `autotune` inside the job it launches talk: environment and exit status."""
+
+REPLAN_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", which is what the launcher should do
+ON_PLAN = ("continue", "exit")
+# `sapp-hook run` sets these for the training command it launches; they override the script's own choice.
+ENVIRONMENT = {"config": "SAPP_HOOK_CONFIG", "target": "SAPP_HOOK_TARGET", "on_plan": "SAPP_HOOK_ON_PLAN",
+               "cache_dir": "SAPP_HOOK_CACHE_DIR", "force": "SAPP_HOOK_FORCE"}
