@@ -254,6 +254,7 @@ class AutoTuner:
                 from simulator.plot import draw_gantt
 
                 draw_gantt(result.plan.simulation, self.out_dir / "plan.png")
+                log.info("sapp-hook: the plan's schedule and memory: %s", self.out_dir / "plan.png")
             except ImportError:
                 log.info("sapp-hook: matplotlib is not installed; no chart")
 

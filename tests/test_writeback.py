@@ -82,6 +82,13 @@ def test_megatron_layout_round_trips(config):
     assert text.splitlines()[0] == "#!/bin/bash" and "--lr 3e-4" in text
 
 
+def test_megatron_arguments_file(tmp_path):
+    path = tmp_path / "args.txt"
+    path.write_text("--num-layers 8\n--pipeline-model-parallel-size 4\n--bf16\n")
+    write_config("megatron", path, layout_of(plan()))
+    assert path.read_text() == "--num-layers 8\n--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout Ett|tt|t*3|tL\n--bf16\n"
+
+
 def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):
     path = config("megatron")
     result = write_config("megatron", path, layout_of(plan({1: "full", 2: "full"})))

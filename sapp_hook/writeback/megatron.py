@@ -1,4 +1,5 @@
-"""Megatron-LM arguments in a launch script: the pipeline layout string and the recompute flags.
+"""Megatron-LM arguments in a launch script or an arguments file: the pipeline layout string and the
+recompute flags.
 
 `--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` loss, stages split by `|`,
 virtual stages in Megatron's vpp-major order, which is sapp-hook's model order for loop placement)
@@ -73,7 +74,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         new = _remove(new, flag, takes_value=True)
     for flag in SWITCHES:
         new = _remove(new, flag, takes_value=False)
-    flags = [(LAYOUT, f'"{layout_string(layout)}"'), *_recompute_flags(layout, result)]
+    # a shell script needs the layout quoted (| and *); an arguments file (`$(cat args.txt)`) must not have quotes
+    shell = path.suffix in (".sh", ".bash") or old.startswith("#!")
+    text = layout_string(layout)
+    flags = [(LAYOUT, f'"{text}"' if shell else text), *_recompute_flags(layout, result)]
     for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
         new = _set(new, flag, value)
     commit(result, old, new, dry_run=dry_run)
