@@ -1,0 +1,72 @@
+"""How many bytes autograd holds for backward at its peak, in any run (a real pipeline step included).
+
+Each saved tensor is wrapped in a small holder when autograd saves it; the holder goes when autograd
+frees it (after the backward that used it). Storages are counted once however many tensors share
+them; parameters and buffers are left out. What checkpointing keeps in its own cache is not seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+
+import torch
+
+from profiler.recorder import _storage_key
+
+
+class _Held:
+    __slots__ = ("tracker", "key", "tensor")
+
+    def __init__(self, tracker: HeldActivations, key: int, tensor: torch.Tensor) -> None:
+        self.tracker, self.key, self.tensor = tracker, key, tensor
+
+    def __del__(self) -> None:
+        self.tracker._release(self.key)
+
+
+class HeldActivations:
+    """`with HeldActivations(model.parameters()) as held: ...`; then `held.peak_bytes`."""
+
+    def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
+        self.excluded = {_storage_key(t)[0] for t in excluded}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._counts: dict[int, list[int]] = {}  # storage -> [holders, bytes]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> HeldActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self._hooks.__exit__(kind, error, trace)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        key, size = _storage_key(tensor)
+        if key in self.excluded:
+            return tensor
+        entry = self._counts.get(key)
+        if entry is None:
+            self._counts[key] = [1, size]
+            self.live_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            entry[0] += 1
+        return _Held(self, key, tensor)
+
+    @staticmethod
+    def _unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: int) -> None:
+        entry = self._counts.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._counts[key]
+            self.live_bytes -= entry[1]

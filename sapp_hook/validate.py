@@ -1,0 +1,222 @@
+"""Predicted against measured: a plan run by torch.distributed.pipelining (gloo, one process per stage,
+one thread each), next to what the simulator said of it from a profile taken beforehand.
+
+Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
+holds for backward over a step (saved-tensor hooks in the real run), and the parameter, gradient and
+optimizer bytes; beside each, the prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from simulator import PipelineCosts, simulate
+from simulator.errors import InputError
+from solver import ModelProfile, PipelineSpec, Plan, even_plan, plan_from_dict, solve
+from solver.profile import FULL, NONE, SELECTIVE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One validation run."""
+
+    model: str
+    stages: int
+    schedule: str
+    micro_batches: int
+    chunks: int | None = None
+    steps: int = 4
+    warmup_steps: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 128
+    memory_budget_bytes: float = float("inf")
+    plan: str = "solve"  # "solve", "even", "even-full" or a plan JSON path
+    profile_steps: int = 2
+
+
+def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
+    """Profile (unless given), plan, run the plan on `setup.stages` processes, and compare."""
+    from sapp_hook.models import load_config, profile_example
+    from sapp_hook.writeback import layout_of
+    from simulator.schedules import schedule_kind
+
+    for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    config = load_config(setup.model)
+    if profile is None:
+        modes = (NONE, FULL) if schedule_kind(setup.schedule).splits_backward else (NONE, SELECTIVE, FULL)
+        log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
+        profile = profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
+                                  seq_len=setup.seq_len, modes=modes, model_name=setup.model)
+    spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
+                        schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes)
+    plan = choose_plan(profile, spec, setup.plan)
+    layout = layout_of(plan)
+    log.info("validate: running the plan on %d processes, %d steps", setup.stages, setup.warmup_steps + setup.steps)
+    with tempfile.TemporaryDirectory(dir=workdir) as folder:
+        measured = run_pipeline(setup, json.loads(json.dumps(plan.to_dict())), Path(folder))
+    return compare(setup, profile, plan, measured, layout)
+
+
+def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
+    if which == "solve":
+        return solve(profile, spec, time_limit_s=60)
+    if which in ("even", "even-full"):
+        return even_plan(profile, spec, FULL if which == "even-full" else NONE)
+    from sapp_hook.inputs import read_document
+
+    return plan_from_dict(profile, read_document(which, "--plan"))
+
+
+def predictions(plan: Plan, input_bytes: float = 0.0) -> dict[str, list[float]]:
+    """Per rank: when its last action ends, its peak activation bytes (less `input_bytes` per micro-batch on
+    the first stage: the token ids, which the engine holds for the whole step as data), its static bytes."""
+    result = plan.simulation
+    schedule = result.schedule
+    ends = [max(a.end_ms for a in result.rank_timeline(rank)) for rank in range(schedule.stages)]
+    costs = result.costs
+    first = (schedule.rank_of(0), schedule.chunk_of(0))
+
+    def bare(rank: int, chunk: int, costs_of: object) -> object:
+        ids = input_bytes if (rank, chunk) == first else 0.0
+        return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0,
+                                   activation_bytes=costs_of.activation_bytes - ids)
+
+    bare = PipelineCosts(
+        tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),
+        p2p_ms=costs.p2p_ms,
+    )
+    activations = simulate(schedule, bare).stage_peak_memory_bytes
+    static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
+    return {"step_ms": ends, "activation_peak_bytes": list(activations), "static_bytes": static}
+
+
+def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
+    """Run the plan on `setup.stages` gloo processes; what each rank measured."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(setup, plan_data, str(folder)), nprocs=setup.stages, join=True)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(setup.stages)]
+
+
+def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.pipelining import PipelineStage
+
+    from profiler.held import HeldActivations
+    from profiler.recorder import _storage_key
+    from sapp_hook.models import build_model, load_config, random_batch
+    from sapp_hook.stages import apply, schedule_class
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=setup.stages)
+    config = load_config(setup.model)
+    model = build_model(config)
+    modules = apply(model, plan_data, rank)
+    num_stages = setup.stages * len(modules)
+    stages = [PipelineStage(module, index, num_stages, torch.device("cpu")) for index, module in modules]
+    parameters = [p for _, module in modules for p in module.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=labels, vocab_size=config.get_text_config().vocab_size)
+
+    runner = schedule_class(plan_data)
+    schedule = runner(stages[0], setup.micro_batches, loss_fn=loss_fn) if len(stages) == 1 else runner(
+        stages, setup.micro_batches, loss_fn=loss_fn)
+    first = any(stage.is_first for stage in stages)
+    last = any(stage.is_last for stage in stages)
+    step_ms, peaks, losses = [], [], []
+    for step in range(setup.warmup_steps + setup.steps):
+        batch = random_batch(config, setup.micro_batch_size * setup.micro_batches, setup.seq_len, seed=step)["input_ids"]
+        step_losses: list[torch.Tensor] = []
+        dist.barrier()
+        # the token ids are data the schedule holds for the whole step, in one storage: not activations
+        with HeldActivations([*model.parameters(), *model.buffers(), batch]) as held:
+            started = time.perf_counter()
+            schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses)
+            elapsed = (time.perf_counter() - started) * 1e3
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if step >= setup.warmup_steps:
+            step_ms.append(elapsed)
+            peaks.append(held.peak_bytes)
+        losses.append([loss.item() for loss in step_losses])
+
+    def total(tensors: list[torch.Tensor]) -> int:
+        return sum(dict(_storage_key(t) for t in tensors).values())
+
+    measured = {
+        "rank": rank,
+        "step_ms": step_ms,
+        "activation_peak_bytes": peaks,
+        "parameter_bytes": total(parameters),
+        "gradient_bytes": total([p.grad for p in parameters if p.grad is not None]),
+        "optimizer_bytes": total([t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]),
+        "losses": losses,
+        "layers": sorted(id_ for _, module in modules for id_ in _layer_names(model, module)),
+    }
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(measured))
+    dist.destroy_process_group()
+
+
+def _layer_names(model: Any, module: Any) -> list[str]:
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names[id(layer)] for layer in module.layers]
+
+
+def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict[str, Any]], layout: Any) -> dict[str, Any]:
+    predicted = predictions(plan, input_bytes=setup.micro_batch_size * setup.seq_len * 8)
+    ranks = []
+    for rank, row in enumerate(measured):
+        step = statistics.median(row["step_ms"])
+        activation = max(row["activation_peak_bytes"])
+        ranks.append({
+            "rank": rank,
+            "predicted_step_ms": predicted["step_ms"][rank],
+            "measured_step_ms": step,
+            "measured_step_spread_ms": max(row["step_ms"]) - min(row["step_ms"]),
+            "step_error": _error(predicted["step_ms"][rank], step),
+            "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][rank],
+            "measured_activation_peak_bytes": activation,
+            "activation_error": _error(predicted["activation_peak_bytes"][rank], activation),
+            "predicted_static_bytes": predicted["static_bytes"][rank],
+            "measured_static_bytes": row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"],
+            "layers": row["layers"],
+        })
+    iteration = max(r["measured_step_ms"] for r in ranks)
+    return {
+        "model": setup.model,
+        "schedule": plan.spec.pipeline_schedule.name,
+        "stages": setup.stages,
+        "chunks": plan.spec.pipeline_schedule.chunks,
+        "micro_batches": setup.micro_batches,
+        "plan": setup.plan,
+        "stage_layer_counts": list(plan.stage_layer_counts),
+        "layer_modes": list(plan.layer_modes),
+        "predicted_iteration_ms": plan.iteration_time_ms,
+        "measured_iteration_ms": iteration,
+        "iteration_error": _error(plan.iteration_time_ms, iteration),
+        "ranks": ranks,
+        "losses": next((r["losses"] for r in measured if any(r["losses"])), []),
+    }
+
+
+def _error(predicted: float, measured: float) -> float:
+    """|predicted - measured| / measured."""
+    return abs(predicted - measured) / measured if measured else 0.0
