@@ -148,6 +148,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     working set the largest of theirs, each stage's constant memory on its first chunk."""
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
+    forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
     start = 0
     for virtual, count in enumerate(counts):
@@ -155,9 +156,9 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         start += count
         stage, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
         grid[stage][chunk] = ChunkCosts(
-            forward_ms=sum(layer.forward_ms for layer, _ in layers),
-            backward_ms=sum(layer.backward_ms for layer, _ in layers),
-            weight_ms=sum(layer.split_weight_ms() for layer, _ in layers),
+            forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
+            backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
+            weight_ms=sum(layer.split_weight_ms() for layer, _ in layers) + weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers),
             static_bytes=sum(

@@ -245,6 +245,9 @@ class _Formulation:
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
         ))
+        for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
+            for expression in cell_sums:
+                expression.constant += overhead
         self.recompute_terms: dict[int, float] = {}
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:

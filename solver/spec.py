@@ -9,6 +9,7 @@ from functools import cached_property
 from simulator import build_schedule
 from simulator.errors import InputError, check_non_negative
 from simulator.schedule import Schedule
+from simulator.schedules import schedule_kind
 from solver.fields import Fields
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -22,6 +23,8 @@ class PipelineSpec:
     The profile's parameter, gradient and optimizer bytes are taken as unsharded; with
     `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also gradients, 3 (FSDP)
     also parameters, each by `data_parallel`. `stage_constant_bytes` is added to the profile's.
+    `action_overhead_ms` is added to every forward, backward, input- and weight-gradient action: the
+    engine's own cost per action (Python, scheduling), which a calibration measures.
     """
 
     stages: int
@@ -31,13 +34,14 @@ class PipelineSpec:
     memory_budget_bytes: float = math.inf
     stage_constant_bytes: float = 0.0
     p2p_ms: float = 0.0
+    action_overhead_ms: float = 0.0
     data_parallel: int = 1
     zero_stage: int = 0
     allow_empty_chunks: bool = False
     microbatch_group_size: int | None = None  # Interleaved1F1B only (Megatron's)
 
     def __post_init__(self) -> None:
-        for name in ("memory_budget_bytes", "stage_constant_bytes", "p2p_ms"):
+        for name in ("memory_budget_bytes", "stage_constant_bytes", "p2p_ms", "action_overhead_ms"):
             value = getattr(self, name)
             if not (name == "memory_budget_bytes" and value == math.inf):
                 check_non_negative(value, name)
@@ -62,6 +66,13 @@ class PipelineSpec:
     def num_chunks(self) -> int:
         return self.pipeline_schedule.chunks
 
+    def action_overheads_ms(self) -> tuple[float, float, float]:
+        """What `action_overhead_ms` adds to a chunk's forward, backward and weight times: the backward
+        is one action, or two (input and weight gradients) where the schedule splits it."""
+        overhead = self.action_overhead_ms
+        splits = schedule_kind(self.schedule).splits_backward
+        return overhead, overhead * (2 if splits else 1), overhead
+
     def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float) -> float:
         """A layer's resident bytes on one device after data-parallel sharding."""
         dp = self.data_parallel
@@ -81,6 +92,7 @@ def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
         "memory_budget_bytes": None if spec.memory_budget_bytes == math.inf else spec.memory_budget_bytes,
         "stage_constant_bytes": spec.stage_constant_bytes,
         "p2p_ms": spec.p2p_ms,
+        "action_overhead_ms": spec.action_overhead_ms,
         "data_parallel": spec.data_parallel,
         "zero_stage": spec.zero_stage,
         "allow_empty_chunks": spec.allow_empty_chunks,
@@ -102,6 +114,7 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         memory_budget_bytes=math.inf if budget is None else check_non_negative(budget, fields.at("memory_budget_bytes")),
         stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
         p2p_ms=fields.number("p2p_ms", 0.0),
+        action_overhead_ms=fields.number("action_overhead_ms", 0.0),
         data_parallel=fields.integer("data_parallel", 1, least=1),
         zero_stage=fields.integer("zero_stage", 0),
         allow_empty_chunks=allow_empty,

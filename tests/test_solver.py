@@ -3,6 +3,7 @@ and beats SAPP on SAPP's own runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from solver_cases import MIB, SAPP, all_plans, brute_force, small_profile
 
 from simulator import InputError, simulate
-from solver import InfeasibleError, PipelineSpec, load_profile, plan_from_mindformers, solve
+from solver import InfeasibleError, PipelineSpec, evaluate_plan, load_profile, plan_from_mindformers, solve
 from solver.plan import pipeline_costs
 
 CASES = [
@@ -153,3 +154,14 @@ def test_long_searches_report_progress(caplog, monkeypatch):
     messages = [record.getMessage() for record in caplog.records]
     assert any(message.startswith("searching: ") for message in messages)
     assert any(message.startswith("fastest plan: optimal") for message in messages)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2)])
+def test_action_overhead_is_planned_with_and_simulated_alike(schedule, chunks):
+    """The solver's program and the simulator agree with a per-action overhead: solve checks it."""
+    profile = small_profile(6)
+    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, action_overhead_ms=1.5)
+    plan = solve(profile, spec, time_limit_s=20)
+    bare = evaluate_plan(profile, dataclasses.replace(spec, action_overhead_ms=0.0), plan.stage_layer_counts, plan.layer_modes)
+    actions_per_rank = max(len(actions) for actions in spec.pipeline_schedule.rank_actions)
+    assert bare.iteration_time_ms < plan.iteration_time_ms <= bare.iteration_time_ms + 1.5 * 2 * actions_per_rank

@@ -1,0 +1,38 @@
+"""Calibration recovers a time factor and a per-action overhead from runs that have them."""
+
+from __future__ import annotations
+
+import pytest
+from solver_cases import small_profile
+
+from solver import PipelineSpec, evaluate_plan
+from solver.calibrate import Run, calibrate, rank_end_ms
+
+
+def measured_like(profile, spec, counts, modes, scale, overhead):
+    """What an engine with that factor and overhead measures: the simulator's own answer."""
+    run = Run(profile, spec, counts, modes, ())
+    return Run(profile, spec, counts, modes, tuple(rank_end_ms(run, scale, overhead)))
+
+
+def test_the_factor_and_overhead_are_found():
+    profile = small_profile(8)
+    runs = []
+    for schedule, chunks, counts in (("1F1B", 1, (3, 2, 3, 2)), ("Interleaved1F1B", 2, (2, 1, 1, 1, 1, 1, 2, 1)),
+                                     ("ZBH1", 1, (2, 3, 3, 2)), ("1F1B", 1, (4, 2, 2, 2))):
+        spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule)
+        runs.append(measured_like(profile, spec, counts, ["none"] * 10, scale=1.3, overhead=0.4))
+    found = calibrate(runs)
+    assert found.time_scale == pytest.approx(1.3, rel=1e-3)
+    assert found.action_overhead_ms == pytest.approx(0.4, abs=1e-3)
+    assert found.error_before > 0.2 and found.error_after < 1e-3
+
+
+def test_applying_a_calibration_predicts_the_runs():
+    profile = small_profile(8)
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    run = measured_like(profile, spec, (3, 2, 3, 2), ["none"] * 10, scale=0.8, overhead=1.0)
+    found = calibrate([run])
+    calibrated_profile, calibrated_spec = found.apply(profile, spec)
+    plan = evaluate_plan(calibrated_profile, calibrated_spec, (3, 2, 3, 2), ["none"] * 10)
+    assert plan.iteration_time_ms == pytest.approx(max(run.measured_step_ms), rel=1e-3)
