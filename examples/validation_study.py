@@ -113,8 +113,8 @@ def summary(results: list[dict], calibration: dict) -> str:
     ]
     for r in results:
         activation = max(row["activation_error"] for row in r["ranks"])
-        lines.append(f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['plan']}"
-                     f"{'' if r['memory_budget_mib'] is None else f' ({r['memory_budget_mib']} MiB)'} | "
+        budget = "" if r["memory_budget_mib"] is None else f" ({r['memory_budget_mib']} MiB)"
+        lines.append(f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['plan']}{budget} | "
                      f"{r['stage_layer_counts']} | {r['predicted_iteration_ms']:.0f} | {r['measured_iteration_ms']:.0f} | "
                      f"{r['iteration_error']:.1%} | {activation:.1%} |")
     errors = [r["iteration_error"] for r in results]
