@@ -46,6 +46,17 @@ class LastStage(torch.nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+def train_stage(stage: torch.nn.Module, rank: int, step: int, optimizer: torch.optim.Optimizer) -> None:
+    """One local step of a stage: a made-up gradient for the first, a loss for the last."""
+    if rank == 0:
+        stage(batch(step)).backward(torch.ones(BATCH, SEQ, 64))
+    else:
+        logits = stage(torch.randn(BATCH, SEQ, 64, requires_grad=True))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch(0).flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def rank_main(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -53,13 +64,7 @@ def rank_main(rank: int, store: str, out: str) -> None:
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     with LayerProfiler(stage, optimizer, steps=1, modes=("none", "full")) as profiler:
         while not profiler.done:
-            if rank == 0:
-                stage(batch(profiler.steps_done)).backward(torch.ones(BATCH, SEQ, 64))
-            else:
-                logits = stage(torch.randn(BATCH, SEQ, 64, requires_grad=True))
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch(0).flatten()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train_stage(stage, rank, profiler.steps_done, optimizer)
             profiler.step()
     joined = gather_profiles([(rank, profiler.profile())])
     if rank == 0:
@@ -92,13 +97,7 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
     with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
                   modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
         for step in range(4):
-            if rank == 0:
-                stage(batch(step)).backward(torch.ones(BATCH, SEQ, 64))
-            else:
-                logits = stage(torch.randn(BATCH, SEQ, 64, requires_grad=True))
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch(0).flatten()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train_stage(stage, rank, step, optimizer)
             tuner.step()
     result = tuner.result
     assert (result.plan is not None) == (rank == 0)  # rank 0 solved; both have the layout
