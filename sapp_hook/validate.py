@@ -20,7 +20,7 @@ from typing import Any
 
 from simulator import PipelineCosts, simulate
 from simulator.errors import InputError
-from solver import ModelProfile, PipelineSpec, Plan, even_plan, plan_from_dict, solve
+from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ class Setup:
 def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
     """Profile (unless given), plan, run the plan on `setup.stages` processes, and compare."""
     from sapp_hook.models import load_config, profile_example
-    from sapp_hook.writeback import layout_of
     from simulator.schedules import schedule_kind
 
     for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len"):
@@ -63,11 +62,10 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
     spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
                         schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes)
     plan = choose_plan(profile, spec, setup.plan)
-    layout = layout_of(plan)
     log.info("validate: running the plan on %d processes, %d steps", setup.stages, setup.warmup_steps + setup.steps)
     with tempfile.TemporaryDirectory(dir=workdir) as folder:
         measured = run_pipeline(setup, json.loads(json.dumps(plan.to_dict())), Path(folder))
-    return compare(setup, profile, plan, measured, layout)
+    return compare(setup, profile, plan, measured)
 
 
 def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
@@ -141,6 +139,7 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
         stages, setup.micro_batches, loss_fn=loss_fn)
     first = any(stage.is_first for stage in stages)
     last = any(stage.is_last for stage in stages)
+    p2p_ms = _p2p_ms(rank, (setup.micro_batch_size, setup.seq_len, config.get_text_config().hidden_size))
     step_ms, peaks, losses = [], [], []
     for step in range(setup.warmup_steps + setup.steps):
         batch = random_batch(config, setup.micro_batch_size * setup.micro_batches, setup.seq_len, seed=step)["input_ids"]
@@ -169,10 +168,31 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
         "gradient_bytes": total([p.grad for p in parameters if p.grad is not None]),
         "optimizer_bytes": total([t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]),
         "losses": losses,
+        "p2p_ms": p2p_ms,
         "layers": sorted(id_ for _, module in modules for id_ in _layer_names(model, module)),
     }
     Path(folder, f"rank{rank}.json").write_text(json.dumps(measured))
     dist.destroy_process_group()
+
+
+def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
+    """One activation's trip between ranks 0 and 1: half the median round trip (0 on other ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.zeros(shape)
+    trips = []
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+        trips.append((time.perf_counter() - started) * 1e3)
+    dist.barrier()
+    return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
 
 
 def _layer_names(model: Any, module: Any) -> list[str]:
@@ -180,7 +200,11 @@ def _layer_names(model: Any, module: Any) -> list[str]:
     return [names[id(layer)] for layer in module.layers]
 
 
-def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict[str, Any]], layout: Any) -> dict[str, Any]:
+def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report: each rank's measurements next to the plan's prediction (with the P2P time measured)."""
+    p2p_ms = measured[0]["p2p_ms"]  # measured in the run: the prediction includes it
+    spec = dataclasses.replace(plan.spec, p2p_ms=p2p_ms)
+    plan = evaluate_plan(profile, spec, plan.stage_layer_counts, plan.layer_modes)
     predicted = predictions(plan, input_bytes=setup.micro_batch_size * setup.seq_len * 8)
     ranks = []
     for rank, row in enumerate(measured):
@@ -209,6 +233,7 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
         "plan": setup.plan,
         "stage_layer_counts": list(plan.stage_layer_counts),
         "layer_modes": list(plan.layer_modes),
+        "p2p_ms": p2p_ms,
         "predicted_iteration_ms": plan.iteration_time_ms,
         "measured_iteration_ms": iteration,
         "iteration_error": _error(plan.iteration_time_ms, iteration),

@@ -66,7 +66,8 @@ def validation_report(report: dict) -> str:
         f"{report['micro_batches']} micro-batches, plan {report['plan']} (layers per virtual stage "
         f"{report['stage_layer_counts']})",
         f"iteration       predicted {report['predicted_iteration_ms']:.1f} ms, measured "
-        f"{report['measured_iteration_ms']:.1f} ms ({report['iteration_error']:.1%} apart)",
+        f"{report['measured_iteration_ms']:.1f} ms ({report['iteration_error']:.1%} apart); "
+        f"P2P measured {report['p2p_ms']:.3f} ms per activation, in the prediction",
         f"{'rank':>4}  {'step ms: predicted':>18} {'measured':>9} {'error':>6}  {'activations: predicted':>22} "
         f"{'measured':>10} {'error':>6}",
     ]
