@@ -20,7 +20,6 @@ gradients bit-identical: checkpointing recomputes the same values.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
@@ -79,10 +78,8 @@ class LayerProfiler:
         self.device = device_of(model)
         self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device), count_memory)
         self.samples: dict[object, LayerSamples] = {}
-        self.step_ms: dict[str, list[float]] = {}
         self.steps_done = 0
         self._attached = False
-        self._step_started = 0.0
         self._weight_fractions: dict[str, float] = {}
 
     @property
@@ -111,7 +108,6 @@ class LayerProfiler:
             return
         self.recorder.attach(self.optimizer)
         self._attached = True
-        self._step_started = time.perf_counter()
         log.info("profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)", len(self.blocks),
                  self.model_name, self.warmup_steps, self.steps, len(self.modes), ", ".join(self.modes))
 
@@ -127,11 +123,9 @@ class LayerProfiler:
             raise RuntimeError("LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`")
         recorder = self.recorder
         recorder.clock.synchronize()
-        now = time.perf_counter()
         mode = self.mode_of(self.steps_done)
         if self.steps_done >= self.warmup_steps:
             self._collect(mode)
-            self.step_ms.setdefault(mode, []).append((now - self._step_started) * 1e3)
         recorder.passes.clear()
         self.steps_done += 1
         if self.steps_done == self.warmup_steps:
@@ -143,7 +137,6 @@ class LayerProfiler:
             self._measure_weight_split()
         else:
             self._start_step()
-        self._step_started = time.perf_counter()
 
     def profile(self) -> ModelProfile:
         """The measured profile; after the last profiled step."""
