@@ -120,8 +120,9 @@ def profile_example(
     layers: list[str] | None = None,
     model_name: str = "",
     on_step: Callable[[int, int, str], None] | None = None,
+    device: str = "cpu",
 ) -> ModelProfile:
-    """Build `config`'s model and profile it over a few AdamW training steps on random tokens."""
+    """Build `config`'s model on `device` and profile it over a few AdamW training steps on random tokens."""
     import torch
 
     from profiler import LayerProfiler
@@ -130,7 +131,7 @@ def profile_example(
     if micro_batch_size < 1 or seq_len < 1:
         field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)
         raise InputError(field, f"expected an integer >= 1, got {value}")
-    model = build_model(config)
+    model = build_model(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
         model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,
@@ -139,7 +140,8 @@ def profile_example(
     )
     with profiler:
         while not profiler.done:
-            loss = model(**random_batch(config, micro_batch_size, seq_len, seed=profiler.steps_done)).loss
+            batch = random_batch(config, micro_batch_size, seq_len, seed=profiler.steps_done)
+            loss = model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -63,6 +63,8 @@ def test_a_built_in_model(capsys, tmp_path):
         (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
         (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
         (["--out", "/no/such/folder/p.json"], "--out: folder /no/such/folder does not exist"),
+        (["--device", "cuda"], "--device: no cuda device here"),
+        (["--device", "toaster"], "--device: expected cpu, cuda or cuda:N, got 'toaster'"),
     ],
 )
 def test_bad_input_is_one_line(capsys, tmp_path, config_json, flags, message):

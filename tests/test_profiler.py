@@ -324,3 +324,51 @@ def test_a_block_that_never_runs_is_named():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             profiler.step()
     assert caught.value.field == "layers"
+
+
+class FakeEvent:
+    """Stands in for a device event: `elapsed_time` from host timestamps, as a device would report."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return (other.at - self.at) * 1e3
+
+
+class FakeDeviceMemory:
+    """An allocator that is always 1 MiB higher at its peak than when a backward starts."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def allocated(self) -> int:
+        return 10 * 2**20
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak(self) -> int:
+        return 11 * 2**20
+
+
+def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
+    """The recorder's device branch, on the CPU with stand-ins: events marked at hooks and read after
+    one synchronize per step; the allocator's peak over each block's backward becomes its working set."""
+    from profiler import clock, layer_profiler
+
+    synchronized = []
+    memory = FakeDeviceMemory()
+    monkeypatch.setattr(clock.EventClock, "mark", lambda self: FakeEvent())
+    monkeypatch.setattr(clock.EventClock, "synchronize", lambda self: synchronized.append(1))
+    monkeypatch.setattr(layer_profiler, "clock_for", lambda device: clock.EventClock(device))
+    monkeypatch.setattr(layer_profiler, "memory_for", lambda device: memory)
+    profiler = profiled(llama(), steps=1, modes=("none", "full"), split_backward=False)
+    profile = profiler.profile()
+    assert len(synchronized) == profiler.total_steps
+    assert memory.resets == 4 * 2  # each block's backward in each measured step
+    for layer in profile.layers[1:-1]:
+        assert layer.recompute["none"].working_bytes == 2**20 == layer.recompute["full"].working_bytes
+        assert layer.forward_ms > 0 and layer.backward_ms > 0

@@ -39,6 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--layers", action="append", metavar="PATTERN",
         help="module-name pattern of the body blocks, e.g. 'model.layers.*' (repeatable; found automatically otherwise)",
     )
+    parser.add_argument("--device", default="cpu", metavar="NAME", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -72,6 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         profile = profile_example(
             config, steps=args.steps, warmup_steps=args.warmup_steps, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, modes=modes, layers=args.layers, model_name=args.model, on_step=progress,
+            device=_device(args.device),
         )
     except InputError as exc:
         if exc.field in ("modes", "layers"):
@@ -82,6 +84,18 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise InputError("--out", f"cannot write {outputs['out']}: {exc.strerror or exc}") from None
     return finish(args, profile.to_dict(), profile_report(profile), [str(outputs["out"])])
+
+
+def _device(name: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError("--device", f"expected cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type != "cpu" and not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type):
+        raise InputError("--device", f"no {device.type} device here")
+    return str(device)
 
 
 def profile_report(profile: ModelProfile) -> str:
