@@ -9,6 +9,7 @@ transformers' decoder-only models are cut the way their own forward runs them: t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from simulator.schedule import rank_chunk_to_stage
 from simulator.schedules import schedule_kind
 from solver import Plan
 from solver.profile import NONE, SELECTIVE
+
+log = logging.getLogger(__name__)
 
 # sapp-hook's schedule names as torch.distributed.pipelining's classes.
 TORCH_SCHEDULES = {
@@ -98,6 +101,15 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
         raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "
                                  "through a selective-checkpoint region: plan with none or full recompute")
     placement = kind.placement
+    if getattr(parts.embed, "weight", None) is getattr(parts.head, "weight", False):
+        last = layout.num_virtual_stages - 1
+        ranks = {schedule_rank for schedule_rank in range(layout.stages)
+                 for chunk in range(layout.chunks)
+                 if rank_chunk_to_stage(schedule_rank, chunk, layout.stages, placement) in (0, last)}
+        if len(ranks) > 1:
+            log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: all-reduce their "
+                        "gradients after each backward, or untie them (tie_word_embeddings=False)",
+                        type(model).__name__, sorted(ranks))
     stages = []
     block_of = {id(layer): blocks[index] for index, layer in enumerate(body)}
     cells = layout.virtual_stages()

@@ -67,3 +67,11 @@ def test_bad_plans_for_the_model():
 def test_selective_recompute_under_a_split_backward_schedule_is_refused():
     with pytest.raises(InputError, match="torch allows one backward through a selective-checkpoint region"):
         apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: "selective"}), 0)
+
+
+def test_a_tied_embedding_split_over_ranks_is_warned_about(caplog):
+    apply(gpt2(), layout([3, 3]), 0)  # transformers' GPT-2 ties its LM head to the embedding
+    assert "ties its embedding and LM head, which this plan puts on ranks [0, 1]" in caplog.text
+    caplog.clear()
+    apply(gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2), 0)  # a V puts both ends on rank 0
+    assert "ties its embedding" not in caplog.text
