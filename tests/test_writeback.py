@@ -86,7 +86,26 @@ def test_megatron_arguments_file(tmp_path):
     path = tmp_path / "args.txt"
     path.write_text("--num-layers 8\n--pipeline-model-parallel-size 4\n--bf16\n")
     write_config("megatron", path, layout_of(plan()))
-    assert path.read_text() == "--num-layers 8\n--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout Ett|tt|t*3|tL\n--bf16\n"
+    assert path.read_text() == "--num-layers 8\n--pipeline-model-parallel-size 4\n--pipeline-model-parallel-layout Ett|tt|t*3|tL\n--bf16\n"
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        # a bash array, one flag per line, some with "="
+        ("ARGS=(\n    --pipeline-model-parallel-size=4\n    --recompute-granularity full --recompute-method uniform\n)\n",
+         'ARGS=(\n    --pipeline-model-parallel-size=4\n    --pipeline-model-parallel-layout "Ett|tt|t*3|tL"\n)\n'),
+        # everything on one line, the stage count in a variable: written, and said
+        ("#!/bin/sh\ntorchrun train.py --pipeline-model-parallel-size $PP --lr 1\n",
+         '#!/bin/sh\ntorchrun train.py --pipeline-model-parallel-size $PP --pipeline-model-parallel-layout "Ett|tt|t*3|tL" --lr 1\n'),
+    ],
+)
+def test_megatron_scripts_of_other_shapes(tmp_path, script, expected):
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    result = write_config("megatron", path, layout_of(plan()))
+    assert path.read_text() == expected
+    assert ("$PP" in script) == any("is $PP" in note for note in result.notes)
 
 
 def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):

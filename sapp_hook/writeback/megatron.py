@@ -66,9 +66,11 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     size = _value(old, PP_SIZE)
     if size is None:
         raise InputError("--config", f"{path} has no {PP_SIZE}: is it a Megatron-LM launch script?")
-    if size != str(layout.stages):
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
     result = WriteBack(path=path, diff="")
+    if not size.isdigit():  # a shell variable or expression: the script decides at launch
+        result.notes.append(f"{PP_SIZE} is {size} in {path}: the plan is for {layout.stages} stages")
+    elif int(size) != layout.stages:
+        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
     new = old
     for flag in SPLIT_FLAGS + RECOMPUTE_FLAGS:
         new = _remove(new, flag, takes_value=True)
@@ -77,30 +79,33 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     # a shell script needs the layout quoted (| and *); an arguments file (`$(cat args.txt)`) must not have quotes
     shell = path.suffix in (".sh", ".bash") or old.startswith("#!")
     text = layout_string(layout)
-    flags = [(LAYOUT, f'"{text}"' if shell else text), *_recompute_flags(layout, result)]
+    recompute, inexact = _recompute_flags(layout)
+    flags = [(LAYOUT, f'"{text}"' if shell else text), *recompute]
     for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
         new = _set(new, flag, value)
     commit(result, old, new, dry_run=dry_run)
-    if result.notes:
+    if inexact:
+        result.notes.append(inexact)
         write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
     return result
 
 
-def _recompute_flags(layout: Layout, result: WriteBack) -> list[tuple[str, str]]:
+def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:
+    """The recompute flags, and what they cannot say of the plan ("" when they say it exactly)."""
     modes = layout.body_modes()
     if modes <= {NONE}:
-        return []
+        return [], ""
     if modes == {SELECTIVE}:
-        return [("--recompute-granularity", "selective")]
+        return [("--recompute-granularity", "selective")], ""
     full = layout.uniform_full_count()
     if full is not None:
-        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(full))]
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(full))], ""
     most = max(sum(1 for layer in cell if layer.recompute != NONE) for cell in layout.virtual_stages())
-    result.notes.append(
+    flags = [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(most))]
+    return flags, (
         f"Megatron-LM recomputes the same number of layers on every stage; the plan varies it per stage, so "
         f"every stage fully recomputes its first {most} layers (at least what the plan asks, slower than the plan)"
     )
-    return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(most))]
 
 
 def _pattern(flag: str, takes_value: bool) -> re.Pattern[str]:
@@ -134,9 +139,11 @@ def _set(text: str, flag: str, value: str) -> str:
     size = _pattern(PP_SIZE, True)
     for index, line in enumerate(lines):
         if size.search(line):
-            if line.rstrip().endswith("\\"):  # one flag per line, continued: add a line like it
+            continued = line.rstrip().endswith("\\")
+            if continued or line.lstrip().startswith(PP_SIZE):  # one flag per line: add a line like it
                 indent = line[: len(line) - len(line.lstrip())]
-                lines.insert(index + 1, f"{indent}{flag} {value} \\\n")
+                ending = " \\\n" if continued else "\n"
+                lines.insert(index + 1, f"{indent}{flag} {value}{ending}")
             else:
                 lines[index] = size.sub(lambda m: f"{m.group(0)} {flag} {value}", line, count=1)
             return "".join(lines)
