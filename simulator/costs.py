@@ -15,7 +15,9 @@ class ChunkCosts:
     `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
     run as a separate W action (None: not measured). `recompute_ms` is the forward work the
     backward redoes for activation recompute. `working_bytes` is held only while a backward of
-    this chunk runs (gradient buffers, re-materialised activations).
+    this chunk runs (gradient buffers, re-materialised activations). `retained_bytes`, part of
+    `activation_bytes`, stays held from the W action to the end of the step: where the backward is
+    split, torch's W frees only the tensors the weight gradients used.
     """
 
     forward_ms: float
@@ -25,11 +27,18 @@ class ChunkCosts:
     activation_bytes: float = 0.0
     static_bytes: float = 0.0
     working_bytes: float = 0.0
+    retained_bytes: float = 0.0
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
-        for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes"):
+        for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes",
+                     "retained_bytes"):
             check_non_negative(getattr(self, name), f"{where} {name}")
+        if self.retained_bytes > self.activation_bytes:
+            raise InputError(
+                f"{where} retained_bytes",
+                f"expected at most activation_bytes ({self.activation_bytes:g}), got {self.retained_bytes:g}",
+            )
         if self.weight_ms is not None:
             check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:

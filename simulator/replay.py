@@ -100,7 +100,7 @@ def _rank_memory(program: Program, costs: PipelineCosts, rank: int) -> tuple[flo
             continue
         peak = max(peak, memory + chunk.working_bytes)
         if kind != BACKWARD_INPUT:
-            memory -= chunk.activation_bytes
+            memory -= chunk.activation_bytes - (chunk.retained_bytes if kind == BACKWARD_WEIGHT else 0.0)
             held -= 1
     return peak, peak_held
 

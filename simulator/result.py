@@ -94,8 +94,10 @@ class SimulationResult:
                 points.append((timed.end_ms, memory))
                 continue
             points.append((timed.start_ms, memory + chunk.working_bytes))
-            if kind in (FULL_BACKWARD, BACKWARD_WEIGHT):
+            if kind == FULL_BACKWARD:
                 memory -= chunk.activation_bytes
+            elif kind == BACKWARD_WEIGHT:
+                memory -= chunk.activation_bytes - chunk.retained_bytes
             points.append((timed.end_ms, memory))
         points.append((self.iteration_time_ms, memory))
         return points

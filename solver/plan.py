@@ -161,6 +161,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             weight_ms=sum(layer.split_weight_ms() for layer, _ in layers) + weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers),
+            retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers),
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
                 for layer, _ in layers

@@ -29,12 +29,15 @@ class RecomputeCost:
 
     extra_ms: forward work the backward redoes. activation_bytes: kept per micro-batch until the
     backward. working_bytes: held only while this layer's backward runs (gradient buffers and,
-    for full recompute, the re-materialised activations).
+    for full recompute, the re-materialised activations). retained_bytes: the part of
+    activation_bytes a split backward (torch's input-gradient then weight-gradient calls) keeps
+    after the weight gradients, until the step ends.
     """
 
     extra_ms: float
     activation_bytes: float
     working_bytes: float = 0.0
+    retained_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,8 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
         "gradient_bytes": layer.gradient_bytes,
         "optimizer_bytes": layer.optimizer_bytes,
         "recompute": {
-            mode: {"extra_ms": c.extra_ms, "activation_bytes": c.activation_bytes, "working_bytes": c.working_bytes}
+            mode: {"extra_ms": c.extra_ms, "activation_bytes": c.activation_bytes, "working_bytes": c.working_bytes,
+                   "retained_bytes": c.retained_bytes}
             for mode, c in layer.recompute.items()
         },
     }
@@ -230,6 +234,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             extra_ms=cost.number("extra_ms", required=True),
             activation_bytes=cost.number("activation_bytes", required=True),
             working_bytes=cost.number("working_bytes", 0.0),
+            retained_bytes=cost.number("retained_bytes", 0.0),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -291,8 +296,11 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
     for mode, cost in layer.recompute.items():
         if mode not in RECOMPUTE_MODES:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
-        for name in ("extra_ms", "activation_bytes", "working_bytes"):
+        for name in ("extra_ms", "activation_bytes", "working_bytes", "retained_bytes"):
             check_non_negative(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
+        if cost.retained_bytes > cost.activation_bytes:
+            raise InputError(f"{where}.recompute.{mode}.retained_bytes",
+                             f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")
         if cost.activation_bytes > kept:
             raise InputError(
                 f"{where}.recompute.{mode}.activation_bytes",

@@ -50,6 +50,7 @@ class _Group:
     extra_ms: dict[str, float]
     activation_mib: dict[str, float]
     working_mib: dict[str, float]
+    retained_mib: dict[str, float]
     pinned_cell: int | None = None  # heads and tails do not move
 
 
@@ -170,6 +171,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 extra_ms={m: layer.recompute[m].extra_ms for m in modes},
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
                 working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
+                retained_mib={m: layer.recompute[m].retained_bytes / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -177,8 +179,9 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
 
 
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
-    """Modes no other mode beats on extra time, activation and working set alike (the first of equals)."""
-    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes) for m, c in layer.recompute.items()}
+    """Modes no other mode beats on extra time, activation, working set and retained bytes alike (the first
+    of equals)."""
+    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes) for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
         beaten = any(
@@ -238,12 +241,13 @@ class _Formulation:
                 if not pinned:
                     milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
 
-        forward, backward, weight, activation, static = (self._cell_sum(f) for f in (
+        forward, backward, weight, activation, static, retained = (self._cell_sum(f) for f in (
             lambda g, m: g.forward_ms,
             lambda g, m: g.backward_ms + g.extra_ms[m],
             lambda g, m: g.weight_ms,
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
+            lambda g, m: g.retained_mib[m],
         ))
         for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
             for expression in cell_sums:
@@ -252,7 +256,8 @@ class _Formulation:
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:
                 self.recompute_terms[variable] = groups[g].extra_ms[mode]
-        self.activation, self.static = activation, static
+        self.activation, self.static, self.retained = activation, static, retained
+        self.retains = any(value for g in groups for value in g.retained_mib.values())
         self.working = self._working_sets(cells)
 
         # Durations of each kind of action on each virtual stage, as variables.
@@ -363,7 +368,8 @@ class _Formulation:
         rows = []
         for rank in range(schedule.stages):
             cells = [rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)]
-            held = [0] * schedule.chunks
+            # per chunk: activations held whole, then (after W, where retained) the part kept to the end
+            held = [0] * (2 * schedule.chunks)
             points: set[tuple[tuple[int, ...], int]] = set()
             for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
                 chunk, kind = program.chunk[i], program.kind[i]
@@ -374,10 +380,15 @@ class _Formulation:
                 points.add((tuple(held), chunk))
                 if kind != BACKWARD_INPUT:
                     held[chunk] -= 1
-            for held_counts, working_chunk in _undominated(points):
+                    if kind == BACKWARD_WEIGHT and self.retains:
+                        held[schedule.chunks + chunk] += 1
+            for counts, working_chunk in _undominated(points):
                 row = _Linear(constant=constant_mib)
                 for chunk, cell in enumerate(cells):
-                    for part, scale in ((self.static[cell], 1), (self.activation[cell], held_counts[chunk])):
+                    for part, scale in ((self.static[cell], 1), (self.activation[cell], counts[chunk]),
+                                        (self.retained[cell], counts[schedule.chunks + chunk])):
+                        if not scale:
+                            continue
                         row.constant += scale * part.constant
                         for variable, coefficient in part.terms.items():
                             row.add(variable, scale * coefficient)

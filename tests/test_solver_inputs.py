@@ -85,6 +85,7 @@ def profile_dict():
         (lambda d: d["layers"][1].update(parameter_bytes=-1), "layers[1].parameter_bytes"),
         (lambda d: d["layers"][1]["recompute"]["full"].update(activation_bytes=10**12), "keeps more"),
         (lambda d: d["layers"][1]["recompute"].pop("none"), 'the mode "none"'),
+        (lambda d: d["layers"][1]["recompute"]["full"].update(retained_bytes=10**12), "retained_bytes: expected at most activation_bytes"),
         (lambda d: d["layers"][1]["recompute"].update(magic={"extra_ms": 0, "activation_bytes": 0}), "unknown mode"),
         (lambda d: d["layers"][1].update(kind="decoder"), "expected head, tail or body:<type>"),
         (lambda d: d["layers"].reverse(), "must come before"),
