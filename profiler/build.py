@@ -1,19 +1,15 @@
-"""From measured samples to a `ModelProfile`, and the one measurement made outside the training steps:
-how a block's backward splits into input-gradient and weight-gradient work."""
+"""From measured samples to a `ModelProfile`."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from profiler.clock import clock_for
-from profiler.recorder import HEAD, TAIL, Recorder, _output_tensor, _storage_key
+from profiler.recorder import HEAD, TAIL, Recorder, _storage_key
 from profiler.samples import LayerSamples, median, spread
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
 
@@ -73,7 +69,9 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working)
+        retained = kept * profiler.retained_fractions.get(kind, {}).get(mode, 0.0)
+        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
+                                        retained_bytes=retained)
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
     elif kind in profiler.weight_fractions:
@@ -95,35 +93,6 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             "backward_ms": spread(timing.backward_ms.get(NONE, [])),
         },
     )
-
-
-def weight_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3) -> float | None:
-    """The share of `module`'s backward spent on weight gradients: one backward for the input gradient
-    alone, one for everything, on the same graph; the median over `repeats` after a warm-up.
-    The random number generators are restored, so training continues as if this never ran."""
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not inputs or not params:
-        return None
-    clock = clock_for(device)
-    fractions = []
-    accelerators = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
-        for attempt in range(repeats + 1):
-            output = _output_tensor(module(*args, **kwargs))
-            if output is None:
-                return None
-            grad = torch.ones_like(output)
-            start = clock.mark()
-            torch.autograd.grad(output, inputs, grad, retain_graph=True)
-            middle = clock.mark()
-            torch.autograd.grad(output, inputs + params, grad)
-            end = clock.mark()
-            clock.synchronize()
-            input_ms, total_ms = clock.elapsed_ms(start, middle), clock.elapsed_ms(middle, end)
-            if attempt and total_ms > 0:
-                fractions.append(min(1.0, max(0.0, (total_ms - input_ms) / total_ms)))
-    return float(statistics.median(fractions)) if fractions else None
 
 
 def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],

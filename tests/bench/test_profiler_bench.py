@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from profiler import LayerProfiler
-from profiler.build import weight_fraction
+from profiler.split import weight_fraction
 from sapp_hook.models import build_model, load_config, random_batch
 
 torch.set_num_threads(1)
