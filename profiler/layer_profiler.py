@@ -32,7 +32,7 @@ from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
 from profiler.recorder import Recorder
 from profiler.samples import LayerSamples
-from profiler.split import retained_fraction, weight_fraction
+from profiler.split import retained_share, weight_fraction
 from simulator.errors import InputError
 from solver.profile import NONE, SELECTIVE, ModelProfile
 
@@ -180,9 +180,11 @@ class LayerProfiler:
             fraction = weight_fraction(block.module, args, kwargs, self.device)
             if fraction is not None:
                 self._weight_fractions[block.kind] = fraction
+            following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
+            chain = [block.module] + ([following.module] if following is not None and following.kind == block.kind else [])
             for mode in self.modes:
                 if mode != SELECTIVE:  # torch refuses a second backward through a selective region
-                    retained = retained_fraction(block.module, args, kwargs, self.device, mode)
+                    retained = retained_share(chain, args, kwargs, self.device, mode)
                     if retained is not None:
                         self._retained_fractions.setdefault(block.kind, {})[mode] = retained
         self.recorder.captured_inputs.clear()
