@@ -372,3 +372,15 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
     for layer in profile.layers[1:-1]:
         assert layer.recompute["none"].working_bytes == 2**20 == layer.recompute["full"].working_bytes
         assert layer.forward_ms > 0 and layer.backward_ms > 0
+
+
+def test_what_a_split_backward_keeps_after_w_is_measured(llama_run):
+    """A block followed by another keeps part of its saved bytes after torch's W; full recompute keeps
+    only the block input, which W releases."""
+    _, _, profile = llama_run
+    for layer in profile.layers[1:-1]:
+        none = layer.recompute["none"]
+        assert 0 < none.retained_bytes < none.activation_bytes
+        assert layer.recompute["full"].retained_bytes == 0
+        assert layer.recompute["selective"].retained_bytes == 0  # torch cannot split a selective region
+    assert all(layer.recompute["none"].retained_bytes == 0 for layer in (profile.layers[0], profile.layers[-1]))
