@@ -102,10 +102,9 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
                                  "through a selective-checkpoint region: plan with none or full recompute")
     placement = kind.placement
     if getattr(parts.embed, "weight", None) is getattr(parts.head, "weight", False):
-        last = layout.num_virtual_stages - 1
-        ranks = {schedule_rank for schedule_rank in range(layout.stages)
-                 for chunk in range(layout.chunks)
-                 if rank_chunk_to_stage(schedule_rank, chunk, layout.stages, placement) in (0, last)}
+        ends = (0, layout.num_virtual_stages - 1)
+        ranks = {holder for holder in range(layout.stages) for chunk in range(layout.chunks)
+                 if rank_chunk_to_stage(holder, chunk, layout.stages, placement) in ends}
         if len(ranks) > 1:
             log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: all-reduce their "
                         "gradients after each backward, or untie them (tie_word_embeddings=False)",
