@@ -36,3 +36,17 @@ def test_applying_a_calibration_predicts_the_runs():
     calibrated_profile, calibrated_spec = found.apply(profile, spec)
     plan = evaluate_plan(calibrated_profile, calibrated_spec, (3, 2, 3, 2), ["none"] * 10)
     assert plan.iteration_time_ms == pytest.approx(max(run.measured_step_ms), rel=1e-3)
+
+
+def test_the_constant_memory_per_stage_is_the_mean_excess():
+    profile = small_profile(8)
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    counts, modes = (3, 2, 3, 2), ["none"] * 10
+    predicted = evaluate_plan(profile, spec, counts, modes).stage_peak_memory_bytes
+    run = measured_like(profile, spec, counts, modes, scale=1.0, overhead=0.0)
+    found = calibrate([Run(profile, spec, counts, modes, run.measured_step_ms,
+                           tuple(peak + 5 * 2**20 for peak in predicted))])
+    assert found.stage_constant_bytes == pytest.approx(5 * 2**20)
+    _, calibrated_spec = found.apply(profile, spec)
+    again = evaluate_plan(profile, calibrated_spec, counts, modes).stage_peak_memory_bytes
+    assert again == pytest.approx([peak + 5 * 2**20 for peak in predicted])
