@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from profiler.recorder import HEAD, TAIL, Recorder, _storage_key
+from profiler.recorder import HEAD, TAIL, Recorder, unique_bytes
 from profiler.samples import LayerSamples, median, spread
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
 
@@ -85,7 +85,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         backward_ms=backward_ms,
         weight_ms=weight_ms,
         recompute=recompute,
-        parameter_bytes=_unique_bytes(params),
+        parameter_bytes=unique_bytes(params),
         gradient_bytes=sum(recorder.gradient_bytes.get(id(p), 0) for p in _unique(params)),
         optimizer_bytes=sum(recorder.optimizer_bytes.get(id(p), 0) for p in _unique(params)),
         spread={
@@ -110,7 +110,7 @@ def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Para
             holders.setdefault(id(param), []).append(layers[slot].name)
             params[id(param)] = param
     return tuple(
-        TiedParameter(names=tuple(names.get(key, [])), layers=tuple(held), bytes=_unique_bytes([params[key]]))
+        TiedParameter(names=tuple(names.get(key, [])), layers=tuple(held), bytes=unique_bytes([params[key]]))
         for key, held in holders.items()
         if len(held) > 1
     )
@@ -124,11 +124,6 @@ def fingerprint(model: nn.Module, kinds: list[str]) -> str:
 
 def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
     return list({id(p): p for p in params}.values())
-
-
-def _unique_bytes(params: list[nn.Parameter]) -> int:
-    storages = dict(_storage_key(p) for p in params)
-    return sum(storages.values())
 
 
 def _device_name(device: torch.device) -> str:

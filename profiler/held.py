@@ -12,7 +12,7 @@ from types import TracebackType
 
 import torch
 
-from profiler.recorder import _storage_key
+from profiler.recorder import storage_key
 
 
 class _Held:
@@ -29,7 +29,7 @@ class HeldActivations:
     """`with HeldActivations(model.parameters()) as held: ...`; then `held.peak_bytes`."""
 
     def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
-        self.excluded = {_storage_key(t)[0] for t in excluded}
+        self.excluded = {storage_key(t)[0] for t in excluded}
         self.live_bytes = 0
         self.peak_bytes = 0
         self._counts: dict[int, list[int]] = {}  # storage -> [holders, bytes]
@@ -46,7 +46,7 @@ class HeldActivations:
         self.peak_bytes = self.live_bytes
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        key, size = _storage_key(tensor)
+        key, size = storage_key(tensor)
         if key in self.excluded:
             return tensor
         entry = self._counts.get(key)

@@ -14,7 +14,7 @@ saved it first, parameters and buffers excluded.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -114,7 +114,7 @@ class Recorder:
     # -- installing and removing ------------------------------------------------------------------
 
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
-        self._excluded_storages = {_storage_key(t)[0] for t in [*self.model.parameters(), *self.model.buffers()]}
+        self._excluded_storages = {storage_key(t)[0] for t in [*self.model.parameters(), *self.model.buffers()]}
         add = self._handles.append
         add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         add(self.model.register_forward_hook(self._model_post))
@@ -324,7 +324,7 @@ class Recorder:
                 total = 0
                 for value in optimizer.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor):
-                        key, size = _storage_key(value)
+                        key, size = storage_key(value)
                         if key not in counted:
                             counted.add(key)
                             total += size
@@ -346,7 +346,7 @@ class Recorder:
         return kept
 
     def _count(self, forward: _Forward, slot: object, tensor: torch.Tensor) -> None:
-        key, size = _storage_key(tensor)
+        key, size = storage_key(tensor)
         if key in self._excluded_storages or key in forward.counted:
             return
         forward.counted.add(key)
@@ -362,7 +362,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """A key for the memory behind `tensor` and its size in bytes (views share their base's key)."""
     try:
         storage = tensor.untyped_storage()
@@ -372,7 +372,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return _storage_key(tensor)[1]
+    return storage_key(tensor)[1]
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the storages behind `tensors`, each counted once (tied and viewed tensors share one)."""
+    return sum(dict(storage_key(t) for t in tensors).values())
 
 
 def _input_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:

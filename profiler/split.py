@@ -21,13 +21,12 @@ from profiler.recorder import _output_tensor
 def weight_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3) -> float | None:
     """The share of `module`'s backward spent on weight gradients: one backward for the input gradient
     alone, one for everything, on the same graph; the median over `repeats` after a warm-up."""
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
+    inputs, params = _differentiable(module, args, kwargs)
     if not inputs or not params:
         return None
     clock = clock_for(device)
     fractions = []
-    accelerators = [device] if device.type != "cpu" else []
+    accelerators = _accelerators(device)
     with torch.random.fork_rng(devices=accelerators, device_type=device.type):
         for attempt in range(repeats + 1):
             output = _output_tensor(module(*args, **kwargs))
@@ -81,11 +80,10 @@ def retained_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torc
     which keeps the graph, then `stage_backward_weight`, which starts from the saved intermediates)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
+    inputs, params = _differentiable(module, args, kwargs)
     if not inputs or not params:
         return None
-    accelerators = [device] if device.type != "cpu" else []
+    accelerators = _accelerators(device)
     gradients = [p.grad for p in params]  # the user's: put back untouched
     undos = [set_recompute(block, mode) for block in (module.blocks if isinstance(module, _Chain) else [module])]
     try:
@@ -105,3 +103,14 @@ def retained_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torc
             undo()
         for param, gradient in zip(params, gradients):
             param.grad = gradient
+
+
+def _differentiable(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[nn.Parameter]]:
+    """The inputs and parameters a backward of `module` differentiates."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return inputs, [p for p in module.parameters() if p.requires_grad]
+
+
+def _accelerators(device: torch.device) -> list[torch.device]:
+    """The devices whose random state fork_rng must save besides the CPU's."""
+    return [device] if device.type != "cpu" else []

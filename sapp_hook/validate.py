@@ -83,7 +83,7 @@ def predictions(plan: Plan, input_bytes: float = 0.0) -> dict[str, list[float]]:
     the first stage: the token ids, which the engine holds for the whole step as data), its static bytes."""
     result = plan.simulation
     schedule = result.schedule
-    ends = [max(a.end_ms for a in result.rank_timeline(rank)) for rank in range(schedule.stages)]
+    ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
     first = (schedule.rank_of(0), schedule.chunk_of(0))
 
@@ -116,7 +116,7 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
     from torch.distributed.pipelining import PipelineStage
 
     from profiler.held import HeldActivations
-    from profiler.recorder import _storage_key
+    from profiler.recorder import unique_bytes
     from sapp_hook.models import build_model, load_config, random_batch
     from sapp_hook.stages import apply, schedule_class
 
@@ -157,16 +157,13 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
             peaks.append(held.peak_bytes)
         losses.append([loss.item() for loss in step_losses])
 
-    def total(tensors: list[torch.Tensor]) -> int:
-        return sum(dict(_storage_key(t) for t in tensors).values())
-
     measured = {
         "rank": rank,
         "step_ms": step_ms,
         "activation_peak_bytes": peaks,
-        "parameter_bytes": total(parameters),
-        "gradient_bytes": total([p.grad for p in parameters if p.grad is not None]),
-        "optimizer_bytes": total([t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]),
+        "parameter_bytes": unique_bytes(parameters),
+        "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
+        "optimizer_bytes": unique_bytes([t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]),
         "losses": losses,
         "p2p_ms": p2p_ms,
         "layers": sorted(id_ for _, module in modules for id_ in _layer_names(model, module)),

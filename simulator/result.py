@@ -81,6 +81,11 @@ class SimulationResult:
             for i, action in enumerate(self.schedule.rank_actions[rank])
         ]
 
+    def rank_finish_ms(self, rank: int) -> float:
+        """When the last action of `rank` ends: its step time, from the common start."""
+        offsets = self.schedule.program.rank_offsets
+        return max(self.end_ms[offsets[rank]:offsets[rank + 1]])
+
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
         """(time, bytes) points of a step curve: the memory of `rank` from each point to the next."""
         row = self.costs.chunk_costs[rank]

@@ -70,8 +70,7 @@ def rank_end_ms(run: Run, time_scale: float = 1.0, action_overhead_ms: float = 0
     """When each rank's last action ends, simulated with the given calibration."""
     spec = dataclasses.replace(run.spec, action_overhead_ms=action_overhead_ms)
     plan = evaluate_plan(scale_times(run.profile, time_scale), spec, run.stage_layer_counts, run.layer_modes)
-    result = plan.simulation
-    return [max(a.end_ms for a in result.rank_timeline(rank)) for rank in range(spec.stages)]
+    return [plan.simulation.rank_finish_ms(rank) for rank in range(spec.stages)]
 
 
 def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
