@@ -12,7 +12,7 @@ Knows nothing of solvers or torch.
 from simulator.actions import Action
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError, ScheduleError
-from simulator.replay import simulate
+from simulator.replay import critical_path, simulate
 from simulator.result import BubbleSplit, SimulationResult, TimedAction
 from simulator.schedule import Schedule
 from simulator.schedules import SCHEDULES, ScheduleKind, build_schedule, schedule_kind
@@ -30,6 +30,7 @@ __all__ = [
     "SimulationResult",
     "TimedAction",
     "build_schedule",
+    "critical_path",
     "schedule_kind",
     "simulate",
 ]

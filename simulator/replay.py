@@ -19,12 +19,7 @@ from simulator.schedule import Schedule
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
     """Replay `schedule` with `costs` ([stage][chunk], as the schedule's ranks and chunks)."""
-    if (costs.stages, costs.chunks) != (schedule.stages, schedule.chunks):
-        raise InputError(
-            "costs",
-            f"expected {schedule.stages} stages x {schedule.chunks} chunks to match the schedule, "
-            f"got {costs.stages} x {costs.chunks}",
-        )
+    _check_shape(schedule, costs)
     program = schedule.program
     durations = _durations(program, costs)
     start, end = _replay(program, durations, costs.p2p_ms)
@@ -46,6 +41,34 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
         stage_peak_activations=in_flight,
         bubble=_bubble_split(schedule, costs, iteration_ms),
     )
+
+
+def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
+    """Action ids of a chain of waits that sets the iteration time, first to last: each action in
+    it starts the moment the one before it ends (plus the P2P time where the chain changes rank),
+    so the chain's durations and P2P times add up to the iteration time."""
+    _check_shape(schedule, costs)
+    program = schedule.program
+    start, end = _replay(program, _durations(program, costs), costs.p2p_ms)
+    action = max(range(len(end)), key=end.__getitem__)
+    chain = [action]
+    while start[action] > 0:
+        rank_first = program.rank_offsets[program.rank[action]]
+        if action > rank_first and end[action - 1] == start[action]:
+            action -= 1  # waited for its rank
+        else:
+            action = program.dependency[action]  # waited for its input or gradient
+        chain.append(action)
+    return chain[::-1]
+
+
+def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
+    if (costs.stages, costs.chunks) != (schedule.stages, schedule.chunks):
+        raise InputError(
+            "costs",
+            f"expected {schedule.stages} stages x {schedule.chunks} chunks to match the schedule, "
+            f"got {costs.stages} x {costs.chunks}",
+        )
 
 
 def _durations(program: Program, costs: PipelineCosts) -> list[float]:

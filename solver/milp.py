@@ -12,6 +12,12 @@ from dataclasses import dataclass
 INF = math.inf
 Terms = Mapping[int, float]
 PROGRESS_EVERY_S = 5.0
+ROOT_HEURISTICS = (
+    "mip_heuristic_run_feasibility_jump",
+    "mip_heuristic_run_rens",
+    "mip_heuristic_run_rins",
+    "mip_heuristic_run_root_reduced_cost",
+)
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,15 @@ class Milp:
         time_limit_s: float,
         hint: list[float] | None = None,
         relative_gap: float = 1e-9,
+        relaxed: bool = False,
+        heuristics: bool = True,
+        incumbents: list[list[float]] | None = None,
         progress: Callable[[float, float, float], None] | None = None,
     ) -> MilpResult:
-        """Minimise; `progress(seconds, best, bound)` is called every few seconds of a long search."""
+        """Minimise. `relaxed` drops integrality (the LP relaxation); `heuristics=False` skips HiGHS's
+        root heuristics, which cost more than they find when `hint` is already a good solution;
+        `incumbents` collects every improving solution the search finds;
+        `progress(seconds, best, bound)` is called every few seconds of a long search."""
         import highspy
         import numpy as np
 
@@ -91,9 +103,10 @@ class Milp:
         lp.a_matrix_.value_ = np.array(self.row_value, dtype=float)
         lp.a_matrix_.num_col_ = self.num_variables
         lp.a_matrix_.num_row_ = self.num_rows
-        lp.integrality_ = [
-            highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous for integer in self.integer
-        ]
+        if not relaxed:
+            lp.integrality_ = [
+                highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous for integer in self.integer
+            ]
 
         highs = _new_highs()
         highs.setOptionValue("output_flag", False)
@@ -101,6 +114,9 @@ class Milp:
         highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
         highs.setOptionValue("mip_rel_gap", relative_gap)
         highs.setOptionValue("mip_abs_gap", 1e-9)
+        if not heuristics:
+            for option in ROOT_HEURISTICS:
+                highs.setOptionValue(option, False)
         highs.passModel(lp)
         if hint is not None:
             solution = highspy.HighsSolution()
@@ -109,6 +125,8 @@ class Milp:
             highs.setSolution(solution)
         if progress is not None:
             _report_progress(highs, progress)
+        if incumbents is not None:
+            highs.cbMipImprovingSolution.subscribe(lambda event: incumbents.append(list(event.data_out.mip_solution)))
         highs.run()
 
         model_status = highs.getModelStatus()
@@ -118,7 +136,7 @@ class Milp:
         objective_value = info.objective_function_value if has_solution else None
         if model_status == highspy.HighsModelStatus.kOptimal:
             status = "optimal"
-            bound = objective_value if info.mip_dual_bound in (None, -INF) else info.mip_dual_bound
+            bound = objective_value if relaxed or info.mip_dual_bound in (None, -INF) else info.mip_dual_bound
         elif model_status == highspy.HighsModelStatus.kInfeasible:
             status, bound = "infeasible", INF
         elif model_status in (
@@ -130,7 +148,7 @@ class Milp:
             status, bound = "time-limit", info.mip_dual_bound
         else:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
-        return MilpResult(status, values, objective_value, bound, int(info.mip_node_count))
+        return MilpResult(status, values, objective_value, bound, max(int(info.mip_node_count), 0))
 
 
 def _report_progress(highs, progress: Callable[[float, float, float], None]) -> None:

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
+from simulator.replay import critical_path
 from simulator.schedule import Schedule, rank_chunk_to_stage
 from simulator.units import format_bytes
 from solver.errors import InfeasibleError
@@ -33,6 +35,13 @@ from solver.spec import PipelineSpec
 log = logging.getLogger("solver")
 MIB = 2**20
 TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
+# How the program states the iteration time. START_TIMES: every action's start as a variable, the
+# simulator's replay as rows. PATHS: one row per critical path met so far (the time is at least each
+# path's length), adding the path of any solution the rows let run faster than the simulator does.
+# Measured on SAPP's fixtures, 16 stages x 16 micro-batches: with one chunk per rank some 50 paths
+# settle it and PATHS solves 2-4x faster; with two or more chunks the integer solutions keep finding
+# paths the rows miss, and START_TIMES is far faster.
+START_TIMES, PATHS = "start-times", "paths"
 
 
 @dataclass
@@ -83,17 +92,19 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         schedule.num_actions,
     )
 
-    model = _Formulation(profile, spec, schedule, groups, with_budget=True)
-    fastest = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline), progress=_log_progress)
+    model = _Formulation(
+        profile, spec, schedule, groups, with_budget=True, timing=PATHS if schedule.chunks == 1 else START_TIMES
+    )
+    if model.timing == PATHS:
+        _paths_of_relaxation(model, deadline)
+    fastest = _minimize(model, {model.iteration: 1.0}, deadline, progress=_log_progress)
     log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
     if fastest.values is None:
         if fastest.status == "infeasible":
             raise _infeasible(profile, spec, schedule, groups, deadline)
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
     proven = fastest.status == "optimal"
-    best = fastest
-    if proven:
-        best = _break_ties(model, fastest, deadline)
+    best = _break_ties(model, fastest, deadline) if proven else fastest
 
     plan = evaluate_plan(profile, spec, model.stage_layer_counts(best.values), model.layer_modes(best.values))
     if proven and abs(plan.iteration_time_ms - fastest.objective) > 1e-6 * max(fastest.objective, 1.0):
@@ -112,12 +123,15 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
 
 def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> MilpResult:
     """Among plans as fast as the fastest: least recompute time, then least peak memory. Each solve
-    gets part of the time left; a tie-break the time limit cuts short keeps the best plan found."""
+    gets part of the time left; a tie-break the time limit cuts short keeps the best plan found. They
+    start from the plan in hand, so HiGHS's root heuristics, which look for a first plan, are skipped
+    (measured: sim.json 16 x 1 x 16, 7.3 s -> 2.9 s)."""
     best = fastest
-    model.milp.row({model.iteration: 1.0}, upper=fastest.objective * (1 + TIME_SLACK))
+    model.time_cap = fastest.objective * (1 + TIME_SLACK)
+    model.milp.row({model.iteration: 1.0}, upper=model.time_cap)
     if model.recompute_terms:
-        least_recompute = model.milp.minimize(
-            model.recompute_terms, time_limit_s=_left(deadline) / 2, hint=fastest.values
+        least_recompute = _minimize(
+            model, model.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False
         )
         if least_recompute.values is None:
             return best
@@ -126,11 +140,85 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
         model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = model.add_peak_variable()
     hint = best.values + [max(model.memory_value(best.values, row) for _, row in model.memory_rows)]
-    least_memory = model.milp.minimize({peak: 1.0}, time_limit_s=_left(deadline), hint=hint)
+    least_memory = _minimize(model, {peak: 1.0}, deadline, hint=hint, heuristics=False)
     if least_memory.values is not None:
         best = least_memory
     log.info("tie-breaks done")
     return best
+
+
+def _minimize(
+    model: _Formulation,
+    objective: dict[int, float],
+    deadline: float,
+    *,
+    share: float = 1.0,
+    hint: list[float] | None = None,
+    heuristics: bool = True,
+    progress=None,
+) -> MilpResult:
+    """Minimise `objective` over the program with `share` of the time left. In PATHS timing, a
+    solution the rows let run faster than the simulator says adds its critical path and the program
+    is solved again, from the best solution that holds (its iteration time as simulated); the time
+    limit returns that one, with the relaxed program's bound."""
+    time_limit = _left(deadline) * share
+    stop = time.perf_counter() + time_limit
+    best: list[float] | None = None
+    best_value, nodes = INF, 0
+    while True:
+        incumbents: list[list[float]] = []
+        result = model.milp.minimize(
+            objective, time_limit_s=_left(stop), hint=hint, heuristics=heuristics, progress=progress,
+            incumbents=incumbents if model.timing == PATHS else None,
+        )
+        nodes += result.nodes
+        if model.timing != PATHS or result.values is None:
+            break
+        known = len(model.paths)
+        values = list(result.values)
+        values[model.iteration] = model.simulated_time(values)
+        for incumbent in incumbents:  # their paths, too, are likely to bind in the next solve
+            model.simulated_time(incumbent)
+        value = sum(coefficient * values[v] for v, coefficient in objective.items())
+        holds = values[model.iteration] <= model.time_cap
+        if holds and value < best_value:
+            best, best_value = values, value
+        if holds and value <= _within(result.objective):
+            result = MilpResult(result.status, values, value, result.bound, nodes)
+            break
+        if len(model.paths) == known:  # the solution's own path was a row, yet it runs faster: a bug
+            raise RuntimeError(
+                f"the program's plan takes {result.values[model.iteration]} ms, but the simulator replays it in "
+                f"{values[model.iteration]} ms along a path the program already holds: they disagree"
+            )
+        log.info("the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
+                 values[model.iteration], len(model.paths))
+        if best is not None:
+            hint = best
+        if stop - time.perf_counter() < 0.05:
+            return MilpResult("time-limit", best, best_value if best else None, result.bound, nodes)
+    if result.values is None and best is not None:
+        return MilpResult("time-limit", best, best_value, result.bound, nodes)
+    return MilpResult(result.status, result.values, result.objective, result.bound, nodes)
+
+
+def _within(value: float) -> float:
+    """The most a quantity the program bounds by `value` may be: HiGHS holds rows to about 1e-6."""
+    return value + 1e-6 * max(abs(value), 1.0)
+
+
+def _paths_of_relaxation(model: _Formulation, deadline: float) -> None:
+    """Seed PATHS timing with the critical paths of the relaxation's solutions: the integer search
+    then starts from the relaxation's true bound, and rarely meets a path it has not seen."""
+    while time.perf_counter() < deadline:
+        relaxed = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline), relaxed=True)
+        if relaxed.values is None:
+            return  # infeasible: the integer search says so
+        known = len(model.paths)
+        model.simulated_time(relaxed.values)
+        if len(model.paths) == known:
+            break
+    log.info("%d critical paths from the relaxation", len(model.paths))
 
 
 def _log_progress(seconds: float, best_ms: float, bound_ms: float) -> None:
@@ -220,9 +308,17 @@ class _Formulation:
     """The program: layer counts per (group, virtual stage, mode), durations, start times, memory."""
 
     def __init__(
-        self, profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], *, with_budget: bool
+        self,
+        profile: ModelProfile,
+        spec: PipelineSpec,
+        schedule: Schedule,
+        groups: list[_Group],
+        *,
+        with_budget: bool,
+        timing: str,
     ) -> None:
         self.profile, self.spec, self.schedule, self.groups = profile, spec, schedule, groups
+        self.timing = timing
         self.milp = milp = Milp()
         cells = schedule.num_stages
         self.count: dict[tuple[int, int, str], int] = {}  # (group, cell, mode) -> variable
@@ -235,6 +331,7 @@ class _Formulation:
             milp.row({self.count[g, c, m]: 1.0 for c in range(cells) for m in group.modes}, group.size, group.size)
         self._order_groups(cells)
         self._mindformers_expressible(cells)
+        self._rank_totals()
         if not spec.allow_empty_chunks:
             for c in range(cells):
                 pinned = sum(g.size for g in groups if g.pinned_cell == c)
@@ -261,33 +358,24 @@ class _Formulation:
         self.working = self._working_sets(cells)
 
         # Durations of each kind of action on each virtual stage, as variables.
-        duration: dict[tuple[int, str], int] = {}
+        self.duration: dict[tuple[int, str], int] = {}
         for c in range(cells):
             input_grad = _Linear(dict(backward[c].terms), backward[c].constant - weight[c].constant)
             for variable, coefficient in weight[c].terms.items():
                 input_grad.add(variable, -coefficient)
             for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
                                      (BACKWARD_INPUT, input_grad), (BACKWARD_WEIGHT, weight[c])):
-                duration[c, kind] = self._defined(expression)
-
-        # Start times: the simulator's replay as constraints.
+                self.duration[c, kind] = self._defined(expression)
         program = schedule.program
-        cell_of = [
-            rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
-            for rank, chunk in zip(program.rank, program.chunk)
+        self.action_duration = [
+            self.duration[rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement), kind]
+            for rank, chunk, kind in zip(program.rank, program.chunk, program.kind)
         ]
         self.iteration = milp.variable()
-        action_duration = [duration[cell_of[i], program.kind[i]] for i in range(program.num_actions)]
-        offsets = program.rank_offsets
-        start = [milp.variable() for _ in range(program.num_actions)]
-        for rank in range(schedule.stages):
-            for i in range(offsets[rank] + 1, offsets[rank + 1]):
-                milp.row({start[i]: 1.0, start[i - 1]: -1.0, action_duration[i - 1]: -1.0}, lower=0.0)
-            last = offsets[rank + 1] - 1
-            milp.row({self.iteration: 1.0, start[last]: -1.0, action_duration[last]: -1.0}, lower=0.0)
-        for i, dep in enumerate(program.dependency):
-            if dep >= 0 and program.crosses_ranks[i]:
-                milp.row({start[i]: 1.0, start[dep]: -1.0, action_duration[dep]: -1.0}, lower=spec.p2p_ms)
+        self.time_cap = INF  # the most iteration time a solution may take (set by the tie-breaks)
+        self.paths: set[tuple] = set()
+        if timing == START_TIMES:
+            self._start_times()
 
         # Memory at every distinct point of each rank's action list.
         self.memory_rows = self._memory_rows()
@@ -295,6 +383,47 @@ class _Formulation:
             budget_mib = spec.memory_budget_bytes / MIB
             for _, expression in self.memory_rows:
                 milp.row(expression.terms, upper=budget_mib - expression.constant)
+
+    def _start_times(self) -> None:
+        """The simulator's replay as constraints: a start time for every action, after its rank's
+        previous action and after the action it waits for (plus P2P between ranks)."""
+        program, milp, duration = self.schedule.program, self.milp, self.action_duration
+        offsets = program.rank_offsets
+        start = [milp.variable() for _ in range(program.num_actions)]
+        for rank in range(self.schedule.stages):
+            for i in range(offsets[rank] + 1, offsets[rank + 1]):
+                milp.row({start[i]: 1.0, start[i - 1]: -1.0, duration[i - 1]: -1.0}, lower=0.0)
+            last = offsets[rank + 1] - 1
+            milp.row({self.iteration: 1.0, start[last]: -1.0, duration[last]: -1.0}, lower=0.0)
+        for i, dep in enumerate(program.dependency):
+            if dep >= 0 and program.crosses_ranks[i]:
+                milp.row({start[i]: 1.0, start[dep]: -1.0, duration[dep]: -1.0}, lower=self.spec.p2p_ms)
+
+    def simulated_time(self, values: list[float]) -> float:
+        """The iteration time the simulator gives the durations in `values` (fractional ones too).
+        In PATHS timing, a critical path no row holds yet becomes a row: the iteration time is at
+        least its durations plus its P2P times."""
+        schedule = self.schedule
+        costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
+        for virtual in range(schedule.num_stages):
+            backward = max(values[self.duration[virtual, FULL_BACKWARD]], 0.0)
+            costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)] = ChunkCosts(
+                forward_ms=max(values[self.duration[virtual, FORWARD]], 0.0),
+                backward_ms=backward,
+                weight_ms=min(max(values[self.duration[virtual, BACKWARD_WEIGHT]], 0.0), backward),
+            )
+        chain = critical_path(schedule, PipelineCosts(tuple(map(tuple, costs)), p2p_ms=self.spec.p2p_ms))
+        program = schedule.program
+        terms: dict[int, float] = {}
+        for action in chain:
+            terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
+        hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
+        length = hops * self.spec.p2p_ms + sum(coefficient * values[v] for v, coefficient in terms.items())
+        key = (tuple(sorted(terms.items())), hops)
+        if self.timing == PATHS and length > _within(values[self.iteration]) and key not in self.paths:
+            self.paths.add(key)
+            self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
+        return length
 
     def _cell_sum(self, value) -> list[_Linear]:
         """Per virtual stage: the sum of `value(group, mode)` over the layers it holds."""
@@ -328,6 +457,21 @@ class _Formulation:
                 if c > 0:
                     for mode in self.groups[g].modes:
                         self.milp.row({self.count[g, c, mode]: 1.0, crossed[c - 1]: self.groups[g].size}, upper=self.groups[g].size)
+
+    def _rank_totals(self) -> None:
+        """An integer variable for each rank's number of movable layers. Redundant for the program, but
+        the branch-and-bound can branch on it: the relaxation spreads layers so that every rank holds a
+        fraction more than its share, and one branch on a rank's total cuts that off where many on
+        single counts would not (measured: 16 x 3 chunks without a budget, unproven at 30 s -> proven)."""
+        schedule = self.schedule
+        if schedule.chunks == 1:
+            return  # a rank's total is one virtual stage's: measured slower to add (sim.json 16 x 1: 10 s -> 29 s)
+        for rank in range(schedule.stages):
+            cells = {rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)}
+            terms = {variable: 1.0 for (_, cell, _), variable in self.count.items() if cell in cells}
+            if len(terms) > 1:
+                total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
+                self.milp.row({**terms, total: -1.0}, 0.0, 0.0)
 
     def _mindformers_expressible(self, cells: int) -> None:
         """MindFormers counts recompute per stage as prefixes (recompute <= both <= select or comm), so
@@ -456,7 +600,7 @@ def _infeasible(
     profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group], deadline: float
 ) -> InfeasibleError:
     """The least peak memory any plan reaches, which stage holds it, and what to try."""
-    model = _Formulation(profile, spec, schedule, groups, with_budget=False)
+    model = _Formulation(profile, spec, schedule, groups, with_budget=False, timing=PATHS)  # time is free here
     peak = model.add_peak_variable()
     result: MilpResult = model.milp.minimize({peak: 1.0}, time_limit_s=_left(deadline))
     budget = format_bytes(spec.memory_budget_bytes)

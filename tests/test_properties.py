@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator import SCHEDULES, ChunkCosts, PipelineCosts, build_schedule, simulate
+from simulator import SCHEDULES, ChunkCosts, PipelineCosts, build_schedule, critical_path, simulate
 
 times = st.floats(min_value=0.0, max_value=50.0, allow_nan=False, allow_infinity=False)
 sizes = st.integers(min_value=0, max_value=2**34)
@@ -87,3 +87,21 @@ def test_iteration_time_bounds_and_accounting(replay):
         assert result.stage_peak_memory_bytes[rank] >= static
         assert max(b for _, b in result.memory_curve(rank)) == result.stage_peak_memory_bytes[rank]
         assert result.memory_curve(rank)[-1][1] == pytest.approx(static)
+
+
+@settings(max_examples=150, deadline=None)
+@given(replays())
+def test_critical_path_is_a_chain_of_waits_as_long_as_the_iteration(replay):
+    schedule, costs = replay
+    result = simulate(schedule, costs)
+    program = schedule.program
+    chain = critical_path(schedule, costs)
+    assert result.start_ms[chain[0]] == 0.0
+    assert result.end_ms[chain[-1]] == result.iteration_time_ms
+    length = 0.0
+    for before, after in zip(chain, chain[1:]):
+        same_rank = program.rank[before] == program.rank[after]
+        assert (same_rank and after == before + 1) or program.dependency[after] == before
+        length += result.end_ms[before] - result.start_ms[before] + (0.0 if same_rank else costs.p2p_ms)
+    length += result.end_ms[chain[-1]] - result.start_ms[chain[-1]]
+    assert length == pytest.approx(result.iteration_time_ms, rel=1e-9, abs=1e-9)
