@@ -18,6 +18,7 @@ from simulator import (
     ScheduleError,
     SimulationResult,
     build_schedule,
+    critical_path,
     simulate,
 )
 
@@ -53,5 +54,6 @@ __all__ = [
     "ScheduleError",
     "SimulationResult",
     "build_schedule",
+    "critical_path",
     "simulate",
 ]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from solver_cases import MIB, layer
 
 from simulator import SCHEDULES, simulate
-from solver import InfeasibleError, ModelProfile, PipelineSpec, solve
+from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve
 from solver.plan import pipeline_costs
 
 SMALL = [("1F1B", 1), ("GPipe", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B-less-memory", 2),
@@ -64,3 +64,23 @@ def test_plans_fit_and_infeasibility_is_exact(problem):
     replay = simulate(spec.pipeline_schedule, pipeline_costs(profile, spec, plan.stage_layer_counts, plan.layer_modes))
     assert replay.iteration_time_ms == pytest.approx(plan.iteration_time_ms)
     assert max(replay.stage_peak_memory_bytes) <= spec.memory_budget_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
+    profile, spec = problem
+    optimum = {}
+    for timing in (search.START_TIMES, search.PATHS):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(search, "_timing_for", lambda schedule, timing=timing: timing)
+            try:
+                plan = solve(profile, spec, time_limit_s=30)
+            except InfeasibleError as error:
+                optimum[timing] = ("infeasible", error.smallest_budget_bytes)
+                continue
+        assert plan.status == "optimal"
+        optimum[timing] = ("optimal", plan.iteration_time_ms)
+    (status, start_times), (_, paths) = optimum[search.START_TIMES], optimum[search.PATHS]
+    assert optimum[search.PATHS][0] == status
+    assert paths == pytest.approx(start_times, rel=1e-9)
