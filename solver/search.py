@@ -1,11 +1,11 @@
 """The search: the layer split and recompute modes with the least simulated iteration time that fit.
 
-One mixed-integer program states the simulator itself for the schedule at hand: a start time for
-every action, each action after its rank's previous action and after the action it waits for (plus
-P2P), durations linear in how many layers of each kind and recompute mode each virtual stage
-holds, and memory at every point of every rank's action list within the budget. Its optimum is the
-simulated optimum; HiGHS proves it, or reports the gap at the time limit. Ties are broken in two
-more solves: least recompute time, then least peak memory.
+One mixed-integer program states the simulator itself for the schedule at hand: durations linear
+in how many layers of each kind and recompute mode each virtual stage holds, the iteration time as
+the replay makes it (a start time for every action, or a row for every critical path that matters:
+see START_TIMES, PATHS), and memory at every point of every rank's action list within the budget.
+Its optimum is the simulated optimum; HiGHS proves it, or reports the gap at the time limit. Ties
+are broken in two more solves: least recompute time, then least peak memory.
 
 Consecutive layers of one kind with identical costs form a group whose layers are interchangeable,
 so the program counts layers per group instead of placing each one: the more a profile's layers of
@@ -198,7 +198,7 @@ def _minimize(
         if best is not None:
             hint = best
         if stop - time.perf_counter() < 0.05:
-            return MilpResult("time-limit", best, best_value if best else None, result.bound, nodes)
+            return MilpResult("time-limit", best, best_value if best is not None else None, result.bound, nodes)
     if result.values is None and best is not None:
         return MilpResult("time-limit", best, best_value, result.bound, nodes)
     return MilpResult(result.status, result.values, result.objective, result.bound, nodes)
@@ -307,7 +307,7 @@ def _check_room(profile: ModelProfile, schedule: Schedule, groups: list[_Group],
 
 
 class _Formulation:
-    """The program: layer counts per (group, virtual stage, mode), durations, start times, memory."""
+    """The program: layer counts per (group, virtual stage, mode), durations, the iteration time, memory."""
 
     def __init__(
         self,
@@ -402,9 +402,9 @@ class _Formulation:
                 milp.row({start[i]: 1.0, start[dep]: -1.0, duration[dep]: -1.0}, lower=self.spec.p2p_ms)
 
     def simulated_time(self, values: list[float]) -> float:
-        """The iteration time the simulator gives the durations in `values` (fractional ones too).
-        In PATHS timing, a critical path no row holds yet becomes a row: the iteration time is at
-        least its durations plus its P2P times."""
+        """The iteration time the simulator gives the durations in `values` (fractional ones too). Its
+        critical path becomes a row when `values` runs faster than it and no row holds it yet: the
+        iteration time is at least the path's durations plus its P2P times."""
         schedule = self.schedule
         costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
         for virtual in range(schedule.num_stages):
@@ -422,7 +422,7 @@ class _Formulation:
         hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
         length = hops * self.spec.p2p_ms + sum(coefficient * values[v] for v, coefficient in terms.items())
         key = (tuple(sorted(terms.items())), hops)
-        if self.timing == PATHS and length > _within(values[self.iteration]) and key not in self.paths:
+        if length > _within(values[self.iteration]) and key not in self.paths:
             self.paths.add(key)
             self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
         return length
