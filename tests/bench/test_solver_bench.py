@@ -17,6 +17,8 @@ CASES = {
     "test.json-Interleaved-4x2x8": ("test.json", "Interleaved1F1B", 4, 2, 8, 53000, 60),
     "test.json-1F1B-16x1x16": ("test.json", "1F1B", 16, 1, 16, 56000, 60),
     "sim.json-1F1B-16x1x16": ("sim.json", "1F1B", 16, 1, 16, 56000, 60),
+    "test.json-1F1B-16x1x64": ("test.json", "1F1B", 16, 1, 64, 56000, 60),
+    "sim.json-1F1B-16x1x64": ("sim.json", "1F1B", 16, 1, 64, 56000, 60),
     "test.json-Interleaved-16x3x16": ("test.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
     "sim.json-Interleaved-16x3x16": ("sim.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
 }
