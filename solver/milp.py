@@ -126,7 +126,12 @@ class Milp:
         if progress is not None:
             _report_progress(highs, progress)
         if incumbents is not None:
-            highs.cbMipImprovingSolution.subscribe(lambda event: incumbents.append(list(event.data_out.mip_solution)))
+
+            def on_improving_solution(event) -> None:  # type: ignore[no-untyped-def]
+                if len(event.data_out.mip_solution) == self.num_variables:
+                    incumbents.append(list(event.data_out.mip_solution))
+
+            highs.cbMipImprovingSolution.subscribe(on_improving_solution)
         highs.run()
 
         model_status = highs.getModelStatus()
