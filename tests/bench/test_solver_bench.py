@@ -19,6 +19,7 @@ CASES = {
     "sim.json-1F1B-16x1x16": ("sim.json", "1F1B", 16, 1, 16, 56000, 60),
     "test.json-1F1B-16x1x64": ("test.json", "1F1B", 16, 1, 64, 56000, 60),
     "sim.json-1F1B-16x1x64": ("sim.json", "1F1B", 16, 1, 64, 56000, 60),
+    "test.json-1F1B-32x1x128": ("test.json", "1F1B", 32, 1, 128, 40000, 60),
     "test.json-Interleaved-16x3x16": ("test.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
     "sim.json-Interleaved-16x3x16": ("sim.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
 }
