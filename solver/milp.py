@@ -22,7 +22,7 @@ ROOT_HEURISTICS = (
 
 @dataclass(frozen=True)
 class MilpResult:
-    status: str  # "optimal", "time-limit" (with or without a solution), "infeasible"
+    status: str  # "optimal", "stopped" (by the time or node limit, with or without a solution), "infeasible"
     values: list[float] | None  # None when no solution was found
     objective: float | None
     bound: float  # proven lower bound on the objective (minimisation)
@@ -77,11 +77,13 @@ class Milp:
         relaxed: bool = False,
         heuristics: bool = True,
         incumbents: list[list[float]] | None = None,
+        node_limit: int | None = None,
         progress: Callable[[float, float, float], None] | None = None,
     ) -> MilpResult:
         """Minimise. `relaxed` drops integrality (the LP relaxation); `heuristics=False` skips HiGHS's
         root heuristics, which cost more than they find when `hint` is already a good solution;
-        `incumbents` collects every improving solution the search finds;
+        `incumbents` collects every improving solution the search finds; `node_limit` stops the
+        branch-and-bound after that many nodes (deterministic, unlike the time limit);
         `progress(seconds, best, bound)` is called every few seconds of a long search."""
         import highspy
         import numpy as np
@@ -114,6 +116,8 @@ class Milp:
         highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
         highs.setOptionValue("mip_rel_gap", relative_gap)
         highs.setOptionValue("mip_abs_gap", 1e-9)
+        if node_limit is not None:
+            highs.setOptionValue("mip_max_nodes", node_limit)
         if not heuristics:
             for option in ROOT_HEURISTICS:
                 highs.setOptionValue(option, False)
@@ -150,7 +154,7 @@ class Milp:
             highspy.HighsModelStatus.kSolutionLimit,
             highspy.HighsModelStatus.kIterationLimit,
         ):
-            status, bound = "time-limit", info.mip_dual_bound
+            status, bound = "stopped", info.mip_dual_bound
         else:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
         return MilpResult(status, values, objective_value, bound, max(int(info.mip_node_count), 0))

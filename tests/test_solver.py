@@ -74,6 +74,24 @@ def test_least_recompute_among_the_fastest_plans():
     assert max(plan.stage_peak_memory_bytes) == pytest.approx(min(max(p.stage_peak_memory_bytes) for p in least))
 
 
+def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(caplog, monkeypatch):
+    import logging
+
+    from solver import search
+
+    profile = load_profile(SAPP / "test.json")
+    spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
+    full = solve(profile, spec)
+    monkeypatch.setattr(search, "TIE_BREAK_NODES", 1)
+    with caplog.at_level(logging.INFO, logger="solver"):
+        capped = solve(profile, spec)
+    assert capped.status == "optimal" and capped.fits
+    assert capped.iteration_time_ms == pytest.approx(full.iteration_time_ms, rel=1e-7)
+    stopped = [r.getMessage() for r in caplog.records if "best found in 1 nodes" in r.getMessage()]
+    assert stopped and all(m.startswith("tie-break on ") for m in stopped)
+    assert max(capped.stage_peak_memory_bytes) >= max(full.stage_peak_memory_bytes)
+
+
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)
