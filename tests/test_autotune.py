@@ -60,7 +60,7 @@ def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml)
     with pytest.raises(SystemExit) as caught:
         train(llama(), 6, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, on_plan="exit")
     assert caught.value.code == REPLAN_EXIT_CODE
-    assert mindformers_yaml.with_name("train.yaml.bak").exists()
+    assert mindformers_yaml.with_name("train.yaml.sapp-hook.bak").exists()
 
 
 def test_a_crash_while_profiling_leaves_the_config_and_no_hooks(tmp_path, mindformers_yaml):

@@ -36,7 +36,7 @@ def test_dry_run_then_apply(tmp_path, capsys, plan_file):
     assert config.read_text() == before
     assert main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", str(config), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["written"] == [str(config)] and report["backup"] == f"{config}.bak"
+    assert report["written"] == [str(config)] and report["backup"] == f"{config}.sapp-hook.bak"
     assert "module_fqns_per_model_part" in config.read_text()
 
 

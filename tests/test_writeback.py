@@ -61,6 +61,18 @@ def test_mindformers_round_trip_keeps_comments(config):
     assert result.written == [str(path)]
 
 
+def test_the_backup_keeps_the_users_config_across_writes(config):
+    path = config("mindformers")
+    original = path.read_text()
+    theirs = path.with_name(path.name + ".bak")
+    theirs.write_text("the user's own backup")
+    first = write_config("mindformers", path, layout_of(plan({1: "full"})))
+    second = write_config("mindformers", path, layout_of(plan()))
+    assert first.backup == second.backup == path.with_name(path.name + ".sapp-hook.bak")
+    assert second.backup.read_text() == original and path.read_text() != original
+    assert theirs.read_text() == "the user's own backup"
+
+
 def test_mindformers_interleaved_writes_lists_of_lists(config):
     path = config("mindformers")
     chosen = plan(chunks=2, schedule="Interleaved1F1B")

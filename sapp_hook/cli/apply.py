@@ -19,8 +19,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="write a plan into a MindFormers, Megatron-LM or TorchTitan config",
         description=(
             "Write the stage split and recompute of a plan (sapp-hook solve --plan-out) into a launch "
-            "config. Comments, key order and other keys stay; the old file is kept as NAME.bak; what a "
-            "target cannot express is said, and the exact plan written next to it as NAME.sapp-hook.json."
+            "config. Comments, key order and other keys stay; the config as it was before sapp-hook first "
+            "changed it is kept as NAME.sapp-hook.bak; what a target cannot express is said, and the exact "
+            "plan written next to it as NAME.sapp-hook.json."
         ),
     )
     parser.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from sapp-hook solve --plan-out")
@@ -49,5 +50,5 @@ def _run(args: argparse.Namespace) -> int:
     for path in result.written:
         print(f"wrote {path}")
     if result.backup:
-        print(f"kept the old file as {result.backup}")
+        print(f"the config as it was before sapp-hook first changed it is in {result.backup}")
     return 0

@@ -37,15 +37,17 @@ def read_config(path: Path, flag: str = "--config") -> str:
 
 
 def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack:
-    """Fill in the diff; unless a dry run, keep a backup (`NAME.bak`) and replace the file atomically."""
+    """Fill in the diff; unless a dry run, replace the file atomically. The first write keeps the
+    file as it was in `NAME.sapp-hook.bak`; later writes leave that backup alone, so re-planning
+    never replaces the user's own config with one sapp-hook wrote (nor touches a `NAME.bak` of theirs)."""
     path = result.path
     result.diff = "".join(difflib.unified_diff(
         old.splitlines(keepends=True), new.splitlines(keepends=True), f"{path} (before)", f"{path} (sapp-hook)"))
     if dry_run or new == old:
         return result
-    backup = path.with_name(path.name + ".bak") if path.exists() else None
+    backup = path.with_name(path.name + ".sapp-hook.bak") if path.exists() else None
     try:
-        if backup is not None:
+        if backup is not None and not backup.exists():
             shutil.copy2(path, backup)
         atomic_write_text(path, new, mode=path.stat().st_mode & 0o7777 if backup else None)
     except OSError as exc:
