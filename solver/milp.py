@@ -113,6 +113,11 @@ class Milp:
         highs = _new_highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("threads", 1)  # deterministic, and the machines this runs on are small
+        # HiGHS's presolve, measured on the solver's own programs (SAPP's fixtures, every schedule,
+        # budgets 1.1x and 1.5x the least that fits): without it, 2-chunk searches at 6-8 stages
+        # proved 29 of 32 in 20 s instead of 21 (half the time, geometric mean), 1-chunk ones 0.93x.
+        # It loses on a few (test.json 16 x 3 x 16 without a budget: proven in 25 s with it).
+        highs.setOptionValue("presolve", "off")
         highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
         highs.setOptionValue("mip_rel_gap", relative_gap)
         highs.setOptionValue("mip_abs_gap", 1e-9)
