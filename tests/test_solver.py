@@ -74,6 +74,23 @@ def test_least_recompute_among_the_fastest_plans():
     assert max(plan.stage_peak_memory_bytes) == pytest.approx(min(max(p.stage_peak_memory_bytes) for p in least))
 
 
+@pytest.mark.parametrize("schedule, stages, chunks, budget_mib", [
+    ("Interleaved1F1B", 4, 2, 93000), ("ZBVZeroBubble", 4, 2, 93000), ("1F1B", 8, 1, 60000),
+])
+@pytest.mark.parametrize("tie_break_nodes", [None, 20])  # 20: the tie-breaks stop at their cap
+def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib, tie_break_nodes, monkeypatch):
+    from solver import search
+
+    if tie_break_nodes is not None:
+        monkeypatch.setattr(search, "TIE_BREAK_NODES", tie_break_nodes)
+    profile = load_profile(SAPP / "sim.json")
+    spec = spec_for(schedule, stages, chunks, 2 * stages, budget_mib)
+    first, second = solve(profile, spec), solve(profile, spec)
+    assert first.status == second.status == "optimal"
+    assert (first.stage_layer_counts, first.layer_modes, first.stage_peak_memory_bytes) == (
+        second.stage_layer_counts, second.layer_modes, second.stage_peak_memory_bytes)
+
+
 def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(caplog, monkeypatch):
     import logging
 
