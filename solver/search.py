@@ -110,8 +110,9 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     best = _break_ties(model, fastest, deadline) if proven else fastest
 
     plan = evaluate_plan(profile, spec, model.stage_layer_counts(best.values), model.layer_modes(best.values))
+    fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0)
     slowest_allowed = _within(model.time_cap)  # the tie-breaks' plan may run TIME_SLACK slower
-    if proven and not fastest.objective - 1e-6 * max(fastest.objective, 1.0) <= plan.iteration_time_ms <= slowest_allowed:
+    if proven and not fastest_allowed <= plan.iteration_time_ms <= slowest_allowed:
         raise RuntimeError(
             f"the program's optimum is {fastest.objective} ms but the simulator replays its plan in "
             f"{plan.iteration_time_ms} ms: the formulation and the simulator disagree"
