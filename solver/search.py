@@ -43,9 +43,10 @@ TIE_BREAK_NODES = 200
 # How the program states the iteration time. START_TIMES: every action's start as a variable, the
 # simulator's replay as rows. PATHS: one row per critical path met so far (the time is at least each
 # path's length), adding the path of any solution the rows let run faster than the simulator does.
-# Measured on SAPP's fixtures, 16 stages: with one chunk per rank some 50 paths settle it and PATHS
-# solves 2-4x faster at 16 micro-batches, over 50x at 64; with two or more chunks the integer
-# solutions keep finding paths the rows miss, and START_TIMES is far faster.
+# Measured on SAPP's fixtures, 16 stages (HiGHS then ran its presolve): with one chunk per rank
+# some 50 paths settle it and PATHS solves 2-4x faster at 16 micro-batches, over 50x at 64; with
+# two or more chunks the integer solutions keep finding paths the rows miss, and START_TIMES is far
+# faster.
 START_TIMES, PATHS = "start-times", "paths"
 
 
@@ -130,7 +131,7 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
     """Among plans as fast as the fastest: least recompute time, then least peak memory. Each solve
     gets part of the time left and at most TIE_BREAK_NODES branch-and-bound nodes; one cut short
     keeps the best plan it found. They start from the plan in hand, so HiGHS's root heuristics, which
-    look for a first plan, are skipped (measured: sim.json 16 x 1 x 16, 7.3 s -> 2.9 s)."""
+    look for a first plan, are skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
     best = fastest
     model.time_cap = fastest.objective * (1 + TIME_SLACK)
     model.milp.row({model.iteration: 1.0}, upper=model.time_cap)
@@ -483,8 +484,9 @@ class _Formulation:
         """An integer variable for each rank's number of movable layers. Redundant for the program, but
         the branch-and-bound can branch on it: the relaxation spreads layers so that every rank holds a
         fraction more than its share, and one branch on a rank's total cuts that off where many on
-        single counts would not (measured on test.json, 16 x 3 x 16 without a budget: unproven at 30 s,
-        proven in 26 s)."""
+        single counts would not (measured on test.json, 8 x 2 x 16 at 70000 MiB: without them
+        Interleaved1F1B, ZBVZeroBubble and DualPipeV stop at 40 s with 1.7-3.4% gaps, with them they
+        are proven in 2-3 s)."""
         schedule = self.schedule
         for rank in range(schedule.stages):
             cells = {rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)}
