@@ -43,11 +43,20 @@ TIE_BREAK_NODES = 200
 # How the program states the iteration time. START_TIMES: every action's start as a variable, the
 # simulator's replay as rows. PATHS: one row per critical path met so far (the time is at least each
 # path's length), adding the path of any solution the rows let run faster than the simulator does.
-# Measured on SAPP's fixtures, 16 stages (HiGHS then ran its presolve): with one chunk per rank
-# some 50 paths settle it and PATHS solves 2-4x faster at 16 micro-batches, over 50x at 64; with
-# two or more chunks the integer solutions keep finding paths the rows miss, and START_TIMES is far
-# faster.
+# Measured on SAPP's fixtures, 1F1B: with one chunk per rank some 50-100 paths settle it and PATHS
+# solves 2-6x faster at 16 stages x 16 micro-batches, 35-60x at 64, and 32 x 1 x 128 in 3 s where
+# START_TIMES stops at 60 s with a 14% gap; with two or more chunks the integer solutions keep
+# finding paths the rows miss, and START_TIMES is faster.
 START_TIMES, PATHS = "start-times", "paths"
+# PATHS timing also adds, for the relaxation's solution and for each solution found to miss a
+# path, the critical path with each virtual stage in turn this much slower: integer plans near a
+# solution differ from it most in which stage is heavier, and these are the paths they run along.
+# Measured on SAPP's fixtures, 1-chunk 1F1B, ZBH1 and GPipe at 8 and 16 stages and 16 or 48
+# micro-batches, budgets 1.1x and 1.5x the least that fits, whole solves: 111 s -> 40 s in all;
+# GPipe at 16 stages 4.6-19 s -> 0.2-1.4 s (0.20x, geometric mean), ZBH1 0.66x, 1F1B 0.97x (some
+# slower: sim.json 1F1B 16 x 1 x 16 at 56000 MiB 1.7 s -> 2.8 s). 5%, 10% and 20% measured alike.
+# With these paths PATHS still loses to START_TIMES at two chunks (8 stages: 2-4x slower).
+SLOWER_STAGE = 0.1
 
 
 @dataclass
@@ -199,12 +208,8 @@ def _minimize(
         known = len(model.paths)
         values = list(result.values)
         values[model.iteration] = model.simulated_time(values)
-        for incumbent in incumbents:  # their paths, too, are likely to bind in the next solve
-            model.simulated_time(incumbent)
         value = sum(coefficient * values[v] for v, coefficient in objective.items())
         holds = values[model.iteration] <= _within(model.time_cap)
-        if holds and value < best_value:
-            best, best_value = values, value
         if holds and value <= _within(result.objective):
             result = MilpResult(result.status, values, value, result.bound, nodes)
             break
@@ -213,6 +218,14 @@ def _minimize(
                 f"the program's plan takes {result.values[model.iteration]} ms, but the simulator replays it in "
                 f"{values[model.iteration]} ms along a path the program already holds: they disagree"
             )
+        model.add_paths_of_slower_stages(values)
+        # Every solution found on the way is a plan: the best of them as simulated is the one to keep.
+        for candidate in [values, *incumbents]:
+            candidate = list(candidate)
+            candidate[model.iteration] = model.simulated_time(candidate)
+            value = sum(coefficient * candidate[v] for v, coefficient in objective.items())
+            if candidate[model.iteration] <= _within(model.time_cap) and value < best_value:
+                best, best_value = candidate, value
         log.info("the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
                  values[model.iteration], len(model.paths))
         if best is not None:
@@ -239,6 +252,7 @@ def _paths_of_relaxation(model: _Formulation, deadline: float) -> None:
         known = len(model.paths)
         model.simulated_time(relaxed.values)
         if len(model.paths) == known:
+            model.add_paths_of_slower_stages(relaxed.values)
             break
     log.info("%d critical paths from the relaxation", len(model.paths))
 
@@ -421,10 +435,11 @@ class _Formulation:
             if dep >= 0 and program.crosses_ranks[i]:
                 milp.row({start[i]: 1.0, start[dep]: -1.0, duration[dep]: -1.0}, lower=self.spec.p2p_ms)
 
-    def simulated_time(self, values: list[float]) -> float:
+    def simulated_time(self, values: list[float], *, add_path: bool | None = None) -> float:
         """The iteration time the simulator gives the durations in `values` (fractional ones too). Its
-        critical path becomes a row when `values` runs faster than it and no row holds it yet: the
-        iteration time is at least the path's durations plus its P2P times."""
+        critical path becomes a row when `values` runs faster than it and no row holds it yet (or,
+        with `add_path`, whenever no row holds it): the iteration time is at least the path's
+        durations plus its P2P times."""
         schedule = self.schedule
         costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
         for virtual in range(schedule.num_stages):
@@ -442,10 +457,20 @@ class _Formulation:
         hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
         length = hops * self.spec.p2p_ms + sum(coefficient * values[v] for v, coefficient in terms.items())
         key = (tuple(sorted(terms.items())), hops)
-        if length > _within(values[self.iteration]) and key not in self.paths:
+        if add_path is None:
+            add_path = length > _within(values[self.iteration])
+        if add_path and key not in self.paths:
             self.paths.add(key)
             self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
         return length
+
+    def add_paths_of_slower_stages(self, values: list[float]) -> None:
+        """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower."""
+        for cell in range(self.schedule.num_stages):
+            slower = list(values)
+            for kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                slower[self.duration[cell, kind]] *= 1 + SLOWER_STAGE
+            self.simulated_time(slower, add_path=True)
 
     def _cell_sum(self, value) -> list[_Linear]:
         """Per virtual stage: the sum of `value(group, mode)` over the layers it holds."""
