@@ -20,6 +20,10 @@ CASES = {
     "test.json-1F1B-16x1x64": ("test.json", "1F1B", 16, 1, 64, 56000, 60),
     "sim.json-1F1B-16x1x64": ("sim.json", "1F1B", 16, 1, 64, 56000, 60),
     "test.json-1F1B-32x1x128": ("test.json", "1F1B", 32, 1, 128, 40000, 60),
+    "sim.json-GPipe-16x1x16": ("sim.json", "GPipe", 16, 1, 16, 56000, 60),
+    "sim.json-GPipe-16x1x48": ("sim.json", "GPipe", 16, 1, 48, 44600, 60),  # 1.1x the least that fits
+    "sim.json-ZBH1-16x1x16": ("sim.json", "ZBH1", 16, 1, 16, 56000, 60),
+    "test.json-ZBH1-16x1x48": ("test.json", "ZBH1", 16, 1, 48, 22000, 60),  # 1.5x the least that fits
     "test.json-DualPipeV-8x2x16": ("test.json", "DualPipeV", 8, 2, 16, 70000, 60),
     "sim.json-ZBV-8x2x16": ("sim.json", "ZBVZeroBubble", 8, 2, 16, 70000, 60),
     "test.json-Interleaved-16x3x16": ("test.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
