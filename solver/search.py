@@ -137,14 +137,15 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
 
 
 def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> MilpResult:
-    """Among plans as fast as the fastest: least recompute time, then least peak memory. Each solve
+    """Among plans as fast as the fastest: least recompute time (unless it has none), then least peak
+    memory. Each solve
     gets part of the time left and at most TIE_BREAK_NODES branch-and-bound nodes; one cut short
     keeps the best plan it found. They start from the plan in hand, so HiGHS's root heuristics, which
     look for a first plan, are skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
     best = fastest
     model.time_cap = fastest.objective * (1 + TIME_SLACK)
     model.milp.row({model.iteration: 1.0}, upper=model.time_cap)
-    if model.recompute_terms:
+    if any(round(fastest.values[v]) for v in model.recompute_terms):  # else none to take away
         least_recompute = _minimize(
             model, model.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False,
             node_limit=TIE_BREAK_NODES,
@@ -153,7 +154,8 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
             return best
         _log_tie_break("least recompute time", least_recompute)
         best = least_recompute
-        recompute = sum(c * best.values[v] for v, c in model.recompute_terms.items())
+    recompute = sum(c * best.values[v] for v, c in model.recompute_terms.items())
+    if model.recompute_terms:
         model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = model.add_peak_variable()
     hint = best.values + [max(model.memory_value(best.values, row) for _, row in model.memory_rows)]

@@ -54,9 +54,14 @@ def test_two_body_kinds_keep_model_order_and_match_brute_force(name, stages, chu
     assert kinds_in_order == list(plan.layer_kinds)
 
 
-def test_no_recompute_where_memory_has_room():
-    plan = solve(small_profile(6), spec_for("1F1B", 4, 1, 6, 10_000))
+def test_no_recompute_where_memory_has_room(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="solver"):
+        plan = solve(small_profile(6), spec_for("1F1B", 4, 1, 6, 10_000))
     assert set(plan.layer_modes) == {"none"}
+    tie_breaks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tie-break on ")]
+    assert len(tie_breaks) == 1 and "least peak memory" in tie_breaks[0]  # no recompute to take away
 
 
 def test_least_recompute_among_the_fastest_plans():
