@@ -221,10 +221,12 @@ def _minimize(
                 f"{values[model.iteration]} ms along a path the program already holds: they disagree"
             )
         model.add_paths_of_slower_stages(values)
-        # Every solution found on the way is a plan: the best of them as simulated is the one to keep.
-        for candidate in [values, *incumbents]:
-            candidate = list(candidate)
-            candidate[model.iteration] = model.simulated_time(candidate)
+        # Every solution found on the way is a plan: keep the best of them as simulated.
+        candidates = [values]
+        for incumbent in incumbents:
+            candidates.append(list(incumbent))
+            candidates[-1][model.iteration] = model.simulated_time(incumbent)
+        for candidate in candidates:
             value = sum(coefficient * candidate[v] for v, coefficient in objective.items())
             if candidate[model.iteration] <= _within(model.time_cap) and value < best_value:
                 best, best_value = candidate, value
