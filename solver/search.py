@@ -549,8 +549,10 @@ class _Formulation:
             for (g, cell, mode), count in self.count.items():
                 size = self.groups[g].working_mib[mode]
                 if cell == c and size > pinned[c]:
-                    present = self.milp.variable(0, 1, integer=True)
-                    self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
+                    present = count  # a group of one layer: its count says whether it is there
+                    if self.groups[g].size > 1:
+                        present = self.milp.variable(0, 1, integer=True)
+                        self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
                     self.milp.row({variable: 1.0, present: -size}, lower=0.0)
             working.append(_Linear({variable: 1.0}))
         return working
