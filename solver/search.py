@@ -55,7 +55,8 @@ START_TIMES, PATHS = "start-times", "paths"
 # micro-batches, budgets 1.1x and 1.5x the least that fits, whole solves: 111 s -> 40 s in all;
 # GPipe at 16 stages 4.6-19 s -> 0.2-1.4 s (0.20x, geometric mean), ZBH1 0.66x, 1F1B 0.97x (some
 # slower: sim.json 1F1B 16 x 1 x 16 at 56000 MiB 1.7 s -> 2.8 s). 5%, 10% and 20% measured alike.
-# With these paths PATHS still loses to START_TIMES at two chunks (8 stages: 2-4x slower).
+# With these paths PATHS still loses to START_TIMES at two chunks (6-8 stages: 1-5x slower, and
+# two searches START_TIMES proves in 12-15 s not proven in 20 s).
 SLOWER_STAGE = 0.1
 
 
@@ -191,8 +192,9 @@ def _minimize(
 ) -> MilpResult:
     """Minimise `objective` over the program with `share` of the time left and at most `node_limit`
     branch-and-bound nodes. In PATHS timing, a solution the rows let run faster than the simulator
-    says adds its critical path and the program is solved again, from the best solution that holds
-    (its iteration time as simulated); a limit returns that one, with the relaxed program's bound."""
+    says adds its critical path and those of its slower-stage neighbours, and the program is solved
+    again from the best plan found so far (every solution found, as simulated); a limit returns that
+    one, with the relaxed program's bound."""
     time_limit = _left(deadline) * share
     stop = time.perf_counter() + time_limit
     best: list[float] | None = None
@@ -223,7 +225,7 @@ def _minimize(
         model.add_paths_of_slower_stages(values)
         # Every solution found on the way is a plan: keep the best of them as simulated.
         candidates = [values]
-        for incumbent in incumbents:
+        for incumbent in incumbents:  # their paths, too, are likely to bind in the next solve
             candidates.append(list(incumbent))
             candidates[-1][model.iteration] = model.simulated_time(incumbent)
         for candidate in candidates:
