@@ -114,6 +114,34 @@ def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(caplog, m
     assert max(capped.stage_peak_memory_bytes) >= max(full.stage_peak_memory_bytes)
 
 
+def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypatch):
+    import time
+
+    from solver import search
+    from solver.milp import Milp
+
+    profile = load_profile(SAPP / "test.json")
+    spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.PATHS)
+    found: list[list[float]] = []
+    minimize = Milp.minimize
+
+    def recording(self, objective, **options):
+        result = minimize(self, objective, **options)
+        found.extend(options["incumbents"])
+        return result
+
+    monkeypatch.setattr(Milp, "minimize", recording)
+    # Unseeded, two chunks: every round meets paths its rows missed (9 rounds to the optimum).
+    stopped = search._minimize(model, {model.iteration: 1.0}, time.perf_counter() + 60, node_limit=60)
+    assert stopped.status == "stopped" and len(found) > 1
+    simulated = [model.simulated_time(values, add_path=False) for values in found]
+    assert stopped.objective == pytest.approx(min(simulated), rel=1e-9)
+    assert model.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
+
+
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)
