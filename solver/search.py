@@ -155,7 +155,7 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
             return best
         _log_tie_break("least recompute time", least_recompute)
         best = least_recompute
-    recompute = sum(c * best.values[v] for v, c in model.recompute_terms.items())
+    recompute = _dot(model.recompute_terms, best.values)
     if model.recompute_terms:
         model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = model.add_peak_variable()
@@ -212,7 +212,7 @@ def _minimize(
         known = len(model.paths)
         values = list(result.values)
         values[model.iteration] = model.simulated_time(values)
-        value = sum(coefficient * values[v] for v, coefficient in objective.items())
+        value = _dot(objective, values)
         holds = values[model.iteration] <= _within(model.time_cap)
         if holds and value <= _within(result.objective):
             result = MilpResult(result.status, values, value, result.bound, nodes)
@@ -229,7 +229,7 @@ def _minimize(
             candidates.append(list(incumbent))
             candidates[-1][model.iteration] = model.simulated_time(incumbent)
         for candidate in candidates:
-            value = sum(coefficient * candidate[v] for v, coefficient in objective.items())
+            value = _dot(objective, candidate)
             if candidate[model.iteration] <= _within(model.time_cap) and value < best_value:
                 best, best_value = candidate, value
         log.info("the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
@@ -241,6 +241,11 @@ def _minimize(
     if result.values is None and best is not None:
         return MilpResult("stopped", best, best_value, result.bound, nodes)
     return MilpResult(result.status, result.values, result.objective, result.bound, nodes)
+
+
+def _dot(terms: dict[int, float], values: list[float]) -> float:
+    """The value of the linear expression `terms` (variable -> coefficient) at `values`."""
+    return sum(coefficient * values[variable] for variable, coefficient in terms.items())
 
 
 def _within(value: float) -> float:
@@ -461,7 +466,7 @@ class _Formulation:
         for action in chain:
             terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
         hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
-        length = hops * self.spec.p2p_ms + sum(coefficient * values[v] for v, coefficient in terms.items())
+        length = hops * self.spec.p2p_ms + _dot(terms, values)
         key = (tuple(sorted(terms.items())), hops)
         if add_path is None:
             add_path = length > _within(values[self.iteration])
@@ -614,7 +619,7 @@ class _Formulation:
 
     @staticmethod
     def memory_value(values: list[float], expression: _Linear) -> float:
-        return expression.constant + sum(c * values[v] for v, c in expression.terms.items())
+        return expression.constant + _dot(expression.terms, values)
 
     def _counts(self, values: list[float]) -> dict[tuple[int, int, str], int]:
         return {key: round(values[variable]) for key, variable in self.count.items()}
