@@ -88,6 +88,9 @@ class _Linear:
         if coefficient:
             self.terms[variable] = self.terms.get(variable, 0.0) + coefficient
 
+    def value(self, values: list[float]) -> float:
+        return self.constant + _dot(self.terms, values)
+
 
 def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0) -> Plan:
     """The fastest plan that fits `spec.memory_budget_bytes`; raises InfeasibleError when none fits.
@@ -111,30 +114,140 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     model = _Formulation(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
     if model.timing == PATHS:
         _paths_of_relaxation(model, deadline)
+    balanced = _balanced_plan(model)  # computed first so that it cannot overrun the time limit
     fastest = _minimize(model, {model.iteration: 1.0}, deadline, progress=_log_progress)
     log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
-    if fastest.values is None:
-        if fastest.status == "infeasible":
-            raise _infeasible(profile, spec, schedule, groups, deadline)
-        raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
+    if fastest.status == "infeasible":
+        raise _infeasible(profile, spec, schedule, groups, deadline)
     proven = fastest.status == "optimal"
     best = _break_ties(model, fastest, deadline) if proven else fastest
+    plan = None if best.values is None else _plan_of(model, best.values)
+    if not proven and balanced is not None:
+        fallback = _plan_of(model, balanced)
+        if fallback.fits and (plan is None or fallback.iteration_time_ms < plan.iteration_time_ms):
+            log.info("the search's best plan is %s; the balanced split runs %.6g ms and fits: taking it",
+                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", fallback.iteration_time_ms)
+            plan = fallback
+    if plan is None:
+        raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
 
-    plan = evaluate_plan(profile, spec, model.stage_layer_counts(best.values), model.layer_modes(best.values))
-    fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0)
-    slowest_allowed = _within(model.time_cap)  # the tie-breaks' plan may run TIME_SLACK slower
-    if proven and not fastest_allowed <= plan.iteration_time_ms <= slowest_allowed:
+    if proven and not (
+        fastest.objective - 1e-6 * max(fastest.objective, 1.0)
+        <= plan.iteration_time_ms
+        <= _within(model.time_cap)  # the tie-breaks' plan may run TIME_SLACK slower
+    ):
         raise RuntimeError(
             f"the program's optimum is {fastest.objective} ms but the simulator replays its plan in "
             f"{plan.iteration_time_ms} ms: the formulation and the simulator disagree"
         )
-    lower_bound = plan.iteration_time_ms if proven else min(fastest.bound, plan.iteration_time_ms)
+    searched_bound = fastest.bound if math.isfinite(fastest.bound) else -INF  # -inf or nan before the first LP
+    lower_bound = plan.iteration_time_ms if proven else min(max(searched_bound, _work_bound_ms(model)), plan.iteration_time_ms)
     return plan.with_search(
         status="optimal" if proven else "feasible",
         gap=(plan.iteration_time_ms - lower_bound) / plan.iteration_time_ms,
         lower_bound_ms=lower_bound,
         solve_seconds=time.perf_counter() - started,
     )
+
+
+def _balanced_plan(model: _Formulation) -> list[float] | None:
+    """A plan that fits, found without search, for when the search finds none in its time (large
+    schedules, whose first LP alone can take minutes): body layers split into virtual stages of
+    near-equal forward + backward time, each layer in its quickest mode; then, on each rank over the
+    budget, the mode switch that frees the most memory per millisecond it adds, until the rank fits.
+    The program's point for that plan, or None when a rank cannot be made to fit this way."""
+    schedule, groups, spec = model.schedule, model.groups, model.spec
+    sizes = _balanced_cell_sizes(model)
+    counts: dict[tuple[int, int, str], int] = dict.fromkeys(model.count, 0)
+    layers = iter([g for g, group in enumerate(groups) if group.pinned_cell is None for _ in range(group.size)])
+    for c, size in enumerate(sizes):
+        for _ in range(size):
+            g = next(layers)
+            quickest = min(groups[g].modes, key=lambda mode: groups[g].extra_ms[mode])
+            counts[g, c, quickest] += 1
+    values = model.point({model.count[key]: number for key, number in counts.items() if number})
+    budget_mib = spec.memory_budget_bytes / MIB
+    rows_of_rank: dict[int, list[_Linear]] = {}
+    for rank, row in model.memory_rows:
+        rows_of_rank.setdefault(rank, []).append(row)
+
+    def switch(g: int, c: int, mode: str, to: str) -> None:
+        """One layer of group g on cell c from `mode` to `to`, in the counts and what memory reads."""
+        counts[g, c, mode] -= 1
+        counts[g, c, to] += 1
+        values[model.count[g, c, mode]] -= 1
+        values[model.count[g, c, to]] += 1
+        model.update_working_set(values, c)
+
+    for rank, rows in rows_of_rank.items():
+        rank_cells = {rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
+                      for chunk in range(schedule.chunks)}
+        peak = max(row.value(values) for row in rows)
+        while peak > budget_mib:
+            best = None  # (extra ms per MiB freed, peak after, switch)
+            for (g, c, mode), number in counts.items():
+                if c not in rank_cells or not number:
+                    continue
+                for to in groups[g].modes:
+                    if to == mode:
+                        continue
+                    switch(g, c, mode, to)
+                    after = max(row.value(values) for row in rows)
+                    # MindFormers cannot state select-only and comm-only layers of one kind in one stage
+                    expressible = not (counts.get((g, c, SELECTIVE)) and counts.get((g, c, COMM)))
+                    switch(g, c, to, mode)
+                    if expressible and after < peak - 1e-9:
+                        cost = (groups[g].extra_ms[to] - groups[g].extra_ms[mode]) / (peak - after)
+                        if best is None or cost < best[0]:
+                            best = (cost, after, (g, c, mode, to))
+            if best is None:
+                log.info("the balanced split does not fit rank %d in %s", rank, format_bytes(spec.memory_budget_bytes))
+                return None
+            _, peak, chosen = best
+            switch(*chosen)
+    return model.point({model.count[key]: number for key, number in counts.items() if number})
+
+
+def _balanced_cell_sizes(model: _Formulation) -> list[int]:
+    """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
+    head or tail) as near its share of the total as whole layers allow; every stage gets one unless
+    empty stages are allowed or it holds a head or tail."""
+    groups, cells = model.groups, model.schedule.num_stages
+    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size) if group.pinned_cell is None]
+    pinned_load, needs = [0.0] * cells, [0 if model.spec.allow_empty_chunks else 1] * cells
+    for group in groups:
+        if group.pinned_cell is not None:
+            pinned_load[group.pinned_cell] += group.size * (group.forward_ms + group.backward_ms)
+            needs[group.pinned_cell] = 0
+    total = sum(load) + sum(pinned_load)
+    sizes, taken, running = [], 0, 0.0
+    for c in range(cells):
+        running += pinned_load[c]
+        target = total * (c + 1) / cells
+        most = len(load) - taken - sum(needs[c + 1:])
+        size = 0
+        while size < most and (size < needs[c] or running + load[taken + size] / 2 <= target or c == cells - 1):
+            running += load[taken + size]
+            size += 1
+        sizes.append(size)
+        taken += size
+    return sizes
+
+
+def _work_bound_ms(model: _Formulation) -> float:
+    """A lower bound on any plan's iteration time: each rank is busy at least the average of all the
+    work (every layer in its quickest mode, forward and backward of every micro-batch)."""
+    per_micro_batch = 0.0
+    for group in model.groups:
+        modes = (NONE,) if group.pinned_cell is not None else group.modes
+        per_micro_batch += group.size * (group.forward_ms + group.backward_ms + min(group.extra_ms[m] for m in modes))
+    overhead_forward, overhead_backward, _ = model.spec.action_overheads_ms()
+    per_micro_batch += model.schedule.num_stages * (overhead_forward + overhead_backward)
+    return model.schedule.micro_batches * per_micro_batch / model.schedule.stages
+
+
+def _plan_of(model: _Formulation, values: list[float]) -> Plan:
+    return evaluate_plan(model.profile, model.spec, model.stage_layer_counts(values), model.layer_modes(values))
 
 
 def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> MilpResult:
@@ -159,7 +272,7 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
     if model.recompute_terms:
         model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = model.add_peak_variable()
-    hint = best.values + [max(model.memory_value(best.values, row) for _, row in model.memory_rows)]
+    hint = best.values + [max(row.value(best.values) for _, row in model.memory_rows)]
     least_memory = _minimize(model, {peak: 1.0}, deadline, hint=hint, heuristics=False, node_limit=TIE_BREAK_NODES)
     if least_memory.values is not None:
         _log_tie_break("least peak memory", least_memory)
@@ -406,6 +519,7 @@ class _Formulation:
 
         # Durations of each kind of action on each virtual stage, as variables.
         self.duration: dict[tuple[int, str], int] = {}
+        self.duration_expression: dict[int, _Linear] = {}  # duration variable -> its value in layer counts
         for c in range(cells):
             input_grad = _Linear(dict(backward[c].terms), backward[c].constant - weight[c].constant)
             for variable, coefficient in weight[c].terms.items():
@@ -413,6 +527,7 @@ class _Formulation:
             for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
                                      (BACKWARD_INPUT, input_grad), (BACKWARD_WEIGHT, weight[c])):
                 self.duration[c, kind] = self._defined(expression)
+                self.duration_expression[self.duration[c, kind]] = expression
         program = schedule.program
         self.action_duration = [
             self.duration[rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement), kind]
@@ -552,14 +667,18 @@ class _Formulation:
             if group.pinned_cell is not None:
                 pinned[group.pinned_cell] = max(pinned[group.pinned_cell], group.working_mib[NONE])
         largest = max([0.0] + [w for g in self.groups for w in g.working_mib.values()])
+        # cell -> (its working-set variable, least value, (count variable, working set) of each layer that may raise it)
+        self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
         if largest <= max(pinned):
             return [_Linear(constant=value) for value in pinned]
         working = []
         for c in range(cells):
             variable = self.milp.variable(pinned[c])
+            self.working_choices[c] = (variable, pinned[c], [])
             for (g, cell, mode), count in self.count.items():
                 size = self.groups[g].working_mib[mode]
                 if cell == c and size > pinned[c]:
+                    self.working_choices[c][2].append((count, size))
                     present = count  # a group of one layer: its count says whether it is there
                     if self.groups[g].size > 1:
                         present = self.milp.variable(0, 1, integer=True)
@@ -608,6 +727,26 @@ class _Formulation:
                 rows.append((rank, row))
         return rows
 
+    def point(self, counts: dict[int, int]) -> list[float]:
+        """The program's variables for the layer counts `counts` (count variable -> layers): durations,
+        working sets and the iteration time as simulated filled in; variables that only serve the
+        search (orders, rank totals, start times) are left 0."""
+        values = [0.0] * self.milp.num_variables
+        for variable, number in counts.items():
+            values[variable] = number
+        for cell in self.working_choices:
+            self.update_working_set(values, cell)
+        for variable, expression in self.duration_expression.items():
+            values[variable] = expression.value(values)
+        values[self.iteration] = self.simulated_time(values, add_path=False)
+        return values
+
+    def update_working_set(self, values: list[float], cell: int) -> None:
+        """Set the working-set variable of virtual stage `cell` from the layer counts in `values`."""
+        if cell in self.working_choices:
+            variable, least, choices = self.working_choices[cell]
+            values[variable] = max([least] + [size for count, size in choices if values[count] > 0.5])
+
     def add_peak_variable(self) -> int:
         peak = self.milp.variable()
         for _, expression in self.memory_rows:
@@ -616,10 +755,6 @@ class _Formulation:
                 terms[variable] = terms.get(variable, 0.0) - coefficient
             self.milp.row(terms, lower=expression.constant)
         return peak
-
-    @staticmethod
-    def memory_value(values: list[float], expression: _Linear) -> float:
-        return expression.constant + _dot(expression.terms, values)
 
     def _counts(self, values: list[float]) -> dict[tuple[int, int, str], int]:
         return {key: round(values[variable]) for key, variable in self.count.items()}

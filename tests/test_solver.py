@@ -142,6 +142,25 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
     assert model.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
 
 
+def test_a_search_that_finds_no_plan_in_time_returns_the_balanced_split(caplog):
+    """16 x 4 x 128 interleaved (16,384 actions): the search's first LP alone takes over 30 s here."""
+    from solver import search
+
+    profile = load_profile(SAPP / "sim.json")
+    spec = spec_for("Interleaved1F1B", 16, 4, 128, 56000)
+    with caplog.at_level("INFO", logger="solver"):
+        plan = solve(profile, spec, time_limit_s=1)
+    assert "the search's best plan is none; the balanced split runs" in caplog.text
+    assert plan.status == "feasible" and plan.fits
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=False, timing=search.PATHS)
+    # The search had no bound yet: the gap is against the average work per rank, every layer without
+    # recompute: 128 micro-batches x (30 + 60 + 192 x (180 + 360) + 90 + 180) ms / 16 stages.
+    assert plan.lower_bound_ms == search._work_bound_ms(model) == pytest.approx(128 * (90 + 192 * 540 + 270) / 16)
+    assert plan.gap == pytest.approx(1 - plan.lower_bound_ms / plan.iteration_time_ms)
+
+
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)

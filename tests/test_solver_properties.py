@@ -84,3 +84,26 @@ def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
     (status, start_times), (_, paths) = optimum[search.START_TIMES], optimum[search.PATHS]
     assert optimum[search.PATHS][0] == status
     assert paths == pytest.approx(start_times, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_the_balanced_plan_fits_and_the_work_bound_is_below_the_optimum(problem):
+    """What a stopped search falls back on: a plan that fits (when the balanced split can be made to),
+    and a lower bound no plan beats."""
+    profile, spec = problem
+    schedule = spec.pipeline_schedule
+    groups = search._groups(profile, spec, schedule.num_stages)
+    model = search._Formulation(profile, spec, schedule, groups, with_budget=True, timing=search.PATHS)
+    balanced = search._balanced_plan(model)
+    try:
+        optimum = solve(profile, spec, time_limit_s=30).iteration_time_ms
+    except InfeasibleError:
+        assert balanced is None
+        return
+    assert search._work_bound_ms(model) <= optimum * (1 + 1e-9)
+    if balanced is not None:
+        plan = search._plan_of(model, balanced)
+        assert plan.fits
+        assert plan.iteration_time_ms >= optimum * (1 - 1e-9)
+        assert balanced[model.iteration] == pytest.approx(plan.iteration_time_ms)

@@ -30,6 +30,8 @@ CASES = {
     "sim.json-ZBV-8x2x16": ("sim.json", "ZBVZeroBubble", 8, 2, 16, 70000, 60),
     "test.json-Interleaved-16x3x16": ("test.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
     "sim.json-Interleaved-16x3x16": ("sim.json", "Interleaved1F1B", 16, 3, 16, 56000, 30),
+    # 16,384 actions: the search's first LP alone outlasts the limit; the balanced split answers
+    "sim.json-Interleaved-16x4x128": ("sim.json", "Interleaved1F1B", 16, 4, 128, 56000, 10),
 }
 
 
