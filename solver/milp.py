@@ -72,7 +72,7 @@ class Milp:
         objective: Terms,
         *,
         time_limit_s: float,
-        hint: list[float] | None = None,
+        hint: list[float] | Mapping[int, float] | None = None,
         relative_gap: float = 1e-9,
         relaxed: bool = False,
         heuristics: bool = True,
@@ -80,11 +80,13 @@ class Milp:
         node_limit: int | None = None,
         progress: Callable[[float, float, float], None] | None = None,
     ) -> MilpResult:
-        """Minimise. `relaxed` drops integrality (the LP relaxation); `heuristics=False` skips HiGHS's
-        root heuristics, which cost more than they find when `hint` is already a good solution;
-        `incumbents` collects every improving solution the search finds; `node_limit` stops the
-        branch-and-bound after that many nodes (deterministic, unlike the time limit);
-        `progress(seconds, best, bound)` is called every few seconds of a long search."""
+        """Minimise. `hint` starts the search from a solution: a value for every variable, or for some
+        (a mapping; HiGHS fixes those and solves for the rest). `relaxed` drops integrality (the LP
+        relaxation); `heuristics=False` skips HiGHS's root heuristics, which cost more than they find
+        when `hint` is already a good solution; `incumbents` collects every improving solution the
+        search finds; `node_limit` stops the branch-and-bound after that many nodes (deterministic,
+        unlike the time limit); `progress(seconds, best, bound)` is called every few seconds of a
+        long search."""
         import highspy
         import numpy as np
 
@@ -127,7 +129,10 @@ class Milp:
             for option in ROOT_HEURISTICS:
                 highs.setOptionValue(option, False)
         highs.passModel(lp)
-        if hint is not None:
+        if isinstance(hint, Mapping):  # some variables only: HiGHS fixes them and solves for the rest
+            index = np.array(list(hint), dtype=np.int32)
+            highs.setSolution(len(index), index, np.array(list(hint.values()), dtype=float))
+        elif hint is not None:
             solution = highspy.HighsSolution()
             solution.col_value = list(hint)
             solution.value_valid = True
