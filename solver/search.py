@@ -114,12 +114,17 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     model = _Formulation(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
     if model.timing == PATHS:
         _paths_of_relaxation(model, deadline)
-    balanced = _balanced_plan(model)  # computed first so that it cannot overrun the time limit
+    # A plan that fits without search, for a search the time limit stops to fall back on (large
+    # schedules: the first LP alone can take minutes), computed first so that it cannot overrun.
+    balanced = _balanced_plan(model, move_layers=False)
+    fallback = balanced if balanced is not None else _balanced_plan(model, move_layers=True)
     # With critical-path rows most of a search is HiGHS's root heuristics looking for a first plan;
     # started from the balanced split it skips them. Measured on the benchmark's 1-chunk cases:
     # 32 x 1 x 128 4.0 s -> 1.7 s, test.json 16 x 1 x 16 1.5 s -> 0.8 s, none slower; on 36
-    # searches at budgets 1.1x and 1.5x the least that fits 0.92x (GPipe 0.82x, 1F1B alike). With
-    # start times it was as often slower as faster (2-chunk schedules at 6 and 8 stages).
+    # searches at budgets 1.1x and 1.5x the least that fits 0.92x (GPipe 0.82x, 1F1B alike). Not
+    # from plans that had to move layers to fit (further from the optimum: those 36 searches 1.03x,
+    # one 2.4x slower), nor with start times, where it was as often slower as faster (2-chunk
+    # schedules at 6 and 8 stages).
     seeded = model.timing == PATHS and balanced is not None
     fastest = _minimize(
         model, {model.iteration: 1.0}, deadline, progress=_log_progress, heuristics=not seeded,
@@ -131,12 +136,12 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     proven = fastest.status == "optimal"
     best = _break_ties(model, fastest, deadline) if proven else fastest
     plan = None if best.values is None else _plan_of(model, best.values)
-    if not proven and balanced is not None:
-        fallback = _plan_of(model, balanced)
-        if fallback.fits and (plan is None or fallback.iteration_time_ms < plan.iteration_time_ms):
+    if not proven and fallback is not None:
+        balanced_plan = _plan_of(model, fallback)
+        if balanced_plan.fits and (plan is None or balanced_plan.iteration_time_ms < plan.iteration_time_ms):
             log.info("the search's best plan is %s; the balanced split runs %.6g ms and fits: taking it",
-                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", fallback.iteration_time_ms)
-            plan = fallback
+                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", balanced_plan.iteration_time_ms)
+            plan = balanced_plan
     if plan is None:
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
 
@@ -159,13 +164,15 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     )
 
 
-def _balanced_plan(model: _Formulation) -> list[float] | None:
-    """A plan that fits, found without search, for when the search finds none in its time (large
-    schedules, whose first LP alone can take minutes): body layers split into virtual stages of
-    near-equal forward + backward time, each layer in its quickest mode; then, on each rank over the
-    budget, the mode switch that frees the most memory per millisecond it adds, until the rank fits.
-    The program's point for that plan, or None when a rank cannot be made to fit this way."""
+def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | None:
+    """A plan that fits, found without search. Body layers split into virtual stages of near-equal
+    forward + backward time, each layer in its quickest mode; then, rank by rank while one is over
+    the budget, the mode switch that frees the most memory per millisecond it adds, or (with
+    `move_layers`) once no switch frees any, the layer at one end of its stages moved to the
+    neighbouring stage of another rank that still fits with it. The program's point for that plan,
+    or None when a rank cannot be made to fit this way."""
     schedule, groups, spec = model.schedule, model.groups, model.spec
+    cells = schedule.num_stages
     sizes = _balanced_cell_sizes(model)
     counts: dict[tuple[int, int, str], int] = dict.fromkeys(model.count, 0)
     layers = iter([g for g, group in enumerate(groups) if group.pinned_cell is None for _ in range(group.size)])
@@ -179,42 +186,91 @@ def _balanced_plan(model: _Formulation) -> list[float] | None:
     rows_of_rank: dict[int, list[_Linear]] = {}
     for rank, row in model.memory_rows:
         rows_of_rank.setdefault(rank, []).append(row)
+    pinned = {group.pinned_cell for group in groups if group.pinned_cell is not None}
 
-    def switch(g: int, c: int, mode: str, to: str) -> None:
-        """One layer of group g on cell c from `mode` to `to`, in the counts and what memory reads."""
-        counts[g, c, mode] -= 1
-        counts[g, c, to] += 1
-        values[model.count[g, c, mode]] -= 1
-        values[model.count[g, c, to]] += 1
-        model.update_working_set(values, c)
+    def peak(rank: int) -> float:
+        return max(row.value(values) for row in rows_of_rank[rank])
 
-    for rank, rows in rows_of_rank.items():
-        rank_cells = {rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
-                      for chunk in range(schedule.chunks)}
-        peak = max(row.value(values) for row in rows)
-        while peak > budget_mib:
-            best = None  # (extra ms per MiB freed, peak after, switch)
-            for (g, c, mode), number in counts.items():
-                if c not in rank_cells or not number:
+    def move(g: int, cell: int, mode: str, to_cell: int, to_mode: str) -> None:
+        """One layer of group g from (cell, mode) to (to_cell, to_mode), in the counts and in what
+        memory reads."""
+        counts[g, cell, mode] -= 1
+        counts[g, to_cell, to_mode] += 1
+        values[model.count[g, cell, mode]] -= 1
+        values[model.count[g, to_cell, to_mode]] += 1
+        model.update_working_set(values, cell)
+        model.update_working_set(values, to_cell)
+
+    def cheapest_switch(rank: int, now: float) -> tuple[int, int, str, int, str] | None:
+        best, best_cost = None, INF  # extra ms per MiB freed
+        for (g, c, mode), number in counts.items():
+            if not number or schedule.rank_of(c) != rank:
+                continue
+            for to in groups[g].modes:
+                if to == mode:
                     continue
-                for to in groups[g].modes:
-                    if to == mode:
+                move(g, c, mode, c, to)
+                after = peak(rank)
+                # MindFormers cannot state select-only and comm-only layers of one kind in one stage
+                expressible = not (counts.get((g, c, SELECTIVE)) and counts.get((g, c, COMM)))
+                move(g, c, to, c, mode)
+                if expressible and after < now - 1e-9:
+                    cost = (groups[g].extra_ms[to] - groups[g].extra_ms[mode]) / (now - after)
+                    if cost < best_cost:
+                        best, best_cost = (g, c, mode, c, to), cost
+        return best
+
+    def leanest_peak(rank: int) -> float:
+        """The rank's peak with each of its layers in the mode that keeps the fewest activations."""
+        switched = []
+        for (g, c, mode), number in list(counts.items()):
+            if number and schedule.rank_of(c) == rank:
+                leanest = min(groups[g].modes, key=lambda m: (groups[g].activation_mib[m], groups[g].extra_ms[m]))
+                if leanest != mode:
+                    for _ in range(number):
+                        move(g, c, mode, c, leanest)
+                    switched.append((g, c, mode, leanest, number))
+        result = peak(rank)
+        for g, c, mode, leanest, number in switched:
+            for _ in range(number):
+                move(g, c, leanest, c, mode)
+        return result
+
+    def roomiest_shift(rank: int) -> tuple[int, int, str, int, str] | None:
+        best, best_room = None, -INF  # the budget left on the rank it moves to
+        for c in range(cells):
+            if schedule.rank_of(c) != rank:
+                continue
+            held = [g for (g, cell, _), number in counts.items() if cell == c and number]
+            if not held or (sum(counts[key] for key in counts if key[1] == c) == 1 and c not in pinned
+                            and not spec.allow_empty_chunks):
+                continue  # every virtual stage keeps a layer
+            for g, to_cell in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
+                if not 0 <= to_cell < cells or schedule.rank_of(to_cell) == rank:
+                    continue
+                for mode in groups[g].modes:
+                    if not counts[g, c, mode]:
                         continue
-                    switch(g, c, mode, to)
-                    after = max(row.value(values) for row in rows)
-                    # MindFormers cannot state select-only and comm-only layers of one kind in one stage
-                    expressible = not (counts.get((g, c, SELECTIVE)) and counts.get((g, c, COMM)))
-                    switch(g, c, to, mode)
-                    if expressible and after < peak - 1e-9:
-                        cost = (groups[g].extra_ms[to] - groups[g].extra_ms[mode]) / (peak - after)
-                        if best is None or cost < best[0]:
-                            best = (cost, after, (g, c, mode, to))
-            if best is None:
-                log.info("the balanced split does not fit rank %d in %s", rank, format_bytes(spec.memory_budget_bytes))
-                return None
-            _, peak, chosen = best
-            switch(*chosen)
-    return model.point({model.count[key]: number for key, number in counts.items() if number})
+                    move(g, c, mode, to_cell, mode)
+                    room = budget_mib - leanest_peak(schedule.rank_of(to_cell))
+                    move(g, to_cell, mode, c, mode)
+                    if room >= 0 and room > best_room:
+                        best, best_room = (g, c, mode, to_cell, mode), room
+        return best
+
+    # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
+    # receives one never has to pass one on; the cap is for the rare switch a peak-lowering greedy
+    # cannot reach.
+    for _ in range(10 * len(counts) * max(len(group.modes) for group in groups)):
+        over = [rank for rank in sorted(rows_of_rank) if peak(rank) > budget_mib]
+        if not over:
+            return model.point({model.count[key]: number for key, number in counts.items() if number})
+        step = cheapest_switch(over[0], peak(over[0])) or (roomiest_shift(over[0]) if move_layers else None)
+        if step is None:
+            break
+        move(*step)
+    log.info("the balanced split cannot be made to fit %s", format_bytes(spec.memory_budget_bytes))
+    return None
 
 
 def _balanced_cell_sizes(model: _Formulation) -> list[int]:

@@ -161,6 +161,21 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_balanced_split(caplog):
     assert plan.gap == pytest.approx(1 - plan.lower_bound_ms / plan.iteration_time_ms)
 
 
+def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank():
+    from solver import search
+
+    profile = load_profile(SAPP / "sim.json")
+    spec = spec_for("GPipe", 16, 1, 48, 44600)  # 1.1x the least budget that fits
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.PATHS)
+    assert search._balanced_plan(model, move_layers=False) is None
+    moved = search._plan_of(model, search._balanced_plan(model, move_layers=True))
+    assert moved.fits
+    body = [count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)]  # no head, tail
+    assert body != search._balanced_cell_sizes(model) and sum(body) == 192
+
+
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)

@@ -95,15 +95,17 @@ def test_the_balanced_plan_fits_and_the_work_bound_is_below_the_optimum(problem)
     schedule = spec.pipeline_schedule
     groups = search._groups(profile, spec, schedule.num_stages)
     model = search._Formulation(profile, spec, schedule, groups, with_budget=True, timing=search.PATHS)
-    balanced = search._balanced_plan(model)
+    balanced = [search._balanced_plan(model, move_layers=moves) for moves in (False, True)]
     try:
         optimum = solve(profile, spec, time_limit_s=30).iteration_time_ms
     except InfeasibleError:
-        assert balanced is None
+        assert balanced == [None, None]
         return
     assert search._work_bound_ms(model) <= optimum * (1 + 1e-9)
-    if balanced is not None:
-        plan = search._plan_of(model, balanced)
+    if balanced[0] is not None:
+        assert balanced[1] == balanced[0]  # layers move only where switching modes is not enough
+    for values in filter(None, balanced):
+        plan = search._plan_of(model, values)
         assert plan.fits
         assert plan.iteration_time_ms >= optimum * (1 - 1e-9)
-        assert balanced[model.iteration] == pytest.approx(plan.iteration_time_ms)
+        assert values[model.iteration] == pytest.approx(plan.iteration_time_ms)
