@@ -269,7 +269,8 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
         if step is None:
             break
         move(*step)
-    log.info("the balanced split cannot be made to fit %s", format_bytes(spec.memory_budget_bytes))
+    log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
+              format_bytes(spec.memory_budget_bytes))
     return None
 
 
