@@ -5,7 +5,8 @@ in how many layers of each kind and recompute mode each virtual stage holds, the
 the replay makes it (a start time for every action, or a row for every critical path that matters:
 see START_TIMES, PATHS), and memory at every point of every rank's action list within the budget.
 Its optimum is the simulated optimum; HiGHS proves it, or reports the gap at the time limit. Ties
-are broken in two more solves: least recompute time, then least peak memory.
+are broken in two more solves: least recompute time, then least peak memory. A balanced split found
+without search starts 1-chunk searches, and is returned by a search the time limit stops if faster.
 
 Consecutive layers of one kind with identical costs form a group whose layers are interchangeable,
 so the program counts layers per group instead of placing each one: the more a profile's layers of
@@ -137,11 +138,11 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     best = _break_ties(model, fastest, deadline) if proven else fastest
     plan = None if best.values is None else _plan_of(model, best.values)
     if not proven and fallback is not None:
-        balanced_plan = _plan_of(model, fallback)
-        if balanced_plan.fits and (plan is None or balanced_plan.iteration_time_ms < plan.iteration_time_ms):
+        fallback_plan = _plan_of(model, fallback)
+        if fallback_plan.fits and (plan is None or fallback_plan.iteration_time_ms < plan.iteration_time_ms):
             log.info("the search's best plan is %s; the balanced split runs %.6g ms and fits: taking it",
-                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", balanced_plan.iteration_time_ms)
-            plan = balanced_plan
+                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", fallback_plan.iteration_time_ms)
+            plan = fallback_plan
     if plan is None:
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
 
@@ -259,8 +260,8 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
         return best
 
     # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
-    # receives one never has to pass one on; the cap is for the rare switch a peak-lowering greedy
-    # cannot reach.
+    # receives one need not pass one on (unless the greedy's switches fall short of that peak); the
+    # cap ends any back and forth that would leave.
     for _ in range(10 * len(counts) * max(len(group.modes) for group in groups)):
         over = [rank for rank in sorted(rows_of_rank) if peak(rank) > budget_mib]
         if not over:
