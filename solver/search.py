@@ -284,8 +284,8 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
 
 def _balanced_cell_sizes(model: _Formulation) -> list[int]:
     """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
-    head or tail) as near its share of the total as whole layers allow; every stage gets one unless
-    empty stages are allowed or it holds a head or tail."""
+    head or tail) as near its share of the total as whole layers allow, then each rank's; every
+    stage gets one unless empty stages are allowed or it holds a head or tail."""
     groups, cells = model.groups, model.schedule.num_stages
     load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size) if group.pinned_cell is None]
     pinned_load, needs = [0.0] * cells, [0 if model.spec.allow_empty_chunks else 1] * cells
@@ -305,6 +305,27 @@ def _balanced_cell_sizes(model: _Formulation) -> list[int]:
             size += 1
         sizes.append(size)
         taken += size
+    # With chunks, a rank's stages are far apart in model order and their roundings add up (1.5 layers
+    # per stage rounds to 2, 1, 2, 1, ... and ranks of one parity get 7 layers, the others 5): move
+    # a layer from the busiest rank's largest stage to the idlest rank's smallest while that lowers
+    # the busier of the two.
+    rank_of = [model.schedule.rank_of(c) for c in range(cells)]
+    for _ in range(len(load)):
+        rank_load = [0.0] * model.schedule.stages
+        position = 0
+        for c, size in enumerate(sizes):
+            rank_load[rank_of[c]] += pinned_load[c] + sum(load[position:position + size])
+            position += size
+        busiest = max(range(len(rank_load)), key=rank_load.__getitem__)
+        idlest = min(range(len(rank_load)), key=rank_load.__getitem__)
+        giver = max((c for c in range(cells) if rank_of[c] == busiest and sizes[c] > needs[c]),
+                    key=sizes.__getitem__, default=None)
+        taker = min((c for c in range(cells) if rank_of[c] == idlest), key=sizes.__getitem__)
+        moved = sum(load) / len(load)
+        if giver is None or rank_load[idlest] + moved >= rank_load[busiest]:
+            break
+        sizes[giver] -= 1
+        sizes[taker] += 1
     return sizes
 
 

@@ -177,6 +177,20 @@ def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank
     assert body != search._balanced_cell_sizes(model) and sum(body) == 192
 
 
+def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions_of_a_layer():
+    from solver import search
+
+    profile = load_profile(SAPP / "test.json")  # 96 body layers on 64 virtual stages: 1.5 each
+    spec = spec_for("Interleaved1F1B", 16, 4, 16, 10**6)
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.PATHS)
+    sizes = search._balanced_cell_sizes(model)
+    # Rounded stage by stage they alternate 2, 1, 2, 1, ... and ranks got 7 and 5 layers by turns.
+    assert [sum(sizes[c] for c in range(64) if schedule.rank_of(c) == rank) for rank in range(16)] == [6] * 16
+    assert sorted(set(sizes)) == [1, 2] and sum(sizes) == 96
+
+
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)
