@@ -41,7 +41,7 @@ from sapp_hook.writeback import Layout, WriteBack, layout_from_dict, write_confi
 from simulator.errors import InputError
 from simulator.files import atomic_write_text
 from simulator.schedules import schedule_kind
-from simulator.units import format_bytes, parse_bytes
+from simulator.units import format_bytes, format_ms, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, even_plan, solve
 from solver.profile import FULL, SELECTIVE
 from solver.spec import spec_to_dict
@@ -236,7 +236,7 @@ class AutoTuner:
             lines.append(_against_even(result.plan, result.profile, self.spec))
         else:
             data = result.plan_data
-            lines.append(f"cached plan: iteration time {data['iteration_time']:,.6g} ms, peak memory per stage "
+            lines.append(f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
                          + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"]))
         if result.writeback is not None:
             lines += [f"wrote {path}" for path in result.writeback.written]
@@ -273,11 +273,11 @@ def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *
 def _against_even(plan: Plan, profile: ModelProfile, spec: PipelineSpec) -> str:
     even = even_plan(profile, spec)
     if even.fits:
-        return (f"even split      {even.iteration_time_ms:,.6g} ms: the plan is "
+        return (f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
                 f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast")
     worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
     recomputed = even_plan(profile, spec, FULL)
-    tail = (f"; with full recompute {recomputed.iteration_time_ms:,.6g} ms, the plan is "
+    tail = (f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
             f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast") if recomputed.fits else ""
     return (f"even split      does not fit: stage {worst} peaks at "
             f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}")

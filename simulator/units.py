@@ -41,3 +41,10 @@ def format_bytes(size: float) -> str:
         if abs(size) >= scale:
             return f"{size / scale:.3g} {unit}"
     return f"{size:.0f} B"
+
+
+def format_ms(milliseconds: float) -> str:
+    """Six significant figures, never in exponent form: `27`, `1,525.31`, `1,076,938`."""
+    if abs(milliseconds) >= 1e5:
+        return f"{milliseconds:,.0f}"
+    return f"{milliseconds:,.6g}"

@@ -26,7 +26,7 @@ from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.replay import critical_path
 from simulator.schedule import Schedule, rank_chunk_to_stage
-from simulator.units import format_bytes
+from simulator.units import format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
 from solver.plan import Plan, evaluate_plan, ordered_modes
@@ -143,8 +143,9 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     if not proven and fallback is not None:
         fallback_plan = _plan_of(model, fallback)
         if fallback_plan.fits and (plan is None or fallback_plan.iteration_time_ms < plan.iteration_time_ms):
-            log.info("the search's best plan is %s; the balanced split runs %.6g ms and fits: taking it",
-                     "none" if plan is None else f"{plan.iteration_time_ms:.6g} ms", fallback_plan.iteration_time_ms)
+            log.info("the search's best plan is %s; the balanced split runs %s ms and fits: taking it",
+                     "none" if plan is None else f"{format_ms(plan.iteration_time_ms)} ms",
+                     format_ms(fallback_plan.iteration_time_ms))
             plan = fallback_plan
     if plan is None:
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")

@@ -1,7 +1,7 @@
 import pytest
 
 from simulator import InputError
-from simulator.units import format_bytes, parse_bytes
+from simulator.units import format_bytes, format_ms, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -36,3 +36,11 @@ def test_parse_bytes_refuses(text, words):
 )
 def test_format_bytes(size, text):
     assert format_bytes(size) == text
+
+
+@pytest.mark.parametrize(
+    "milliseconds, text",
+    [(27, "27"), (1525.31015, "1,525.31"), (99999.4, "99,999.4"), (1076938.2, "1,076,938"), (0.0004, "0.0004")],
+)
+def test_format_ms(milliseconds, text):
+    assert format_ms(milliseconds) == text

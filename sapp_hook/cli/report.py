@@ -6,7 +6,7 @@ import math
 
 from simulator import SimulationResult
 from simulator.result import BubbleSplit
-from simulator.units import format_bytes
+from simulator.units import format_bytes, format_ms
 from solver import Plan
 from solver.plan import MODE_ORDER
 
@@ -24,7 +24,7 @@ def replay_report(result: SimulationResult) -> str:
     lines = [
         f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} {chunk_word}, "
         f"{schedule.micro_batches} micro-batches ({schedule.num_actions:,} actions)",
-        f"iteration time  {result.iteration_time_ms:,.6g} ms",
+        f"iteration time  {format_ms(result.iteration_time_ms)} ms",
         bubble_line(result.bubble),
     ]
     if result.weight_split_assumed:
@@ -32,7 +32,7 @@ def replay_report(result: SimulationResult) -> str:
     lines.append(f"{'rank':>4}  {'busy ms':>10}  {'peak memory':>12}  {'peak activations':>16}")
     for rank in range(schedule.stages):
         lines.append(
-            f"{rank:>4}  {result.stage_busy_ms[rank]:>10,.6g}  "
+            f"{rank:>4}  {format_ms(result.stage_busy_ms[rank]):>10}  "
             f"{format_bytes(result.stage_peak_memory_bytes[rank]):>12}  {result.stage_peak_activations[rank]:>16}"
         )
     return "\n".join(lines)
@@ -44,14 +44,14 @@ def plan_report(plan: Plan) -> str:
     budget = spec.memory_budget_bytes
     status = plan.status
     if plan.status == "feasible" and plan.gap is not None:
-        status += f" (time limit; within {plan.gap:.2%} of the best possible, >= {plan.lower_bound_ms:,.6g} ms)"
+        status += f" (time limit; within {plan.gap:.2%} of the best possible, >= {format_ms(plan.lower_bound_ms)} ms)"
     if plan.solve_seconds is not None:
         status += f", {plan.solve_seconds:.2f} s"
     lines = [
         f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} chunk{'s' if schedule.chunks > 1 else ''}, "
         f"{schedule.micro_batches} micro-batches, {len(plan.layer_names)} layers",
         f"status          {status}",
-        f"iteration time  {plan.iteration_time_ms:,.6g} ms",
+        f"iteration time  {format_ms(plan.iteration_time_ms)} ms",
         bubble_line(plan.bubble),
     ]
     if plan.weight_split_assumed:
