@@ -268,14 +268,21 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
     # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
     # receives one need not pass one on (unless the greedy's switches fall short of that peak); the
     # cap ends any back and forth that would leave.
-    for _ in range(10 * len(counts) * max(len(group.modes) for group in groups)):
-        over = [rank for rank in sorted(rows_of_rank) if peak(rank) > budget_mib]
-        if not over:
-            return model.point({model.count[key]: number for key, number in counts.items() if number})
-        step = cheapest_switch(over[0], peak(over[0])) or (roomiest_shift(over[0]) if move_layers else None)
+    unchecked, steps = set(rows_of_rank), 10 * len(counts) * max(len(group.modes) for group in groups)
+    while unchecked and steps:
+        rank = min(unchecked)
+        now = peak(rank)
+        if now <= budget_mib:
+            unchecked.discard(rank)
+            continue
+        step = cheapest_switch(rank, now) or (roomiest_shift(rank) if move_layers else None)
         if step is None:
             break
         move(*step)
+        unchecked.add(schedule.rank_of(step[3]))  # the rank the layer went to (itself for a switch)
+        steps -= 1
+    if not unchecked:
+        return model.point({model.count[key]: number for key, number in counts.items() if number})
     log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
               format_bytes(spec.memory_budget_bytes))
     return None
