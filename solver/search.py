@@ -316,6 +316,7 @@ def _balanced_cell_sizes(model: _Formulation) -> list[int]:
     # a layer from the busiest rank's largest stage to the idlest rank's smallest while that lowers
     # the busier of the two.
     rank_of = [model.schedule.rank_of(c) for c in range(cells)]
+    mean_load = sum(load) / max(len(load), 1)
     for _ in range(len(load)):
         rank_load = [0.0] * model.schedule.stages
         position = 0
@@ -327,8 +328,7 @@ def _balanced_cell_sizes(model: _Formulation) -> list[int]:
         giver = max((c for c in range(cells) if rank_of[c] == busiest and sizes[c] > needs[c]),
                     key=sizes.__getitem__, default=None)
         taker = min((c for c in range(cells) if rank_of[c] == idlest), key=sizes.__getitem__)
-        moved = sum(load) / len(load)
-        if giver is None or rank_load[idlest] + moved >= rank_load[busiest]:
+        if giver is None or rank_load[idlest] + mean_load >= rank_load[busiest]:
             break
         sizes[giver] -= 1
         sizes[taker] += 1
