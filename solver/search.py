@@ -188,7 +188,11 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
             g = next(layers)
             quickest = min(groups[g].modes, key=lambda mode: groups[g].extra_ms[mode])
             counts[g, c, quickest] += 1
-    values = model.point({model.count[key]: number for key, number in counts.items() if number})
+
+    def point() -> list[float]:
+        return model.point({model.count[key]: number for key, number in counts.items() if number})
+
+    values = point()
     budget_mib = spec.memory_budget_bytes / MIB
     rows_of_rank: dict[int, list[_Linear]] = {}
     for rank, row in model.memory_rows:
@@ -282,7 +286,7 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
         unchecked.add(schedule.rank_of(step[3]))  # the rank the layer went to (itself for a switch)
         steps -= 1
     if not unchecked:
-        return model.point({model.count[key]: number for key, number in counts.items() if number})
+        return point()
     log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
               format_bytes(spec.memory_budget_bytes))
     return None
@@ -917,7 +921,7 @@ def _infeasible(
             binding_stage=None,
         )
     # The least-peak plan, simulated: its peak is a budget that surely fits.
-    least = evaluate_plan(profile, spec, model.stage_layer_counts(result.values), model.layer_modes(result.values))
+    least = _plan_of(model, result.values)
     smallest = max(least.stage_peak_memory_bytes)
     stage = least.stage_peak_memory_bytes.index(smallest)
     tries = ["more stages"]
