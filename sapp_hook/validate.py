@@ -110,6 +110,14 @@ def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[
 
 
 def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) -> None:
+    from sapp_hook.gloo import gloo_group
+
+    with gloo_group(rank, setup.stages, Path(folder) / "store"):
+        _measure_rank(rank, setup, plan_data, folder)
+
+
+def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) -> None:
+    """Run the plan's stages of this rank for the set-up's steps; write what was measured to `rank{rank}.json`."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -120,9 +128,7 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
     from sapp_hook.models import build_model, load_config, random_batch
     from sapp_hook.stages import apply, schedule_class
 
-    torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=setup.stages)
     config = load_config(setup.model)
     model = build_model(config)
     modules = apply(model, plan_data, rank)
@@ -169,7 +175,6 @@ def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) 
         "layers": sorted(id_ for _, module in modules for id_ in _layer_names(model, module)),
     }
     Path(folder, f"rank{rank}.json").write_text(json.dumps(measured))
-    dist.destroy_process_group()
 
 
 def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from profiler_cases import llama
 from test_stages import layout
 
 from sapp_hook import apply, schedule_class
+from sapp_hook.gloo import gloo_group
 
 MICRO_BATCHES, SEQUENCES = 4, 8
 
@@ -29,24 +29,25 @@ def tokens() -> torch.Tensor:
 def pipelined_rank(rank: int, store: str, folder: str, schedule: str, counts: list[int], chunks: int) -> None:
     from torch.distributed.pipelining import PipelineStage
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    model = llama()
-    # torch allows one backward through a selective-checkpoint region: not under split-backward schedules
-    modes = {2: "full"} if schedule == "ZBVZeroBubble" else {2: "full", 3: "selective"}
-    plan = layout(counts, schedule, chunks, modes=modes)
-    stages = [PipelineStage(module, index, len(counts), torch.device("cpu")) for index, module in apply(model, plan, rank)]
-    runner = schedule_class(plan)
-    pipeline = runner(stages[0], MICRO_BATCHES, loss_fn=loss_fn) if chunks == 1 else runner(stages, MICRO_BATCHES, loss_fn=loss_fn)
-    ids = tokens()
-    losses: list[torch.Tensor] = []
-    holds_first = any(stage.is_first for stage in stages)
-    holds_last = any(stage.is_last for stage in stages)
-    arguments = (ids,) if holds_first else ()
-    pipeline.step(*arguments, target=ids if holds_last else None, losses=losses)
-    grads = {name: p.grad.norm().item() for name, p in model.named_parameters() if p.grad is not None}
-    Path(folder, f"rank{rank}.json").write_text(json.dumps({"losses": [loss.item() for loss in losses], "grads": grads}))
-    dist.destroy_process_group()
+    with gloo_group(rank, 2, store):
+        model = llama()
+        # torch allows one backward through a selective-checkpoint region: not under split-backward schedules
+        modes = {2: "full"} if schedule == "ZBVZeroBubble" else {2: "full", 3: "selective"}
+        plan = layout(counts, schedule, chunks, modes=modes)
+        modules = apply(model, plan, rank)
+        stages = [PipelineStage(module, index, len(counts), torch.device("cpu")) for index, module in modules]
+        runner = schedule_class(plan)
+        held = stages[0] if chunks == 1 else stages
+        pipeline = runner(held, MICRO_BATCHES, loss_fn=loss_fn)
+        ids = tokens()
+        losses: list[torch.Tensor] = []
+        holds_first = any(stage.is_first for stage in stages)
+        holds_last = any(stage.is_last for stage in stages)
+        arguments = (ids,) if holds_first else ()
+        pipeline.step(*arguments, target=ids if holds_last else None, losses=losses)
+        grads = {name: p.grad.norm().item() for name, p in model.named_parameters() if p.grad is not None}
+        measured = {"losses": [loss.item() for loss in losses], "grads": grads}
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(measured))
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from profiler_cases import BATCH, SEQ, batch, llama
 
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles
+from sapp_hook.gloo import gloo_group
 from solver.profile import ModelProfile
 
 
@@ -58,20 +58,18 @@ def train_stage(stage: torch.nn.Module, rank: int, step: int, optimizer: torch.o
 
 
 def rank_main(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    stage = (FirstStage if rank == 0 else LastStage)(llama())
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
-    with LayerProfiler(stage, optimizer, steps=1, modes=("none", "full")) as profiler:
-        while not profiler.done:
-            train_stage(stage, rank, profiler.steps_done, optimizer)
-            profiler.step()
-    joined = gather_profiles([(rank, profiler.profile())])
-    if rank == 0:
-        joined.save(out)
-    else:
-        assert joined is None
-    dist.destroy_process_group()
+    with gloo_group(rank, 2, store):
+        stage = (FirstStage if rank == 0 else LastStage)(llama())
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        with LayerProfiler(stage, optimizer, steps=1, modes=("none", "full")) as profiler:
+            while not profiler.done:
+                train_stage(stage, rank, profiler.steps_done, optimizer)
+                profiler.step()
+        joined = gather_profiles([(rank, profiler.profile())])
+        if rank == 0:
+            joined.save(out)
+        else:
+            assert joined is None
 
 
 def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
@@ -89,20 +87,18 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
 def tuned_rank(rank: int, store: str, folder: str) -> None:
     from sapp_hook import autotune
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    stage = (FirstStage if rank == 0 else LastStage)(llama())
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
-    plan_file = Path(folder) / "plan.json"
-    with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
-                  modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
-        for step in range(4):
-            train_stage(stage, rank, step, optimizer)
-            tuner.step()
-    result = tuner.result
-    assert (result.plan is not None) == (rank == 0)  # rank 0 solved; both have the layout
-    (Path(folder) / f"layout{rank}.json").write_text(json.dumps(result.layout.per_layer()))
-    dist.destroy_process_group()
+    with gloo_group(rank, 2, store):
+        stage = (FirstStage if rank == 0 else LastStage)(llama())
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        plan_file = Path(folder) / "plan.json"
+        with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
+                      modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
+            for step in range(4):
+                train_stage(stage, rank, step, optimizer)
+                tuner.step()
+        result = tuner.result
+        assert (result.plan is not None) == (rank == 0)  # rank 0 solved; both have the layout
+        (Path(folder) / f"layout{rank}.json").write_text(json.dumps(result.layout.per_layer()))
 
 
 def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path):
