@@ -82,6 +82,10 @@ class Schedule:
     def stage_index(self, rank: int, chunk: int) -> int:
         return rank_chunk_to_stage(rank, chunk, self.stages, self.placement)
 
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages rank `rank` holds, in chunk order (also ascending)."""
+        return tuple(self.stage_index(rank, chunk) for chunk in range(self.chunks))
+
     @cached_property
     def program(self) -> Program:
         """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""

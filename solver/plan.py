@@ -67,10 +67,7 @@ class Plan:
         """[stage][chunk]: the layers chunk `chunk` of pipeline stage `stage` holds."""
         schedule = self.spec.pipeline_schedule
         ranges = self.virtual_stage_ranges()
-        return [
-            [ranges[schedule.stage_index(stage, chunk)] for chunk in range(schedule.chunks)]
-            for stage in range(schedule.stages)
-        ]
+        return [[ranges[virtual] for virtual in schedule.stages_of(stage)] for stage in range(schedule.stages)]
 
     def _body_modes(self, layers: range) -> dict[str, int]:
         """How many body layers (not head or tail) of `layers` use each recompute mode."""

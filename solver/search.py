@@ -25,7 +25,7 @@ from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BAC
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.replay import critical_path
-from simulator.schedule import Schedule, rank_chunk_to_stage
+from simulator.schedule import Schedule
 from simulator.units import format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
@@ -249,9 +249,7 @@ def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | N
 
     def roomiest_shift(rank: int) -> tuple[int, int, str, int, str] | None:
         best, best_room = None, -INF  # the budget left on the rank it moves to
-        for c in range(cells):
-            if schedule.rank_of(c) != rank:
-                continue
+        for c in schedule.stages_of(rank):
             held = [g for (g, cell, _), number in counts.items() if cell == c and number]
             if not held or (sum(counts[key] for key in counts if key[1] == c) == 1 and c not in pinned
                             and not spec.allow_empty_chunks):
@@ -348,8 +346,7 @@ def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: 
     busiest = model.milp.variable()
     for rank in range(schedule.stages):
         work = {busiest: 1.0}
-        for chunk in range(schedule.chunks):
-            cell = rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement)
+        for cell in schedule.stages_of(rank):
             for kind in (FORWARD, FULL_BACKWARD):
                 work[model.duration[cell, kind]] = -schedule.micro_batches
         model.milp.row(work, lower=0.0)
@@ -641,7 +638,7 @@ class _Formulation:
                 self.duration_expression[self.duration[c, kind]] = expression
         program = schedule.program
         self.action_duration = [
-            self.duration[rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement), kind]
+            self.duration[schedule.stage_index(rank, chunk), kind]
             for rank, chunk, kind in zip(program.rank, program.chunk, program.kind)
         ]
         self.iteration = milp.variable()
@@ -755,7 +752,7 @@ class _Formulation:
         are proven in 2-3 s)."""
         schedule = self.schedule
         for rank in range(schedule.stages):
-            cells = {rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)}
+            cells = set(schedule.stages_of(rank))
             terms = {variable: 1.0 for (_, cell, _), variable in self.count.items() if cell in cells}
             if len(terms) > 1:
                 total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
@@ -805,7 +802,7 @@ class _Formulation:
         constant_mib = (self.profile.stage_constant_bytes + self.spec.stage_constant_bytes) / MIB
         rows = []
         for rank in range(schedule.stages):
-            cells = [rank_chunk_to_stage(rank, chunk, schedule.stages, schedule.placement) for chunk in range(schedule.chunks)]
+            cells = schedule.stages_of(rank)
             # per chunk: activations held whole, then (after W, where retained) the part kept to the end
             held = [0] * (2 * schedule.chunks)
             points: set[tuple[tuple[int, ...], int]] = set()

@@ -114,6 +114,14 @@ def test_dualpipev_holds_pp_plus_one_chunk_activations(stages, micro_batches):
     assert peak_in_flight("DualPipeV", stages, micro_batches) == (2 * stages + 1,) * stages
 
 
+def test_stages_of_a_rank_in_loop_and_v_placement():
+    loop = build_schedule("Interleaved1F1B", stages=4, chunks=3, micro_batches=4)
+    v = build_schedule("ZBVZeroBubble", stages=4, chunks=2, micro_batches=4)
+    assert [loop.stages_of(rank) for rank in range(4)] == [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]
+    assert [v.stages_of(rank) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert all(v.rank_of(stage) == rank for rank in range(4) for stage in v.stages_of(rank))
+
+
 def test_megatron_table_example():
     # Megatron's own example in forward_backward_pipelining_with_interleaving: PP2, N3, M5, VP2.
     table = megatron_table(micro_batches=5, chunks=2, group_size=3)
