@@ -224,6 +224,11 @@ class AutoTuner:
                 self._write_outputs(result)
         self.result = result
         if self.on_plan == "exit":
+            planned_file = os.environ.get(ENVIRONMENT["planned_file"])
+            if planned_file and _rank() == 0:
+                atomic_write_text(Path(planned_file), json.dumps({"config": str(self.config)}) + "\n")
+            # torchrun stops every worker once one exits: none may leave before rank 0 has written
+            _everyone(b"")
             where = f" into {self.config}" if self.config else ""
             log.warning("sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
                         where, REPLAN_EXIT_CODE)

@@ -60,3 +60,46 @@ def test_run_needs_a_command(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--config", "x.yaml", "--target", "mindformers"])
     assert "COMMAND: give the training command after --" in capsys.readouterr().err
+
+
+TRAIN_ON_TWO_RANKS = textwrap.dedent('''
+    import json, sys
+    import torch
+    import torch.distributed.nn.functional  # before the group is made: see the README on gloo
+    import torch.distributed as dist
+    from profiler_cases import llama
+    from test_profiler_distributed import FirstStage, LastStage, train_stage
+    from sapp_hook import autotune
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    stage = (FirstStage if rank == 0 else LastStage)(llama())
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+    with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
+                  modes=("none", "full")) as tuner:
+        for step in range(4):
+            train_stage(stage, rank, step, optimizer)
+            tuner.step()
+    with open(f"{sys.argv[1]}.{rank}", "a") as log:
+        log.write(json.dumps({"from_cache": tuner.result.from_cache}) + "\\n")
+    dist.destroy_process_group()
+''')
+
+
+def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path):
+    # torchrun exits with 1 when its workers exit with 75: the file rank 0 leaves says it planned
+    script, log, plan = tmp_path / "train.py", tmp_path / "runs.jsonl", tmp_path / "plan.json"
+    script.write_text(TRAIN_ON_TWO_RANKS)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sapp_hook", "run", "--config", str(plan), "--target", "plan",
+         "--cache-dir", str(tmp_path / "cache"), "--", *torchrun, str(script), str(log)],
+        capture_output=True, text=True,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sapp-hook run: planned; training" in done.stderr
+    for rank in (0, 1):  # the planning launch exited before logging; the second trained from the plan
+        assert [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()] == [{"from_cache": True}]
+    assert json.loads(plan.read_text())["stages"] == 2

@@ -1,8 +1,9 @@
 """`sapp-hook run -- COMMAND`: launch a training job that uses `autotune`, let it plan, relaunch it.
 
 The first launch runs with `on_plan="exit"`: the job profiles its first steps, writes the plan into
-the config and exits with status 75. The second launch finds the plan in the cache after one step,
-and trains with it.
+the config and exits with status 75 (and leaves a file saying so, for launchers such as torchrun that
+report that status as 1). The second launch finds the plan in the cache after one step, and trains
+with it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from sapp_hook.cli.common import command
 from sapp_hook.protocol import ENVIRONMENT, REPLAN_EXIT_CODE
@@ -51,13 +54,20 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, name):
             environment[ENVIRONMENT[name]] = str(getattr(args, name))
     print(f"{PROG}: planning: {' '.join(argv)}", file=sys.stderr, flush=True)
-    first = _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "exit", ENVIRONMENT["force"]: "1" if args.force else "0"})
-    if first != REPLAN_EXIT_CODE:
+    with tempfile.TemporaryDirectory(prefix="sapp-hook-run-") as folder:
+        planned_file = Path(folder) / "planned.json"
+        planning = {**environment, ENVIRONMENT["on_plan"]: "exit", ENVIRONMENT["force"]: "1" if args.force else "0",
+                    ENVIRONMENT["planned_file"]: str(planned_file)}
+        first = _launch(argv, planning)
+        planned = first == REPLAN_EXIT_CODE or planned_file.exists()
+    if not planned:
         if first == 0:
             print(f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)", file=sys.stderr)
         else:
             print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
         return first
+    if first != REPLAN_EXIT_CODE:  # torchrun, for one, reports its workers' status 75 as 1
+        print(f"{PROG}: the launcher exited with status {first}, but the job had written its plan", file=sys.stderr)
     print(f"{PROG}: planned; training: {' '.join(argv)}", file=sys.stderr, flush=True)
     return _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "continue", ENVIRONMENT["force"]: "0"})
 
