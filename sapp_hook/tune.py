@@ -226,7 +226,8 @@ class AutoTuner:
         if self.on_plan == "exit":
             planned_file = os.environ.get(ENVIRONMENT["planned_file"])
             if planned_file and _rank() == 0:
-                atomic_write_text(Path(planned_file), json.dumps({"config": str(self.config)}) + "\n")
+                written = None if self.config is None else str(self.config)
+                atomic_write_text(Path(planned_file), json.dumps({"config": written}) + "\n")
             # torchrun stops every worker once one exits: none may leave before rank 0 has written
             _everyone(b"")
             where = f" into {self.config}" if self.config else ""
