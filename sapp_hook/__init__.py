@@ -28,6 +28,7 @@ _TORCH_EXPORTS = {
     "AutoTuner": "sapp_hook.tune",
     "TuneResult": "sapp_hook.tune",
     "apply": "sapp_hook.stages",
+    "TiedGradients": "sapp_hook.stages",
     "schedule_class": "sapp_hook.stages",
 }
 

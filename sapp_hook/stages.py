@@ -9,19 +9,22 @@ transformers' decoder-only models are cut the way their own forward runs them: t
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from profiler.distributed import all_gather_bytes
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES, set_recompute
 from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
 from simulator.errors import InputError
-from simulator.schedule import rank_chunk_to_stage
+from simulator.schedule import rank_chunk_to_stage, stage_to_rank
 from simulator.schedules import schedule_kind
 from solver import Plan
 from solver.profile import NONE, SELECTIVE
@@ -101,14 +104,11 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
         raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "
                                  "through a selective-checkpoint region: plan with none or full recompute")
     placement = kind.placement
-    if getattr(parts.embed, "weight", None) is getattr(parts.head, "weight", False):
-        ends = (0, layout.num_virtual_stages - 1)
-        ranks = {holder for holder in range(layout.stages) for chunk in range(layout.chunks)
-                 if rank_chunk_to_stage(holder, chunk, layout.stages, placement) in ends}
-        if len(ranks) > 1:
-            log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: all-reduce their "
-                        "gradients after each backward, or untie them (tie_word_embeddings=False)",
-                        type(model).__name__, sorted(ranks))
+    ends = _end_ranks(layout)
+    if _tied_weight(parts) is not None and len(ends) > 1:
+        log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: sum their gradients "
+                    "with sapp_hook.TiedGradients after each backward, or untie them (tie_word_embeddings=False)",
+                    type(model).__name__, ends)
     stages = []
     block_of = {id(layer): blocks[index] for index, layer in enumerate(body)}
     cells = layout.virtual_stages()
@@ -131,6 +131,37 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
     return stages
 
 
+class TiedGradients:
+    """The gradient of the weight a model's embedding and LM head share, summed over the pipeline ranks
+    that hold the two (Megatron's embedding group), so that both copies stay one weight.
+
+    Make it on every rank of the world, after `apply` (it makes the process groups of the holders,
+    one per pipeline where data parallelism runs several); call it after each step's backward and
+    before the optimizer step. `rank` is the rank in the pipeline `group` (default: the world). It
+    does nothing where the model does not tie the two or one rank holds both (V schedules)."""
+
+    def __init__(self, model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.weight = _tied_weight(_parts(model))
+        self.group, self.holds = None, False
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # one process runs every stage: they share the weight itself
+        holders = _end_ranks(_layout(plan)) if self.weight is not None else []
+        members = [r if group is None else dist.get_global_rank(group, r) for r in holders] if len(holders) > 1 else []
+        # new_group is collective over the world: every rank learns every pipeline's holders first
+        everyone = {tuple(json.loads(part)) for part in all_gather_bytes(json.dumps(members).encode())} - {()}
+        if everyone:
+            self.group, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in sorted(everyone)])
+        self.holds = rank in holders
+
+    def __call__(self) -> None:
+        if self.group is None or not self.holds:
+            return
+        if self.weight.grad is None:  # no micro-batch reached this rank's use of it
+            self.weight.grad = torch.zeros_like(self.weight)
+        dist.all_reduce(self.weight.grad, group=self.group)
+
+
 def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
     """The torch.distributed.pipelining schedule class that runs `plan`."""
     import torch.distributed.pipelining as pipelining
@@ -147,6 +178,18 @@ def _layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
     if isinstance(plan, Plan):
         return layout_of(plan)
     return layout_from_dict(plan)
+
+
+def _tied_weight(parts: _Parts) -> nn.Parameter | None:
+    """The weight the embedding and the LM head share, if they do."""
+    weight = getattr(parts.embed, "weight", None)
+    return weight if weight is not None and weight is getattr(parts.head, "weight", None) else None
+
+
+def _end_ranks(layout: Layout) -> list[int]:
+    """The pipeline ranks that hold the first or the last virtual stage (one rank under V schedules)."""
+    placement = schedule_kind(layout.schedule).placement
+    return sorted({stage_to_rank(end, layout.stages, placement) for end in (0, layout.num_virtual_stages - 1)})
 
 
 def _parts(model: nn.Module) -> _Parts:

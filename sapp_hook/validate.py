@@ -126,12 +126,13 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
     from profiler.held import HeldActivations
     from profiler.recorder import unique_bytes
     from sapp_hook.models import build_model, load_config, random_batch
-    from sapp_hook.stages import apply, schedule_class
+    from sapp_hook.stages import TiedGradients, apply, schedule_class
 
     transformers.logging.set_verbosity_error()
     config = load_config(setup.model)
     model = build_model(config)
     modules = apply(model, plan_data, rank)
+    tied = TiedGradients(model, plan_data, rank)
     num_stages = setup.stages * len(modules)
     stages = [PipelineStage(module, index, num_stages, torch.device("cpu")) for index, module in modules]
     parameters = [p for _, module in modules for p in module.parameters()]
@@ -156,6 +157,7 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
             started = time.perf_counter()
             schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses)
             elapsed = (time.perf_counter() - started) * 1e3
+        tied()  # outside the timed step, like the optimizer: the simulator does not model it
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         if step >= setup.warmup_steps:

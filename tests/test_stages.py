@@ -7,7 +7,7 @@ import torch
 from profiler_cases import batch, gpt2, llama
 
 from profiler.layers import find_blocks
-from sapp_hook import apply, schedule_class
+from sapp_hook import TiedGradients, apply, schedule_class
 from sapp_hook.writeback import Layout
 from sapp_hook.writeback.layout import PlacedLayer
 from simulator import InputError
@@ -75,3 +75,10 @@ def test_a_tied_embedding_split_over_ranks_is_warned_about(caplog):
     caplog.clear()
     apply(gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2), 0)  # a V puts both ends on rank 0
     assert "ties its embedding" not in caplog.text
+
+
+def test_tied_gradients_have_nothing_to_do_in_one_process():
+    model = gpt2()  # every stage in this process shares the one weight
+    tied = TiedGradients(model, layout([3, 3]), 0)
+    tied()
+    assert tied.weight is model.lm_head.weight and tied.group is None and tied.weight.grad is None
