@@ -131,6 +131,7 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
     transformers.logging.set_verbosity_error()
     config = load_config(setup.model)
     model = build_model(config)
+    logging.getLogger("sapp_hook.stages").setLevel(logging.ERROR)  # its tied-weight warning: TiedGradients below
     modules = apply(model, plan_data, rank)
     tied = TiedGradients(model, plan_data, rank)
     num_stages = setup.stages * len(modules)
