@@ -327,9 +327,9 @@ def _balanced_cell_sizes(model: _Formulation) -> list[int]:
             position += size
         busiest = max(range(len(rank_load)), key=rank_load.__getitem__)
         idlest = min(range(len(rank_load)), key=rank_load.__getitem__)
-        giver = max((c for c in range(cells) if rank_of[c] == busiest and sizes[c] > needs[c]),
+        giver = max((c for c in model.schedule.stages_of(busiest) if sizes[c] > needs[c]),
                     key=sizes.__getitem__, default=None)
-        taker = min((c for c in range(cells) if rank_of[c] == idlest), key=sizes.__getitem__)
+        taker = min(model.schedule.stages_of(idlest), key=sizes.__getitem__)
         if giver is None or rank_load[idlest] + mean_load >= rank_load[busiest]:
             break
         sizes[giver] -= 1
