@@ -99,6 +99,7 @@ class Recorder:
         self.has_head = self.has_tail = False
         self._forward: _Forward | None = None
         self._in_backward: dict[object, Pass] = {}
+        self._memory_window: Pass | None = None  # the block whose backward the allocator's peak is read for
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._discovery_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -146,6 +147,7 @@ class Recorder:
             self._saved_hooks = None
         self._forward = None
         self._in_backward.clear()
+        self._memory_window = None
 
     def finish_discovery(self) -> None:
         """After the warm-up: fix the order the blocks ran in and who owns each parameter."""
@@ -281,6 +283,8 @@ class Recorder:
             if tail is not None:
                 tail.forward_end = tail.backward_start = self.clock.mark()
                 self._in_backward[TAIL] = tail
+                if self.memory is not None:  # the loss and LM head's backward: closed by the last block's
+                    self._open_memory_window(tail)
 
         return hook
 
@@ -292,8 +296,7 @@ class Recorder:
             step.backward_start = now
             self._in_backward[index] = step
             if self.memory is not None:
-                self.memory.reset_peak()
-                step.backward_base_bytes = self.memory.allocated()
+                self._open_memory_window(step)
 
         return hook
 
@@ -302,12 +305,29 @@ class Recorder:
             now = self.clock.mark()
             step.backward_end = now
             if self.memory is not None:
-                step.backward_peak_bytes = self.memory.peak() - step.backward_base_bytes
+                self._close_memory_window(step)
             if head is not None:
                 head.backward_start = now
                 self._in_backward[HEAD] = head
 
         return hook
+
+    # A block's input is the block before's output: its gradient fires both blocks' hooks, the earlier
+    # block's (registered first, at that block's forward end) before the later one's. So the window
+    # closes when the next one opens, reading the peak before the reset that starts the next block.
+    def _open_memory_window(self, step: Pass) -> None:
+        self._close_memory_window()
+        self.memory.reset_peak()
+        step.backward_base_bytes = self.memory.allocated()
+        self._memory_window = step
+
+    def _close_memory_window(self, step: Pass | None = None) -> None:
+        """Read the allocator's peak for the open window (only if it is `step`'s, when given)."""
+        window = self._memory_window
+        if window is None or (step is not None and window is not step):
+            return
+        window.backward_peak_bytes = self.memory.peak() - window.backward_base_bytes
+        self._memory_window = None
 
     def _gradient_accumulated(self, param: torch.Tensor) -> None:
         if param.grad is not None:
