@@ -7,13 +7,21 @@ the cheap elementwise work (norms, activations, rotary) in backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from solver.profile import FULL, NONE, SELECTIVE
 
@@ -41,18 +49,55 @@ def selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Newer torch calls the policy after the op, with its output (`ctx.op_output`); older torch (2.11 on a
+# GPU machine here) calls it before, with no output to count.
+POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+
+
 def _counting_policy(on_kept: Callable[[torch.Tensor], None]) -> Callable[..., CheckpointPolicy]:
     """`selective_policy` that also shows `on_kept` every output it keeps in the forward."""
 
     def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
         decision = selective_policy(ctx, op, *args, **kwargs)
-        if decision == CheckpointPolicy.MUST_SAVE and not getattr(ctx, "is_recompute", True):
-            for leaf in tree_leaves(getattr(ctx, "op_output", None)):
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            for leaf in tree_leaves(ctx.op_output):
                 if isinstance(leaf, torch.Tensor):
                     on_kept(leaf)
         return decision
 
     return policy
+
+
+class _KeptCounter(TorchDispatchMode):
+    """Where the policy cannot see outputs: shows `on_kept` each output selective mode keeps as its op
+    returns, from inside selective checkpointing's own mode (a second Python hop per op, which the
+    profiled forward time then includes)."""
+
+    def __init__(self, on_kept: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.on_kept = on_kept
+
+    def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        output = func(*args, **(kwargs or {}))
+        if func in SELECTIVE_SAVE_OPS:
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor):
+                    self.on_kept(leaf)
+        return output
+
+
+def _counting_contexts(on_kept: Callable[[torch.Tensor], None]) -> tuple[contextlib.AbstractContextManager, object]:
+    """Selective checkpointing's forward and recompute contexts, the forward one counting what it keeps."""
+    if POLICY_SEES_OUTPUT:
+        return create_selective_checkpoint_contexts(_counting_policy(on_kept))
+    caching, cached = create_selective_checkpoint_contexts(selective_policy)
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        with caching, _KeptCounter(on_kept):
+            yield
+
+    return forward(), cached
 
 
 def checkpoint_function(mode: str, on_kept: Callable[[torch.Tensor], None] | None = None) -> Callable[..., object]:
@@ -62,8 +107,10 @@ def checkpoint_function(mode: str, on_kept: Callable[[torch.Tensor], None] | Non
     if mode == FULL:
         return functools.partial(checkpoint, use_reentrant=False)
     if mode == SELECTIVE:
-        policy = selective_policy if on_kept is None else _counting_policy(on_kept)
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        if on_kept is None:
+            context_fn = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+        else:
+            context_fn = functools.partial(_counting_contexts, on_kept)
         return functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
     raise ValueError(f"recompute mode {mode!r}: expected {FULL} or {SELECTIVE}")
 
