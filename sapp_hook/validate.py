@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simulator import PipelineCosts, simulate
+from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.profile import FULL, NONE, SELECTIVE
@@ -80,25 +80,28 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
 
 def predictions(plan: Plan, input_bytes: float = 0.0) -> dict[str, list[float]]:
     """Per rank: when its last action ends, its peak activation bytes (less `input_bytes` per micro-batch on
-    the first stage: the token ids, which the engine holds for the whole step as data), its static bytes."""
+    the first stage: the token ids, which the engine holds for the whole step as data), that peak with the
+    backward's working bytes (what an allocator sees above the static bytes), and its static bytes."""
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
     first = (schedule.rank_of(0), schedule.chunk_of(0))
 
-    def bare(rank: int, chunk: int, costs_of: object) -> object:
-        ids = input_bytes if (rank, chunk) == first else 0.0
-        return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0,
-                                   activation_bytes=costs_of.activation_bytes - ids)
+    def peaks(keep_working: bool) -> list[float]:
+        def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:
+            ids = input_bytes if (rank, chunk) == first else 0.0
+            return dataclasses.replace(costs_of, static_bytes=0.0, activation_bytes=costs_of.activation_bytes - ids,
+                                       working_bytes=costs_of.working_bytes if keep_working else 0.0)
 
-    bare = PipelineCosts(
-        tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),
-        p2p_ms=costs.p2p_ms,
-    )
-    activations = simulate(schedule, bare).stage_peak_memory_bytes
+        bare_costs = PipelineCosts(
+            tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),
+            p2p_ms=costs.p2p_ms,
+        )
+        return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
+
     static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
-    return {"step_ms": ends, "activation_peak_bytes": list(activations), "static_bytes": static}
+    return {"step_ms": ends, "activation_peak_bytes": peaks(False), "peak_bytes": peaks(True), "static_bytes": static}
 
 
 def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:

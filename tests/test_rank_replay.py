@@ -1,0 +1,50 @@
+"""A rank's actions replayed in one process hold the activations the simulator predicts for that rank."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from profiler_cases import GPT2
+
+from sapp_hook.models import build_model, profile_example
+from sapp_hook.replay import replay_rank
+from sapp_hook.validate import predictions
+from simulator import InputError
+from solver import PipelineSpec, even_plan
+from solver.profile import FULL, NONE
+
+MICRO_BATCH_SIZE, SEQ_LEN = 2, 32
+
+
+@pytest.fixture(scope="module")
+def config():
+    # untied and without dropout, as in test_validate: GPT-2 has no rotary tables, which every stage
+    # computes but the profile puts on the first block
+    return transformers.GPT2Config(**GPT2, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+@pytest.fixture(scope="module")
+def profile(config):
+    return profile_example(config, steps=1, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, modes=(NONE, FULL))
+
+
+@pytest.mark.parametrize(("schedule", "chunks", "mode"), [("1F1B", None, NONE), ("1F1B", None, FULL),
+                                                           ("GPipe", None, NONE), ("Interleaved1F1B", 2, FULL)])
+def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule, chunks, mode):
+    plan = even_plan(profile, PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule), mode)
+    predicted = predictions(plan, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8)
+    whole = predictions(plan)  # with the token ids: what the plan's peaks count
+    for rank in range(2):
+        assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(plan.stage_peak_memory_bytes[rank])
+    model = build_model(config)
+    for rank in range(2):
+        replay = replay_rank(model, plan, rank, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
+        assert replay.held_peak_bytes == predicted["activation_peak_bytes"][rank]
+        assert replay.forward_ms > 0 and replay.backward_ms > 0
+        assert replay.allocated_peak_bytes is None  # no allocator counters on the CPU
+
+
+def test_split_backward_schedules_are_refused(config, profile):
+    plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), NONE)
+    with pytest.raises(InputError, match="plan: ZBH1 splits the backward into I and W actions; the replay runs F and B only"):
+        replay_rank(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
