@@ -1,22 +1,38 @@
-"""The profiler's CUDA path, checked on a GPU (the CI machines have none). One short script:
+"""The profiler's CUDA path and the memory model, checked on a GPU (the CI machines have none):
 
     python examples/gpu_check.py [--out DIR]
 
-Profiles tiny-llama on cuda and on the CPU, and prints per layer the times (device events on cuda),
-the activation bytes both measured (fused GPU attention keeps other tensors, so they differ a little)
-and the working set from the allocator's peaks. Exits non-zero if the CUDA path is broken.
+1. Profiles tiny-llama on cuda and on the CPU: per layer the times (device events on cuda), the
+   activation bytes both measured (fused GPU attention keeps other tensors, so they differ a little)
+   and the working set from the allocator's peaks.
+2. Profiles a 1024-wide Llama on cuda, plans it on 4 stages, and replays each rank's actions on the
+   GPU (`sapp_hook.replay`): the activations autograd held, the allocator's peak and the compute time,
+   each beside the simulator's prediction for that rank.
+
+Prints one JSON report; exits non-zero if the CUDA path is broken.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from sapp_hook.models import load_config, profile_example
+from sapp_hook.models import build_model, load_config, profile_example
+from sapp_hook.replay import replay_rank
+from sapp_hook.validate import predictions
+from solver import ModelProfile, PipelineSpec, even_plan, solve
+from solver.profile import FULL, NONE, SELECTIVE
+
+# Wide enough that activations dwarf the allocator's 512-byte rounding; untied, as tiny-llama.
+REPLAY_MODEL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000,
+                "max_position_embeddings": 2048, "tie_word_embeddings": False}
+REPLAY_MICRO_BATCH_SIZE, REPLAY_SEQ_LEN = 2, 1024
 
 
 def main() -> int:
@@ -26,6 +42,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
+    layers, problems = check_layers()
+    plans, profile, replay_problems = check_replays()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "plans": plans,
+              "problems": problems + replay_problems}
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / "llama-1024.profile.json").write_text(json.dumps(profile.to_dict(), indent=1))
+    return 1 if report["problems"] else 0
+
+
+def check_layers() -> tuple[list[dict], list[str]]:
+    """Part 1: tiny-llama's layers profiled on cuda next to the CPU."""
     config = load_config("tiny-llama")
     profiles = {}
     for device in ("cuda", "cpu"):
@@ -47,12 +77,52 @@ def main() -> int:
             problems.append(f"{gpu.name}: parameter bytes differ ({gpu.parameter_bytes} on cuda, {cpu.parameter_bytes})")
         if gpu.is_body and not 0.5 < row["cuda_activation_bytes"] / row["cpu_activation_bytes"] < 1.5:
             problems.append(f"{gpu.name}: activation bytes far from the CPU's")
-    report = {"device": profiles["cuda"].device, "layers": rows, "problems": problems}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    return 1 if problems else 0
+    return rows, problems
+
+
+def check_replays(device: str = "cuda") -> tuple[list[dict], ModelProfile, list[str]]:
+    """Part 2: each rank of four 4-stage 1F1B plans replayed on the GPU, beside the simulator's prediction."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{k: v for k, v in REPLAY_MODEL.items() if k != "model_type"})
+    profile = profile_example(config, steps=3, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,
+                              modes=(NONE, SELECTIVE, FULL), model_name="llama-1024", device=device)
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    unbounded = even_plan(profile, spec, NONE)
+    # a budget the plain split overruns, so that the solver mixes recompute modes
+    budget = 0.75 * max(unbounded.stage_peak_memory_bytes)
+    plans = {
+        "even-none": unbounded,
+        "solved-75%": solve(profile, dataclasses.replace(spec, memory_budget_bytes=budget), time_limit_s=30),
+        "even-selective": even_plan(profile, spec, SELECTIVE),
+        "even-full": even_plan(profile, spec, FULL),
+    }
+    rows, problems = [], []
+    for name, plan in plans.items():
+        model = build_model(config).to(device)  # fresh: apply leaves each block under its plan's recompute
+        predicted = predictions(plan, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
+        ranks = []
+        for rank in range(spec.stages):
+            replay = replay_rank(model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,
+                                 steps=3)
+            costs = plan.simulation.costs.chunk_costs[rank]
+            row = {
+                "rank": rank,
+                "predicted_forward_ms": spec.micro_batches * sum(c.forward_ms for c in costs),
+                "measured_forward_ms": replay.forward_ms,
+                "predicted_backward_ms": spec.micro_batches * sum(c.backward_ms + c.recompute_ms for c in costs),
+                "measured_backward_ms": replay.backward_ms,
+                "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][rank],
+                "held_peak_bytes": replay.held_peak_bytes,
+                "predicted_peak_bytes": predicted["peak_bytes"][rank],
+                "allocated_peak_bytes": replay.allocated_peak_bytes,
+            }
+            ranks.append(row)
+            if not replay.allocated_peak_bytes or not replay.forward_ms > 0:
+                problems.append(f"{name} rank {rank}: nothing measured")
+        rows.append({"plan": name, "stage_layer_counts": list(plan.stage_layer_counts),
+                     "layer_modes": list(plan.layer_modes), "ranks": ranks})
+    return rows, profile, problems
 
 
 if __name__ == "__main__":
