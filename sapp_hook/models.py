@@ -85,6 +85,18 @@ def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
+PARAMETER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parameter_dtype(name: str) -> torch.dtype:
+    """The torch dtype a model's parameters are trained in, by name."""
+    import torch
+
+    if name not in PARAMETER_DTYPES:
+        raise InputError("--dtype", f"expected one of {', '.join(PARAMETER_DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 def random_batch(config: PretrainedConfig, micro_batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
     """Token ids (and the same as labels) for one training step; no cache, as in training."""
     import torch
@@ -121,8 +133,10 @@ def profile_example(
     model_name: str = "",
     on_step: Callable[[int, int, str], None] | None = None,
     device: str = "cpu",
+    dtype: str = "float32",
 ) -> ModelProfile:
-    """Build `config`'s model on `device` and profile it over a few AdamW training steps on random tokens."""
+    """Build `config`'s model on `device` in `dtype` and profile it over a few AdamW training steps on
+    random tokens."""
     import torch
 
     from profiler import LayerProfiler
@@ -131,7 +145,7 @@ def profile_example(
     if micro_batch_size < 1 or seq_len < 1:
         field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)
         raise InputError(field, f"expected an integer >= 1, got {value}")
-    model = build_model(config).to(device)
+    model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
         model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,

@@ -45,6 +45,22 @@ def test_a_folder_holding_a_config_and_json_output(capsys, tmp_path, config_json
     assert report["schema_version"] == 1
 
 
+def test_bfloat16_parameters_keep_half_the_bytes(tmp_path, config_json):
+    profiles = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"{dtype}.json"
+        argv = ["profile", "--model", str(config_json), *FAST, "--modes", "none", "--dtype", dtype, "--out", str(out)]
+        assert main([*argv, "--quiet"]) == 0
+        profiles[dtype] = load_profile(out)
+    half, full = profiles["bfloat16"], profiles["float32"]
+    assert (half.dtype, full.dtype) == ("bfloat16", "float32")
+    for narrow, wide in zip(half.layers, full.layers):
+        assert 2 * narrow.parameter_bytes == wide.parameter_bytes
+    for narrow, wide in zip(half.layers[1:-1], full.layers[1:-1]):
+        # bf16 but for what stays fp32: the RMSNorms' upcast inputs and rsqrt, the attention's logsumexp
+        assert 0.5 < narrow.recompute["none"].activation_bytes / wide.recompute["none"].activation_bytes < 0.6
+
+
 def test_a_built_in_model(capsys, tmp_path):
     out = tmp_path / "p.json"
     assert main(["profile", "--model", "tiny-gpt2", *FAST, "--modes", "none", "--out", str(out), "--quiet"]) == 0
@@ -65,6 +81,7 @@ def test_a_built_in_model(capsys, tmp_path):
         (["--out", "/no/such/folder/p.json"], "--out: folder /no/such/folder does not exist"),
         (["--device", "cuda"], "--device: no cuda device here"),
         (["--device", "toaster"], "--device: expected cpu, cuda or cuda:N, got 'toaster'"),
+        (["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
     ],
 )
 def test_bad_input_is_one_line(capsys, tmp_path, config_json, flags, message):

@@ -40,6 +40,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="module-name pattern of the body blocks, e.g. 'model.layers.*' (repeatable; found automatically otherwise)",
     )
     parser.add_argument("--device", default="cpu", metavar="NAME", help="cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", metavar="NAME",
+                        help="the parameters' dtype: float32 (default), bfloat16 or float16")
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -73,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         profile = profile_example(
             config, steps=args.steps, warmup_steps=args.warmup_steps, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, modes=modes, layers=args.layers, model_name=args.model, on_step=progress,
-            device=_device(args.device),
+            device=_device(args.device), dtype=args.dtype,
         )
     except InputError as exc:
         if exc.field in ("modes", "layers"):
