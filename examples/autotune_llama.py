@@ -1,4 +1,4 @@
-"""A training script that balances its own pipeline: a small Llama (random weights, CPU) under autotune.
+"""A training script that balances its own pipeline: a small Llama (random weights) under autotune.
 
     python examples/autotune_llama.py --config train.yaml --target mindformers
     sapp-hook run --config train.yaml --target mindformers -- python examples/autotune_llama.py
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import sapp_hook
-from sapp_hook.models import build_model, load_config, random_batch
+from sapp_hook.models import build_model, load_config, parameter_dtype, random_batch
 
 
 def main() -> None:
@@ -25,18 +25,22 @@ def main() -> None:
     parser.add_argument("--target", help="mindformers, megatron, torchtitan or plan")
     parser.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
     parser.add_argument("--memory", default="80MiB", help="memory budget per device (default 80MiB)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
 
     config = load_config("tiny-llama")
-    model = build_model(config)
+    model = build_model(config).to(device=args.device, dtype=parameter_dtype(args.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with sapp_hook.autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B", memory_budget=args.memory,
                             config=args.config, target=args.target) as tuner:
         for step in range(args.steps):
-            loss = model(**random_batch(config, 2, 128, seed=step)).loss
+            batch = random_batch(config, 2, 128, seed=step)
+            ids = batch["input_ids"].to(args.device)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

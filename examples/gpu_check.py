@@ -1,6 +1,6 @@
 """The profiler's CUDA path and the memory model, checked on a GPU (the CI machines have none):
 
-    python examples/gpu_check.py [--out DIR]
+    python examples/gpu_check.py [--out DIR] [--dtype bfloat16]
 
 1. Profiles tiny-llama on cuda and on the CPU: per layer the times (device events on cuda), the
    activation bytes both measured (fused GPU attention keeps other tensors, so they differ a little)
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sapp_hook.models import build_model, load_config, profile_example
+from sapp_hook.models import build_model, load_config, parameter_dtype, profile_example
 from sapp_hook.replay import replay_rank
 from sapp_hook.validate import predictions
 from solver import ModelProfile, PipelineSpec, even_plan, solve
@@ -38,19 +38,22 @@ REPLAY_MICRO_BATCH_SIZE, REPLAY_SEQ_LEN = 2, 1024
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for gpu_check.json")
+    parser.add_argument("--dtype", default="float32", help="the replayed Llama's parameters: float32 (default), "
+                                                            "bfloat16 or float16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     layers, problems = check_layers()
-    plans, profile, replay_problems = check_replays()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers, "plans": plans,
-              "problems": problems + replay_problems}
+    plans, profile, replay_problems = check_replays(dtype=args.dtype)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+              "layers": layers, "plans": plans, "problems": problems + replay_problems}
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1))
-        (Path(args.out) / "llama-1024.profile.json").write_text(json.dumps(profile.to_dict(), indent=1))
+        suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+        (Path(args.out) / f"gpu_check{suffix}.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / f"llama-1024{suffix}.profile.json").write_text(json.dumps(profile.to_dict(), indent=1))
     return 1 if report["problems"] else 0
 
 
@@ -80,13 +83,13 @@ def check_layers() -> tuple[list[dict], list[str]]:
     return rows, problems
 
 
-def check_replays(device: str = "cuda") -> tuple[list[dict], ModelProfile, list[str]]:
+def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[dict], ModelProfile, list[str]]:
     """Part 2: each rank of four 4-stage 1F1B plans replayed on the GPU, beside the simulator's prediction."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{k: v for k, v in REPLAY_MODEL.items() if k != "model_type"})
     profile = profile_example(config, steps=3, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,
-                              modes=(NONE, SELECTIVE, FULL), model_name="llama-1024", device=device)
+                              modes=(NONE, SELECTIVE, FULL), model_name="llama-1024", device=device, dtype=dtype)
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
     unbounded = even_plan(profile, spec, NONE)
     # a budget the plain split overruns, so that the solver mixes recompute modes
@@ -99,7 +102,8 @@ def check_replays(device: str = "cuda") -> tuple[list[dict], ModelProfile, list[
     }
     rows, problems = [], []
     for name, plan in plans.items():
-        model = build_model(config).to(device)  # fresh: apply leaves each block under its plan's recompute
+        # fresh: apply leaves each block under its plan's recompute
+        model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
         predicted = predictions(plan, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
         ranks = []
         for rank in range(spec.stages):
