@@ -159,7 +159,9 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
         # the token ids are data the schedule holds for the whole step, in one storage: not activations
         with HeldActivations([*model.parameters(), *model.buffers(), batch]) as held:
             started = time.perf_counter()
-            schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses)
+            # return_outputs=False: else torch keeps every micro-batch's logits on the last rank to the end
+            schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses,
+                          return_outputs=False)
             elapsed = (time.perf_counter() - started) * 1e3
         tied()  # outside the timed step, like the optimizer: the simulator does not model it
         optimizer.step()
