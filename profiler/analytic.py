@@ -166,6 +166,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
     return ModelProfile(
         layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
+        stage_output_bytes=tokens * s.hidden_size * p / tp,
     )
 
 

@@ -46,6 +46,8 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         dtype=_dtype(profiler.model),
         micro_batch=profiler.micro_batch or _micro_batch(recorder.input_shape),
         fingerprint=fingerprint(profiler.model, [b.kind for b in profiler.blocks]),
+        # the hidden state a body block receives is what a stage sends on
+        stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
     )
 

@@ -54,6 +54,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
         micro_batch=first.micro_batch,
         fingerprint=hashlib.sha256("".join(p.fingerprint for p in ordered).encode()).hexdigest()[:16],
         stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
+        stage_output_bytes=max(p.stage_output_bytes for p in ordered),
         tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),
     )
 

@@ -78,21 +78,27 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
     return plan_from_dict(profile, read_document(which, "--plan"))
 
 
-def predictions(plan: Plan, input_bytes: float = 0.0) -> dict[str, list[float]]:
-    """Per rank: when its last action ends, its peak activation bytes (less `input_bytes` per micro-batch on
-    the first stage: the token ids, which the engine holds for the whole step as data), that peak with the
-    backward's working bytes (what an allocator sees above the static bytes), and its static bytes."""
+def predictions(plan: Plan, input_bytes: float = 0.0, output_bytes: float = 0.0) -> dict[str, list[float]]:
+    """Per rank: when its last action ends; the peak of what autograd holds for backward (less
+    `input_bytes` per micro-batch on the first stage: the token ids, which the engine holds for the whole
+    step as data; and less the `output_bytes` per micro-batch the engine keeps of each stage's output,
+    the profile's `stage_output_bytes`, which autograd does not hold); the peak of all the plan counts
+    but static bytes, working bytes included (what an allocator sees above the static bytes); and the
+    static bytes."""
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
     first = (schedule.rank_of(0), schedule.chunk_of(0))
+    last = (schedule.rank_of(schedule.num_stages - 1), schedule.chunk_of(schedule.num_stages - 1))
 
-    def peaks(keep_working: bool) -> list[float]:
+    def peaks(autograd_only: bool) -> list[float]:
         def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:
             ids = input_bytes if (rank, chunk) == first else 0.0
-            return dataclasses.replace(costs_of, static_bytes=0.0, activation_bytes=costs_of.activation_bytes - ids,
-                                       working_bytes=costs_of.working_bytes if keep_working else 0.0)
+            kept_output = output_bytes if autograd_only and (rank, chunk) != last else 0.0
+            return dataclasses.replace(costs_of, static_bytes=0.0,
+                                       activation_bytes=costs_of.activation_bytes - ids - kept_output,
+                                       working_bytes=0.0 if autograd_only else costs_of.working_bytes)
 
         bare_costs = PipelineCosts(
             tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),
@@ -101,7 +107,7 @@ def predictions(plan: Plan, input_bytes: float = 0.0) -> dict[str, list[float]]:
         return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
 
     static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
-    return {"step_ms": ends, "activation_peak_bytes": peaks(False), "peak_bytes": peaks(True), "static_bytes": static}
+    return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static}
 
 
 def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
@@ -215,7 +221,8 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
     p2p_ms = measured[0]["p2p_ms"]  # measured in the run: the prediction includes it
     spec = dataclasses.replace(plan.spec, p2p_ms=p2p_ms)
     plan = evaluate_plan(profile, spec, plan.stage_layer_counts, plan.layer_modes)
-    predicted = predictions(plan, input_bytes=setup.micro_batch_size * setup.seq_len * 8)
+    predicted = predictions(plan, input_bytes=setup.micro_batch_size * setup.seq_len * 8,
+                            output_bytes=profile.stage_output_bytes)
     ranks = []
     for rank, row in enumerate(measured):
         step = statistics.median(row["step_ms"])

@@ -142,7 +142,8 @@ class Plan:
 
 def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:
     """The simulator's per-(stage, chunk) costs of a split: sums over each chunk's layers, its
-    working set the largest of theirs, each stage's constant memory on its first chunk."""
+    working set the largest of theirs, each stage's constant memory on its first chunk, and the output
+    the engine keeps per micro-batch on every virtual stage but the last."""
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
@@ -157,7 +158,8 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
             weight_ms=sum(layer.split_weight_ms() for layer, _ in layers) + weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
-            activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers),
+            activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
+            + (profile.stage_output_bytes if virtual < len(counts) - 1 else 0.0),
             retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers),
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)

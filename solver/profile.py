@@ -91,6 +91,9 @@ class ModelProfile:
     micro_batch: Mapping[str, int] = field(default_factory=dict)  # e.g. {"size": 1, "sequence": 4096}
     fingerprint: str = ""
     stage_constant_bytes: float = 0.0  # held by every stage whatever its layers (framework, buffers)
+    # per micro-batch: a stage's output (the hidden state it sends), which the pipeline engine keeps
+    # until its gradient comes back; held by every virtual stage but the last
+    stage_output_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
 
     def __post_init__(self) -> None:
@@ -117,6 +120,7 @@ class ModelProfile:
             "micro_batch": dict(self.micro_batch),
             "fingerprint": self.fingerprint,
             "stage_constant_bytes": self.stage_constant_bytes,
+            "stage_output_bytes": self.stage_output_bytes,
             "layers": [_layer_to_dict(layer) for layer in self.layers],
             "tied_parameters": [
                 {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
@@ -149,6 +153,7 @@ class ModelProfile:
             micro_batch=dict(micro_batch),
             fingerprint=fields.text("fingerprint"),
             stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+            stage_output_bytes=fields.number("stage_output_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
         fields.done()
@@ -262,6 +267,7 @@ def _check_profile(profile: ModelProfile) -> None:
     if len(profile.layers) > MAX_LAYERS:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
     check_non_negative(profile.stage_constant_bytes, "stage_constant_bytes")
+    check_non_negative(profile.stage_output_bytes, "stage_output_bytes")
     seen_body = seen_tail = False
     for index, layer in enumerate(profile.layers):
         where = f"layers[{index}] ({layer.name})"

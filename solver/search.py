@@ -617,6 +617,8 @@ class _Formulation:
         for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
             for expression in cell_sums:
                 expression.constant += overhead
+        for expression in activation[:-1]:  # the output the engine keeps, as in pipeline_costs
+            expression.constant += profile.stage_output_bytes / MIB
         self.recompute_terms: dict[int, float] = {}
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:

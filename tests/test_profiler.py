@@ -136,6 +136,7 @@ def test_activation_bytes_of_a_plain_block_match_a_hand_count(llama_run):
 def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):
     for _, _, profile in (llama_run, gpt2_run):
         hidden = profile.layers[1].recompute["none"].working_bytes / 2  # input and its gradient
+        assert profile.stage_output_bytes == hidden  # what a stage sends on, and the engine keeps
         for layer in profile.layers:
             if layer.is_body:
                 assert layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * FP32 == hidden

@@ -27,6 +27,7 @@ def test_llama_memory_estimate_equals_the_measurement(llama_pair):
             want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
         for mode, cost in want.recompute.items():
             assert got.recompute[mode].activation_bytes == cost.activation_bytes, (got.name, mode)
+    assert estimated.stage_output_bytes == measured.stage_output_bytes  # the hidden state a stage sends
 
 
 def test_moe_estimate_is_close_where_routing_decides():

@@ -307,3 +307,24 @@ def test_retained_activations_are_planned_for_as_simulated(schedule, chunks):
     forgetful = evaluate_plan(small_profile(6), spec, plan.stage_layer_counts, plan.layer_modes)
     splits = schedule != "1F1B"
     assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == splits
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
+    """The engine keeps each virtual stage's output but the last's until its gradient comes back: the
+    simulator counts it per micro-batch and the solver's memory rows as the simulator does."""
+    keeping = dataclasses.replace(small_profile(6), stage_output_bytes=24 * MIB)
+    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    unlimited = solve(keeping, loose, time_limit_s=20)
+    costs = unlimited.simulation.costs
+    last = (loose.pipeline_schedule.rank_of(2 * chunks - 1), loose.pipeline_schedule.chunk_of(2 * chunks - 1))
+    plain = evaluate_plan(small_profile(6), loose, unlimited.stage_layer_counts, unlimited.layer_modes).simulation.costs
+    for rank, row in enumerate(costs.chunk_costs):
+        for chunk, cost in enumerate(row):
+            kept = 0 if (rank, chunk) == last else 24 * MIB
+            assert cost.activation_bytes == plain.chunk_costs[rank][chunk].activation_bytes + kept
+    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
+    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
+    plan = solve(keeping, spec, time_limit_s=20)
+    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
+    assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
