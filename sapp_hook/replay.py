@@ -22,13 +22,14 @@ from solver import Plan
 
 @dataclass(frozen=True)
 class RankReplay:
-    """What one rank's step measured (the last of the replayed steps)."""
+    """What one rank's step measured (the last of the replayed steps). The held peak comes from
+    saved-tensor hooks, which do not see what selective recompute keeps in its own cache; the
+    allocator does."""
 
     rank: int
     forward_ms: float  # all its F actions
     backward_ms: float  # all its B actions, recompute included
-    held_peak_bytes: int  # what autograd held for backward at its peak (saved-tensor hooks: blind to
-    # what selective recompute keeps in its own cache, which the allocator sees)
+    held_peak_bytes: int  # what autograd held for backward at its peak
     allocated_peak_bytes: int | None  # the allocator's peak above the step's start; None on the CPU
 
 
@@ -39,6 +40,8 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
     The token ids of every micro-batch are made before the step, as data a pipeline holds for the whole
     step (the prediction leaves them out too). Gradients stay allocated between steps, as in training.
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError("steps", f"expected an integer >= 1, got {steps!r}")
     schedule = plan.simulation.schedule
     kinds = {action.kind for action in schedule.rank_actions[rank]}
     if not kinds <= {FORWARD, FULL_BACKWARD}:

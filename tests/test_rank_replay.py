@@ -44,6 +44,12 @@ def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule
         assert replay.allocated_peak_bytes is None  # no allocator counters on the CPU
 
 
+def test_no_steps_is_refused(config, profile):
+    plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), NONE)
+    with pytest.raises(InputError, match="steps: expected an integer >= 1, got 0"):
+        replay_rank(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, steps=0)
+
+
 def test_split_backward_schedules_are_refused(config, profile):
     plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), NONE)
     with pytest.raises(InputError, match="plan: ZBH1 splits the backward into I and W actions; the replay runs F and B only"):
