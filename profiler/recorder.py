@@ -99,7 +99,8 @@ class Recorder:
         self.has_head = self.has_tail = False
         self._forward: _Forward | None = None
         self._in_backward: dict[object, Pass] = {}
-        self._memory_window: Pass | None = None  # the block whose backward the allocator's peak is read for
+        self._memory_window: Pass | None = None  # the layer whose backward the allocator's peak is read for
+        self._read_on_close = True  # False for the head's window, read at each of its gradients instead
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._discovery_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -309,25 +310,32 @@ class Recorder:
             if head is not None:
                 head.backward_start = now
                 self._in_backward[HEAD] = head
+                if self.memory is not None:  # no hook ends the embedding's backward: read as its gradients land
+                    self._open_memory_window(head, read_on_close=False)
 
         return hook
 
     # A block's input is the block before's output: its gradient fires both blocks' hooks, the earlier
     # block's (registered first, at that block's forward end) before the later one's. So the window
     # closes when the next one opens, reading the peak before the reset that starts the next block.
-    def _open_memory_window(self, step: Pass) -> None:
+    def _open_memory_window(self, step: Pass, read_on_close: bool = True) -> None:
         self._close_memory_window()
         self.memory.reset_peak()
         step.backward_base_bytes = self.memory.allocated()
-        self._memory_window = step
+        self._memory_window, self._read_on_close = step, read_on_close
 
     def _close_memory_window(self, step: Pass | None = None) -> None:
         """Read the allocator's peak for the open window (only if it is `step`'s, when given)."""
         window = self._memory_window
         if window is None or (step is not None and window is not step):
             return
-        window.backward_peak_bytes = self.memory.peak() - window.backward_base_bytes
+        if self._read_on_close:
+            self._read_memory_window()
         self._memory_window = None
+
+    def _read_memory_window(self) -> None:
+        window = self._memory_window
+        window.backward_peak_bytes = self.memory.peak() - window.backward_base_bytes
 
     def _gradient_accumulated(self, param: torch.Tensor) -> None:
         if param.grad is not None:
@@ -336,6 +344,8 @@ class Recorder:
         step = self._in_backward.get(slot)
         if self.recording and step is not None:
             step.parameter_marks.append(self.clock.mark())
+            if step is self._memory_window and not self._read_on_close:
+                self._read_memory_window()  # the head's: its peak so far, up to its last gradient
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         for group in optimizer.param_groups:

@@ -362,7 +362,7 @@ class FakeEvent:
 
 
 class FakeDeviceMemory:
-    """An allocator whose peak over each backward (a block's, the tail's) is 1 MiB above where it started,
+    """An allocator whose peak over each backward (a block's, the tail's, the head's) is 1 MiB above where it started,
     and which has freed 2 MiB (the saved activations) by the time the next one starts."""
 
     def __init__(self) -> None:
@@ -385,8 +385,9 @@ class FakeDeviceMemory:
 
 def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
     """The recorder's device branch, on the CPU with stand-ins: events marked at hooks and read after
-    one synchronize per step; the allocator's peak over each block's (and the tail's) backward becomes its
-    working set, read before the next backward resets it (the gradient between two blocks fires both their hooks)."""
+    one synchronize per step; the allocator's peak over each layer's backward becomes its working set, read
+    before the next backward resets it (the gradient between two blocks fires both their hooks), the head's
+    as its gradients land."""
     from profiler import clock, layer_profiler
 
     synchronized = []
@@ -398,11 +399,12 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
     profiler = profiled(llama(), steps=1, modes=("none", "full"), split_backward=False)
     profile = profiler.profile()
     assert len(synchronized) == profiler.total_steps
-    assert memory.resets == (4 + 1) * 2  # each block's and the tail's backward, in each measured step
+    assert memory.resets == (4 + 2) * 2  # each block's, the tail's and the head's backward, in each measured step
     for layer in profile.layers[1:-1]:
         assert layer.recompute["none"].working_bytes == 2**20 == layer.recompute["full"].working_bytes
         assert layer.forward_ms > 0 and layer.backward_ms > 0
     assert profile.layers[-1].recompute["none"].working_bytes == 2**20  # the tail: loss, LM head, final norm
+    assert profile.layers[0].recompute["none"].working_bytes == 2**20  # the head: the embedding's gradient
 
 
 def test_what_a_split_backward_keeps_after_w_is_measured(llama_run):
