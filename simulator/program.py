@@ -15,9 +15,10 @@ comes back through the forward chain.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
 from simulator.errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -39,6 +40,14 @@ class Program:
     @property
     def num_actions(self) -> int:
         return len(self.rank)
+
+    @cached_property
+    def cost_slot(self) -> list[int]:
+        """Per action, where its duration sits in a flat table ordered rank, chunk, kind (as KINDS)."""
+        chunks = max(self.chunk, default=0) + 1
+        kind_index = {kind: i for i, kind in enumerate(KINDS)}
+        return [(rank * chunks + chunk) * len(KINDS) + kind_index[kind]
+                for rank, chunk, kind in zip(self.rank, self.chunk, self.kind)]
 
 
 def compile_schedule(schedule: Schedule) -> Program:

@@ -9,7 +9,7 @@ set while one of its backward actions runs.
 
 from __future__ import annotations
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.program import Program
@@ -72,18 +72,13 @@ def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
 
 
 def _durations(program: Program, costs: PipelineCosts) -> list[float]:
-    by_rank_chunk = {}
-    for rank, row in enumerate(costs.chunk_costs):
-        for chunk, cost in enumerate(row):
+    table = []  # ordered as Program.cost_slot reads it: rank, chunk, kind
+    for row in costs.chunk_costs:
+        for cost in row:
             weight = cost.split_weight_ms()
-            by_rank_chunk[rank, chunk] = {
-                FORWARD: cost.forward_ms,
-                FULL_BACKWARD: cost.backward_ms + cost.recompute_ms,
-                BACKWARD_INPUT: cost.backward_ms - weight + cost.recompute_ms,
-                BACKWARD_WEIGHT: weight,
-            }
-    table = [by_rank_chunk[rank, chunk] for rank, chunk in zip(program.rank, program.chunk)]
-    return [kind_costs[kind] for kind_costs, kind in zip(table, program.kind)]
+            table += [cost.forward_ms, cost.backward_ms + cost.recompute_ms,
+                      cost.backward_ms - weight + cost.recompute_ms, weight]
+    return [table[slot] for slot in program.cost_slot]
 
 
 def _replay(program: Program, durations: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
