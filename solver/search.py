@@ -32,6 +32,7 @@ from solver.milp import INF, Milp, MilpResult
 from solver.plan import Plan, evaluate_plan, ordered_modes
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
+from solver.start import balanced_plan, improved_by_moves
 
 log = logging.getLogger("solver")
 MIB = 2**20
@@ -120,8 +121,14 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         _paths_of_relaxation(model, deadline)
     # A plan that fits without search, for a search the time limit stops to fall back on (large
     # schedules: the first LP alone can take minutes), computed first so that it cannot overrun.
-    balanced = _balanced_plan(model, move_layers=False)
-    fallback = balanced if balanced is not None else _balanced_plan(model, move_layers=True)
+    # With start times, where such stops are common, it is improved by moving layers (with half the
+    # time at most): sim.json's Interleaved1F1B 16 x 3 x 16 stopped at 30 s then runs 163,868 ms,
+    # where the search's best ran 166,500; with one chunk the search proves its plan within seconds,
+    # and starting it from the improved plan was no faster (48 searches, see "Measured").
+    balanced = balanced_plan(model, move_layers=False)
+    fallback = balanced if balanced is not None else balanced_plan(model, move_layers=True)
+    if fallback is not None and model.timing == START_TIMES:
+        fallback = improved_by_moves(model, fallback, started + time_limit_s / 2)
     # With critical-path rows most of a search is HiGHS's root heuristics looking for a first plan;
     # started from the balanced split it skips them. Measured on the benchmark's 1-chunk cases:
     # 32 x 1 x 128 4.0 s -> 1.7 s, test.json 16 x 1 x 16 1.5 s -> 0.8 s, none slower; on 36
@@ -143,7 +150,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     if not proven and fallback is not None:
         fallback_plan = _plan_of(model, fallback)
         if fallback_plan.fits and (plan is None or fallback_plan.iteration_time_ms < plan.iteration_time_ms):
-            log.info("the search's best plan is %s; the balanced split runs %s ms and fits: taking it",
+            log.info("the search's best plan is %s; the plan found without search runs %s ms and fits: taking it",
                      "none" if plan is None else f"{format_ms(plan.iteration_time_ms)} ms",
                      format_ms(fallback_plan.iteration_time_ms))
             plan = fallback_plan
@@ -169,172 +176,6 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         lower_bound_ms=lower_bound,
         solve_seconds=time.perf_counter() - started,
     )
-
-
-def _balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | None:
-    """A plan that fits, found without search. Body layers split into virtual stages of near-equal
-    forward + backward time, each layer in its quickest mode; then, rank by rank while one is over
-    the budget, the mode switch that frees the most memory per millisecond it adds, or (with
-    `move_layers`) once no switch frees any, the layer at one end of its stages moved to the
-    neighbouring stage of another rank that still fits with it. The program's point for that plan,
-    or None when a rank cannot be made to fit this way."""
-    schedule, groups, spec = model.schedule, model.groups, model.spec
-    cells = schedule.num_stages
-    sizes = _balanced_cell_sizes(model)
-    counts: dict[tuple[int, int, str], int] = dict.fromkeys(model.count, 0)
-    layers = iter([g for g, group in enumerate(groups) if group.pinned_cell is None for _ in range(group.size)])
-    for c, size in enumerate(sizes):
-        for _ in range(size):
-            g = next(layers)
-            quickest = min(groups[g].modes, key=lambda mode: groups[g].extra_ms[mode])
-            counts[g, c, quickest] += 1
-
-    def point() -> list[float]:
-        return model.point({model.count[key]: number for key, number in counts.items() if number})
-
-    values = point()
-    budget_mib = spec.memory_budget_bytes / MIB
-    rows_of_rank: dict[int, list[_Linear]] = {}
-    for rank, row in model.memory_rows:
-        rows_of_rank.setdefault(rank, []).append(row)
-    pinned = {group.pinned_cell for group in groups if group.pinned_cell is not None}
-
-    def peak(rank: int) -> float:
-        return max(row.value(values) for row in rows_of_rank[rank])
-
-    def move(g: int, cell: int, mode: str, to_cell: int, to_mode: str) -> None:
-        """One layer of group g from (cell, mode) to (to_cell, to_mode), in the counts and in what
-        memory reads."""
-        counts[g, cell, mode] -= 1
-        counts[g, to_cell, to_mode] += 1
-        values[model.count[g, cell, mode]] -= 1
-        values[model.count[g, to_cell, to_mode]] += 1
-        model.update_working_set(values, cell)
-        model.update_working_set(values, to_cell)
-
-    def cheapest_switch(rank: int, now: float) -> tuple[int, int, str, int, str] | None:
-        best, best_cost = None, INF  # extra ms per MiB freed
-        for (g, c, mode), number in counts.items():
-            if not number or schedule.rank_of(c) != rank:
-                continue
-            for to in groups[g].modes:
-                if to == mode:
-                    continue
-                move(g, c, mode, c, to)
-                after = peak(rank)
-                # MindFormers cannot state select-only and comm-only layers of one kind in one stage
-                expressible = not (counts.get((g, c, SELECTIVE)) and counts.get((g, c, COMM)))
-                move(g, c, to, c, mode)
-                if expressible and after < now - 1e-9:
-                    cost = (groups[g].extra_ms[to] - groups[g].extra_ms[mode]) / (now - after)
-                    if cost < best_cost:
-                        best, best_cost = (g, c, mode, c, to), cost
-        return best
-
-    def leanest_peak(rank: int) -> float:
-        """The rank's peak with each of its layers in the mode that keeps the fewest activations."""
-        switched = []
-        for (g, c, mode), number in list(counts.items()):
-            if number and schedule.rank_of(c) == rank:
-                leanest = min(groups[g].modes, key=lambda m: (groups[g].activation_mib[m], groups[g].extra_ms[m]))
-                if leanest != mode:
-                    for _ in range(number):
-                        move(g, c, mode, c, leanest)
-                    switched.append((g, c, mode, leanest, number))
-        result = peak(rank)
-        for g, c, mode, leanest, number in switched:
-            for _ in range(number):
-                move(g, c, leanest, c, mode)
-        return result
-
-    def roomiest_shift(rank: int) -> tuple[int, int, str, int, str] | None:
-        best, best_room = None, -INF  # the budget left on the rank it moves to
-        for c in schedule.stages_of(rank):
-            held = [g for (g, cell, _), number in counts.items() if cell == c and number]
-            if not held or (sum(counts[key] for key in counts if key[1] == c) == 1 and c not in pinned
-                            and not spec.allow_empty_chunks):
-                continue  # every virtual stage keeps a layer
-            for g, to_cell in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
-                if not 0 <= to_cell < cells or schedule.rank_of(to_cell) == rank:
-                    continue
-                for mode in groups[g].modes:
-                    if not counts[g, c, mode]:
-                        continue
-                    move(g, c, mode, to_cell, mode)
-                    room = budget_mib - leanest_peak(schedule.rank_of(to_cell))
-                    move(g, to_cell, mode, c, mode)
-                    if room >= 0 and room > best_room:
-                        best, best_room = (g, c, mode, to_cell, mode), room
-        return best
-
-    # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
-    # receives one need not pass one on (unless the greedy's switches fall short of that peak); the
-    # cap ends any back and forth that would leave.
-    unchecked, steps = set(rows_of_rank), 10 * len(counts) * max(len(group.modes) for group in groups)
-    while unchecked and steps:
-        rank = min(unchecked)
-        now = peak(rank)
-        if now <= budget_mib:
-            unchecked.discard(rank)
-            continue
-        step = cheapest_switch(rank, now) or (roomiest_shift(rank) if move_layers else None)
-        if step is None:
-            break
-        move(*step)
-        unchecked.add(schedule.rank_of(step[3]))  # the rank the layer went to (itself for a switch)
-        steps -= 1
-    if not unchecked:
-        return point()
-    log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
-              format_bytes(spec.memory_budget_bytes))
-    return None
-
-
-def _balanced_cell_sizes(model: _Formulation) -> list[int]:
-    """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
-    head or tail) as near its share of the total as whole layers allow, then each rank's; every
-    stage gets one unless empty stages are allowed or it holds a head or tail."""
-    groups, cells = model.groups, model.schedule.num_stages
-    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size) if group.pinned_cell is None]
-    pinned_load, needs = [0.0] * cells, [0 if model.spec.allow_empty_chunks else 1] * cells
-    for group in groups:
-        if group.pinned_cell is not None:
-            pinned_load[group.pinned_cell] += group.size * (group.forward_ms + group.backward_ms)
-            needs[group.pinned_cell] = 0
-    total = sum(load) + sum(pinned_load)
-    sizes, taken, running = [], 0, 0.0
-    for c in range(cells):
-        running += pinned_load[c]
-        target = total * (c + 1) / cells
-        most = len(load) - taken - sum(needs[c + 1:])
-        size = 0
-        while size < most and (size < needs[c] or running + load[taken + size] / 2 <= target or c == cells - 1):
-            running += load[taken + size]
-            size += 1
-        sizes.append(size)
-        taken += size
-    # With chunks, a rank's stages are far apart in model order and their roundings add up (1.5 layers
-    # per stage rounds to 2, 1, 2, 1, ... and ranks of one parity get 7 layers, the others 5): move
-    # a layer from the busiest rank's largest stage to the idlest rank's smallest while that lowers
-    # the busier of the two.
-    rank_of = [model.schedule.rank_of(c) for c in range(cells)]
-    mean_load = sum(load) / max(len(load), 1)
-    for _ in range(len(load)):
-        rank_load = [0.0] * model.schedule.stages
-        position = 0
-        for c, size in enumerate(sizes):
-            rank_load[rank_of[c]] += pinned_load[c] + sum(load[position:position + size])
-            position += size
-        busiest = max(range(len(rank_load)), key=rank_load.__getitem__)
-        idlest = min(range(len(rank_load)), key=rank_load.__getitem__)
-        giver = max((c for c in model.schedule.stages_of(busiest) if sizes[c] > needs[c]),
-                    key=sizes.__getitem__, default=None)
-        taker = min(model.schedule.stages_of(idlest), key=sizes.__getitem__)
-        if giver is None or rank_load[idlest] + mean_load >= rank_load[busiest]:
-            break
-        sizes[giver] -= 1
-        sizes[taker] += 1
-    return sizes
 
 
 def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group]) -> float:
@@ -676,6 +517,26 @@ class _Formulation:
         critical path becomes a row when `values` runs faster than it and no row holds it yet (or,
         with `add_path`, whenever no row holds it): the iteration time is at least the path's
         durations plus its P2P times."""
+        terms, hops = self._critical_path(values)
+        length = hops * self.spec.p2p_ms + _dot(terms, values)
+        key = (tuple(sorted(terms.items())), hops)
+        if add_path is None:
+            add_path = length > _within(values[self.iteration])
+        if add_path and key not in self.paths:
+            self.paths.add(key)
+            self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
+        return length
+
+    def critical_time_per_cell(self, values: list[float]) -> list[float]:
+        """Milliseconds the critical path of `values` spends on each virtual stage."""
+        terms, _ = self._critical_path(values)
+        return [sum(terms.get(self.duration[cell, kind], 0.0) * values[self.duration[cell, kind]]
+                    for kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+                for cell in range(self.schedule.num_stages)]
+
+    def _critical_path(self, values: list[float]) -> tuple[dict[int, float], int]:
+        """The simulator's critical path for the durations in `values`: how many times it runs each
+        duration variable, and how many times it changes rank."""
         schedule = self.schedule
         costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
         for virtual in range(schedule.num_stages):
@@ -691,14 +552,7 @@ class _Formulation:
         for action in chain:
             terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
         hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
-        length = hops * self.spec.p2p_ms + _dot(terms, values)
-        key = (tuple(sorted(terms.items())), hops)
-        if add_path is None:
-            add_path = length > _within(values[self.iteration])
-        if add_path and key not in self.paths:
-            self.paths.add(key)
-            self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
-        return length
+        return terms, hops
 
     def add_paths_of_slower_stages(self, values: list[float]) -> None:
         """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower."""
@@ -753,12 +607,14 @@ class _Formulation:
         Interleaved1F1B, ZBVZeroBubble and DualPipeV stop at 40 s with 1.7-3.4% gaps, with them they
         are proven in 2-3 s)."""
         schedule = self.schedule
+        self.rank_total: dict[int, int] = {}
         for rank in range(schedule.stages):
             cells = set(schedule.stages_of(rank))
             terms = {variable: 1.0 for (_, cell, _), variable in self.count.items() if cell in cells}
             if len(terms) > 1:
                 total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
                 self.milp.row({**terms, total: -1.0}, 0.0, 0.0)
+                self.rank_total[rank] = total
 
     def _mindformers_expressible(self, cells: int) -> None:
         """MindFormers counts recompute per stage as prefixes (recompute <= both <= select or comm), so

@@ -142,7 +142,7 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
     assert model.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
 
 
-def test_a_search_that_finds_no_plan_in_time_returns_the_balanced_split(caplog):
+def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_search(caplog):
     """16 x 4 x 128 interleaved (16,384 actions): the search's first LP alone takes over 30 s here."""
     from solver import search
 
@@ -150,7 +150,7 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_balanced_split(caplog):
     spec = spec_for("Interleaved1F1B", 16, 4, 128, 56000)
     with caplog.at_level("INFO", logger="solver"):
         plan = solve(profile, spec, time_limit_s=1)
-    assert "the search's best plan is none; the balanced split runs" in caplog.text
+    assert "the search's best plan is none; the plan found without search runs" in caplog.text
     assert plan.status == "feasible" and plan.fits
     schedule = spec.pipeline_schedule
     groups = search._groups(profile, spec, schedule.num_stages)
@@ -163,29 +163,75 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_balanced_split(caplog):
 
 
 def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank():
-    from solver import search
+    from solver import search, start
 
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for("GPipe", 16, 1, 48, 44600)  # 1.1x the least budget that fits
     schedule = spec.pipeline_schedule
     model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
                                 with_budget=True, timing=search.PATHS)
-    assert search._balanced_plan(model, move_layers=False) is None
-    moved = search._plan_of(model, search._balanced_plan(model, move_layers=True))
+    assert start.balanced_plan(model, move_layers=False) is None
+    moved = search._plan_of(model, start.balanced_plan(model, move_layers=True))
     assert moved.fits
     body = [count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)]  # no head, tail
-    assert body != search._balanced_cell_sizes(model) and sum(body) == 192
+    assert body != start.balanced_cell_sizes(model) and sum(body) == 192
+
+
+def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
+    from solver import search, start
+
+    profile = load_profile(SAPP / "sim.json")  # four recompute modes
+    spec = spec_for("1F1B", 16, 1, 16, 56000)
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.PATHS)
+    values = start.balanced_plan(model, move_layers=False)
+    budget_mib = 56000
+    switched = 0
+    for (g, c, mode), variable in model.count.items():
+        group = model.groups[g]
+        for quicker in (m for m in group.modes if group.extra_ms[m] < group.extra_ms[mode]):
+            if round(values[variable]):  # one layer of this stage to a quicker mode: over the budget
+                trial = list(values)
+                trial[variable] -= 1
+                trial[model.count[g, c, quicker]] += 1
+                model.update_working_set(trial, c)
+                assert max(row.value(trial) for rank, row in model.memory_rows if rank == c) > budget_mib
+                switched += 1
+    assert switched > 0  # the budget binds: some layers recompute
+    # The greedy alone, switching a layer at a time, left stage 0 with 4 selective+comm and 8 full
+    # layers and the plan 10,922.4 ms of recompute per step: its last switches freed more than needed.
+    assert {m: round(values[model.count[1, 0, m]]) for m in model.groups[1].modes} == {
+        "none": 0, "comm": 1, "selective+comm": 3, "full": 8}
+    assert search._dot(model.recompute_terms, values) == pytest.approx(10776.6)
+
+
+def test_moving_layers_one_at_a_time_shortens_the_balanced_split():
+    from solver import search, start
+
+    profile = load_profile(SAPP / "test.json")
+    spec = spec_for("Interleaved1F1B", 8, 2, 16, 56000)
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.START_TIMES)
+    balanced = start.balanced_plan(model, move_layers=False)
+    moved = start.improved_by_moves(model, balanced)
+    plan = search._plan_of(model, moved)
+    assert plan.fits and plan.iteration_time_ms == pytest.approx(moved[model.iteration])
+    assert search._plan_of(model, balanced).iteration_time_ms == pytest.approx(150720)
+    assert plan.iteration_time_ms == pytest.approx(147420)  # 2.2% faster
+    assert sum(plan.stage_layer_counts) == 98 and plan.stage_layer_counts != search._plan_of(model, balanced).stage_layer_counts
 
 
 def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions_of_a_layer():
-    from solver import search
+    from solver import search, start
 
     profile = load_profile(SAPP / "test.json")  # 96 body layers on 64 virtual stages: 1.5 each
     spec = spec_for("Interleaved1F1B", 16, 4, 16, 10**6)
     schedule = spec.pipeline_schedule
     model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
                                 with_budget=True, timing=search.PATHS)
-    sizes = search._balanced_cell_sizes(model)
+    sizes = start.balanced_cell_sizes(model)
     # Rounded stage by stage they alternate 2, 1, 2, 1, ... and ranks got 7 and 5 layers by turns.
     assert [sum(sizes[c] for c in range(64) if schedule.rank_of(c) == rank) for rank in range(16)] == [6] * 16
     assert sorted(set(sizes)) == [1, 2] and sum(sizes) == 96
