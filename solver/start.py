@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from simulator.units import format_bytes
+from solver.milp import INF
 from solver.profile import COMM, SELECTIVE
 
 if TYPE_CHECKING:
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("solver")
 MIB = 2**20
-INF = float("inf")
 Key = tuple[int, int, str]  # (group, virtual stage, mode)
 
 

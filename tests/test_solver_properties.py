@@ -109,9 +109,9 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
         assert plan.fits
         assert plan.iteration_time_ms >= optimum * (1 - 1e-9)
         assert values[model.iteration] == pytest.approx(plan.iteration_time_ms)
-        if True:  # what a search with start times falls back on: the balanced plan, layers moved
-            improved = start.improved_by_moves(model, values)
-            moved = search._plan_of(model, improved)
-            assert moved.fits
-            assert optimum * (1 - 1e-9) <= moved.iteration_time_ms <= plan.iteration_time_ms * (1 + 1e-9)
-            assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
+        # What a search with start times falls back on: the balanced plan with layers moved.
+        improved = start.improved_by_moves(model, values)
+        moved = search._plan_of(model, improved)
+        assert moved.fits
+        assert optimum * (1 - 1e-9) <= moved.iteration_time_ms <= plan.iteration_time_ms * (1 + 1e-9)
+        assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
