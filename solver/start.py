@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from simulator.units import format_bytes
+from simulator.units import format_bytes, format_ms
 from solver.milp import INF
 from solver.profile import COMM, SELECTIVE
 
@@ -90,7 +90,7 @@ def improved_by_moves(model: _Formulation, values: list[float], deadline: float 
     moves = 0
     while (better := one_move(best)) is not None:
         best, moves = better, moves + 1
-    log.debug("moving layers one at a time: %d moves, %.6g ms", moves, best[model.iteration])
+    log.info("moving layers one at a time: %d moves, %s ms", moves, format_ms(best[model.iteration]))
     return best
 
 
