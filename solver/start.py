@@ -40,10 +40,11 @@ def balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | No
 def improved_by_moves(model: _Formulation, values: list[float], deadline: float = INF) -> list[float]:
     """From the plan at `values`, move one body layer at a time from one virtual stage to another (the
     layers between them shift by one, in model order) while that shortens the simulated iteration
-    time, the modes of each rank a move changes fitted again as `balanced_plan` fits them. Of the
-    moves, the stages' count most promising are tried, in order of the time the critical path spends
-    per layer on the stage a layer leaves less that on the stage it joins; the first that helps is
-    taken. Stops at a plan none of them shortens, or at `deadline` (time.perf_counter())."""
+    time, the modes of each rank a move changes fitted again as `balanced_plan` fits them. Each step
+    tries at most as many moves as there are virtual stages, the most promising first (by the time
+    the critical path spends per layer on the stage a layer leaves, less that on the stage it joins)
+    and takes the first that helps. Stops at a plan no such move shortens, or at `deadline`
+    (a time.perf_counter() value)."""
     schedule = model.schedule
     cells = schedule.num_stages
     sizes = _body_sizes(model, values)
@@ -52,13 +53,14 @@ def improved_by_moves(model: _Formulation, values: list[float], deadline: float 
     memory = _RankMemory(model)
     fitted: dict[tuple, dict[Key, int] | None] = {}  # a rank's (stage, first layer, size)s -> its counts
 
-    def plan_of(sizes: list[int]) -> list[float] | None:
-        firsts = [sum(sizes[:c]) for c in range(cells)]
+    def plan_of(split: list[int]) -> list[float] | None:
+        """The program's point for body layers split as `split`, or None if a rank cannot fit."""
+        firsts = [sum(split[:c]) for c in range(cells)]
         counts: dict[Key, int] = {}
         for rank in range(schedule.stages):
-            key = tuple((c, firsts[c], sizes[c]) for c in schedule.stages_of(rank))
+            key = tuple((c, firsts[c], split[c]) for c in schedule.stages_of(rank))
             if key not in fitted:
-                fitting = _Fitting(model, sizes, memory)
+                fitting = _Fitting(model, split, memory)
                 fitted[key] = fitting.rank_counts(rank) if fitting.fit({rank}, move_layers=False) else None
             if fitted[key] is None:
                 return None
