@@ -725,13 +725,18 @@ class _Formulation:
     def _counts(self, values: list[float]) -> dict[tuple[int, int, str], int]:
         return {key: round(values[variable]) for key, variable in self.count.items()}
 
-    def stage_layer_counts(self, values: list[float]) -> tuple[int, ...]:
+    def body_layer_counts(self, values: list[float]) -> list[int]:
+        """Per virtual stage, how many layers that can move (not heads or tails) it holds."""
         counts = [0] * self.schedule.num_stages
+        for (_, c, _), number in self._counts(values).items():
+            counts[c] += number
+        return counts
+
+    def stage_layer_counts(self, values: list[float]) -> tuple[int, ...]:
+        counts = self.body_layer_counts(values)
         for group in self.groups:
             if group.pinned_cell is not None:
                 counts[group.pinned_cell] += group.size
-        for (_, c, _), number in self._counts(values).items():
-            counts[c] += number
         return tuple(counts)
 
     def layer_modes(self, values: list[float]) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def improved_by_moves(model: _Formulation, values: list[float], deadline: float 
     (a time.perf_counter() value)."""
     schedule = model.schedule
     cells = schedule.num_stages
-    sizes = _body_sizes(model, values)
+    sizes = model.body_layer_counts(values)
     pinned = _pinned_cells(model)
     least = [0 if model.spec.allow_empty_chunks or c in pinned else 1 for c in range(cells)]
     memory = _RankMemory(model)
@@ -140,13 +140,6 @@ def balanced_cell_sizes(model: _Formulation) -> list[int]:
             break
         sizes[giver] -= 1
         sizes[taker] += 1
-    return sizes
-
-
-def _body_sizes(model: _Formulation, values: list[float]) -> list[int]:
-    sizes = [0] * model.schedule.num_stages
-    for (_, c, _), variable in model.count.items():
-        sizes[c] += round(values[variable])
     return sizes
 
 
