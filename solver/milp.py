@@ -90,6 +90,7 @@ class Milp:
         import highspy
         import numpy as np
 
+        started = time.perf_counter()
         lp = highspy.HighsLp()
         lp.num_col_ = self.num_variables
         lp.num_row_ = self.num_rows
@@ -165,6 +166,14 @@ class Milp:
             highspy.HighsModelStatus.kIterationLimit,
         ):
             status, bound = "stopped", info.mip_dual_bound
+        elif model_status == highspy.HighsModelStatus.kSolveError and hint is not None:
+            # HiGHS 1.16 can fail to complete a partial start with its root heuristics off (seen on a
+            # one-stage, one-layer program); the same search without the start does not.
+            return self.minimize(
+                objective, time_limit_s=time_limit_s - (time.perf_counter() - started), relative_gap=relative_gap,
+                relaxed=relaxed, heuristics=heuristics, incumbents=incumbents, node_limit=node_limit,
+                progress=progress,
+            )
         else:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
         return MilpResult(status, values, objective_value, bound, max(int(info.mip_node_count), 0))

@@ -8,10 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
-from solver_cases import MIB, SAPP, all_plans, brute_force, small_profile
+from solver_cases import MIB, SAPP, all_plans, brute_force, layer, small_profile
 
 from simulator import InputError, simulate
-from solver import InfeasibleError, PipelineSpec, evaluate_plan, load_profile, plan_from_mindformers, solve
+from solver import (
+    InfeasibleError,
+    ModelProfile,
+    PipelineSpec,
+    evaluate_plan,
+    load_profile,
+    plan_from_mindformers,
+    solve,
+)
 from solver.plan import pipeline_costs
 
 CASES = [
@@ -374,3 +382,21 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     plan = solve(keeping, spec, time_limit_s=20)
     assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
     assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
+
+
+def test_a_start_highs_cannot_complete_is_dropped_not_fatal():
+    """HiGHS 1.16 ends in "Solve error" when handed this program's balanced split as a partial start
+    with its root heuristics off (found by the property tests); the search then runs without it."""
+    forward = 1.878044099231201
+    body = layer("l0", "body:a", forward, 2 * forward, 0.0,
+                 modes={"none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)})
+    profile = ModelProfile(layers=(
+        layer("head", "head", 1.225239638914073, 1.6), body,
+        layer("tail", "tail", 1.9589673408284387, 1.3585305598601316, modes={"none": (0.0, 11.0, 0.0)})))
+    plan = solve(profile, spec_for("GPipe", 1, 1, 3, 40), time_limit_s=30)
+    assert plan.status == "optimal" and plan.fits
+    # 3 micro-batches in flight: 3 x (5 + 11) MiB without recompute, 3 x (2.5 + 11) selective: only
+    # full recompute fits 40 MiB (3 x (0.5 + 11) + its 5 MiB working set).
+    assert plan.layer_modes[1] == "full"
+    assert plan.iteration_time_ms == pytest.approx(3 * (1.225239638914073 + forward + 1.9589673408284387)
+                                                   + 3 * (1.6 + 3 * forward + 1.3585305598601316))
