@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.replay import critical_path
@@ -530,8 +530,7 @@ class _Formulation:
     def critical_time_per_cell(self, values: list[float]) -> list[float]:
         """Milliseconds the critical path of `values` spends on each virtual stage."""
         terms, _ = self._critical_path(values)
-        return [sum(terms.get(self.duration[cell, kind], 0.0) * values[self.duration[cell, kind]]
-                    for kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        return [sum(terms.get(self.duration[cell, kind], 0.0) * values[self.duration[cell, kind]] for kind in KINDS)
                 for cell in range(self.schedule.num_stages)]
 
     def _critical_path(self, values: list[float]) -> tuple[dict[int, float], int]:
@@ -607,14 +606,12 @@ class _Formulation:
         Interleaved1F1B, ZBVZeroBubble and DualPipeV stop at 40 s with 1.7-3.4% gaps, with them they
         are proven in 2-3 s)."""
         schedule = self.schedule
-        self.rank_total: dict[int, int] = {}
         for rank in range(schedule.stages):
             cells = set(schedule.stages_of(rank))
             terms = {variable: 1.0 for (_, cell, _), variable in self.count.items() if cell in cells}
             if len(terms) > 1:
                 total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
                 self.milp.row({**terms, total: -1.0}, 0.0, 0.0)
-                self.rank_total[rank] = total
 
     def _mindformers_expressible(self, cells: int) -> None:
         """MindFormers counts recompute per stage as prefixes (recompute <= both <= select or comm), so

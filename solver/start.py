@@ -264,14 +264,18 @@ class _Fitting:
                 break
             self.move(g, c, mode, to_cell, to)
             done.append((g, c, mode, to_cell, to))
-        fits = len(done) == len(steps) and self.peak(rank) <= self.budget_mib and all(
-            not (self.counts.get((g, c, SELECTIVE)) and self.counts.get((g, c, COMM))) for g, c, *_ in steps)
+        fits = (len(done) == len(steps) and self.peak(rank) <= self.budget_mib
+                and all(self.expressible(g, c) for g, c, *_ in steps))
         for g, c, mode, to_cell, to in reversed(done):
             self.move(g, to_cell, to, c, mode)
         return fits
 
     def peak(self, rank: int) -> float:
         return self.memory.peak(rank, self.values)
+
+    def expressible(self, g: int, cell: int) -> bool:
+        """MindFormers cannot state select-only and comm-only layers of one kind in one stage."""
+        return not (self.counts.get((g, cell, SELECTIVE)) and self.counts.get((g, cell, COMM)))
 
     def move(self, g: int, cell: int, mode: str, to_cell: int, to_mode: str) -> None:
         """One layer of group g from (cell, mode) to (to_cell, to_mode), in the counts and in what
@@ -295,8 +299,7 @@ class _Fitting:
                     continue
                 self.move(g, c, mode, c, to)
                 after = self.peak(rank)
-                # MindFormers cannot state select-only and comm-only layers of one kind in one stage
-                expressible = not (counts.get((g, c, SELECTIVE)) and counts.get((g, c, COMM)))
+                expressible = self.expressible(g, c)
                 self.move(g, c, to, c, mode)
                 if expressible and after < now - 1e-9:
                     cost = (groups[g].extra_ms[to] - groups[g].extra_ms[mode]) / (now - after)
