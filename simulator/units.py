@@ -6,6 +6,7 @@ import re
 
 from simulator.errors import InputError
 
+MIB = 2**20  # the unit the solver states memory in (SAPP's files too)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 _UNITS = {
     "b": 1,
@@ -14,7 +15,7 @@ _UNITS = {
     "gb": 10**9,
     "tb": 10**12,
     "kib": 2**10,
-    "mib": 2**20,
+    "mib": MIB,
     "gib": 2**30,
     "tib": 2**40,
 }
@@ -37,7 +38,7 @@ def parse_bytes(text: str, field: str) -> int:
 
 def format_bytes(size: float) -> str:
     """Binary units, three significant figures: `12.3 GiB`, `512 MiB`, `0 B`."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10)):
         if abs(size) >= scale:
             return f"{size / scale:.3g} {unit}"
     return f"{size:.0f} B"

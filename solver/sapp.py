@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from simulator.errors import InputError
+from simulator.units import MIB
 from solver.fields import Fields
 from solver.profile import (
     COMM,
@@ -32,7 +33,6 @@ from solver.profile import (
     RecomputeCost,
 )
 
-MIB = 2**20
 BACKWARD_RATIO = 2.0
 # mode: (activation key, coefficient key, explicit backward time key, SAPP's default coefficient)
 SAPP_TYPES = {

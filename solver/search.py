@@ -26,7 +26,7 @@ from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.replay import critical_path
 from simulator.schedule import Schedule
-from simulator.units import format_bytes, format_ms
+from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
 from solver.plan import Plan, evaluate_plan, ordered_modes
@@ -35,7 +35,6 @@ from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
 
 log = logging.getLogger("solver")
-MIB = 2**20
 TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
 # Tie-breaks stop after this many branch-and-bound nodes (a node count, unlike a time, keeps the
 # answer deterministic). Measured on SAPP's fixtures: they find their plan within it and prove it

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from simulator.units import format_bytes, format_ms
+from simulator.units import MIB, format_bytes, format_ms
 from solver.milp import INF
 from solver.profile import COMM, SELECTIVE
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from solver.search import _Formulation, _Linear
 
 log = logging.getLogger("solver")
-MIB = 2**20
 Key = tuple[int, int, str]  # (group, virtual stage, mode)
 
 
