@@ -19,6 +19,8 @@ from solver.plan import evaluate_plan
 from solver.profile import ModelProfile, RecomputeCost
 from solver.spec import PipelineSpec
 
+MIN_SCALE = 0.05  # a floor on the time factor, so that a stray step cannot make times vanish
+
 
 @dataclass(frozen=True)
 class Run:
@@ -74,6 +76,8 @@ def rank_end_ms(run: Run, time_scale: float = 1.0, action_overhead_ms: float = 0
 
 
 def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
+    """The time factor (>= MIN_SCALE) and per-action overhead (>= 0) that predict the runs' step times
+    best; never a worse fit than none (factor 1, no overhead)."""
     if not runs:
         raise InputError("runs", "expected at least one measured run")
 
@@ -85,23 +89,22 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
         return out
 
     scale, overhead = 1.0, 0.0
-    before = _rms(residuals(scale, overhead))
+    r = residuals(scale, overhead)
+    before = _rms(r)
     for _ in range(iterations):
-        r = residuals(scale, overhead)
         d_scale = [(a - b) / 1e-3 for a, b in zip(residuals(scale + 1e-3, overhead), r)]
         d_overhead = [(a - b) / 1e-2 for a, b in zip(residuals(scale, overhead + 1e-2), r)]
-        # normal equations of the 2-parameter linear least squares step
-        a11 = sum(x * x for x in d_scale)
-        a12 = sum(x * y for x, y in zip(d_scale, d_overhead))
-        a22 = sum(y * y for y in d_overhead)
-        b1 = -sum(x * e for x, e in zip(d_scale, r))
-        b2 = -sum(y * e for y, e in zip(d_overhead, r))
-        determinant = a11 * a22 - a12 * a12
-        if abs(determinant) < 1e-12:
+        step_scale, step_overhead = _bounded_step(r, d_scale, d_overhead, scale, overhead)
+        # The replay is piecewise linear in both: a step across a kink can raise the error; halve it
+        # until the error falls, and stop where no step lowers it.
+        for _ in range(8):
+            tried = residuals(scale + step_scale, overhead + step_overhead)
+            if _rms(tried) < _rms(r):
+                break
+            step_scale, step_overhead = step_scale / 2, step_overhead / 2
+        else:
             break
-        step_scale = (b1 * a22 - b2 * a12) / determinant
-        step_overhead = (a11 * b2 - a12 * b1) / determinant
-        scale, overhead = max(0.05, scale + step_scale), max(0.0, overhead + step_overhead)
+        scale, overhead, r = scale + step_scale, overhead + step_overhead, tried
         if abs(step_scale) < 1e-6 and abs(step_overhead) < 1e-5:
             break
     memory_gaps = []
@@ -113,6 +116,34 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
     constant = sum(memory_gaps) / len(memory_gaps) if memory_gaps else 0.0
     return Calibration(time_scale=scale, action_overhead_ms=overhead, stage_constant_bytes=constant,
                        error_before=before, error_after=_rms(residuals(scale, overhead)))
+
+
+def _bounded_step(errors: list[float], d_scale: list[float], d_overhead: list[float], scale: float,
+                  overhead: float) -> tuple[float, float]:
+    """The Gauss-Newton step on (scale, overhead) that keeps scale >= MIN_SCALE and overhead >= 0: the
+    joint step where it stays within them, else the best of the steps with one of the two on its bound
+    (a run whose engine is faster than the profile wants a negative overhead; zero is what it gets)."""
+    a11 = sum(x * x for x in d_scale)
+    a12 = sum(x * y for x, y in zip(d_scale, d_overhead))
+    a22 = sum(y * y for y in d_overhead)
+    b1 = -sum(x * e for x, e in zip(d_scale, errors))
+    b2 = -sum(y * e for y, e in zip(d_overhead, errors))
+    low_scale, low_overhead = MIN_SCALE - scale, -overhead  # the steps that reach the bounds
+
+    def predicted(step: tuple[float, float]) -> float:  # the squared error the linear model predicts
+        return sum((e + x * step[0] + y * step[1]) ** 2 for e, x, y in zip(errors, d_scale, d_overhead))
+
+    candidates = [(0.0, 0.0)]
+    determinant = a11 * a22 - a12 * a12
+    if determinant > 1e-12 * a11 * a22:
+        candidates.append(((b1 * a22 - b2 * a12) / determinant, (a11 * b2 - a12 * b1) / determinant))
+    for fixed_overhead in (0.0, low_overhead):
+        if a11 > 0:
+            candidates.append((max((b1 - a12 * fixed_overhead) / a11, low_scale), fixed_overhead))
+    if a22 > 0:
+        candidates.append((low_scale, max((b2 - a12 * low_scale) / a22, low_overhead)))
+    feasible = [step for step in candidates if step[0] >= low_scale - 1e-12 and step[1] >= low_overhead - 1e-12]
+    return min(feasible, key=predicted)
 
 
 def _rms(values: list[float]) -> float:

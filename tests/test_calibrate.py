@@ -50,3 +50,27 @@ def test_the_constant_memory_per_stage_is_the_mean_excess():
     _, calibrated_spec = found.apply(profile, spec)
     again = evaluate_plan(profile, calibrated_spec, counts, modes).stage_peak_memory_bytes
     assert again == pytest.approx([peak + 5 * 2**20 for peak in predicted])
+
+
+def test_a_negative_overhead_is_held_at_zero_and_the_fit_never_worsens():
+    """Runs whose recompute costs more than the profile says (the gloo runs do): the free optimum has a
+    negative overhead. The fit holds it at 0 and finds the best factor there, better than none."""
+    profile = small_profile(8)
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    runs = []
+    for mode, slower in (("none", 1.09), ("full", 1.19)):
+        modes = ["none"] + [mode] * 8 + ["none"]
+        exact = measured_like(profile, spec, (3, 2, 3, 2), modes, scale=1.0, overhead=0.0)
+        runs.append(Run(profile, spec, exact.stage_layer_counts, exact.layer_modes,
+                        tuple(ms * slower for ms in exact.measured_step_ms)))
+    found = calibrate(runs)
+    assert found.action_overhead_ms == 0.0
+    assert found.error_after < found.error_before
+
+    def rms(scale, overhead):
+        errors = [(p - m) / m for run in runs for p, m in zip(rank_end_ms(run, scale, overhead), run.measured_step_ms)]
+        return (sum(e * e for e in errors) / len(errors)) ** 0.5
+
+    assert found.error_after == pytest.approx(rms(found.time_scale, 0.0))
+    for scale, overhead in ((found.time_scale * 0.99, 0.0), (found.time_scale * 1.01, 0.0), (found.time_scale, 0.5)):
+        assert rms(scale, overhead) > found.error_after
