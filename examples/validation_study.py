@@ -10,18 +10,15 @@ Writes results.json, summary.md and errors.png into the folder. The README's fig
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import statistics
 from pathlib import Path
 
 from sapp_hook.models import load_config, profile_example
-from sapp_hook.validate import Setup, validate
-from simulator.schedules import schedule_kind
-from solver import ModelProfile, PipelineSpec
+from sapp_hook.validate import Setup, measured_run, validate
+from solver import ModelProfile
 from solver.calibrate import Run, calibrate, rank_end_ms
-from solver.profile import SELECTIVE
 
 MICRO_BATCH_SIZE, SEQ_LEN, MICRO_BATCHES, STEPS = 1, 128, 8, 4
 # model, stages, schedule, chunks, plans, memory budget (MiB; None: no limit)
@@ -49,14 +46,11 @@ def main() -> None:
     }
     results = []
     for model, stages, schedule, chunks, plans, budget_mib in CASES:
-        profile = profiles[model]
-        if schedule_kind(schedule).splits_backward:
-            profile = without_selective(profile)  # torch allows one backward through a selective region
-        for plan in plans:
+        for plan in plans:  # validate leaves selective recompute out where the schedule splits the backward
             setup = Setup(model=model, stages=stages, schedule=schedule, chunks=chunks, micro_batches=MICRO_BATCHES,
                           steps=STEPS, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, plan=plan,
                           memory_budget_bytes=float("inf") if budget_mib is None else budget_mib * 2**20)
-            report = validate(setup, profile=profile)
+            report = validate(setup, profile=profiles[model])
             report["memory_budget_mib"] = budget_mib
             results.append(report)
             print(f"{model} {schedule} x{stages} {plan}: predicted {report['predicted_iteration_ms']:.0f} ms, "
@@ -68,20 +62,8 @@ def main() -> None:
     print((out / "summary.md").read_text())
 
 
-def without_selective(profile: ModelProfile) -> ModelProfile:
-    layers = tuple(
-        dataclasses.replace(layer, recompute={m: c for m, c in layer.recompute.items() if m != SELECTIVE})
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
-
-
 def as_run(report: dict, profiles: dict[str, ModelProfile]) -> Run:
-    spec = PipelineSpec(stages=report["stages"], chunks=report["chunks"], micro_batches=report["micro_batches"],
-                        schedule=report["schedule"])
-    return Run(profile=profiles[report["model"]], spec=spec, stage_layer_counts=tuple(report["stage_layer_counts"]),
-               layer_modes=tuple(report["layer_modes"]),
-               measured_step_ms=tuple(r["measured_step_ms"] for r in report["ranks"]))
+    return measured_run(report, profiles[report["model"]])
 
 
 def calibrated(results: list[dict], profiles: dict[str, ModelProfile]) -> dict:

@@ -21,6 +21,8 @@ from typing import Any
 from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
+from solver.calibrate import Run
+from solver.fields import Fields
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
@@ -45,20 +47,23 @@ class Setup:
 
 
 def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
-    """Profile (unless given), plan, run the plan on `setup.stages` processes, and compare."""
-    from sapp_hook.models import load_config, profile_example
+    """Profile (unless given), plan, run the plan on `setup.stages` processes, and compare. Under a
+    schedule that splits the backward, a given profile's selective recompute is left out: torch runs
+    one backward through a selective-checkpoint region."""
+    from sapp_hook.models import load_config
     from simulator.schedules import schedule_kind
 
     for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len"):
         value = getattr(setup, name)
         if not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
-    config = load_config(setup.model)
+    load_config(setup.model)  # a bad model fails here, not in every rank
     if profile is None:
-        modes = (NONE, FULL) if schedule_kind(setup.schedule).splits_backward else (NONE, SELECTIVE, FULL)
-        log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
-        profile = profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
-                                  seq_len=setup.seq_len, modes=modes, model_name=setup.model)
+        profile = profile_for(setup)
+    else:
+        _check_profile_of(setup, profile)
+        if schedule_kind(setup.schedule).splits_backward:
+            profile = without_selective(profile)
     spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
                         schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes)
     plan = choose_plan(profile, spec, setup.plan)
@@ -66,6 +71,38 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
     with tempfile.TemporaryDirectory(dir=workdir) as folder:
         measured = run_pipeline(setup, json.loads(json.dumps(plan.to_dict())), Path(folder))
     return compare(setup, profile, plan, measured)
+
+
+def profile_for(setup: Setup) -> ModelProfile:
+    """The setup's model profiled in this process, in the recompute modes its schedule can run."""
+    from sapp_hook.models import load_config, profile_example
+    from simulator.schedules import schedule_kind
+
+    config = load_config(setup.model)
+    modes = (NONE, FULL) if schedule_kind(setup.schedule).splits_backward else (NONE, SELECTIVE, FULL)
+    log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
+    return profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
+                           seq_len=setup.seq_len, modes=modes, model_name=setup.model)
+
+
+def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
+    """A given profile must be of the setup's model at its micro-batch shape (where it says so)."""
+    if profile.model and profile.model != setup.model:
+        raise InputError("profile", f"is a profile of {profile.model!r}; this run trains {setup.model!r}")
+    shape = (profile.micro_batch.get("size"), profile.micro_batch.get("sequence"))
+    if None not in shape and shape != (setup.micro_batch_size, setup.seq_len):
+        raise InputError("profile", f"was measured at {shape[0]} x {shape[1]} tokens per micro-batch; this run uses "
+                                    f"{setup.micro_batch_size} x {setup.seq_len} (--micro-batch-size, --seq-len)")
+
+
+def without_selective(profile: ModelProfile) -> ModelProfile:
+    """`profile` without its selective-recompute costs (layers that offer only it keep it)."""
+    layers = tuple(
+        dataclasses.replace(layer, recompute={m: c for m, c in layer.recompute.items() if m != SELECTIVE})
+        if len(layer.recompute) > 1 else layer
+        for layer in profile.layers
+    )
+    return dataclasses.replace(profile, layers=layers)
 
 
 def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
@@ -257,6 +294,43 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
         "ranks": ranks,
         "losses": next((r["losses"] for r in measured if any(r["losses"])), []),
     }
+
+
+def measured_run(report: object, profile: ModelProfile, where: str = "report") -> Run:
+    """A `validate` report (its JSON) as a calibration `Run` of `profile`: the plan it ran, with the P2P
+    time it measured, and each rank's measured step time. The profile must be the one the run was
+    planned from (`sapp-hook validate --profile-out`)."""
+    fields = Fields(report, where)
+    try:
+        return _measured_run(fields, profile)
+    except InputError as exc:
+        if exc.field.startswith(where):
+            raise
+        raise InputError(fields.at(exc.field), exc.detail) from None
+
+
+def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
+    spec = PipelineSpec(
+        stages=fields.integer("stages", required=True, least=1),
+        chunks=fields.integer("chunks", required=True, least=1),
+        micro_batches=fields.integer("micro_batches", required=True, least=1),
+        schedule=fields.text("schedule", required=True),
+        p2p_ms=fields.number("p2p_ms", 0.0),
+    )
+    counts, modes, ranks = (fields.raw(key) for key in ("stage_layer_counts", "layer_modes", "ranks"))
+    if not isinstance(ranks, list) or len(ranks) != spec.stages:
+        raise InputError(fields.at("ranks"), f"expected a list of {spec.stages} ranks, got {ranks!r:.80}")
+    steps = tuple(Fields(row, f"{fields.at('ranks')}[{i}]").number("measured_step_ms", required=True)
+                  for i, row in enumerate(ranks))
+    if not all(steps):
+        raise InputError(fields.at("ranks"), "expected every measured_step_ms > 0")
+    if not isinstance(counts, list) or not isinstance(modes, list):
+        raise InputError(fields.at("stage_layer_counts"), "expected the plan's stage_layer_counts and layer_modes as lists")
+    if len(modes) != len(profile.layers):
+        raise InputError(fields.at("layer_modes"), f"{len(modes)} layers, but the profile has {len(profile.layers)}: "
+                                                   "calibrate with the profile the run was planned from")
+    plan = evaluate_plan(profile, spec, tuple(counts), tuple(modes))  # checks the plan against the profile
+    return Run(profile, spec, plan.stage_layer_counts, plan.layer_modes, steps)
 
 
 def _error(predicted: float, measured: float) -> float:

@@ -11,6 +11,7 @@ from profiler_cases import GPT2
 
 from sapp_hook.models import build_model, load_config, random_batch
 from sapp_hook.validate import Setup, validate
+from simulator import InputError
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +40,39 @@ def test_a_plan_runs_as_predicted(gpt2_config, schedule, chunks, plan):
     with torch.no_grad():
         expected = [model(input_ids=chunk, labels=chunk).loss.item() for chunk in batch.chunk(4)]
     assert report["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_cli_loop_validate_then_calibrate(gpt2_config, tmp_path, capsys):
+    """`validate --profile-out` saves the profile it planned from; a second run plans from it
+    (`--profile`); `calibrate` fits both runs."""
+    from sapp_hook.cli import main
+
+    profile = tmp_path / "profile.json"
+    base = ["validate", "--model", gpt2_config, "--stages", "2", "--schedule", "1F1B", "--micro-batches", "4",
+            "--steps", "2", "--micro-batch-size", "2", "--seq-len", "32", "--json"]
+    reports = []
+    for flags in (["--even", "--profile-out", str(profile)], ["--even-full", "--profile", str(profile)]):
+        assert main([*base, *flags]) == 0
+        reports.append(tmp_path / f"run{len(reports)}.json")
+        reports[-1].write_text(capsys.readouterr().out)
+    assert json.loads(reports[1].read_text())["layer_modes"][1] == "full"
+    assert main(["calibrate", "--profile", str(profile), *map(str, reports), "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["runs"] == 2 and fit["time_scale"] > 0
+    assert fit["step_error_after"] <= fit["step_error_before"]
+
+
+@pytest.mark.parametrize(("model", "micro_batch", "message"), [
+    ("tiny-llama", {}, "is a profile of 'tiny-llama'; this run trains"),
+    ("", {"size": 1, "sequence": 128}, "was measured at 1 x 128 tokens per micro-batch; this run uses 2 x 32"),
+])
+def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micro_batch, message):
+    import dataclasses
+
+    from solver_cases import small_profile
+
+    profile = dataclasses.replace(small_profile(4), model=model, micro_batch=micro_batch)
+    setup = Setup(model=gpt2_config, stages=2, schedule="1F1B", micro_batches=4, micro_batch_size=2, seq_len=32)
+    with pytest.raises(InputError, match="profile") as error:
+        validate(setup, profile=profile)
+    assert message in str(error.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from sapp_hook.cli import apply, demo, profile, run, simulate, solve, validate
+from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
 from sapp_hook.cli.common import fail
 
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.add_parser(commands)
     run.add_parser(commands)
     validate.add_parser(commands)
+    calibrate.add_parser(commands)
     demo.add_parser(commands)
     return parser
 

@@ -65,6 +65,13 @@ def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> No
     )
 
 
+def add_overhead_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--action-overhead", type=float, default=0.0, metavar="MS",
+        help="the engine's own ms per forward, backward and weight-gradient action (sapp-hook calibrate fits it)",
+    )
+
+
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="OUT", help="write a Gantt chart with memory curves (.png, .svg or .pdf)")
     parser.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace (.json)")

@@ -7,6 +7,7 @@ import math
 
 from sapp_hook.cli.common import (
     add_output_flags,
+    add_overhead_flag,
     add_pipeline_flags,
     check_milliseconds,
     command,
@@ -52,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--plan", metavar="FILE", help="with --profile: a plan JSON written by sapp-hook solve")
     parser.add_argument("--memory", default="0", metavar="SIZE", help="with --mindformers-plan: the budget to check")
+    add_overhead_flag(parser)
     add_output_flags(parser)
     parser.set_defaults(run=command(PROG, _run))
 
@@ -109,12 +111,16 @@ def _replay_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     notes: list[str] = []
     if args.plan:
+        if args.action_overhead:
+            raise InputError("--action-overhead", "a plan JSON states its own (spec.action_overhead_ms); "
+                                                  "give it with --mindformers-plan")
         plan = plan_from_dict(profile, read_document(args.plan, "--plan"))
     else:
         for name in ("schedule", "stages", "micro_batches"):
             if getattr(args, name) is None:
                 fail(PROG, f"--mindformers-plan needs --{name.replace('_', '-')}")
         check_milliseconds("--p2p", args.p2p)
+        check_milliseconds("--action-overhead", args.action_overhead)
         budget = size_flag(args, "memory", notes) or math.inf
         spec = PipelineSpec(
             stages=args.stages,
@@ -123,6 +129,7 @@ def _replay_plan(args: argparse.Namespace) -> int:
             chunks=args.chunks,
             memory_budget_bytes=budget,
             p2p_ms=args.p2p,
+            action_overhead_ms=args.action_overhead,
             microbatch_group_size=args.microbatch_group_size,
         )
         keys = mindformers_keys(read_document(args.mindformers_plan, "--mindformers-plan"), "--mindformers-plan")

@@ -9,6 +9,7 @@ import yaml
 
 from sapp_hook.cli.common import (
     add_output_flags,
+    add_overhead_flag,
     add_pipeline_flags,
     check_milliseconds,
     command,
@@ -47,6 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
         help="shard optimizer state (1), also gradients (2), also parameters (3, FSDP) over --data-parallel",
     )
+    add_overhead_flag(parser)
     parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
@@ -58,6 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
     check_milliseconds("--p2p", args.p2p)
+    check_milliseconds("--action-overhead", args.action_overhead)
     notes: list[str] = []
     budget = size_flag(args, "memory", notes)
     constant = size_flag(args, "stage_constant", notes)
@@ -71,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
         memory_budget_bytes=budget,
         stage_constant_bytes=constant,
         p2p_ms=args.p2p,
+        action_overhead_ms=args.action_overhead,
         data_parallel=args.data_parallel,
         zero_stage=args.zero_stage,
         allow_empty_chunks=args.allow_empty_chunks,

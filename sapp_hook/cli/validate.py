@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
-from sapp_hook.cli.common import add_pipeline_flags, command, configure_logging, say, size_flag
+from sapp_hook.cli.common import (
+    add_pipeline_flags,
+    command,
+    configure_logging,
+    output_paths,
+    say,
+    size_flag,
+)
+from simulator import InputError
 from simulator.units import format_bytes
+from solver import load_profile
 
 PROG = "sapp-hook validate"
 
@@ -29,6 +39,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     which.add_argument("--even", action="store_true", help="the even split without recompute")
     which.add_argument("--even-full", action="store_true", help="the even split with full recompute")
     parser.add_argument("--memory", default=None, metavar="SIZE", help="memory budget per device for the solver")
+    parser.add_argument("--profile", metavar="FILE", help="plan from this profile instead of profiling first")
+    parser.add_argument("--profile-out", metavar="OUT", help="write the profile planned from (for sapp-hook calibrate)")
     parser.add_argument("--steps", type=int, default=4, metavar="N", help="measured steps (default 4)")
     parser.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="default 1")
     parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
@@ -45,14 +57,23 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(talk)
     import transformers
 
-    from sapp_hook.validate import Setup, validate
+    from sapp_hook.validate import Setup, profile_for, validate
 
     transformers.logging.set_verbosity_error()
+    outputs = output_paths(args, ("profile_out",))
     plan = args.plan or ("even" if args.even else "even-full" if args.even_full else "solve")
     setup = Setup(model=args.model, stages=args.stages, chunks=args.chunks, schedule=args.schedule,
                   micro_batches=args.micro_batches, steps=args.steps, micro_batch_size=args.micro_batch_size,
                   seq_len=args.seq_len, memory_budget_bytes=budget, plan=plan)
-    report = validate(setup)
+    profile = load_profile(args.profile) if args.profile else profile_for(setup)
+    if "profile_out" in outputs:
+        try:
+            profile.save(outputs["profile_out"])
+        except OSError as exc:
+            raise InputError("--profile-out", f"cannot write {outputs['profile_out']}: {exc.strerror or exc}") from None
+        if talk:
+            print(f"wrote {outputs['profile_out']}", file=sys.stderr)
+    report = validate(setup, profile=profile)
     if args.json:
         print(json.dumps(report, indent=2))
     elif talk:
