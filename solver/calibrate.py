@@ -95,6 +95,8 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
         d_scale = [(a - b) / 1e-3 for a, b in zip(residuals(scale + 1e-3, overhead), r)]
         d_overhead = [(a - b) / 1e-2 for a, b in zip(residuals(scale, overhead + 1e-2), r)]
         step_scale, step_overhead = _bounded_step(r, d_scale, d_overhead, scale, overhead)
+        if step_scale == step_overhead == 0.0:
+            break
         # The replay is piecewise linear in both: a step across a kink can raise the error; halve it
         # until the error falls, and stop where no step lowers it.
         for _ in range(8):
@@ -115,7 +117,7 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
             memory_gaps += [m - p for m, p in zip(run.measured_peak_bytes, predicted)]
     constant = sum(memory_gaps) / len(memory_gaps) if memory_gaps else 0.0
     return Calibration(time_scale=scale, action_overhead_ms=overhead, stage_constant_bytes=constant,
-                       error_before=before, error_after=_rms(residuals(scale, overhead)))
+                       error_before=before, error_after=_rms(r))
 
 
 def _bounded_step(errors: list[float], d_scale: list[float], d_overhead: list[float], scale: float,

@@ -113,3 +113,21 @@ def test_overhead_flag_errors(runs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--profile", str(profile_path), "--plan", str(plan_json), "--action-overhead", "1"])
     assert "--action-overhead: a plan JSON states its own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["calibrate", "solve"])
+def test_an_output_that_cannot_be_written_is_one_error_naming_its_flag(runs, capsys, command):
+    profile_path, reports = runs
+    unwritable = "/proc/sapp-hook-test.json"  # /proc is a folder no file can be made in
+    if command == "calibrate":
+        argv = ["calibrate", "--profile", str(profile_path), *reports, "--profile-out", unwritable]
+        flag = "--profile-out"
+    else:
+        argv = ["solve", "--profile", str(profile_path), "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
+                "--memory", "1GiB", "--plan-out", unwritable, "--quiet"]
+        flag = "--plan-out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"sapp-hook {command}: error: {flag}: cannot write {unwritable}: ")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sapp_hook.cli.common import command, configure_logging, finish, output_paths
-from simulator import InputError
+from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
 from solver import load_profile
 from solver.calibrate import calibrate, scale_times
 from solver.profile import read_json
@@ -50,11 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     written = []
     if "profile_out" in outputs:
-        try:
-            scale_times(profile, fit.time_scale).save(outputs["profile_out"])
-        except OSError as exc:
-            raise InputError("--profile-out", f"cannot write {outputs['profile_out']}: {exc.strerror or exc}") from None
-        written.append(str(outputs["profile_out"]))
+        written.append(write_output(outputs, "profile_out", scale_times(profile, fit.time_scale).save))
     solve_with = (f"--profile {outputs['profile_out']}" if "profile_out" in outputs
                   else f"--profile PROFILE (the times x {fit.time_scale:.4g}: --profile-out writes it)")
     report = "\n".join([

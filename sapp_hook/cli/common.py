@@ -123,21 +123,27 @@ def write_replay_outputs(result: SimulationResult, outputs: dict[str, Path], tal
             continue
         if talk:
             print(f"writing {path} ...", file=sys.stderr)
-        try:
-            if name == "plot":
-                from simulator.plot import draw_gantt
+        if name == "plot":
+            from simulator.plot import draw_gantt
 
-                draw_gantt(result, path)
-            elif name == "trace":
-                from simulator.trace import write_chrome_trace
+            written.append(write_output(outputs, name, lambda out: draw_gantt(result, out)))
+        elif name == "trace":
+            from simulator.trace import write_chrome_trace
 
-                write_chrome_trace(result, path)
-            else:
-                result.schedule.write_csv(path)
-        except OSError as exc:
-            raise InputError(f"--{name}", f"cannot write {path}: {exc.strerror or exc}") from None
-        written.append(str(path))
+            written.append(write_output(outputs, name, lambda out: write_chrome_trace(result, out)))
+        else:
+            written.append(write_output(outputs, name, result.schedule.write_csv))
     return written
+
+
+def write_output(outputs: dict[str, Path], name: str, write: Callable[[Path], object]) -> str:
+    """`write(path)` for the output file `name` asked for; a failure is one error naming its flag."""
+    path = outputs[name]
+    try:
+        write(path)
+    except OSError as exc:
+        raise InputError("--" + name.replace("_", "-"), f"cannot write {path}: {exc.strerror or exc}") from None
+    return str(path)
 
 
 def finish(args: argparse.Namespace, data: dict[str, object], report: str, written: list[str]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sapp_hook.cli.common import command, configure_logging, finish, output_paths
+from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
 from simulator import InputError
 from simulator.units import format_bytes
 from solver.profile import NONE, ModelProfile
@@ -81,11 +81,8 @@ def _run(args: argparse.Namespace) -> int:
         if exc.field in ("modes", "layers"):
             raise InputError(f"--{exc.field}", exc.detail) from None
         raise
-    try:
-        profile.save(outputs["out"])
-    except OSError as exc:
-        raise InputError("--out", f"cannot write {outputs['out']}: {exc.strerror or exc}") from None
-    return finish(args, profile.to_dict(), profile_report(profile), [str(outputs["out"])])
+    written = write_output(outputs, "out", profile.save)
+    return finish(args, profile.to_dict(), profile_report(profile), [written])
 
 
 def _device(name: str) -> str:

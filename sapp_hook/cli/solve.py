@@ -18,6 +18,7 @@ from sapp_hook.cli.common import (
     output_paths,
     say,
     size_flag,
+    write_output,
     write_replay_outputs,
 )
 from sapp_hook.cli.report import plan_report
@@ -92,10 +93,6 @@ def _run(args: argparse.Namespace) -> int:
         ("plan_out", lambda: json.dumps(plan.to_dict(), indent=1) + "\n"),
     ):
         if name in outputs:
-            try:
-                atomic_write_text(outputs[name], text())
-            except OSError as exc:
-                raise InputError(f"--{name.replace('_', '-')}", f"cannot write {outputs[name]}: {exc.strerror or exc}") from None
-            written.append(str(outputs[name]))
+            written.append(write_output(outputs, name, lambda path, text=text: atomic_write_text(path, text())))
 
     return finish(args, plan.to_dict(), plan_report(plan), written)

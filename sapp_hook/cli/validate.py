@@ -14,8 +14,8 @@ from sapp_hook.cli.common import (
     output_paths,
     say,
     size_flag,
+    write_output,
 )
-from simulator import InputError
 from simulator.units import format_bytes
 from solver import load_profile
 
@@ -67,12 +67,9 @@ def _run(args: argparse.Namespace) -> int:
                   seq_len=args.seq_len, memory_budget_bytes=budget, plan=plan)
     profile = load_profile(args.profile) if args.profile else profile_for(setup)
     if "profile_out" in outputs:
-        try:
-            profile.save(outputs["profile_out"])
-        except OSError as exc:
-            raise InputError("--profile-out", f"cannot write {outputs['profile_out']}: {exc.strerror or exc}") from None
+        written = write_output(outputs, "profile_out", profile.save)
         if talk:
-            print(f"wrote {outputs['profile_out']}", file=sys.stderr)
+            print(f"wrote {written}", file=sys.stderr)
     report = validate(setup, profile=profile)
     if args.json:
         print(json.dumps(report, indent=2))
