@@ -105,3 +105,13 @@ def test_console_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "sapp_hook", *BASE, "--json"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["iteration_time"] == 33.0
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`sapp-hook ... | head`: the pipe closes before the report is written."""
+    process = subprocess.Popen([sys.executable, "-m", "sapp_hook", *BASE], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait() == 1
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr
