@@ -53,10 +53,7 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
     from sapp_hook.models import load_config
     from simulator.schedules import schedule_kind
 
-    for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len"):
-        value = getattr(setup, name)
-        if not isinstance(value, int) or value < 1:
-            raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    _check(setup)
     load_config(setup.model)  # a bad model fails here, not in every rank
     if profile is None:
         profile = profile_for(setup)
@@ -78,11 +75,19 @@ def profile_for(setup: Setup) -> ModelProfile:
     from sapp_hook.models import load_config, profile_example
     from simulator.schedules import schedule_kind
 
+    _check(setup)
     config = load_config(setup.model)
     modes = (NONE, FULL) if schedule_kind(setup.schedule).splits_backward else (NONE, SELECTIVE, FULL)
     log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
     return profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
                            seq_len=setup.seq_len, modes=modes, model_name=setup.model)
+
+
+def _check(setup: Setup) -> None:
+    for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            raise InputError(name, f"expected an integer >= 1, got {value!r}")
 
 
 def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:

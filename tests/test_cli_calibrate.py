@@ -113,6 +113,10 @@ def test_overhead_flag_errors(runs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--profile", str(profile_path), "--plan", str(plan_json), "--action-overhead", "1"])
     assert "--action-overhead: a plan JSON states its own" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1",
+              "--backward", "2", "--action-overhead", "1"])
+    assert "--action-overhead needs --profile and --mindformers-plan" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["calibrate", "solve"])

@@ -71,6 +71,9 @@ def _replay_uniform(args: argparse.Namespace) -> int:
             fail(PROG, f"--{name.replace('_', '-')} is required (or --profile with a plan)")
     if args.mindformers_plan or args.plan:
         fail(PROG, "--mindformers-plan and --plan need --profile")
+    if args.action_overhead:
+        fail(PROG, "--action-overhead needs --profile and --mindformers-plan "
+                   "(with --forward and --backward, add it to them)")
     for flag in ("forward", "backward", "weight", "recompute", "p2p"):
         check_milliseconds(f"--{flag}", getattr(args, flag))
     if args.weight is not None and args.weight > args.backward:
