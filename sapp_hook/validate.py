@@ -53,11 +53,11 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
     from sapp_hook.models import load_config
     from simulator.schedules import schedule_kind
 
-    _check(setup)
-    load_config(setup.model)  # a bad model fails here, not in every rank
     if profile is None:
-        profile = profile_for(setup)
+        profile = profile_for(setup)  # checks the setup and the model first
     else:
+        _check(setup)
+        load_config(setup.model)  # a bad model fails here, not in every rank
         _check_profile_of(setup, profile)
         if schedule_kind(setup.schedule).splits_backward:
             profile = without_selective(profile)
