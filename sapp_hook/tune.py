@@ -88,6 +88,8 @@ class AutoTuner:
         time_limit_s: float = 60.0,
         data_parallel: int = 1,
         zero_stage: int = 0,
+        p2p_ms: float = 0.0,
+        action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
     ) -> None:
         config = os.environ.get(ENVIRONMENT["config"]) or config
@@ -103,7 +105,7 @@ class AutoTuner:
         self.spec = PipelineSpec(
             stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks,
             memory_budget_bytes=float("inf") if budget is None else budget,
-            data_parallel=data_parallel, zero_stage=zero_stage,
+            data_parallel=data_parallel, zero_stage=zero_stage, p2p_ms=p2p_ms, action_overhead_ms=action_overhead_ms,
         )
         self.model, self.optimizer = model, optimizer
         self.config, self.target = (Path(config) if config else None), target

@@ -101,12 +101,23 @@ def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"on_plan": "restart"}, "on_plan"), ({"config": "x.yaml"}, "target"), ({"memory_budget": "56"}, "memory_budget")],
+    [({"on_plan": "restart"}, "on_plan"), ({"config": "x.yaml"}, "target"), ({"memory_budget": "56"}, "memory_budget"),
+     ({"action_overhead_ms": -1.0}, "action_overhead_ms")],
 )
 def test_bad_options(options, field):
     with pytest.raises(InputError) as caught:
         autotune(llama(), **{**SETTING, **options})
     assert caught.value.field == field
+
+
+def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):
+    """A calibrated overhead and a measured P2P time are planned with, and a plan made without them is
+    not reused for them."""
+    train(llama(), 6, cache_dir=tmp_path)
+    calibrated = train(llama(), 6, cache_dir=tmp_path, action_overhead_ms=2.0, p2p_ms=0.5)
+    assert not calibrated.result.from_cache
+    spec = calibrated.result.plan_data["spec"]
+    assert spec["action_overhead_ms"] == 2.0 and spec["p2p_ms"] == 0.5
 
 
 def test_the_model_trains_the_same_under_autotune(tmp_path):
