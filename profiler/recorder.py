@@ -230,7 +230,7 @@ class Recorder:
             block_input = _input_tensor(args, kwargs)
             if block_input is not None:
                 step.input_bytes = _tensor_bytes(block_input)
-                block_input.register_hook(self._input_grad(step, index, head))
+                block_input.register_hook(self._input_grad(step, head))
 
         return hook
 
@@ -301,7 +301,7 @@ class Recorder:
 
         return hook
 
-    def _input_grad(self, step: Pass, index: int, head: Pass | None) -> Callable:
+    def _input_grad(self, step: Pass, head: Pass | None) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             now = self.clock.mark()
             step.backward_end = now

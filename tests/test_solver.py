@@ -150,6 +150,55 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
     assert model.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
 
 
+def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
+    import time
+
+    from solver import search
+
+    profile = small_profile(6)
+    spec = spec_for("Interleaved1F1B", 2, 2, 4, 400)
+    schedule = spec.pipeline_schedule
+    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
+                                with_budget=True, timing=search.START_TIMES)
+    body = [1, 2, 2, 1]  # the head on the first virtual stage, the tail on the last
+    everything_full = model.point({model.count[1, cell, "full"]: n for cell, n in enumerate(body)})
+    start = search._plan_of(model, everything_full)
+    polished = search._plan_of(model, search._polished(model, everything_full, time.perf_counter() + 60))
+    same_split = [plan for plan in all_plans(profile, spec) if plan.fits and plan.stage_layer_counts == (2, 2, 2, 2)]
+    assert start.fits and start.stage_layer_counts == polished.stage_layer_counts == (2, 2, 2, 2)
+    assert polished.fits
+    assert polished.iteration_time_ms == pytest.approx(min(p.iteration_time_ms for p in same_split), rel=1e-9)
+    assert polished.iteration_time_ms < start.iteration_time_ms
+
+
+def test_a_stopped_search_chooses_its_best_plans_recompute_again(monkeypatch, caplog):
+    from solver import search
+
+    polishing = []
+    polished = search._polished
+    minimize = search._minimize
+
+    def spied(model, values, deadline):
+        result = polished(model, values, deadline)
+        polishing.append((search._plan_of(model, values), search._plan_of(model, result)))
+        return result
+
+    def stopped_early(model, objective, deadline, **options):
+        if options.get("progress") is not None:  # the search for the fastest plan: stop it at once
+            options["node_limit"] = 1
+        return minimize(model, objective, deadline, **options)
+
+    monkeypatch.setattr(search, "_polished", spied)
+    monkeypatch.setattr(search, "_minimize", stopped_early)
+    with caplog.at_level("INFO", logger="solver"):
+        plan = solve(load_profile(SAPP / "sim.json"), spec_for("Interleaved1F1B", 8, 2, 16, 56000))
+    [(before, after)] = polishing
+    assert plan.status == "feasible" and plan.fits and "with the recompute chosen again" in caplog.text
+    assert after.stage_layer_counts == before.stage_layer_counts == plan.stage_layer_counts
+    assert plan.layer_modes == after.layer_modes != before.layer_modes
+    assert plan.iteration_time_ms == after.iteration_time_ms < before.iteration_time_ms
+
+
 def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_search(caplog):
     """16 x 4 x 128 interleaved (16,384 actions): the search's first LP alone takes over 30 s here."""
     from solver import search
