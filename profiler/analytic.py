@@ -2,8 +2,9 @@
 
 For planning before hardware is free. Times are FLOPs over a throughput you give (`flops_per_second`:
 the device's peak times the utilisation you expect); memory counts the tensors transformers' Llama
-block saves for backward (RMSNorm, rotary, grouped-query SDPA, SwiGLU), which is what the profiler
-measures on the CPU. Fused kernels on a GPU keep less, so treat the activation figures as an upper bound
+block saves for backward (RMSNorm, rotary, grouped-query SDPA, SwiGLU; Qwen3's per-head norms of
+queries and keys, and a `head_dim` other than hidden_size / num_heads), which is what the profiler
+measures on the CPU, in fp32 and in bf16. Fused kernels on a GPU keep less, so treat the activation figures as an upper bound
 there. Needs no torch.
 """
 
@@ -39,6 +40,8 @@ class TransformerShape:
     dense_layers: tuple[int, ...] = ()  # MoE models: the layers that keep a dense MLP
     tied_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 family: biases on the q, k and v projections
+    head_dim: int = 0  # 0: hidden_size / num_heads (Qwen3 and Mistral-NeMo say another)
+    qk_norm: bool = False  # Qwen3 family: an RMSNorm over each head of the queries and keys
     tensor_parallel: int = 1  # with sequence parallelism: activations are split too
     context_parallel: int = 1
 
@@ -48,9 +51,11 @@ class TransformerShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"expected an integer >= 1, got {value!r}")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise InputError("head_dim", f"expected an integer >= 1, or 0 for hidden_size / num_heads, got {self.head_dim!r}")
         if self.dtype not in DTYPE_BYTES:
             raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.hidden_size % self.num_heads:
+        if not self.head_dim and self.hidden_size % self.num_heads:
             raise InputError("num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}")
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise InputError("experts_per_token", f"expected 1..{self.num_experts}, got {self.experts_per_token}")
@@ -86,6 +91,8 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
         dense_layers=dense_layers,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", str(model_type).startswith("qwen2"))),
+        head_dim=int(config.get("head_dim") or 0),
+        qk_norm=str(model_type).startswith("qwen3"),
         tensor_parallel=tensor_parallel,
         context_parallel=context_parallel,
     )
@@ -101,8 +108,8 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
     p = DTYPE_BYTES[s.dtype]
     tokens = s.micro_batch_size * s.sequence // s.context_parallel  # per device, before tensor parallelism
     tp = s.tensor_parallel
-    head_dim = s.hidden_size // s.num_heads
-    q_width, kv_width = s.hidden_size, (s.num_kv_heads or s.num_heads) * head_dim
+    head_dim = s.head_dim or s.hidden_size // s.num_heads
+    q_width, kv_width = s.num_heads * head_dim, (s.num_kv_heads or s.num_heads) * head_dim
 
     def seconds_ms(flops: float, moved_bytes: float = 0.0) -> float:
         return 1e3 * (flops / tp / flops_per_second + moved_bytes / tp / bytes_per_second)
@@ -121,6 +128,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
     ))
     attention_elements = s.hidden_size * (q_width + 2 * kv_width) + q_width * s.hidden_size
     bias_elements, bias_tensors = (q_width + 2 * kv_width, 3) if s.qkv_bias else (0, 0)
+    norm_elements, norm_tensors = (2 * head_dim, 2) if s.qk_norm else (0, 0)
     for index in range(s.num_layers):
         moe = s.num_experts > 0 and index not in s.dense_layers
         if moe:
@@ -131,12 +139,12 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
             tensors = 2 + 1 + (4 if s.shared_expert_ffn_size else 0)
         else:
             mlp_elements, active_ffn, tensors = 3 * s.hidden_size * s.ffn_size, s.ffn_size, 3
-        elements = attention_elements + bias_elements + mlp_elements + 2 * s.hidden_size
-        tensors += 4 + bias_tensors + 2
+        elements = attention_elements + bias_elements + norm_elements + mlp_elements + 2 * s.hidden_size
+        tensors += 4 + bias_tensors + norm_tensors + 2
         matmul_flops = 2 * tokens * (attention_elements + 3 * s.hidden_size * active_ffn)
         attention_flops = 2 * tokens * s.sequence // s.context_parallel * q_width  # causal: half of 4*b*s^2*h
         forward_ms = seconds_ms(matmul_flops + attention_flops)
-        kept = _block_activation_bytes(tokens, s, q_width, kv_width, active_ffn, p, first=index == 0)
+        kept = _block_activation_bytes(tokens, s, head_dim, active_ffn, p, first=index == 0)
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
         layers.append(LayerProfile(
             name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
@@ -159,7 +167,8 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
         name="tail", kind="tail",
         forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
         weight_ms=seconds_ms(logits_flops),
-        recompute={NONE: RecomputeCost(0.0, (3 * tokens * s.hidden_size + tokens) * p / tp + loss_bytes / tp + 8 * tokens + 4)},
+        # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
+        recompute={NONE: RecomputeCost(0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
         optimizer_bytes=optimizer_bytes(tail_elements, 2),
     ))
@@ -170,16 +179,27 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
     )
 
 
-def _block_activation_bytes(tokens: int, s: TransformerShape, q_width: int, kv_width: int, ffn: int, p: int,
+def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, ffn: int, p: int,
                             first: bool) -> dict[str, float]:
     """What a Llama block keeps for backward, per recompute mode (a hand count of transformers' block)."""
     h = s.hidden_size
+    kv_heads = s.num_kv_heads or s.num_heads
+    q_width, kv_width = s.num_heads * head_dim, kv_heads * head_dim
     logsumexp = 4 * tokens * s.num_heads  # fp32, from the attention kernel
-    rotary = 2 * (s.sequence // s.context_parallel) * (h // s.num_heads) * p if first else 0
-    none = p * (6 * tokens * h + 2 * tokens + 2 * tokens * q_width + 2 * tokens * kv_width + 4 * tokens * ffn)
+    rotary = 2 * (s.sequence // s.context_parallel) * head_dim * p if first else 0
+    none = 2 * _norm_bytes(tokens, h, p) + p * tokens * (2 * q_width + 2 * kv_width + 4 * ffn)
+    if s.qk_norm:  # norms over each head of q and k, whose outputs the rotary embedding keeps instead of the inputs
+        none += _norm_bytes(tokens * s.num_heads, head_dim, p) + _norm_bytes(tokens * kv_heads, head_dim, p)
+        none -= p * tokens * (q_width + kv_width)
     selective = p * tokens * (h + q_width + 2 * kv_width + h + 2 * ffn + h + q_width)
     return {
         NONE: none + logsumexp + rotary,
         SELECTIVE: selective + logsumexp,
         FULL: float(p * tokens * h),
     }
+
+
+def _norm_bytes(rows: int, width: int, p: int) -> int:
+    """What an RMSNorm over `rows` vectors of `width` keeps: its input in fp32, 1/rms (fp32), the
+    normalised input and the output in the model's dtype."""
+    return rows * (4 * width + 4 + 2 * p * width)

@@ -17,6 +17,7 @@ transformers.logging.set_verbosity_error()
 BATCH, SEQ = 2, 32
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=128, tie_word_embeddings=False)
+QWEN3 = dict(LLAMA, head_dim=32)  # 4 heads of 32 on a hidden size of 64
 GPT2 = dict(n_embd=64, n_layer=4, n_head=4, n_positions=128, vocab_size=512, bos_token_id=0, eos_token_id=0)
 MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
            num_hidden_layers=4, mlp_only_layers=[0, 1], num_attention_heads=4, num_key_value_heads=2,
@@ -26,6 +27,12 @@ MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, share
 def llama(seed: int = 0, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **overrides})).train()
+
+
+def qwen3(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """Llama's shape with Qwen3's attention: heads wider than hidden_size / num_heads, each normalised."""
+    torch.manual_seed(seed)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**QWEN3, **overrides})).train()
 
 
 def gpt2(seed: int = 0, **overrides: object) -> torch.nn.Module:

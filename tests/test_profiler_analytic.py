@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
-from profiler_cases import BATCH, LLAMA, MOE, SEQ, llama, moe, profiled
+import torch
+from profiler_cases import BATCH, LLAMA, MOE, QWEN3, SEQ, llama, moe, profiled, qwen3
 
 from profiler.analytic import TransformerShape, analytic_profile, shape_from_config
 from simulator import InputError
 from solver import PipelineSpec, solve
 
 
-def estimate(config: dict) -> object:
-    return analytic_profile(shape_from_config(config, sequence=SEQ, micro_batch_size=BATCH, dtype="float32"))
+def estimate(config: dict, dtype: str = "float32", **options: float) -> object:
+    return analytic_profile(shape_from_config(config, sequence=SEQ, micro_batch_size=BATCH, dtype=dtype), **options)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,28 @@ def llama_pair():
 
 
 def test_llama_memory_estimate_equals_the_measurement(llama_pair):
-    measured, estimated = llama_pair
+    assert_same_memory(*llama_pair)
+
+
+@pytest.mark.parametrize(
+    ("build", "config", "dtype"),
+    [
+        (llama, {"model_type": "llama", **LLAMA}, "bfloat16"),  # the norms keep fp32 copies of their inputs
+        (qwen3, {"model_type": "qwen3", **QWEN3}, "float32"),  # its own head_dim; q and k normalised per head
+        (qwen3, {"model_type": "qwen3", **QWEN3}, "bfloat16"),
+        (partial(llama, head_dim=32), {"model_type": "llama", **LLAMA, "head_dim": 32}, "float32"),
+    ],
+    ids=["llama-bf16", "qwen3", "qwen3-bf16", "llama-head_dim"],
+)
+def test_memory_estimate_equals_the_measurement_across_attention_shapes_and_dtypes(build, config, dtype):
+    torch_dtype = getattr(torch, dtype)
+    measured = profiled(build().to(torch_dtype), steps=1).profile()
+    # torch's AdamW keeps its two states in the parameters' dtype
+    states = 2 * torch.empty((), dtype=torch_dtype).element_size()
+    assert_same_memory(measured, estimate(config, dtype, optimizer_bytes_per_parameter=states))
+
+
+def assert_same_memory(measured, estimated):
     assert [layer.kind.split(":")[0] for layer in estimated.layers] == [layer.kind.split(":")[0] for layer in measured.layers]
     for got, want in zip(estimated.layers, measured.layers):
         assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
@@ -59,7 +83,8 @@ def test_an_estimate_plans_without_hardware():
 
 @pytest.mark.parametrize(
     ("config", "field"),
-    [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads")],
+    [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads"),
+     ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim")],
 )
 def test_bad_configs_are_clear_errors(config, field):
     with pytest.raises(InputError) as caught:
