@@ -3,13 +3,14 @@ proven gap in extra_info: SAPP's own interleaved solves stop at 60-600 s with 5-
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 from solver_cases import layer
 
-from solver import ModelProfile, PipelineSpec, load_profile, solve
+from solver import InfeasibleError, ModelProfile, PipelineSpec, load_profile, solve
 
 SAPP = Path(__file__).parents[1] / "fixtures" / "sapp"
 MIB = 2**20
@@ -79,4 +80,48 @@ def test_solve_uneven_layers(benchmark, case):
     plan = benchmark.pedantic(solve, args=(uneven_profile(body_layers, seed), spec), kwargs={"time_limit_s": 60},
                               rounds=1, iterations=1)
     benchmark.extra_info.update(status=plan.status, gap=plan.gap, iteration_ms=plan.iteration_time_ms)
+    assert plan.fits
+
+
+# Public configs of real models, estimated by profiler.analytic (no weights needed): bf16, 4,096
+# tokens per micro-batch, 400 TFLOP/s.
+MODELS = {
+    "llama3-8b": (dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256), 1),
+    "llama3-70b-tp8": (dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                            num_key_value_heads=8, intermediate_size=28672, vocab_size=128256), 8),
+    "qwen3-30b-a3b": (dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                           num_experts=128, num_experts_per_tok=8, vocab_size=151936), 1),
+}
+REAL = {
+    # model, schedule, stages, chunks, micro-batches, budget: GB, or a multiple of the least that fits
+    "llama3-8b-1F1B-8x1x32": ("llama3-8b", "1F1B", 8, 1, 32, "1.15x"),
+    "llama3-70b-tp8-ZBH1-8x1x16": ("llama3-70b-tp8", "ZBH1", 8, 1, 16, "1.15x"),
+    "llama3-8b-DualPipeV-8x2x32": ("llama3-8b", "DualPipeV", 8, 2, 32, "1.15x"),
+    "llama3-70b-tp8-Interleaved-8x2x16": ("llama3-70b-tp8", "Interleaved1F1B", 8, 2, 16, 80),
+    "qwen3-30b-a3b-Interleaved-8x2x32": ("qwen3-30b-a3b", "Interleaved1F1B", 8, 2, 32, 80),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL))
+def test_solve_real_model_shapes(benchmark, case):
+    from profiler.analytic import analytic_profile, shape_from_config
+
+    model, schedule, stages, chunks, micro_batches, budget = REAL[case]
+    config, tensor_parallel = MODELS[model]
+    profile = analytic_profile(shape_from_config(config, sequence=4096, tensor_parallel=tensor_parallel),
+                               flops_per_second=4e14)
+    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule,
+                        memory_budget_bytes=1e6)
+    if isinstance(budget, str):  # the least that fits, from the infeasibility report, times the factor
+        with pytest.raises(InfeasibleError) as nothing_fits:
+            solve(profile, spec)
+        budget_bytes = float(budget.rstrip("x")) * nothing_fits.value.smallest_budget_bytes
+    else:
+        budget_bytes = budget * 1e9
+    spec = dataclasses.replace(spec, memory_budget_bytes=budget_bytes)
+    plan = benchmark.pedantic(solve, args=(profile, spec), kwargs={"time_limit_s": 60}, rounds=1, iterations=1)
+    benchmark.extra_info.update(status=plan.status, gap=plan.gap, iteration_ms=plan.iteration_time_ms,
+                                budget_gb=budget_bytes / 1e9)
     assert plan.fits
