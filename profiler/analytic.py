@@ -42,6 +42,7 @@ class TransformerShape:
     qkv_bias: bool = False  # Qwen2 family: biases on the q, k and v projections
     head_dim: int = 0  # 0: hidden_size / num_heads (Qwen3 and Mistral-NeMo say another)
     qk_norm: bool = False  # Qwen3 family: an RMSNorm over each head of the queries and keys
+    normalize_top_k: bool = False  # MoE: the chosen experts' weights rescaled to sum to 1 (Mixtral)
     tensor_parallel: int = 1  # with sequence parallelism: activations are split too
     context_parallel: int = 1
 
@@ -93,6 +94,7 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
         qkv_bias=bool(config.get("attention_bias", str(model_type).startswith("qwen2"))),
         head_dim=int(config.get("head_dim") or 0),
         qk_norm=str(model_type).startswith("qwen3"),
+        normalize_top_k=model_type == "mixtral" or bool(config.get("norm_topk_prob", False)),
         tensor_parallel=tensor_parallel,
         context_parallel=context_parallel,
     )
@@ -144,7 +146,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
         matmul_flops = 2 * tokens * (attention_elements + 3 * s.hidden_size * active_ffn)
         attention_flops = 2 * tokens * s.sequence // s.context_parallel * q_width  # causal: half of 4*b*s^2*h
         forward_ms = seconds_ms(matmul_flops + attention_flops)
-        kept = _block_activation_bytes(tokens, s, head_dim, active_ffn, p, first=index == 0)
+        kept = _block_activation_bytes(tokens, s, head_dim, p, first=index == 0, moe=moe)
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
         layers.append(LayerProfile(
             name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
@@ -179,19 +181,37 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
     )
 
 
-def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, ffn: int, p: int,
-                            first: bool) -> dict[str, float]:
-    """What a Llama block keeps for backward, per recompute mode (a hand count of transformers' block)."""
+def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, first: bool,
+                            moe: bool) -> dict[str, float]:
+    """What a block keeps for backward, per recompute mode (a hand count of transformers' blocks)."""
     h = s.hidden_size
     kv_heads = s.num_kv_heads or s.num_heads
     q_width, kv_width = s.num_heads * head_dim, kv_heads * head_dim
     logsumexp = 4 * tokens * s.num_heads  # fp32, from the attention kernel
     rotary = 2 * (s.sequence // s.context_parallel) * head_dim * p if first else 0
-    none = 2 * _norm_bytes(tokens, h, p) + p * tokens * (2 * q_width + 2 * kv_width + 4 * ffn)
+    # Attention: the norms, q, k and v, and what SDPA keeps; selective keeps the block's input, the
+    # projections' outputs and the attention output.
+    none = 2 * _norm_bytes(tokens, h, p) + p * tokens * (2 * q_width + 2 * kv_width)
     if s.qk_norm:  # norms over each head of q and k, whose outputs the rotary embedding keeps instead of the inputs
         none += _norm_bytes(tokens * s.num_heads, head_dim, p) + _norm_bytes(tokens * kv_heads, head_dim, p)
         none -= p * tokens * (q_width + kv_width)
-    selective = p * tokens * (h + q_width + 2 * kv_width + h + 2 * ffn + h + q_width)
+    selective = p * tokens * (h + q_width + 2 * kv_width + q_width + h)
+    if moe:
+        # Each token's copy for each of its experts, the experts' gate-up, activation, product and
+        # output, its routing weight and three int64 indices; per token the router's fp32
+        # probabilities and chosen experts; once, the experts' int32 offsets.
+        pairs = tokens * s.experts_per_token
+        none += pairs * (2 * p * h + 4 * p * s.moe_ffn_size + p + 24)
+        none += tokens * (4 * s.num_experts + 8 * s.experts_per_token) + 4 * s.num_experts
+        if s.normalize_top_k:  # the chosen probabilities and their sum, fp32
+            none += tokens * (4 * s.experts_per_token + 4)
+        selective += p * (tokens * s.num_experts + pairs * (2 * s.moe_ffn_size + h))  # router logits, expert matmuls
+        if s.shared_expert_ffn_size:  # a dense MLP, its output and sigmoid gate kept for their product
+            none += p * tokens * (4 * s.shared_expert_ffn_size + h + 1)
+            selective += p * tokens * (2 * s.shared_expert_ffn_size + h + 1)
+    else:  # SwiGLU: gate, up, activation and product; selective keeps the three matmuls' outputs
+        none += 4 * p * tokens * s.ffn_size
+        selective += p * tokens * (2 * s.ffn_size + h)
     return {
         NONE: none + logsumexp + rotary,
         SELECTIVE: selective + logsumexp,

@@ -28,7 +28,8 @@ from solver.profile import FULL, NONE, SELECTIVE
 TORCH_MODES = (NONE, SELECTIVE, FULL)
 
 _aten = torch.ops.aten
-# Outputs worth keeping: the matmuls and attention kernels that cost the most to redo.
+# Outputs worth keeping: the matmuls and attention kernels that cost the most to redo (grouped: the
+# experts of transformers' MoE blocks, which run all experts in one call).
 SELECTIVE_SAVE_OPS = frozenset(
     getattr(_aten, name).default
     for name in (
@@ -36,6 +37,7 @@ SELECTIVE_SAVE_OPS = frozenset(
         "addmm",
         "bmm",
         "baddbmm",
+        "_grouped_mm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_efficient_attention",

@@ -23,6 +23,12 @@ MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, share
            num_hidden_layers=4, mlp_only_layers=[0, 1], num_attention_heads=4, num_key_value_heads=2,
            num_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=128)
 
+# Qwen3's attention, experts without a shared one, their weights renormalised; Mixtral: every block MoE
+QWEN3_MOE = {**{k: v for k, v in MOE.items() if k != "shared_expert_intermediate_size"}, "head_dim": 32,
+             "norm_topk_prob": True}
+MIXTRAL = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               num_local_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=128)
+
 
 def llama(seed: int = 0, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -33,6 +39,16 @@ def qwen3(seed: int = 0, **overrides: object) -> torch.nn.Module:
     """Llama's shape with Qwen3's attention: heads wider than hidden_size / num_heads, each normalised."""
     torch.manual_seed(seed)
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**QWEN3, **overrides})).train()
+
+
+def qwen3_moe(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).train()
+
+
+def mixtral(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)).train()
 
 
 def gpt2(seed: int = 0, **overrides: object) -> torch.nn.Module:

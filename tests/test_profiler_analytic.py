@@ -6,7 +6,21 @@ from functools import partial
 
 import pytest
 import torch
-from profiler_cases import BATCH, LLAMA, MOE, QWEN3, SEQ, llama, moe, profiled, qwen3
+from profiler_cases import (
+    BATCH,
+    LLAMA,
+    MIXTRAL,
+    MOE,
+    QWEN3,
+    QWEN3_MOE,
+    SEQ,
+    llama,
+    mixtral,
+    moe,
+    profiled,
+    qwen3,
+    qwen3_moe,
+)
 
 from profiler.analytic import TransformerShape, analytic_profile, shape_from_config
 from simulator import InputError
@@ -33,8 +47,13 @@ def test_llama_memory_estimate_equals_the_measurement(llama_pair):
         (qwen3, {"model_type": "qwen3", **QWEN3}, "float32"),  # its own head_dim; q and k normalised per head
         (qwen3, {"model_type": "qwen3", **QWEN3}, "bfloat16"),
         (partial(llama, head_dim=32), {"model_type": "llama", **LLAMA, "head_dim": 32}, "float32"),
+        # MoE: what the experts keep adds up over tokens whichever experts the router picks
+        (moe, {"model_type": "qwen2_moe", **MOE}, "float32"),  # a shared expert besides the routed ones
+        (qwen3_moe, {"model_type": "qwen3_moe", **QWEN3_MOE}, "float32"),
+        (qwen3_moe, {"model_type": "qwen3_moe", **QWEN3_MOE}, "bfloat16"),
+        (mixtral, {"model_type": "mixtral", **MIXTRAL}, "float32"),
     ],
-    ids=["llama-bf16", "qwen3", "qwen3-bf16", "llama-head_dim"],
+    ids=["llama-bf16", "qwen3", "qwen3-bf16", "llama-head_dim", "qwen2_moe", "qwen3_moe", "qwen3_moe-bf16", "mixtral"],
 )
 def test_memory_estimate_equals_the_measurement_across_attention_shapes_and_dtypes(build, config, dtype):
     torch_dtype = getattr(torch, dtype)
@@ -54,15 +73,9 @@ def assert_same_memory(measured, estimated):
     assert estimated.stage_output_bytes == measured.stage_output_bytes  # the hidden state a stage sends
 
 
-def test_moe_estimate_is_close_where_routing_decides():
-    measured = profiled(moe(), steps=1).profile()
+def test_moe_models_keep_their_dense_blocks_apart():
     estimated = estimate({"model_type": "qwen2_moe", **MOE})
     assert [layer.kind for layer in estimated.layers][1:5] == ["body:dense"] * 2 + ["body:moe"] * 2
-    for got, want in zip(estimated.layers, measured.layers):
-        assert got.parameter_bytes == want.parameter_bytes and got.optimizer_bytes == want.optimizer_bytes
-        for mode, cost in want.recompute.items():
-            # the tokens each expert receives depend on the router: within 30% with random weights
-            assert got.recompute[mode].activation_bytes == pytest.approx(cost.activation_bytes, rel=0.3)
 
 
 def test_parallel_degrees_split_what_a_device_holds():
