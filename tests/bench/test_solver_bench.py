@@ -100,7 +100,7 @@ REAL = {
     "llama3-70b-tp8-ZBH1-8x1x16": ("llama3-70b-tp8", "ZBH1", 8, 1, 16, "1.15x"),
     "llama3-8b-DualPipeV-8x2x32": ("llama3-8b", "DualPipeV", 8, 2, 32, "1.15x"),
     "llama3-70b-tp8-Interleaved-8x2x16": ("llama3-70b-tp8", "Interleaved1F1B", 8, 2, 16, 80),
-    "qwen3-30b-a3b-Interleaved-8x2x32": ("qwen3-30b-a3b", "Interleaved1F1B", 8, 2, 32, 80),
+    "qwen3-30b-a3b-ZBV-8x2x16": ("qwen3-30b-a3b", "ZBVZeroBubble", 8, 2, 16, 80),
 }
 
 
