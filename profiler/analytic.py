@@ -10,6 +10,7 @@ there. Needs no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ from simulator.errors import InputError
 from solver.profile import FULL, NONE, SELECTIVE, LayerProfile, ModelProfile, RecomputeCost
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What analytic_profile assumes unless told: a device's sustained FLOP/s and memory bytes/s, and
+# Adam's two fp32 states per parameter.
+FLOPS_PER_SECOND, BYTES_PER_SECOND, OPTIMIZER_BYTES_PER_PARAMETER = 1e14, 2e12, 8.0
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 
 
@@ -68,6 +72,20 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
     model_type = config.get("model_type")
     if model_type not in LLAMA_FAMILY:
         raise InputError("model_type", f"analytic estimates cover {', '.join(LLAMA_FAMILY)}; got {model_type!r}")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in config:
+            raise InputError(key, f"missing from the {model_type} config")
+    try:
+        return _shape(config, model_type, sequence=sequence, micro_batch_size=micro_batch_size, dtype=dtype,
+                      tensor_parallel=tensor_parallel, context_parallel=context_parallel)
+    except InputError:
+        raise
+    except (TypeError, ValueError) as exc:  # a size that is not a number
+        raise InputError("config", f"expected integers for the sizes of a {model_type} config: {exc}") from None
+
+
+def _shape(config: Mapping[str, object], model_type: str, *, sequence: int, micro_batch_size: int, dtype: str,
+           tensor_parallel: int, context_parallel: int) -> TransformerShape:
     num_layers = int(config["num_hidden_layers"])
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     dense_layers: tuple[int, ...] = ()
@@ -100,12 +118,16 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
     )
 
 
-def analytic_profile(shape: TransformerShape, *, flops_per_second: float = 1e14,
-                     bytes_per_second: float = 2e12, optimizer_bytes_per_parameter: float = 8.0) -> ModelProfile:
+def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS_PER_SECOND,
+                     bytes_per_second: float = BYTES_PER_SECOND,
+                     optimizer_bytes_per_parameter: float = OPTIMIZER_BYTES_PER_PARAMETER) -> ModelProfile:
     """Every layer's estimated costs. Adam keeps two fp32 states per parameter (8 bytes, plus 4 per
     parameter tensor for its step count); add 4 for an fp32 master copy of 16-bit weights."""
-    if not flops_per_second > 0 or not bytes_per_second > 0:
-        raise InputError("flops_per_second", "expected throughputs > 0")
+    for name, value in (("flops_per_second", flops_per_second), ("bytes_per_second", bytes_per_second)):
+        if not _finite(value) or not value > 0:
+            raise InputError(name, f"expected a number > 0, got {value!r}")
+    if not _finite(optimizer_bytes_per_parameter) or optimizer_bytes_per_parameter < 0:
+        raise InputError("optimizer_bytes_per_parameter", f"expected a number >= 0, got {optimizer_bytes_per_parameter!r}")
     s = shape
     p = DTYPE_BYTES[s.dtype]
     tokens = s.micro_batch_size * s.sequence // s.context_parallel  # per device, before tensor parallelism
@@ -223,3 +245,7 @@ def _norm_bytes(rows: int, width: int, p: int) -> int:
     """What an RMSNorm over `rows` vectors of `width` keeps: its input in fp32, 1/rms (fp32), the
     normalised input and the output in the model's dtype."""
     return rows * (4 * width + 4 + 2 * p * width)
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)

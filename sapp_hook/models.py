@@ -59,8 +59,15 @@ BUILTIN_MODELS: dict[str, dict[str, object]] = {
 
 def load_config(model: str) -> PretrainedConfig:
     """A built-in model's config, or one read from a `config.json` (or a folder holding one)."""
+    data, where = config_data(model)
+    return _config_from_dict(data, where)
+
+
+def config_data(model: str) -> tuple[dict[str, object], str]:
+    """A built-in model's config, or a `config.json`'s (or a folder's), as a plain dict (no
+    transformers needed), and where it came from."""
     if model in BUILTIN_MODELS:
-        return _config_from_dict(dict(BUILTIN_MODELS[model]), model)
+        return dict(BUILTIN_MODELS[model]), model
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -69,7 +76,7 @@ def load_config(model: str) -> PretrainedConfig:
     data = read_json(path, "--model")
     if not isinstance(data, Mapping):
         raise InputError("--model", f"{path} holds {type(data).__name__}; expected a transformers config object")
-    return _config_from_dict(dict(data), str(path))
+    return dict(data), str(path)
 
 
 def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from cli_args import with_flags
 from profiler_cases import LLAMA
 
+from profiler.analytic import analytic_profile, shape_from_config
 from sapp_hook.cli import main
 from solver import load_profile
 
@@ -99,3 +102,50 @@ def test_a_config_transformers_cannot_build(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["profile", "--model", str(bad), "--out", str(tmp_path / "p.json")])
     assert "--model: " in capsys.readouterr().err
+
+
+def test_an_estimate_runs_nothing_and_writes_the_analytic_profile(tmp_path, config_json):
+    out = tmp_path / "estimate.json"
+    argv = ["profile", "--model", str(config_json), "--estimate", "--dtype", "bfloat16", "--seq-len", "64",
+            "--micro-batch-size", "1", "--flops", "4e14", "--tensor-parallel", "2", "--out", str(out), "--quiet"]
+    # In a process of its own, to see what it imports: neither torch nor transformers.
+    code = (f"import sys; from sapp_hook.cli import main; assert main({argv!r}) == 0; "
+            "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    shape = shape_from_config({"model_type": "llama", **LLAMA}, sequence=64, micro_batch_size=1, dtype="bfloat16",
+                              tensor_parallel=2)
+    estimated = load_profile(out)
+    assert estimated.layers == analytic_profile(shape, flops_per_second=4e14).layers
+    assert estimated.model == f"{config_json} (estimated)" and estimated.source == "analytic"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "3"], "--steps: is for measuring; --estimate runs nothing"),
+        (["--device", "cpu"], "--device: is for measuring; --estimate runs nothing"),
+        (["--flops", "0"], "--flops: expected a number > 0 per second, got 0"),
+        (["--bandwidth", "inf"], "--bandwidth: expected a number > 0 per second, got inf"),
+        (["--tensor-parallel", "0"], "--tensor-parallel: expected an integer >= 1, got 0"),
+        (["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
+        (["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
+        (["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
+    ],
+)
+def test_bad_estimate_input_is_one_line(capsys, tmp_path, config_json, flags, message):
+    argv = with_flags(["profile", "--model", str(config_json), "--estimate", "--out", str(tmp_path / "p.json")], flags)
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sapp-hook profile: error: {message}") and err.count("\n") == 1
+
+
+def test_estimating_flags_need_estimate_and_a_config_needs_its_sizes(capsys, tmp_path, config_json):
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", str(config_json), "--flops", "1e15", "--out", str(tmp_path / "p.json")])
+    assert "error: --flops: needs --estimate" in capsys.readouterr().err
+    config_json.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", str(config_json), "--estimate", "--out", str(tmp_path / "p.json")])
+    assert f"error: --model: {config_json}: num_hidden_layers: missing from the llama config" in capsys.readouterr().err

@@ -97,7 +97,9 @@ def test_an_estimate_plans_without_hardware():
 @pytest.mark.parametrize(
     ("config", "field"),
     [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads"),
-     ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim")],
+     ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim"),
+     ({"model_type": "llama", **LLAMA, "hidden_size": "wide"}, "config"),
+     ({"model_type": "llama", "hidden_size": 64}, "num_hidden_layers")],
 )
 def test_bad_configs_are_clear_errors(config, field):
     with pytest.raises(InputError) as caught:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from profiler.analytic import BYTES_PER_SECOND as BANDWIDTH
+from profiler.analytic import FLOPS_PER_SECOND as FLOPS
+from profiler.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
 from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
 from simulator import InputError
 from simulator.units import format_bytes
 from solver.profile import NONE, ModelProfile
 
 PROG = "sapp-hook profile"
+STEPS, WARMUP_STEPS, MODES = 2, 1, "none,selective,full"
+MEASURING = ("steps", "warmup_steps", "modes", "layers", "device")
+ESTIMATING = ("flops", "bandwidth", "tensor_parallel", "context_parallel", "optimizer_bytes")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,25 +30,40 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Build a transformers model from its config with random weights (no download), train it for a "
             "few steps on random tokens and write what every layer costs: forward and backward time, "
             "activation bytes per recompute mode and what each mode adds, parameter, gradient and "
-            "optimizer bytes. `sapp-hook solve --profile` reads the result."
+            "optimizer bytes. `sapp-hook solve --profile` reads the result. With --estimate, nothing "
+            "runs: a Llama-family config's costs are estimated (times from FLOPs at --flops, memory as "
+            "transformers' blocks keep it), for planning before the hardware is there."
         ),
     )
     parser.add_argument(
         "--model", required=True, metavar="NAME",
         help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a transformers config.json or a folder holding one",
     )
-    parser.add_argument("--steps", type=int, default=2, metavar="N", help="measured steps per recompute mode (default 2)")
-    parser.add_argument("--warmup-steps", type=int, default=1, metavar="N", help="steps before measuring (default 1)")
     parser.add_argument("--micro-batch-size", type=int, default=2, metavar="B", help="default 2")
     parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
-    parser.add_argument("--modes", default="none,selective,full", metavar="LIST", help="recompute modes to measure")
-    parser.add_argument(
+    parser.add_argument("--dtype", default="float32", metavar="NAME",
+                        help="the parameters' dtype: float32 (default), bfloat16 or float16")
+    measured = parser.add_argument_group("measuring")
+    measured.add_argument("--steps", type=int, metavar="N", help=f"measured steps per recompute mode (default {STEPS})")
+    measured.add_argument("--warmup-steps", type=int, metavar="N", help=f"steps before measuring (default {WARMUP_STEPS})")
+    measured.add_argument("--modes", metavar="LIST", help=f"recompute modes to measure (default {MODES})")
+    measured.add_argument(
         "--layers", action="append", metavar="PATTERN",
         help="module-name pattern of the body blocks, e.g. 'model.layers.*' (repeatable; found automatically otherwise)",
     )
-    parser.add_argument("--device", default="cpu", metavar="NAME", help="cpu (default), cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", metavar="NAME",
-                        help="the parameters' dtype: float32 (default), bfloat16 or float16")
+    measured.add_argument("--device", metavar="NAME", help="cpu (default), cuda, cuda:1, ...")
+    estimated = parser.add_argument_group("estimating (--estimate)")
+    estimated.add_argument("--estimate", action="store_true",
+                           help="estimate a Llama-family config's costs instead of measuring (no torch needed)")
+    estimated.add_argument("--flops", type=float, metavar="RATE",
+                           help=f"FLOP/s one device sustains: its peak times the utilisation expected (default {FLOPS:g})")
+    estimated.add_argument("--bandwidth", type=float, metavar="RATE",
+                           help=f"bytes/s of device memory for elementwise work (default {BANDWIDTH:g})")
+    estimated.add_argument("--tensor-parallel", type=int, metavar="N", help="tensor-parallel degree (default 1)")
+    estimated.add_argument("--context-parallel", type=int, metavar="N", help="context-parallel degree (default 1)")
+    estimated.add_argument("--optimizer-bytes", type=float, metavar="N",
+                           help=f"optimizer state per parameter (default {OPTIMIZER_BYTES:g}: Adam's two fp32 states; "
+                                "12 with an fp32 master copy of 16-bit weights)")
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -51,8 +73,55 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
     outputs = output_paths(args, ("out",))
-    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
-    for flag, value in (("--steps", args.steps), ("--warmup-steps", args.warmup_steps)):
+    given, refused = (MEASURING, ESTIMATING) if not args.estimate else (ESTIMATING, MEASURING)
+    for name in refused:
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(flag, "is for measuring; --estimate runs nothing" if args.estimate else "needs --estimate")
+    if args.estimate:
+        profile = _estimate(args)
+    else:
+        profile = _measure(args, talk)
+    written = write_output(outputs, "out", profile.save)
+    return finish(args, profile.to_dict(), profile_report(profile), [written])
+
+
+def _estimate(args: argparse.Namespace) -> ModelProfile:
+    """profiler.analytic's estimate of the config at the flags' shape and throughputs; no torch."""
+    from profiler.analytic import analytic_profile, shape_from_config
+    from sapp_hook.models import config_data
+
+    data, where = config_data(args.model)
+    rates = {"flops": FLOPS if args.flops is None else args.flops,
+             "bandwidth": BANDWIDTH if args.bandwidth is None else args.bandwidth}
+    for name, value in rates.items():
+        if not value > 0 or value == float("inf"):
+            raise InputError(f"--{name}", f"expected a number > 0 per second, got {value:g}")
+    flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype",
+             "tensor_parallel": "--tensor-parallel", "context_parallel": "--context-parallel",
+             "optimizer_bytes_per_parameter": "--optimizer-bytes"}
+    try:
+        shape = shape_from_config(
+            data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
+            tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
+            context_parallel=1 if args.context_parallel is None else args.context_parallel,
+        )
+        profile = analytic_profile(
+            shape, flops_per_second=rates["flops"], bytes_per_second=rates["bandwidth"],
+            optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
+        )
+    except InputError as exc:
+        if exc.field in flags:
+            raise InputError(flags[exc.field], exc.detail) from None
+        raise InputError("--model", f"{where}: {exc.field}: {exc.detail}") from None
+    return dataclasses.replace(profile, model=f"{where} (estimated)")
+
+
+def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
+    steps = STEPS if args.steps is None else args.steps
+    warmup_steps = WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
+    modes = tuple(mode.strip() for mode in (args.modes or MODES).split(",") if mode.strip())
+    for flag, value in (("--steps", steps), ("--warmup-steps", warmup_steps)):
         if value < 1:
             raise InputError(flag, f"expected an integer >= 1, got {value}")
     configure_logging(talk)
@@ -68,21 +137,19 @@ def _run(args: argparse.Namespace) -> int:
 
     def progress(done: int, total: int, mode: str) -> None:
         if talk:
-            what = "warm-up" if done <= args.warmup_steps else f"recompute {mode}"
+            what = "warm-up" if done <= warmup_steps else f"recompute {mode}"
             print(f"profiling: step {done}/{total} done ({what})", file=sys.stderr, flush=True)
 
     try:
-        profile = profile_example(
-            config, steps=args.steps, warmup_steps=args.warmup_steps, micro_batch_size=args.micro_batch_size,
+        return profile_example(
+            config, steps=steps, warmup_steps=warmup_steps, micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len, modes=modes, layers=args.layers, model_name=args.model, on_step=progress,
-            device=_device(args.device), dtype=args.dtype,
+            device=_device(args.device or "cpu"), dtype=args.dtype,
         )
     except InputError as exc:
         if exc.field in ("modes", "layers"):
             raise InputError(f"--{exc.field}", exc.detail) from None
         raise
-    written = write_output(outputs, "out", profile.save)
-    return finish(args, profile.to_dict(), profile_report(profile), [written])
 
 
 def _device(name: str) -> str:
@@ -119,7 +186,8 @@ def profile_report(profile: ModelProfile) -> str:
     name_width = max(6, *map(len, labels))
     kind_width = max(4, *(len(layer.kind) for layer in profile.layers))
     lines = [
-        f"{profile.model}: {len(profile.layers)} layers, {profile.dtype} on {profile.device}, micro-batch {batch}",
+        f"{profile.model}: {len(profile.layers)} layers, {profile.dtype}{' on ' + profile.device if profile.device else ''}, "
+        f"micro-batch {batch}",
         f"{'layers':<{name_width}}  {'kind':<{kind_width}}  {'fwd ms':>8} {'bwd ms':>8} {'params':>10} "
         + " ".join(f"{'act ' + mode:>14} {'+ms':>7}" for mode in modes),
     ]
