@@ -149,6 +149,17 @@ def test_torchtitan_module_names_schedule_and_checkpointing(config):
     assert any("checkpoints every block alike" in note for note in result.notes)
 
 
+def test_torchtitan_gets_full_recompute_where_the_schedule_splits_the_backward(config):
+    path = config("torchtitan")
+    result = write_config("torchtitan", path, layout_of(plan({layer: "selective" for layer in range(1, 9)}, stages=4,
+                                                             chunks=2, schedule="ZBVZeroBubble")))
+    document = tomlkit.parse(path.read_text())
+    assert document["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+    assert document["activation_checkpoint"]["mode"] == "full"
+    assert any("cannot run through selective checkpointing" in note for note in result.notes)
+    assert str(result.written[-1]).endswith(".json")  # the exact plan beside it
+
+
 def test_plain_plan_files(tmp_path):
     chosen = layout_of(plan({3: "full"}))
     for name in ("plan.json", "plan.yaml"):

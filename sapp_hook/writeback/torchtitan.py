@@ -3,7 +3,8 @@ activation-checkpoint mode.
 
 TorchTitan names a Llama's modules `tok_embeddings`, `layers.<i>`, `norm` and `output`; the head is the
 first, the tail the last two. It checkpoints every block the same way: a plan that varies recompute by
-layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`.
+layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`;
+selective becomes full under the schedules that split the backward, which torch cannot run through it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tomlkit.exceptions import TOMLKitError
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout
 from simulator.errors import InputError
+from simulator.schedules import schedule_kind
 from solver.profile import FULL, NONE, SELECTIVE
 
 HEAD_MODULES, TAIL_MODULES = ["tok_embeddings"], ["norm", "output"]
@@ -69,6 +71,13 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     if not isinstance(checkpoint, dict):
         checkpoint = document["activation_checkpoint"] = tomlkit.table()
     mode = layout.heaviest_mode()
+    if mode == SELECTIVE and schedule_kind(layout.schedule).splits_backward:
+        # torch allows one backward through a selective-checkpoint region; this schedule runs two
+        mode = FULL
+        result.notes.append(
+            f"{layout.schedule} splits each backward in two, which torch cannot run through selective "
+            f"checkpointing: mode is 'full' (recomputes more than the plan asks, keeps no more)"
+        )
     checkpoint["mode"] = {NONE: "none", SELECTIVE: "selective", FULL: "full"}.get(mode, "full")
     if len(layout.body_modes()) > 1:
         result.notes.append(
