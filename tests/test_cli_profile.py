@@ -124,8 +124,8 @@ def test_an_estimate_runs_nothing_and_writes_the_analytic_profile(tmp_path, conf
     [
         (["--steps", "3"], "--steps: is for measuring; --estimate runs nothing"),
         (["--device", "cpu"], "--device: is for measuring; --estimate runs nothing"),
-        (["--flops", "0"], "--flops: expected a number > 0 per second, got 0"),
-        (["--bandwidth", "inf"], "--bandwidth: expected a number > 0 per second, got inf"),
+        (["--flops", "0"], "--flops: expected a number > 0, got 0.0"),
+        (["--bandwidth", "inf"], "--bandwidth: expected a number > 0, got inf"),
         (["--tensor-parallel", "0"], "--tensor-parallel: expected an integer >= 1, got 0"),
         (["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
         (["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),

@@ -73,8 +73,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
     outputs = output_paths(args, ("out",))
-    given, refused = (MEASURING, ESTIMATING) if not args.estimate else (ESTIMATING, MEASURING)
-    for name in refused:
+    for name in MEASURING if args.estimate else ESTIMATING:
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
             raise InputError(flag, "is for measuring; --estimate runs nothing" if args.estimate else "needs --estimate")
@@ -92,13 +91,9 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
     from sapp_hook.models import config_data
 
     data, where = config_data(args.model)
-    rates = {"flops": FLOPS if args.flops is None else args.flops,
-             "bandwidth": BANDWIDTH if args.bandwidth is None else args.bandwidth}
-    for name, value in rates.items():
-        if not value > 0 or value == float("inf"):
-            raise InputError(f"--{name}", f"expected a number > 0 per second, got {value:g}")
     flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype",
              "tensor_parallel": "--tensor-parallel", "context_parallel": "--context-parallel",
+             "flops_per_second": "--flops", "bytes_per_second": "--bandwidth",
              "optimizer_bytes_per_parameter": "--optimizer-bytes"}
     try:
         shape = shape_from_config(
@@ -107,7 +102,8 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
             context_parallel=1 if args.context_parallel is None else args.context_parallel,
         )
         profile = analytic_profile(
-            shape, flops_per_second=rates["flops"], bytes_per_second=rates["bandwidth"],
+            shape, flops_per_second=FLOPS if args.flops is None else args.flops,
+            bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
             optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
         )
     except InputError as exc:
