@@ -3,9 +3,9 @@
 For planning before hardware is free. Times are FLOPs over a throughput you give (`flops_per_second`:
 the device's peak times the utilisation you expect); memory counts the tensors transformers' Llama
 block saves for backward (RMSNorm, rotary, grouped-query SDPA, SwiGLU; Qwen3's per-head norms of
-queries and keys, and a `head_dim` other than hidden_size / num_heads), which is what the profiler
-measures on the CPU, in fp32 and in bf16. Fused kernels on a GPU keep less, so treat the activation figures as an upper bound
-there. Needs no torch.
+queries and keys, and a `head_dim` other than hidden_size / num_heads; MoE experts and router),
+which is what the profiler measures on the CPU, in fp32 and in bf16. Fused kernels on a GPU keep
+less, so treat the activation figures as an upper bound there. Needs no torch.
 """
 
 from __future__ import annotations
