@@ -60,7 +60,7 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
         load_config(setup.model)  # a bad model fails here, not in every rank
         _check_profile_of(setup, profile)
         if schedule_kind(setup.schedule).splits_backward:
-            profile = without_selective(profile)
+            profile = profile.with_modes(mode for mode in profile.modes if mode != SELECTIVE)
     spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
                         schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes)
     plan = choose_plan(profile, spec, setup.plan)
@@ -98,16 +98,6 @@ def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
     if None not in shape and shape != (setup.micro_batch_size, setup.seq_len):
         raise InputError("profile", f"was measured at {shape[0]} x {shape[1]} tokens per micro-batch; this run uses "
                                     f"{setup.micro_batch_size} x {setup.seq_len} (--micro-batch-size, --seq-len)")
-
-
-def without_selective(profile: ModelProfile) -> ModelProfile:
-    """`profile` without its selective-recompute costs (layers that offer only it keep it)."""
-    layers = tuple(
-        dataclasses.replace(layer, recompute={m: c for m, c in layer.recompute.items() if m != SELECTIVE})
-        if len(layer.recompute) > 1 else layer
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
 
 
 def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:

@@ -5,8 +5,9 @@ Times are milliseconds per micro-batch, memory is bytes. A profile is JSON with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,18 @@ class ModelProfile:
         """Recompute modes any body layer offers."""
         offered = {mode for layer in self.layers if layer.is_body for mode in layer.recompute}
         return tuple(mode for mode in RECOMPUTE_MODES if mode in offered)
+
+    def with_modes(self, modes: Iterable[str]) -> ModelProfile:
+        """This profile offering only the recompute `modes` (and "none", which every layer has)."""
+        kept = {NONE, *modes}
+        unknown = sorted(kept - set(RECOMPUTE_MODES))
+        if unknown:
+            raise InputError("modes", f"expected modes among {', '.join(RECOMPUTE_MODES)}, got {', '.join(unknown)}")
+        layers = tuple(
+            dataclasses.replace(layer, recompute={mode: cost for mode, cost in layer.recompute.items() if mode in kept})
+            for layer in self.layers
+        )
+        return dataclasses.replace(self, layers=layers)
 
     def to_dict(self) -> dict[str, object]:
         return {

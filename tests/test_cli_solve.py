@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 from cli_args import with_flags
-from solver_cases import SAPP
+from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
 
@@ -102,6 +102,24 @@ def test_solve_errors_are_one_line(capsys, args, message):
     assert message in lines[-1] and sum("error:" in line for line in lines) == 1
     if "no plan fits" not in message:  # found only after solving, behind its progress lines
         assert len(lines) == 1
+
+
+def test_modes_limit_the_recompute_a_plan_may_use(capsys, tmp_path):
+    profile = tmp_path / "profile.json"
+    small_profile(6).save(profile)  # none, selective and full for every body layer
+    argv = ["solve", "--profile", str(profile), "--stages", "2", "--chunks", "2", "--micro-batches", "4",
+            "--schedule", "ZBVZeroBubble", "--memory", "400MiB"]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    # torch runs one backward through a selective-checkpoint region; ZBVZeroBubble runs two
+    assert "selective 2" in report and "splits the backward" in report and "--modes none,full" in report
+    assert main([*argv, "--modes", "none,full", "--json"]) == 0
+    modes = {layer["recompute"] for layer in json.loads(capsys.readouterr().out)["plan"]["layers"]}
+    assert modes == {"none", "full"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--modes", "none,fast"])
+    assert capsys.readouterr().err.strip().endswith(
+        "--modes: expected modes among none, selective, comm, selective+comm, full, got fast")
 
 
 def test_simulate_profile_needs_a_plan(capsys):

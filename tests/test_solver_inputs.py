@@ -21,6 +21,16 @@ def test_profile_json_round_trip(tmp_path):
     assert load_profile(path) == profile
 
 
+def test_a_profile_limited_to_some_recompute_modes():
+    profile = small_profile(4)  # body layers: none, selective, full; head and tail: none
+    limited = profile.with_modes(["full"])
+    assert [tuple(layer.recompute) for layer in limited.layers] == [("none",), *[("none", "full")] * 4, ("none",)]
+    assert limited.layers[1].recompute["full"] == profile.layers[1].recompute["full"]
+    assert profile.with_modes([]).modes == ("none",)
+    with pytest.raises(InputError, match="modes: expected modes among none, selective, comm, selective\\+comm, full, got fast"):
+        profile.with_modes(["full", "fast"])
+
+
 def test_sapp_semantics():
     profile = load_profile(SAPP / "sim.json")
     heads = [l for l in profile.layers if l.kind == "head"]

@@ -6,9 +6,11 @@ import math
 
 from simulator import SimulationResult
 from simulator.result import BubbleSplit
+from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms
 from solver import Plan
 from solver.plan import MODE_ORDER
+from solver.profile import SELECTIVE
 
 
 def bubble_line(bubble: BubbleSplit) -> str:
@@ -56,6 +58,9 @@ def plan_report(plan: Plan) -> str:
     ]
     if plan.weight_split_assumed:
         lines.append("note            weight-gradient times not in the profile: I and W each took half of B")
+    if schedule_kind(schedule.name).splits_backward and SELECTIVE in plan.layer_modes:
+        lines.append(f"note            {schedule.name} splits the backward, which torch cannot run through selective "
+                     "checkpointing: --modes none,full plans without it")
     lines.append(f"{'stage':>5}  {'layers per chunk':<18}  {'recompute':<28}  {'peak memory':>12}")
     for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
         counts = "+".join(str(len(r)) for r in chunk_ranges)

@@ -52,6 +52,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_overhead_flag(parser)
     parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
+    parser.add_argument("--modes", metavar="LIST",
+                        help="recompute modes the plan may use, e.g. none,full (default: all the profile offers)")
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
     parser.add_argument("--plan-out", metavar="OUT", help="write the plan as JSON (sapp-hook simulate --plan reads it)")
     add_output_flags(parser)
@@ -67,6 +69,11 @@ def _run(args: argparse.Namespace) -> int:
     constant = size_flag(args, "stage_constant", notes)
     outputs = output_paths(args, ("plot", "trace", "csv", "mindformers_yaml", "plan_out"))
     profile = load_profile(args.profile)
+    if args.modes is not None:
+        try:
+            profile = profile.with_modes(mode.strip() for mode in args.modes.split(",") if mode.strip())
+        except InputError as exc:
+            raise InputError("--modes", exc.detail) from None
     spec = PipelineSpec(
         stages=args.stages,
         micro_batches=args.micro_batches,
