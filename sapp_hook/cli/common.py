@@ -85,6 +85,11 @@ def check_milliseconds(flag: str, value: float | None) -> None:
         raise InputError(flag, f"expected a number of milliseconds >= 0, got {value:g}")
 
 
+def mode_list(text: str) -> tuple[str, ...]:
+    """Recompute modes given as a comma-separated list (`none,full`)."""
+    return tuple(mode.strip() for mode in text.split(",") if mode.strip())
+
+
 def size_flag(args: argparse.Namespace, name: str, notes: list[str]) -> int:
     """A size flag in bytes; what it took goes to `notes`, said once every input has been checked."""
     text = getattr(args, name)

@@ -9,7 +9,7 @@ import sys
 from profiler.analytic import BYTES_PER_SECOND as BANDWIDTH
 from profiler.analytic import FLOPS_PER_SECOND as FLOPS
 from profiler.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
-from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
+from sapp_hook.cli.common import command, configure_logging, finish, mode_list, output_paths, write_output
 from simulator import InputError
 from simulator.units import format_bytes
 from solver.profile import NONE, ModelProfile
@@ -116,7 +116,7 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
 def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
     steps = STEPS if args.steps is None else args.steps
     warmup_steps = WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
-    modes = tuple(mode.strip() for mode in (args.modes or MODES).split(",") if mode.strip())
+    modes = mode_list(args.modes or MODES)
     for flag, value in (("--steps", steps), ("--warmup-steps", warmup_steps)):
         if value < 1:
             raise InputError(flag, f"expected an integer >= 1, got {value}")

@@ -15,6 +15,7 @@ from sapp_hook.cli.common import (
     command,
     configure_logging,
     finish,
+    mode_list,
     output_paths,
     say,
     size_flag,
@@ -71,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     if args.modes is not None:
         try:
-            profile = profile.with_modes(mode.strip() for mode in args.modes.split(",") if mode.strip())
+            profile = profile.with_modes(mode_list(args.modes))
         except InputError as exc:
             raise InputError("--modes", exc.detail) from None
     spec = PipelineSpec(
