@@ -73,22 +73,34 @@ def test_a_built_in_model(capsys, tmp_path):
     assert profile.tied_parameters[0].layers == ("head", "tail")
 
 
+ESTIMATE = ["--estimate"]
+
+
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("base", "flags", "message"),
     [
-        (["--model", "no-such-model"], "--model: 'no-such-model' is neither a built-in model"),
-        (["--modes", "none,fast"], "--modes: expected distinct modes among none, selective, full"),
-        (["--layers", "decoder.*"], "--layers: pattern 'decoder.*' matches no module"),
-        (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
-        (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
-        (["--out", "/no/such/folder/p.json"], "--out: folder /no/such/folder does not exist"),
-        (["--device", "cuda"], "--device: no cuda device here"),
-        (["--device", "toaster"], "--device: expected cpu, cuda or cuda:N, got 'toaster'"),
-        (["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
+        (FAST, ["--model", "no-such-model"], "--model: 'no-such-model' is neither a built-in model"),
+        (FAST, ["--modes", "none,fast"], "--modes: expected distinct modes among none, selective, full"),
+        (FAST, ["--layers", "decoder.*"], "--layers: pattern 'decoder.*' matches no module"),
+        (FAST, ["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+        (FAST, ["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
+        (FAST, ["--out", "/no/such/folder/p.json"], "--out: folder /no/such/folder does not exist"),
+        (FAST, ["--device", "cuda"], "--device: no cuda device here"),
+        (FAST, ["--device", "toaster"], "--device: expected cpu, cuda or cuda:N, got 'toaster'"),
+        (FAST, ["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
+        (FAST, ["--flops", "1e15"], "--flops: needs --estimate"),
+        (ESTIMATE, ["--steps", "3"], "--steps: is for measuring; --estimate runs nothing"),
+        (ESTIMATE, ["--device", "cpu"], "--device: is for measuring; --estimate runs nothing"),
+        (ESTIMATE, ["--flops", "0"], "--flops: expected a number > 0, got 0.0"),
+        (ESTIMATE, ["--bandwidth", "inf"], "--bandwidth: expected a number > 0, got inf"),
+        (ESTIMATE, ["--tensor-parallel", "0"], "--tensor-parallel: expected an integer >= 1, got 0"),
+        (ESTIMATE, ["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
+        (ESTIMATE, ["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
+        (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
     ],
 )
-def test_bad_input_is_one_line(capsys, tmp_path, config_json, flags, message):
-    argv = with_flags(["profile", "--model", str(config_json), *FAST, "--out", str(tmp_path / "p.json")], flags)
+def test_bad_input_is_one_line(capsys, tmp_path, config_json, base, flags, message):
+    argv = with_flags(["profile", "--model", str(config_json), *base, "--out", str(tmp_path / "p.json")], flags)
     with pytest.raises(SystemExit) as caught:
         main(argv)
     assert caught.value.code == 2
@@ -119,32 +131,7 @@ def test_an_estimate_runs_nothing_and_writes_the_analytic_profile(tmp_path, conf
     assert estimated.model == f"{config_json} (estimated)" and estimated.source == "analytic"
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--steps", "3"], "--steps: is for measuring; --estimate runs nothing"),
-        (["--device", "cpu"], "--device: is for measuring; --estimate runs nothing"),
-        (["--flops", "0"], "--flops: expected a number > 0, got 0.0"),
-        (["--bandwidth", "inf"], "--bandwidth: expected a number > 0, got inf"),
-        (["--tensor-parallel", "0"], "--tensor-parallel: expected an integer >= 1, got 0"),
-        (["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
-        (["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
-        (["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
-    ],
-)
-def test_bad_estimate_input_is_one_line(capsys, tmp_path, config_json, flags, message):
-    argv = with_flags(["profile", "--model", str(config_json), "--estimate", "--out", str(tmp_path / "p.json")], flags)
-    with pytest.raises(SystemExit) as caught:
-        main(argv)
-    assert caught.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"sapp-hook profile: error: {message}") and err.count("\n") == 1
-
-
-def test_estimating_flags_need_estimate_and_a_config_needs_its_sizes(capsys, tmp_path, config_json):
-    with pytest.raises(SystemExit):
-        main(["profile", "--model", str(config_json), "--flops", "1e15", "--out", str(tmp_path / "p.json")])
-    assert "error: --flops: needs --estimate" in capsys.readouterr().err
+def test_an_estimate_names_a_size_the_config_lacks(capsys, tmp_path, config_json):
     config_json.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(SystemExit):
         main(["profile", "--model", str(config_json), "--estimate", "--out", str(tmp_path / "p.json")])
