@@ -30,35 +30,36 @@ MIXTRAL = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_at
                num_local_experts=4, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=128)
 
 
-def llama(seed: int = 0, **overrides: object) -> torch.nn.Module:
+def _causal_lm(name: str, config: dict, seed: int, overrides: dict) -> torch.nn.Module:
+    """transformers' `<name>ForCausalLM` (or GPT-2's LM head model) with random weights from `seed`."""
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **overrides})).train()
+    model_class = getattr(transformers, "GPT2LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM")
+    return model_class(getattr(transformers, f"{name}Config")(**{**config, **overrides})).train()
+
+
+def llama(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    return _causal_lm("Llama", LLAMA, seed, overrides)
 
 
 def qwen3(seed: int = 0, **overrides: object) -> torch.nn.Module:
     """Llama's shape with Qwen3's attention: heads wider than hidden_size / num_heads, each normalised."""
-    torch.manual_seed(seed)
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**QWEN3, **overrides})).train()
+    return _causal_lm("Qwen3", QWEN3, seed, overrides)
 
 
 def qwen3_moe(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).train()
+    return _causal_lm("Qwen3Moe", QWEN3_MOE, seed, {})
 
 
 def mixtral(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)).train()
+    return _causal_lm("Mixtral", MIXTRAL, seed, {})
 
 
 def gpt2(seed: int = 0, **overrides: object) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **overrides})).train()
+    return _causal_lm("GPT2", GPT2, seed, overrides)
 
 
 def moe(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**MOE)).train()
+    return _causal_lm("Qwen2Moe", MOE, seed, {})
 
 
 def batch(step: int, vocab: int = 512) -> torch.Tensor:
