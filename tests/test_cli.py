@@ -78,7 +78,7 @@ def test_quiet_prints_nothing(capsys):
         (["--forward", "-1"], "--forward: expected a number of milliseconds >= 0, got -1"),
         (["--backward", "nan"], "--backward: expected a number of milliseconds >= 0, got nan"),
         (["--weight", "5"], "--weight: expected at most --backward (2), got 5"),
-        (["--chunks", "2"], "--chunks: 1F1B runs exactly 1 chunks per stage, got 2"),
+        (["--chunks", "2"], "--chunks: 1F1B runs exactly 1 chunk per stage, got 2"),
         (["--activation", "3"], "--activation: expected a unit"),
         (["--plot", "out.gif"], "--plot: expected a file ending in .png, .svg, .pdf"),
         (["--trace", "/nonexistent-dir/t.json"], "--trace: folder /nonexistent-dir does not exist"),

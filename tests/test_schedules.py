@@ -169,6 +169,8 @@ def test_names_match_like_torch(text):
         (lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=3), "microbatch_group_size", "4 <= G"),
         (lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=7), "microbatch_group_size", "mod G"),
         (lambda: build_schedule("1F1B", 4, 10, microbatch_group_size=4), "microbatch_group_size", "Interleaved1F1B only"),
+        (lambda: build_schedule("1F1B", 100_000, 100_000), "micro_batches", "make 20,000,000,000 actions; expected at most"),
+        (lambda: build_schedule("ZBH1", 2_000, 2_000), "micro_batches", "make 12,000,000 actions"),
     ],
 )
 def test_bad_input_names_the_field(call, field, words):

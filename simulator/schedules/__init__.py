@@ -19,6 +19,10 @@ from simulator.schedules.interleaved import (
 from simulator.schedules.one_f_one_b import one_f_one_b_actions
 from simulator.schedules.zero_bubble import zbh1_actions, zbv_actions
 
+# A replay holds every action in memory, some 400 bytes each: a typo such as 100,000 stages must not
+# run the machine out of memory before anything is said.
+MAX_ACTIONS = 10_000_000
+
 
 @dataclass(frozen=True)
 class ScheduleKind:
@@ -119,10 +123,17 @@ def build_schedule(
         chunks = kind.default_chunks
     _check_count("chunks", chunks, 1)
     if chunks < kind.min_chunks or (kind.max_chunks is not None and chunks > kind.max_chunks):
-        allowed = (
-            f"exactly {kind.min_chunks}" if kind.min_chunks == kind.max_chunks else f"{kind.min_chunks} or more"
+        if kind.min_chunks == kind.max_chunks:
+            allowed = f"exactly {kind.min_chunks} chunk{'s' if kind.min_chunks > 1 else ''}"
+        else:
+            allowed = f"{kind.min_chunks} or more chunks"
+        raise InputError("chunks", f"{kind.name} runs {allowed} per stage, got {chunks}")
+    actions = stages * chunks * micro_batches * (3 if kind.splits_backward else 2)
+    if actions > MAX_ACTIONS:
+        raise InputError(
+            "micro_batches", f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
+            f"{actions:,} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)"
         )
-        raise InputError("chunks", f"{kind.name} runs {allowed} chunks per stage, got {chunks}")
     fewest = kind.min_micro_batches(stages, chunks)
     if micro_batches < fewest:
         raise InputError(
