@@ -47,6 +47,23 @@ def test_simulate_replays_a_mindformers_plan_and_a_plan_json(capsys, tmp_path):
     assert from_keys["status"] == "given"
 
 
+def test_simulate_refuses_flags_a_plan_json_contradicts(capsys, tmp_path):
+    main([*SOLVE, "--quiet", "--plan-out", str(tmp_path / "plan.json")])
+    replay = ["simulate", "--profile", str(SAPP / "test.json"), "--plan", str(tmp_path / "plan.json"), "--json"]
+    assert main([*replay, *CASE[2:]]) == 0  # the plan's own settings, said again: fine
+    capsys.readouterr()
+    for flags, words in [
+        (["--stages", "8"], "--stages: 8 differs from the plan's spec.stages (4)"),
+        (["--schedule", "ZBH1"], "--schedule: ZBH1 differs from the plan's spec.schedule (Interleaved1F1B)"),
+        (["--micro-batches", "16"], "--micro-batches: 16 differs from the plan's spec.micro_batches (8)"),
+        (["--memory", "1GB"], "--memory: 1,000,000,000 differs from the plan's spec.memory_budget_bytes (55,574,528,000)"),
+        (["--p2p", "0.5"], "--p2p: 0.5 differs from the plan's spec.p2p_ms (0)"),
+    ]:
+        with pytest.raises(SystemExit):
+            main([*replay, *flags])
+        assert words in capsys.readouterr().err
+
+
 def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
     config = tmp_path / "train.yaml"
     config.write_text(

@@ -20,7 +20,8 @@ from sapp_hook.cli.common import (
 )
 from sapp_hook.cli.report import plan_report, replay_report
 from sapp_hook.inputs import mindformers_keys, read_document
-from simulator import InputError, PipelineCosts, build_schedule, simulate
+from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
+from simulator.units import parse_bytes
 from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers
 
 PROG = "sapp-hook simulate"
@@ -106,6 +107,38 @@ def _replay_uniform(args: argparse.Namespace) -> int:
     return finish(args, result.to_dict(), replay_report(result), written)
 
 
+def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
+    """A plan JSON states how it runs (its spec): a pipeline flag given beside it must say the same,
+    rather than be ignored."""
+    given = {
+        "schedule": schedule_kind(args.schedule).name if args.schedule is not None else None,
+        "stages": args.stages,
+        "chunks": args.chunks,
+        "micro_batches": args.micro_batches,
+        "microbatch_group_size": args.microbatch_group_size,
+        "p2p_ms": args.p2p or None,
+        "memory_budget_bytes": parse_bytes(args.memory, "--memory") or None,
+    }
+    flags = {"p2p_ms": "--p2p", "memory_budget_bytes": "--memory"}
+    for name, value in given.items():
+        stated = schedule_kind(spec.schedule).name if name == "schedule" else getattr(spec, name)
+        if name == "chunks":
+            stated = spec.pipeline_schedule.chunks
+        if value is not None and value != stated:
+            flag = flags.get(name, "--" + name.replace("_", "-"))
+            raise InputError(flag, f"{_shown(value)} differs from the plan's spec.{name} ({_shown(stated)}); leave "
+                                   f"{flag} out, or replay the plan's MindFormers keys (--mindformers-plan) under "
+                                   "other settings")
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "the schedule's default"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _replay_plan(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
     if bool(args.mindformers_plan) == bool(args.plan):
@@ -118,6 +151,7 @@ def _replay_plan(args: argparse.Namespace) -> int:
             raise InputError("--action-overhead", "a plan JSON states its own (spec.action_overhead_ms); "
                                                   "give it with --mindformers-plan")
         plan = plan_from_dict(profile, read_document(args.plan, "--plan"))
+        _check_flags_agree(args, plan.spec)
     else:
         for name in ("schedule", "stages", "micro_batches"):
             if getattr(args, name) is None:
