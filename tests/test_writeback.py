@@ -208,6 +208,7 @@ def test_a_plan_for_another_stage_count_is_refused(config, target):
         ("torchtitan", "[parallelism\n", "is not valid TOML"),
         ("mindformers", "model:\n  arch: {type: X}\nparallel_config: {pipeline_stage: 4}\n", "lacks the section model.model_config"),
         ("mindformers", "a: &x [1]\nb: *x\n", "aliases are not accepted"),
+        ("mindformers", '{"name": "llama", "layers_description": []}\n', "has none of parallel_config, model"),
     ],
 )
 def test_configs_without_the_expected_sections(tmp_path, target, content, message):

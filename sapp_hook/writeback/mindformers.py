@@ -40,8 +40,13 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
         for key, value in keys.items():
             place = MINDFORMERS_PLACES[key][0]
             _node(document, place[:-1], path, create=True)[place[-1]] = value
-    else:
+    elif not document or any(key in document for key in MINDFORMERS_PLACES):
         document.update(keys)  # a flat file of plan keys, as SAPP writes them
+    else:
+        raise InputError(
+            "--config", f"{path} has none of {', '.join(TRAINING_SECTIONS)} (a MindFormers training config) nor "
+            f"plan keys ({', '.join(MINDFORMERS_PLACES)}) at its top: is it a MindFormers config?"
+        )
     stream = io.StringIO()
     yaml.dump(document, stream)
     return commit(result, old, stream.getvalue(), dry_run=dry_run)
