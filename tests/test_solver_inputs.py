@@ -124,6 +124,14 @@ def test_broken_json_is_one_clear_error(tmp_path, content):
         load_profile(path)
 
 
+@pytest.mark.parametrize("content", ["[]", "null", '{"layers": []}', '"profile"'])
+def test_json_that_is_no_profile_says_what_is_expected(tmp_path, content):
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    with pytest.raises(InputError, match="profile: .* expected sapp-hook's profile .* or SAPP's layer JSON"):
+        load_profile(path)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(InputError, match="cannot read"):
         load_profile(tmp_path / "nope.json")
