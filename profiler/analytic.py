@@ -62,6 +62,14 @@ class TransformerShape:
             raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if not self.head_dim and self.hidden_size % self.num_heads:
             raise InputError("num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}")
+        # Megatron-LM and TorchTitan split heads, not parts of heads, over the tensor-parallel ranks,
+        # and the sequence into 2 x CP chunks (two per rank, to balance causal attention).
+        for name, count in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads or self.num_heads)):
+            if count % self.tensor_parallel:
+                raise InputError("tensor_parallel", f"expected a divisor of {name} {count}, got {self.tensor_parallel}")
+        if self.context_parallel > 1 and self.sequence % (2 * self.context_parallel):
+            raise InputError("context_parallel", f"expected sequence {self.sequence} to be a multiple of 2 x "
+                                                 f"context_parallel, got context_parallel {self.context_parallel}")
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise InputError("experts_per_token", f"expected 1..{self.num_experts}, got {self.experts_per_token}")
 
@@ -86,31 +94,31 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
 
 def _shape(config: Mapping[str, object], model_type: str, *, sequence: int, micro_batch_size: int, dtype: str,
            tensor_parallel: int, context_parallel: int) -> TransformerShape:
-    num_layers = int(config["num_hidden_layers"])
-    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    num_layers = _integer(config, "num_hidden_layers")
+    experts = _integer(config, "num_experts") or _integer(config, "num_local_experts")
     dense_layers: tuple[int, ...] = ()
     if experts:
-        sparse_step = int(config.get("decoder_sparse_step") or 1)
+        sparse_step = _integer(config, "decoder_sparse_step") or 1
         only_mlp = set(config.get("mlp_only_layers") or ())
         dense_layers = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % sparse_step)
     return TransformerShape(
-        hidden_size=int(config["hidden_size"]),
+        hidden_size=_integer(config, "hidden_size"),
         num_layers=num_layers,
-        num_heads=int(config["num_attention_heads"]),
-        num_kv_heads=int(config.get("num_key_value_heads") or 0),
-        ffn_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
+        num_heads=_integer(config, "num_attention_heads"),
+        num_kv_heads=_integer(config, "num_key_value_heads"),
+        ffn_size=_integer(config, "intermediate_size"),
+        vocab_size=_integer(config, "vocab_size"),
         sequence=sequence,
         micro_batch_size=micro_batch_size,
         dtype=dtype,
         num_experts=experts,
-        experts_per_token=int(config.get("num_experts_per_tok") or 0),
-        moe_ffn_size=int(config.get("moe_intermediate_size") or config.get("intermediate_size")),
-        shared_expert_ffn_size=int(config.get("shared_expert_intermediate_size") or 0),
+        experts_per_token=_integer(config, "num_experts_per_tok"),
+        moe_ffn_size=_integer(config, "moe_intermediate_size") or _integer(config, "intermediate_size"),
+        shared_expert_ffn_size=_integer(config, "shared_expert_intermediate_size"),
         dense_layers=dense_layers,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", str(model_type).startswith("qwen2"))),
-        head_dim=int(config.get("head_dim") or 0),
+        head_dim=_integer(config, "head_dim"),
         qk_norm=str(model_type).startswith("qwen3"),
         normalize_top_k=model_type == "mixtral" or bool(config.get("norm_topk_prob", False)),
         tensor_parallel=tensor_parallel,
@@ -245,6 +253,18 @@ def _norm_bytes(rows: int, width: int, p: int) -> int:
     """What an RMSNorm over `rows` vectors of `width` keeps: its input in fp32, 1/rms (fp32), the
     normalised input and the output in the model's dtype."""
     return rows * (4 * width + 4 + 2 * p * width)
+
+
+def _integer(config: Mapping[str, object], key: str) -> int:
+    """config[key] as an integer, 0 when absent or null; a fraction or a text is refused."""
+    value = config.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(key, f"expected an integer, got {value!r}")
+    return value
 
 
 def _finite(value: object) -> bool:

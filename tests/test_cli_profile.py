@@ -94,6 +94,7 @@ ESTIMATE = ["--estimate"]
         (ESTIMATE, ["--flops", "0"], "--flops: expected a number > 0, got 0.0"),
         (ESTIMATE, ["--bandwidth", "inf"], "--bandwidth: expected a number > 0, got inf"),
         (ESTIMATE, ["--tensor-parallel", "0"], "--tensor-parallel: expected an integer >= 1, got 0"),
+        (ESTIMATE, ["--tensor-parallel", "3"], "--tensor-parallel: expected a divisor of num_heads 4, got 3"),
         (ESTIMATE, ["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
         (ESTIMATE, ["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
         (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),

@@ -98,13 +98,28 @@ def test_an_estimate_plans_without_hardware():
     ("config", "field"),
     [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads"),
      ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim"),
-     ({"model_type": "llama", **LLAMA, "hidden_size": "wide"}, "config"),
+     ({"model_type": "llama", **LLAMA, "hidden_size": "wide"}, "hidden_size"),
+     ({"model_type": "llama", **LLAMA, "hidden_size": 64.5}, "hidden_size"),  # was taken as 64
+     ({"model_type": "llama", **LLAMA, "num_key_value_heads": [2]}, "num_key_value_heads"),
      ({"model_type": "llama", "hidden_size": 64}, "num_hidden_layers")],
 )
 def test_bad_configs_are_clear_errors(config, field):
     with pytest.raises(InputError) as caught:
         shape_from_config(config, sequence=16)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [({"tensor_parallel": 3}, "tensor_parallel: expected a divisor of num_heads 4, got 3"),
+     ({"tensor_parallel": 4}, "tensor_parallel: expected a divisor of num_kv_heads 2, got 4"),
+     ({"context_parallel": 3}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel"),
+     ({"context_parallel": 16}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel")],
+)
+def test_parallel_sizes_that_split_a_head_or_the_sequence_unevenly(options, words):
+    with pytest.raises(InputError, match=words):
+        shape_from_config({"model_type": "llama", **LLAMA}, sequence=16, **options)
+    shape_from_config({"model_type": "llama", **LLAMA}, sequence=16, tensor_parallel=2, context_parallel=8)
 
 
 def test_bad_shape_values_name_the_field():
