@@ -105,9 +105,9 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
         return solve(profile, spec, time_limit_s=60)
     if which in ("even", "even-full"):
         return even_plan(profile, spec, FULL if which == "even-full" else NONE)
-    from sapp_hook.inputs import read_document
+    from sapp_hook.inputs import read_plan_json
 
-    return plan_from_dict(profile, read_document(which, "--plan"))
+    return plan_from_dict(profile, read_plan_json(which, "--plan"))
 
 
 def predictions(plan: Plan, input_bytes: float = 0.0, output_bytes: float = 0.0) -> dict[str, list[float]]:

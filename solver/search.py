@@ -440,7 +440,7 @@ def _check_room(schedule: Schedule, groups: list[_Group], spec: PipelineSpec) ->
     if body < needed:
         raise InputError(
             "stages",
-            f"{schedule.stages} stages x {schedule.chunks} chunks make {schedule.num_stages} virtual stages, "
+            f"{schedule.stages} x {schedule.chunks} (stages x chunks) make {schedule.num_stages} virtual stages, "
             f"but only {body} body layers can fill the {needed} without a head or tail; "
             "use fewer stages or chunks, or allow empty chunks",
         )

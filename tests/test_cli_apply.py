@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from solver_cases import small_profile
+from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
 
@@ -58,9 +58,21 @@ def test_bad_input_is_one_line(capsys, plan_file, flags, message):
     assert err == f"sapp-hook apply: error: {message}\n"
 
 
-def test_a_plan_that_is_not_a_plan(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"spec": {"stages": 4}, "plan": {}}, ": missing; expected an integer >= 1"),
+        ({"spec": {"stages": 4}}, "expected a plan JSON as sapp-hook solve --plan-out writes it"),
+        ({"layers_description": []}, "expected a plan JSON as sapp-hook solve --plan-out writes it"),
+        ([], "expected a plan JSON as sapp-hook solve --plan-out writes it"),
+    ],
+)
+def test_a_plan_that_is_not_a_plan(tmp_path, capsys, document, message):
     bad = tmp_path / "plan.json"
-    bad.write_text(json.dumps({"spec": {"stages": 4}}))
-    with pytest.raises(SystemExit):
-        main(["apply", "--plan", str(bad), "--target", "plan", "--config", str(tmp_path / "out.json")])
-    assert "spec.chunks: missing" in capsys.readouterr().err
+    bad.write_text(json.dumps(document))
+    for command in (["apply", "--target", "plan", "--config", str(tmp_path / "out.json")],
+                    ["simulate", "--profile", str(SAPP / "test.json")]):
+        with pytest.raises(SystemExit):
+            main([*command, "--plan", str(bad)])
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

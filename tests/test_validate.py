@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cli_args import with_flags
 from profiler_cases import GPT2
 
 from sapp_hook.models import build_model, load_config, random_batch
@@ -76,3 +77,18 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     with pytest.raises(InputError, match="profile") as error:
         validate(setup, profile=profile)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
+    (["--stages", "64"], "--stages: 64 x 1 (stages x chunks) make 64 virtual stages"),
+])
+def test_cli_bad_input_names_the_flag(capsys, flags, message):
+    from sapp_hook.cli import main
+
+    argv = ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B"]
+    with pytest.raises(SystemExit) as caught:
+        main(with_flags(argv, flags))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("error:") == 1

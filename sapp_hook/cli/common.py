@@ -26,6 +26,9 @@ FLAGS = {
     "time_limit_s": "--time-limit",
     "data_parallel": "--data-parallel",
     "zero_stage": "--zero-stage",
+    "steps": "--steps",
+    "micro_batch_size": "--micro-batch-size",
+    "seq_len": "--seq-len",
 }
 
 

@@ -19,7 +19,7 @@ from sapp_hook.cli.common import (
     write_replay_outputs,
 )
 from sapp_hook.cli.report import plan_report, replay_report
-from sapp_hook.inputs import mindformers_keys, read_document
+from sapp_hook.inputs import mindformers_keys, read_document, read_plan_json
 from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
 from simulator.units import parse_bytes
 from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers
@@ -150,7 +150,7 @@ def _replay_plan(args: argparse.Namespace) -> int:
         if args.action_overhead:
             raise InputError("--action-overhead", "a plan JSON states its own (spec.action_overhead_ms); "
                                                   "give it with --mindformers-plan")
-        plan = plan_from_dict(profile, read_document(args.plan, "--plan"))
+        plan = plan_from_dict(profile, read_plan_json(args.plan, "--plan"))
         _check_flags_agree(args, plan.spec)
     else:
         for name in ("schedule", "stages", "micro_batches"):
