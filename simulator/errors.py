@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import math
 
+# Beyond any real cost (11.6 days for one action, an exbibyte): larger figures are typos, and the
+# solver's program, in MiB and ms, needs its coefficients well inside HiGHS's range (1e15).
+MAX_MS = 1e9
+MAX_BYTES = 2.0**60
+
 
 class InputError(ValueError):
     """Bad input: names the field and says what was expected."""
@@ -23,3 +28,15 @@ def check_non_negative(value: object, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise InputError(field, f"expected a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def check_ms(value: object, field: str) -> None:
+    """A duration: a finite number of milliseconds, >= 0 and at most MAX_MS."""
+    if check_non_negative(value, field) > MAX_MS:
+        raise InputError(field, f"expected at most {MAX_MS:g} ms, got {value!r}")
+
+
+def check_bytes(value: object, field: str) -> None:
+    """A size: a finite number of bytes, >= 0 and at most MAX_BYTES."""
+    if check_non_negative(value, field) > MAX_BYTES:
+        raise InputError(field, f"expected at most 2**60 bytes (1 EiB), got {value!r}")

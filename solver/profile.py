@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simulator.errors import InputError, check_non_negative
+from simulator.errors import InputError, check_bytes, check_ms, check_non_negative
 from simulator.files import atomic_write_text
 from solver.fields import Fields
 
@@ -284,8 +284,8 @@ def _check_profile(profile: ModelProfile) -> None:
         raise InputError("layers", "expected at least one layer")
     if len(profile.layers) > MAX_LAYERS:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
-    check_non_negative(profile.stage_constant_bytes, "stage_constant_bytes")
-    check_non_negative(profile.stage_output_bytes, "stage_output_bytes")
+    check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
+    check_bytes(profile.stage_output_bytes, "stage_output_bytes")
     seen_body = seen_tail = False
     for index, layer in enumerate(profile.layers):
         where = f"layers[{index}] ({layer.name})"
@@ -308,10 +308,12 @@ def _check_profile(profile: ModelProfile) -> None:
 def _check_layer(layer: LayerProfile, where: str) -> None:
     if layer.kind not in (HEAD, TAIL) and not (layer.is_body and len(layer.kind) > len(BODY_PREFIX)):
         raise InputError(f"{where}.kind", f"expected head, tail or body:<type>, got {layer.kind!r}")
-    for name in ("forward_ms", "backward_ms", "parameter_bytes", "gradient_bytes", "optimizer_bytes"):
-        check_non_negative(getattr(layer, name), f"{where}.{name}")
+    for name in ("forward_ms", "backward_ms"):
+        check_ms(getattr(layer, name), f"{where}.{name}")
+    for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+        check_bytes(getattr(layer, name), f"{where}.{name}")
     if layer.weight_ms is not None:
-        check_non_negative(layer.weight_ms, f"{where}.weight_ms")
+        check_ms(layer.weight_ms, f"{where}.weight_ms")
         if layer.weight_ms > layer.backward_ms:
             raise InputError(f"{where}.weight_ms", f"expected at most backward_ms ({layer.backward_ms:g}), got {layer.weight_ms:g}")
     if NONE not in layer.recompute:
@@ -320,8 +322,9 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
     for mode, cost in layer.recompute.items():
         if mode not in RECOMPUTE_MODES:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
-        for name in ("extra_ms", "activation_bytes", "working_bytes", "retained_bytes"):
-            check_non_negative(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
+        check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
+        for name in ("activation_bytes", "working_bytes", "retained_bytes"):
+            check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from simulator import build_schedule
-from simulator.errors import InputError, check_non_negative
+from simulator.errors import InputError, check_bytes, check_ms, check_non_negative
 from simulator.schedule import Schedule
 from simulator.schedules import schedule_kind
 from solver.fields import Fields
@@ -41,10 +41,11 @@ class PipelineSpec:
     microbatch_group_size: int | None = None  # Interleaved1F1B only (Megatron's)
 
     def __post_init__(self) -> None:
-        for name in ("memory_budget_bytes", "stage_constant_bytes", "p2p_ms", "action_overhead_ms"):
-            value = getattr(self, name)
-            if not (name == "memory_budget_bytes" and value == math.inf):
-                check_non_negative(value, name)
+        if self.memory_budget_bytes != math.inf:
+            check_non_negative(self.memory_budget_bytes, "memory_budget_bytes")
+        check_bytes(self.stage_constant_bytes, "stage_constant_bytes")
+        check_ms(self.p2p_ms, "p2p_ms")
+        check_ms(self.action_overhead_ms, "action_overhead_ms")
         if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise InputError("data_parallel", f"expected an integer >= 1, got {self.data_parallel!r}")
         if self.zero_stage not in ZERO_STAGES:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from simulator import SCHEDULES, InputError, SimulationResult
+from simulator.errors import check_ms
 from simulator.plot import check_plot_path
 from simulator.units import format_bytes, parse_bytes
 
@@ -29,6 +30,9 @@ FLAGS = {
     "steps": "--steps",
     "micro_batch_size": "--micro-batch-size",
     "seq_len": "--seq-len",
+    "p2p_ms": "--p2p",
+    "action_overhead_ms": "--action-overhead",
+    "stage_constant_bytes": "--stage-constant",
 }
 
 
@@ -86,6 +90,8 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
 def check_milliseconds(flag: str, value: float | None) -> None:
     if value is not None and (not math.isfinite(value) or value < 0):
         raise InputError(flag, f"expected a number of milliseconds >= 0, got {value:g}")
+    if value is not None:
+        check_ms(value, flag)
 
 
 def mode_list(text: str) -> tuple[str, ...]:

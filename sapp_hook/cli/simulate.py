@@ -21,6 +21,7 @@ from sapp_hook.cli.common import (
 from sapp_hook.cli.report import plan_report, replay_report
 from sapp_hook.inputs import mindformers_keys, read_document, read_plan_json
 from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
+from simulator.errors import check_bytes
 from simulator.units import parse_bytes
 from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers
 
@@ -81,6 +82,8 @@ def _replay_uniform(args: argparse.Namespace) -> int:
         raise InputError("--weight", f"expected at most --backward ({args.backward:g}), got {args.weight:g}")
     notes: list[str] = []
     sizes = {name: size_flag(args, name, notes) for name in ("activation", "static", "working")}
+    for name, size in sizes.items():
+        check_bytes(size, f"--{name}")
     outputs = output_paths(args, ("plot", "trace", "csv"))
     schedule = build_schedule(
         args.schedule,
