@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from simulator.errors import InputError
 from solver.plan import evaluate_plan
-from solver.profile import ModelProfile, RecomputeCost
+from solver.profile import ModelProfile
 from solver.spec import PipelineSpec
 
 MIN_SCALE = 0.05  # a floor on the time factor, so that a stray step cannot make times vanish
@@ -49,29 +49,13 @@ class Calibration:
             action_overhead_ms=spec.action_overhead_ms + self.action_overhead_ms,
             stage_constant_bytes=spec.stage_constant_bytes + max(0.0, self.stage_constant_bytes),
         )
-        return scale_times(profile, self.time_scale), spec
-
-
-def scale_times(profile: ModelProfile, factor: float) -> ModelProfile:
-    """Every layer time of `profile` times `factor`."""
-    layers = tuple(
-        dataclasses.replace(
-            layer,
-            forward_ms=layer.forward_ms * factor,
-            backward_ms=layer.backward_ms * factor,
-            weight_ms=None if layer.weight_ms is None else layer.weight_ms * factor,
-            recompute={m: RecomputeCost(c.extra_ms * factor, c.activation_bytes, c.working_bytes)
-                       for m, c in layer.recompute.items()},
-        )
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
+        return profile.with_times_scaled(self.time_scale), spec
 
 
 def rank_end_ms(run: Run, time_scale: float = 1.0, action_overhead_ms: float = 0.0) -> list[float]:
     """When each rank's last action ends, simulated with the given calibration."""
     spec = dataclasses.replace(run.spec, action_overhead_ms=action_overhead_ms)
-    plan = evaluate_plan(scale_times(run.profile, time_scale), spec, run.stage_layer_counts, run.layer_modes)
+    plan = evaluate_plan(run.profile.with_times_scaled(time_scale), spec, run.stage_layer_counts, run.layer_modes)
     return [plan.simulation.rank_finish_ms(rank) for rank in range(spec.stages)]
 
 

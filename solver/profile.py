@@ -123,6 +123,21 @@ class ModelProfile:
         )
         return dataclasses.replace(self, layers=layers)
 
+    def with_times_scaled(self, factor: float) -> ModelProfile:
+        """This profile with every layer time (forward, backward, weight gradient, recompute) x `factor`."""
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                forward_ms=layer.forward_ms * factor,
+                backward_ms=layer.backward_ms * factor,
+                weight_ms=None if layer.weight_ms is None else layer.weight_ms * factor,
+                recompute={mode: dataclasses.replace(cost, extra_ms=cost.extra_ms * factor)
+                           for mode, cost in layer.recompute.items()},
+            )
+            for layer in self.layers
+        )
+        return dataclasses.replace(self, layers=layers)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "schema_version": SCHEMA_VERSION,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -29,6 +30,21 @@ def test_a_profile_limited_to_some_recompute_modes():
     assert profile.with_modes([]).modes == ("none",)
     with pytest.raises(InputError, match="modes: expected modes among none, selective, comm, selective\\+comm, full, got fast"):
         profile.with_modes(["full", "fast"])
+
+
+def test_a_profile_with_its_times_scaled_keeps_every_size():
+    profile = small_profile(4)
+    body = profile.layers[1]
+    retained = dataclasses.replace(body.recompute["none"], retained_bytes=body.recompute["none"].activation_bytes / 2)
+    profile = dataclasses.replace(profile, layers=(profile.layers[0], dataclasses.replace(body, recompute={
+        **body.recompute, "none": retained}), *profile.layers[2:]))
+    scaled = profile.with_times_scaled(4.0)
+    for before, after in zip(profile.layers, scaled.layers):
+        assert (after.forward_ms, after.backward_ms) == (4 * before.forward_ms, 4 * before.backward_ms)
+        for mode, cost in before.recompute.items():  # calibrating dropped retained_bytes once
+            assert after.recompute[mode] == dataclasses.replace(cost, extra_ms=4 * cost.extra_ms)
+        assert dataclasses.replace(after, forward_ms=0, backward_ms=0, weight_ms=None, recompute={}) == \
+            dataclasses.replace(before, forward_ms=0, backward_ms=0, weight_ms=None, recompute={})
 
 
 def test_sapp_semantics():

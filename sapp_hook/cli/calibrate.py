@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
 from solver import load_profile
-from solver.calibrate import calibrate, scale_times
+from solver.calibrate import calibrate
 from solver.profile import read_json
 
 PROG = "sapp-hook calibrate"
@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     written = []
     if "profile_out" in outputs:
-        written.append(write_output(outputs, "profile_out", scale_times(profile, fit.time_scale).save))
+        written.append(write_output(outputs, "profile_out", profile.with_times_scaled(fit.time_scale).save))
     solve_with = (f"--profile {outputs['profile_out']}" if "profile_out" in outputs
                   else f"--profile PROFILE (the times x {fit.time_scale:.4g}: --profile-out writes it)")
     report = "\n".join([
