@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-# Beyond any real cost (11.6 days for one action, an exbibyte): larger figures are typos, and the
-# solver's program, in MiB and ms, needs its coefficients well inside HiGHS's range (1e15).
+# Beyond any real cost (11.6 days for one action, a pebibyte): larger figures are typos, and the
+# solver's program, in MiB and ms, needs its coefficients well inside what HiGHS solves reliably.
 MAX_MS = 1e9
-MAX_BYTES = 2.0**60
+MAX_BYTES = 2.0**50
 
 
 class InputError(ValueError):
@@ -39,4 +39,4 @@ def check_ms(value: object, field: str) -> None:
 def check_bytes(value: object, field: str) -> None:
     """A size: a finite number of bytes, >= 0 and at most MAX_BYTES."""
     if check_non_negative(value, field) > MAX_BYTES:
-        raise InputError(field, f"expected at most 2**60 bytes (1 EiB), got {value!r}")
+        raise InputError(field, f"expected at most 2**50 bytes (1 PiB), got {value!r}")

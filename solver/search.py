@@ -17,6 +17,7 @@ on the last, where the schedule puts them (rank 0 for both in a V).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
 from simulator.costs import ChunkCosts, PipelineCosts
-from simulator.errors import InputError
+from simulator.errors import MAX_MS, InputError
 from simulator.replay import critical_path
 from simulator.schedule import Schedule
 from simulator.units import MIB, format_bytes, format_ms
@@ -69,6 +70,10 @@ SLOWER_STAGE = 0.1
 # on SAPP's fixtures, stopped at 30 s: sim.json 163,868 ms -> 159,611 ms, test.json 79,470 ->
 # 79,290 ms (a plan the whole program had not found after 9.5 minutes); a fifth gave the same.
 POLISH_SHARE = 0.1
+# HiGHS holds rows to about 1e-6, in the program's unit (ms): layers that take microseconds (tiny
+# models on fast devices, estimates of toy configs) are searched with their times scaled up so the
+# median layer takes at least this long, and their plan is simulated again at its true times.
+LEAST_SEARCH_MS = 1.0
 
 
 @dataclass
@@ -111,6 +116,16 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
+    scale = _search_time_scale(profile, spec)
+    if scale != 1.0:
+        log.info("layers take microseconds: searching with every time x %g", scale)
+        scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale, action_overhead_ms=spec.action_overhead_ms * scale)
+        found = solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s)
+        plan = evaluate_plan(profile, spec, found.stage_layer_counts, found.layer_modes)
+        proven = found.status == "optimal"
+        lower_bound = plan.iteration_time_ms if proven else min(found.lower_bound_ms / scale, plan.iteration_time_ms)
+        return plan.with_search(status=found.status, gap=found.gap, lower_bound_ms=lower_bound,
+                                solve_seconds=found.solve_seconds)
     started = time.perf_counter()
     deadline = started + time_limit_s
     schedule = spec.pipeline_schedule
@@ -176,8 +191,11 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
 
     if proven:
-        fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0)
-        slowest_allowed = _within(model.time_cap)  # the tie-breaks' plan may run TIME_SLACK slower
+        # HiGHS holds each row to about 1e-6: along a chain of n actions the program's times may drift
+        # n x 1e-6 ms from the simulator's, which only matters where whole plans run in microseconds.
+        drift = 1e-6 * schedule.num_actions
+        fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0) - drift
+        slowest_allowed = _within(model.time_cap) + drift  # the tie-breaks' plan may run TIME_SLACK slower
         if not fastest_allowed <= plan.iteration_time_ms <= slowest_allowed:
             raise RuntimeError(
                 f"the program's optimum is {fastest.objective} ms but the simulator replays its plan in "
@@ -194,6 +212,22 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         lower_bound_ms=lower_bound,
         solve_seconds=time.perf_counter() - started,
     )
+
+
+def _search_time_scale(profile: ModelProfile, spec: PipelineSpec) -> float:
+    """The power of ten that brings the median body layer's forward + backward to LEAST_SEARCH_MS or
+    more (1 where it already is), kept below the largest time a spec or profile may state."""
+    loads = sorted(layer.forward_ms + layer.backward_ms for layer in profile.layers if layer.is_body)
+    median = loads[len(loads) // 2]
+    if median <= 0 or median >= LEAST_SEARCH_MS:
+        return 1.0
+    largest = max([spec.p2p_ms, spec.action_overhead_ms] + [
+        max(layer.forward_ms, layer.backward_ms + max(c.extra_ms for c in layer.recompute.values()))
+        for layer in profile.layers])
+    exponent = math.ceil(math.log10(LEAST_SEARCH_MS / median))
+    while exponent > 0 and largest * 10.0**exponent > MAX_MS:
+        exponent -= 1
+    return 10.0**exponent
 
 
 def _polished(model: _Formulation, values: list[float], deadline: float) -> list[float] | None:

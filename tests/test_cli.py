@@ -81,7 +81,7 @@ def test_quiet_prints_nothing(capsys):
         (["--chunks", "2"], "--chunks: 1F1B runs exactly 1 chunk per stage, got 2"),
         (["--activation", "3"], "--activation: expected a unit"),
         (["--forward", "1e300"], "--forward: expected at most 1e+09 ms, got 1e+300"),
-        (["--working", "2000000TB"], "--working: expected at most 2**60 bytes (1 EiB)"),
+        (["--working", "2000000TB"], "--working: expected at most 2**50 bytes (1 PiB)"),
         (["--stages", "100000", "--micro-batches", "100000"], "make 20,000,000,000 actions; expected at most"),
         (["--plot", "out.gif"], "--plot: expected a file ending in .png, .svg, .pdf"),
         (["--trace", "/nonexistent-dir/t.json"], "--trace: folder /nonexistent-dir does not exist"),

@@ -376,6 +376,22 @@ def test_long_searches_report_progress(caplog, monkeypatch):
     assert any(message.startswith("fastest plan: optimal") for message in messages)
 
 
+@pytest.mark.parametrize("name, stages, chunks, micro_batches", [CASES[0], CASES[3], CASES[6]])
+def test_layers_of_microseconds_are_planned_as_if_they_took_milliseconds(name, stages, chunks, micro_batches):
+    """HiGHS holds rows to about 1e-6 ms: a profile of microsecond layers, searched as it is, ended
+    in "the formulation and the simulator disagree" or "HiGHS ended with Unknown"."""
+    profile = small_profile(6)
+    spec = spec_for(name, stages, chunks, micro_batches, 400, p2p_ms=0.5)
+    tiny = profile.with_times_scaled(1e-7)
+    plan = solve(tiny, dataclasses.replace(spec, p2p_ms=0.5e-7))
+    expected = brute_force(profile, spec)
+    assert plan.status == "optimal"
+    assert plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms * 1e-7, rel=1e-9)
+    assert plan.lower_bound_ms == plan.iteration_time_ms  # the true time, not the scaled search's
+    assert plan == evaluate_plan(tiny, plan.spec, plan.stage_layer_counts, plan.layer_modes).with_search(
+        status="optimal", gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, solve_seconds=plan.solve_seconds)
+
+
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2)])
 def test_action_overhead_is_planned_with_and_simulated_alike(schedule, chunks):
     """The solver's program and the simulator agree with a per-action overhead: solve checks it."""

@@ -120,7 +120,7 @@ def profile_dict():
         (lambda d: d["layers"][1].update(forward_ms=math.inf), "forward_ms: expected a finite number"),
         (lambda d: d.update(layers=[]), "layers: expected a non-empty list"),
         (lambda d: d["layers"][1].update(backward_ms=2**70), "backward_ms: expected at most 1e.09 ms, got 1.18"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(working_bytes=2**70), "working_bytes: expected at most 2..60 bytes .1 EiB."),
+        (lambda d: d["layers"][1]["recompute"]["none"].update(working_bytes=2**70), "working_bytes: expected at most 2..50 bytes .1 PiB."),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),
         (lambda d: d.update(tied_parameters=[{"names": ["w"], "layers": ["nowhere"], "bytes": 4}]), "tied_parameters[0].layers: 'nowhere' is not a layer"),
         (lambda d: d.update(tied_parameters=[{"names": "w", "layers": [], "bytes": 4}]), "tied_parameters[0].names: expected a list of strings"),
