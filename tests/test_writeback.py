@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,34 @@ def test_megatron_scripts_of_other_shapes(tmp_path, script, expected):
     result = write_config("megatron", path, layout_of(plan()))
     assert path.read_text() == expected
     assert ("$PP" in script) == any("is $PP" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        (CONFIGS / "megatron_llama.sh").read_text(),
+        # Megatron's older examples: the flags in a double-quoted string, expanded unquoted
+        '#!/bin/bash\nGPT_ARGS="\n    --num-layers 8 \\\n    --pipeline-model-parallel-size 4 \\\n    --lr 1\n"\n'
+        "torchrun pretrain_gpt.py $GPT_ARGS\n",
+        # one line, in a variable (the layout went after its closing quote: a broken script)
+        '#!/bin/bash\nPARALLEL="--pipeline-model-parallel-size 4"  # the pipeline\ntorchrun pretrain_gpt.py $PARALLEL --lr 1\n',
+        "#!/bin/bash\nPARALLEL='--pipeline-model-parallel-size 4'\ntorchrun pretrain_gpt.py $PARALLEL --lr 1\n",
+        # a bash array, as Megatron's current examples
+        "#!/bin/bash\nARGS=(\n    --pipeline-model-parallel-size 4\n)\ntorchrun pretrain_gpt.py ${ARGS[@]} --lr 1\n",
+    ],
+)
+def test_megatron_gets_the_layout_as_one_argument_from_any_script_shape(tmp_path, script):
+    """Run the rewritten script in bash, with torchrun printing the arguments Megatron would get."""
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    write_config("megatron", path, layout_of(plan({1: "full", 3: "full", 5: "full", 8: "full"})))
+    done = subprocess.run(["bash", "-c", 'torchrun() { printf "%s\\n" "$@"; }; . "$0"', str(path)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert done.returncode == 0, done.stderr
+    arguments = done.stdout.splitlines()
+    assert arguments[arguments.index("--pipeline-model-parallel-layout") + 1] == "Ett|tt|t*3|tL"
+    assert arguments[arguments.index("--recompute-num-layers") + 1] == "1"
+    assert arguments.count("--pipeline-model-parallel-size") == 1 and "--lr" in arguments
 
 
 def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):

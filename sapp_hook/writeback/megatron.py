@@ -76,11 +76,14 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         new = _remove(new, flag, takes_value=True)
     for flag in SWITCHES:
         new = _remove(new, flag, takes_value=False)
-    # a shell script needs the layout quoted (| and *); an arguments file (`$(cat args.txt)`) must not have quotes
+    # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
+    # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
+    # an arguments file (`$(cat args.txt)`) must not have quotes either.
     shell = path.suffix in (".sh", ".bash") or old.startswith("#!")
+    quoted = shell and _inside_quotes(new, _pattern(PP_SIZE, True).search(new).start())
     text = layout_string(layout)
     recompute, inexact = _recompute_flags(layout)
-    flags = [(LAYOUT, f'"{text}"' if shell else text), *recompute]
+    flags = [(LAYOUT, f'"{text}"' if shell and not quoted else text), *recompute]
     for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
         new = _set(new, flag, value)
     commit(result, old, new, dry_run=dry_run)
@@ -109,8 +112,32 @@ def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:
 
 
 def _pattern(flag: str, takes_value: bool) -> re.Pattern[str]:
-    value = r"(?:[ \t]+|=)(\"[^\"]*\"|'[^']*'|[^\s\\]+)" if takes_value else ""
+    # a bare value stops at a quote: in A="--pipeline-model-parallel-size 4" the quote ends the string
+    value = r"(?:[ \t]+|=)(\"[^\"]*\"|'[^']*'|[^\s\\\"']+)" if takes_value else ""
     return re.compile(rf"(?<![\w-]){re.escape(flag)}{value}(?![\w-])")
+
+
+def _inside_quotes(text: str, position: int) -> bool:
+    """Whether `position` of shell script `text` lies inside a quoted string."""
+    quote = ""
+    index = 0
+    while index < position:
+        char = text[index]
+        if char == "\\" and quote != "'":
+            index += 2  # an escaped character, quote or not
+            continue
+        if quote:
+            if char == quote:
+                quote = ""
+        elif char in "\"'":
+            quote = char
+        elif char == "#" and (index == 0 or text[index - 1].isspace()):
+            index = text.find("\n", index)  # a comment, to the end of its line
+            if index < 0:
+                break
+            continue
+        index += 1
+    return bool(quote)
 
 
 def _value(text: str, flag: str) -> str | None:
