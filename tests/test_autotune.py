@@ -102,7 +102,10 @@ def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
 @pytest.mark.parametrize(
     ("options", "field"),
     [({"on_plan": "restart"}, "on_plan"), ({"config": "x.yaml"}, "target"), ({"memory_budget": "56"}, "memory_budget"),
-     ({"action_overhead_ms": -1.0}, "action_overhead_ms")],
+     ({"action_overhead_ms": -1.0}, "action_overhead_ms"),
+     # refused before the profiling steps, not after them
+     ({"config": "x.yaml", "target": "deepspeed"}, "target"), ({"config": "/no/such.yaml", "target": "mindformers"}, "config"),
+     ({"time_limit_s": 0}, "time_limit_s")],
 )
 def test_bad_options(options, field):
     with pytest.raises(InputError) as caught:

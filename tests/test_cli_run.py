@@ -62,6 +62,12 @@ def test_run_needs_a_command(capsys):
     assert "COMMAND: give the training command after --" in capsys.readouterr().err
 
 
+def test_run_refuses_a_config_it_could_not_write_before_launching(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["run", "--config", str(tmp_path / "none.yaml"), "--target", "mindformers", "--", "true"])
+    assert f"--config: {tmp_path / 'none.yaml'} does not exist or is not a file" in capsys.readouterr().err
+
+
 TRAIN_ON_TWO_RANKS = textwrap.dedent('''
     import json, sys
     import torch

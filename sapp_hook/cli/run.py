@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sapp_hook.cli.common import command
 from sapp_hook.protocol import ENVIRONMENT, REPLAN_EXIT_CODE
-from sapp_hook.writeback import TARGETS
+from sapp_hook.writeback import TARGETS, check_destination
 from simulator.errors import InputError
 
 PROG = "sapp-hook run"
@@ -47,8 +47,8 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError("COMMAND", "give the training command after --, e.g. sapp-hook run -- torchrun train.py")
     if (args.config is None) != (args.target is None):
         raise InputError("--target" if args.target is None else "--config", "give --config and --target together")
-    if args.target is not None and args.target not in TARGETS:
-        raise InputError("--target", f"unknown target {args.target!r}; expected one of {', '.join(TARGETS)}")
+    if args.target is not None:
+        check_destination(args.target, args.config, target_field="--target", config_field="--config")
     environment = dict(os.environ)
     for name in ("config", "target", "cache_dir"):
         if getattr(args, name):

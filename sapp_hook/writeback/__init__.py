@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sapp_hook.writeback.files import WriteBack
+from sapp_hook.writeback.files import WriteBack, read_config
 from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
 from sapp_hook.writeback.mindformers import write_mindformers
@@ -28,9 +28,21 @@ TARGETS: dict[str, Callable[..., WriteBack]] = {
 
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     """Write `layout` into the `target` config at `path`."""
-    if target not in TARGETS:
-        raise InputError("--target", f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    check_target(target, "--target")
     return TARGETS[target](Path(path), layout, dry_run=dry_run)
 
 
-__all__ = ["TARGETS", "Layout", "WriteBack", "layout_from_dict", "layout_of", "write_config"]
+def check_target(target: str, field: str) -> None:
+    if target not in TARGETS:
+        raise InputError(field, f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+
+
+def check_destination(target: str, path: str | Path, *, target_field: str, config_field: str) -> None:
+    """Refuse, before any work, a target sapp-hook does not know or a config it cannot rewrite (a plan
+    file, the `plan` target, may be new)."""
+    check_target(target, target_field)
+    if target != "plan":
+        read_config(Path(path), config_field)
+
+
+__all__ = ["TARGETS", "Layout", "WriteBack", "check_destination", "layout_from_dict", "layout_of", "write_config"]
