@@ -88,7 +88,8 @@ def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     try:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError as exc:
-        raise InputError("--model", f"{config.model_type} has no causal language model in transformers: {exc}") from None
+        kind = getattr(config, "model_type", None) or repr(config)
+        raise InputError("--model", f"{kind} has no causal language model in transformers: {exc}") from None
     return model.train()
 
 
