@@ -195,7 +195,7 @@ def evaluate_plan(
     if len(modes) != len(layers):
         raise InputError("layer_modes", f"expected one recompute mode per layer ({len(layers)}), got {len(modes)}")
     for index, (layer, mode) in enumerate(zip(layers, modes)):
-        if mode not in layer.recompute:
+        if not isinstance(mode, str) or mode not in layer.recompute:
             raise InputError(
                 f"layer_modes[{index}]", f"{layer.name} offers {', '.join(layer.modes)}; got {mode!r}"
             )

@@ -189,6 +189,8 @@ def test_bad_plans_are_refused():
         evaluate_plan(profile, spec, [4, 3], ["none"] * 8)
     with pytest.raises(InputError, match="offers none, selective, full; got 'comm'"):
         evaluate_plan(profile, spec, [4, 4], ["none", "comm"] + ["none"] * 6)
+    with pytest.raises(InputError, match=r"layer_modes\[1\]: block.0 offers none, selective, full; got \['full'\]"):
+        evaluate_plan(profile, spec, [4, 4], ["none", ["full"]] + ["none"] * 6)  # was a TypeError
     with pytest.raises(InputError, match="offset: gives 5 body layers; the profile has 6"):
         plan_from_mindformers(profile, spec, {"offset": [0, -1]})
     with pytest.raises(InputError, match=r"select_recompute\[0\]\[1\]: is 0, below recompute"):
