@@ -85,11 +85,15 @@ def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    kind = getattr(config, "model_type", None) or repr(config)
     try:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError as exc:
-        kind = getattr(config, "model_type", None) or repr(config)
         raise InputError("--model", f"{kind} has no causal language model in transformers: {exc}") from None
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+            raise
+        raise InputError("--model", f"{kind}'s weights do not fit in this machine's memory: {_one_line(exc)}") from None
     return model.train()
 
 
@@ -109,8 +113,14 @@ def random_batch(config: PretrainedConfig, micro_batch_size: int, seq_len: int, 
     """Token ids (and the same as labels) for one training step; no cache, as in training."""
     import torch
 
+    text = config.get_text_config()
+    if isinstance(text.vocab_size, bool) or not isinstance(text.vocab_size, int) or text.vocab_size < 1:
+        raise InputError("--model", f"vocab_size: expected an integer >= 1, got {text.vocab_size!r}")
+    positions = getattr(text, "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise InputError("--seq-len", f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)")
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.get_text_config().vocab_size, (micro_batch_size, seq_len), generator=generator)
+    ids = torch.randint(0, text.vocab_size, (micro_batch_size, seq_len), generator=generator)
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
@@ -124,9 +134,17 @@ def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
     for key in ("auto_map", "_name_or_path", "transformers_version", "architectures"):
         data.pop(key, None)  # remote code and provenance: not what the architecture is built from
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
+    except ImportError:
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
         return AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise InputError("--model", f"{where}: transformers cannot build model_type {model_type!r}: {exc}") from None
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        raise InputError("--model", f"{where}: transformers cannot build model_type {model_type!r}: {_one_line(exc)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def profile_example(

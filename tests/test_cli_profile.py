@@ -109,6 +109,25 @@ def test_bad_input_is_one_line(capsys, tmp_path, config_json, base, flags, messa
     assert err.startswith(f"sapp-hook profile: error: {message}") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 5}, "transformers cannot build model_type 'llama': Class validation error"),
+        ({"hidden_size": "wide"}, "transformers cannot build model_type 'llama': Validation error for field 'hidden_size'"),
+        ({"vocab_size": 0}, "--model: vocab_size: expected an integer >= 1, got 0"),
+        ({"max_position_embeddings": 8}, "--seq-len: 16 tokens; the model takes at most 8 (max_position_embeddings)"),
+        ({"hidden_size": 2**38}, "--model: llama's weights do not fit in this machine's memory"),  # past any address space
+    ],
+)
+def test_configs_that_cannot_train_are_one_line(capsys, config_json, tmp_path, change, message):
+    """Each of these was a traceback from transformers or torch."""
+    config_json.write_text(json.dumps({"model_type": "llama", **LLAMA, **change}))
+    with pytest.raises(SystemExit) as caught:
+        main(["profile", "--model", str(config_json), *FAST, "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("\n") == 1
+
+
 def test_a_config_transformers_cannot_build(capsys, tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({"model_type": "not-a-model"}))
