@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import tomlkit
 import yaml
 
@@ -28,3 +29,11 @@ def test_demo_writes_every_target_a_chart_and_a_report(tmp_path, capsys):
     for name in ("plan.png", "plan.json", "plan.yaml", "profile.json", "report.md"):
         assert (out / name).stat().st_size > 0
     assert "even split" in (out / "report.md").read_text()
+
+
+def test_demo_into_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    for out in ("taken", "taken/demo"):
+        with pytest.raises(SystemExit):
+            main(["demo", "--out", str(tmp_path / out)])
+        assert capsys.readouterr().err == f"sapp-hook demo: error: --out: {tmp_path / 'taken'} is a file; expected a folder to write the demo into\n"

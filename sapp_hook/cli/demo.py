@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from sapp_hook.cli.common import command, configure_logging
+from simulator import InputError
 
 PROG = "sapp-hook demo"
 
@@ -31,6 +33,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
+    existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise InputError("--out", f"{existing} is a file; expected a folder to write the demo into")
     configure_logging(talk)
     import transformers
 
