@@ -188,6 +188,8 @@ class AutoTuner:
         }
         self._key = cache_key(self._key_parts)
         entry = None if self.force or _rank() else self.cache.load(self._key)
+        if entry is not None and not self._reusable(entry["plan"]):
+            entry = None
         shared = _from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
         if not shared:
             log.info("sapp-hook: no cached plan for this model and setting (key %s); profiling", self._key)
@@ -196,6 +198,19 @@ class AutoTuner:
         plan_data = json.loads(shared)
         log.info("sapp-hook: reusing the cached plan %s", self.cache.path(self._key))
         self._finish(plan_data, from_cache=True, plan=None, profile=None)
+        return True
+
+    def _reusable(self, plan_data: dict[str, Any]) -> bool:
+        """Whether a cached plan reads back for this run's settings (the cache may be older than this
+        version, or edited): one that does not is planned again, not a crash."""
+        try:
+            layout = layout_from_dict(plan_data)
+        except InputError as exc:
+            log.warning("sapp-hook: ignoring a cached plan that does not read back (%s); planning again", exc)
+            return False
+        if layout.stages != self.spec.stages or layout.micro_batches != self.spec.micro_batches:
+            log.warning("sapp-hook: ignoring a cached plan made for other parallel settings; planning again")
+            return False
         return True
 
     def _plan(self) -> None:
@@ -219,8 +234,6 @@ class AutoTuner:
 
     def _finish(self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None) -> None:
         layout = layout_from_dict(plan_data)
-        if layout.stages != self.spec.stages or layout.micro_batches != self.spec.micro_batches:
-            raise InputError("plan", "the cached plan is for other parallel settings")
         result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
         if _rank() == 0:
             if self.config is not None:

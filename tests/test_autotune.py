@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,21 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
 
     forced = train(llama(), 6, **options, force=True)
     assert not forced.result.from_cache
+
+
+@pytest.mark.parametrize("damage", ["layers", "stages"])
+def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage):
+    first = train(llama(), 6, cache_dir=tmp_path)
+    (entry_path,) = tmp_path.glob("*.json")
+    entry = json.loads(entry_path.read_text())
+    if damage == "layers":  # as an older or hand-edited cache might hold
+        del entry["plan"]["plan"]["layers"]
+    else:
+        entry["plan"]["spec"]["stages"] = 2
+    entry_path.write_text(json.dumps(entry))
+    again = train(llama(), 6, cache_dir=tmp_path)  # a KeyError or "other parallel settings" before
+    assert not again.result.from_cache and again.profiler.steps_done == first.profiler.steps_done
+    assert train(llama(), 3, cache_dir=tmp_path).result.plan_data == again.result.plan_data  # cached anew
 
 
 def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml):
