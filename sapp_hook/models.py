@@ -113,15 +113,20 @@ def random_batch(config: PretrainedConfig, micro_batch_size: int, seq_len: int, 
     """Token ids (and the same as labels) for one training step; no cache, as in training."""
     import torch
 
+    check_sequence(config, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (micro_batch_size, seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def check_sequence(config: PretrainedConfig, seq_len: int) -> None:
+    """Refuse random tokens `config`'s model cannot take: no vocabulary, or past its positions."""
     text = config.get_text_config()
     if isinstance(text.vocab_size, bool) or not isinstance(text.vocab_size, int) or text.vocab_size < 1:
         raise InputError("--model", f"vocab_size: expected an integer >= 1, got {text.vocab_size!r}")
     positions = getattr(text, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise InputError("--seq-len", f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)")
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, text.vocab_size, (micro_batch_size, seq_len), generator=generator)
-    return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
@@ -171,6 +176,7 @@ def profile_example(
     if micro_batch_size < 1 or seq_len < 1:
         field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)
         raise InputError(field, f"expected an integer >= 1, got {value}")
+    check_sequence(config, seq_len)  # before building what may be a large model
     model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
