@@ -36,15 +36,15 @@ from profiler.build import fingerprint
 from profiler.distributed import all_gather_bytes, gather_profiles
 from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
-from sapp_hook.cli.report import plan_report
+from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
 from sapp_hook.writeback import Layout, WriteBack, check_destination, layout_from_dict, write_config
 from simulator.errors import InputError
 from simulator.files import atomic_write_text
 from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms, parse_bytes
-from solver import ModelProfile, PipelineSpec, Plan, even_plan, solve
-from solver.profile import FULL, SELECTIVE
+from solver import ModelProfile, PipelineSpec, Plan, solve
+from solver.profile import SELECTIVE
 from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ class AutoTuner:
         lines = []
         if result.plan is not None and result.profile is not None:
             lines.append(plan_report(result.plan))
-            lines.append(_against_even(result.plan, result.profile, self.spec))
+            lines.append(against_even(result.plan, result.profile)[0])
         else:
             data = result.plan_data
             lines.append(f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
@@ -294,19 +294,6 @@ def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *
     """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
     step), or a decorator of the per-step training function."""
     return AutoTuner(model, optimizer, **options)
-
-
-def _against_even(plan: Plan, profile: ModelProfile, spec: PipelineSpec) -> str:
-    even = even_plan(profile, spec)
-    if even.fits:
-        return (f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
-                f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast")
-    worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
-    recomputed = even_plan(profile, spec, FULL)
-    tail = (f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
-            f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast") if recomputed.fits else ""
-    return (f"even split      does not fit: stage {worst} peaks at "
-            f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}")
 
 
 def _distributed() -> bool:

@@ -12,6 +12,7 @@ from cli_args import with_flags
 from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
+from solver import PipelineSpec, even_plan, load_profile
 
 CASE = ["--profile", str(SAPP / "test.json"), "--stages", "4", "--chunks", "2", "--micro-batches", "8",
         "--schedule", "Interleaved1F1B"]
@@ -35,6 +36,26 @@ def test_solve_json_contract_and_files(capsys, tmp_path):
     assert json.loads(plan_json.read_text())["plan"]["layers"] == report["plan"]["layers"]
     assert chart.read_bytes().startswith(b"\x89PNG")
     assert report["written"] == [str(chart), str(mf), str(plan_json)]
+
+
+@pytest.mark.parametrize(("memory", "line"), [
+    ("200GB", "even split      144,810 ms: the plan is 1.00x as fast"),
+    ("53000MiB", "even split      does not fit: stage 0 peaks at 125 GiB; with full recompute 192,330 ms, "
+                 "the plan is 1.07x as fast"),
+])
+def test_solve_compares_its_plan_with_the_even_split(capsys, memory, line):
+    argv = ["solve", "--profile", str(SAPP / "test.json"), "--stages", "4", "--micro-batches", "8",
+            "--schedule", "1F1B", "--memory", memory]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    profile = load_profile(SAPP / "test.json")
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B", memory_budget_bytes=report["memory_budget_bytes"])
+    even, full = even_plan(profile, spec), even_plan(profile, spec, "full")
+    assert report["even_split"]["iteration_time"] == even.iteration_time_ms
+    assert report["even_split"]["fits"] == even.fits
+    assert report["even_split"]["full_recompute_iteration_time"] == (None if even.fits else full.iteration_time_ms)
 
 
 def test_simulate_replays_a_mindformers_plan_and_a_plan_json(capsys, tmp_path):

@@ -8,9 +8,9 @@ from simulator import SimulationResult
 from simulator.result import BubbleSplit
 from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms
-from solver import Plan
+from solver import ModelProfile, Plan, even_plan
 from solver.plan import MODE_ORDER
-from solver.profile import SELECTIVE
+from solver.profile import FULL, SELECTIVE
 
 
 def bubble_line(bubble: BubbleSplit) -> str:
@@ -77,3 +77,25 @@ def plan_report(plan: Plan) -> str:
         lines.append(f"memory budget   {format_bytes(budget)} per device: {verdict}")
     lines.append("MindFormers     " + "; ".join(f"{key}: {value}" for key, value in plan.mindformers().items()))
     return "\n".join(lines)
+
+
+def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, object]]:
+    """How the plan compares with the split people start from (layers spread evenly, no recompute,
+    else full recompute where that does not fit): a report line, and the same as JSON."""
+    even = even_plan(profile, plan.spec)
+    recomputed = even if even.fits else even_plan(profile, plan.spec, FULL)
+    data = {
+        "iteration_time": even.iteration_time_ms,
+        "fits": even.fits,
+        "stage_peak_memory_bytes": list(even.stage_peak_memory_bytes),
+        "full_recompute_iteration_time": None if even.fits else recomputed.iteration_time_ms,
+        "full_recompute_fits": None if even.fits else recomputed.fits,
+    }
+    if even.fits:
+        return (f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
+                f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast"), data
+    worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
+    tail = (f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
+            f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast") if recomputed.fits else ""
+    return (f"even split      does not fit: stage {worst} peaks at "
+            f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}"), data

@@ -22,7 +22,7 @@ from sapp_hook.cli.common import (
     write_output,
     write_replay_outputs,
 )
-from sapp_hook.cli.report import plan_report
+from sapp_hook.cli.report import against_even, plan_report
 from simulator import InputError
 from simulator.files import atomic_write_text
 from solver import PipelineSpec, load_profile, solve
@@ -103,4 +103,5 @@ def _run(args: argparse.Namespace) -> int:
         if name in outputs:
             written.append(write_output(outputs, name, lambda path, text=text: atomic_write_text(path, text())))
 
-    return finish(args, plan.to_dict(), plan_report(plan), written)
+    comparison, even_split = against_even(plan, profile)
+    return finish(args, {**plan.to_dict(), "even_split": even_split}, f"{plan_report(plan)}\n{comparison}", written)
