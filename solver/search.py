@@ -28,6 +28,7 @@ from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import MAX_MS, InputError
 from simulator.replay import critical_path
 from simulator.schedule import Schedule
+from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
@@ -691,29 +692,37 @@ class _Formulation:
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
     def _working_sets(self, cells: int) -> list[_Linear]:
-        """Per virtual stage, the largest working set of the layers it holds."""
+        """Per virtual stage, the largest working set of the layers it holds, less the activations of
+        the tail layers there, which free them first, where one backward runs the whole chunk (as
+        `plan.pipeline_costs` counts it)."""
+        freed = [0.0] * cells
+        if not schedule_kind(self.spec.schedule).splits_backward:
+            for group in self.groups:
+                if group.kind == TAIL:
+                    freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
         pinned = [0.0] * cells
         for group in self.groups:
             if group.pinned_cell is not None:
-                pinned[group.pinned_cell] = max(pinned[group.pinned_cell], group.working_mib[NONE])
-        largest = max([0.0] + [w for g in self.groups for w in g.working_mib.values()])
+                less = 0.0 if group.kind == TAIL else freed[group.pinned_cell]
+                pinned[group.pinned_cell] = max(pinned[group.pinned_cell], group.working_mib[NONE] - less)
         # cell -> (its working-set variable, least value, (count variable, working set) of each layer that may raise it)
         self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
-        if largest <= max(pinned):
-            return [_Linear(constant=value) for value in pinned]
         working = []
         for c in range(cells):
+            choices = [(g, count, self.groups[g].working_mib[mode] - freed[c])
+                       for (g, cell, mode), count in self.count.items() if cell == c]
+            choices = [(g, count, size) for g, count, size in choices if size > pinned[c]]
+            if not choices:  # no layer here can hold more than its head or tail does
+                working.append(_Linear(constant=pinned[c]))
+                continue
             variable = self.milp.variable(pinned[c])
-            self.working_choices[c] = (variable, pinned[c], [])
-            for (g, cell, mode), count in self.count.items():
-                size = self.groups[g].working_mib[mode]
-                if cell == c and size > pinned[c]:
-                    self.working_choices[c][2].append((count, size))
-                    present = count  # a group of one layer: its count says whether it is there
-                    if self.groups[g].size > 1:
-                        present = self.milp.variable(0, 1, integer=True)
-                        self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
-                    self.milp.row({variable: 1.0, present: -size}, lower=0.0)
+            self.working_choices[c] = (variable, pinned[c], [(count, size) for _, count, size in choices])
+            for g, count, size in choices:
+                present = count  # a group of one layer: its count says whether it is there
+                if self.groups[g].size > 1:
+                    present = self.milp.variable(0, 1, integer=True)
+                    self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
+                self.milp.row({variable: 1.0, present: -size}, lower=0.0)
             working.append(_Linear({variable: 1.0}))
         return working
 

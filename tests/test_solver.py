@@ -15,6 +15,7 @@ from solver import (
     InfeasibleError,
     ModelProfile,
     PipelineSpec,
+    RecomputeCost,
     evaluate_plan,
     load_profile,
     plan_from_mindformers,
@@ -374,6 +375,38 @@ def test_long_searches_report_progress(caplog, monkeypatch):
     messages = [record.getMessage() for record in caplog.records]
     assert any(message.startswith("searching: ") for message in messages)
     assert any(message.startswith("fastest plan: optimal") for message in messages)
+
+
+# budgets at which the program without the fix returned a plan over the budget or slower than brute force
+@pytest.mark.parametrize("case, budget_mib", list(zip(CASES, [440, 440, 440, 360, 340, 440, 360])))
+def test_a_tail_with_the_largest_working_set_leaves_the_other_stages_theirs(case, budget_mib):
+    """The program once gave every other virtual stage no working set when the tail's was the largest
+    of all: an "optimal" plan 1.9% over the budget (an H200 bf16 profile, Interleaved1F1B)."""
+    base = small_profile(6)
+    tail = dataclasses.replace(base.layers[-1], recompute={"none": RecomputeCost(0.0, 30 * MIB, 200 * MIB)})
+    profile = dataclasses.replace(base, layers=(*base.layers[:-1], tail))
+    spec = spec_for(*case, budget_mib)
+    expected = brute_force(profile, spec)
+    plan = solve(profile, spec)
+    assert plan.fits and plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms, rel=1e-9)
+
+
+@pytest.mark.parametrize(("schedule", "chunks", "last_working_mib"), [
+    ("1F1B", 1, 30 - 30),  # body: full recompute's 30 MiB, less the tail's 30 MiB of activations
+    ("Interleaved1F1B", 2, 30 - 30),
+    ("ZBH1", 1, 30),  # a split backward keeps the graph, the tail's activations too, until W
+    ("ZBVZeroBubble", 2, 30),
+])
+def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedule, chunks, last_working_mib):
+    profile = small_profile(6)  # tail: 30 MiB of activations, no working set
+    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    cells = 2 * chunks
+    counts = [4, 4] if chunks == 1 else [2, 2, 2, 2]  # head and tail are two of the 8 layers
+    plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
+    schedule_of = spec.pipeline_schedule
+    last = plan.simulation.costs.chunk_costs[schedule_of.rank_of(cells - 1)][schedule_of.chunk_of(cells - 1)]
+    first = plan.simulation.costs.chunk_costs[0][0]
+    assert last.working_bytes == last_working_mib * MIB and first.working_bytes == 30 * MIB
 
 
 @pytest.mark.parametrize("name, stages, chunks, micro_batches", [CASES[0], CASES[3], CASES[6]])
