@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from solver_cases import MIB, layer
 
 from simulator import SCHEDULES, simulate
+from simulator.actions import FORWARD, FULL_BACKWARD
 from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve, start
 from solver.plan import pipeline_costs
 
@@ -118,3 +119,40 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
         assert moved.fits
         assert optimum * (1 - 1e-9) <= moved.iteration_time_ms <= plan.iteration_time_ms * (1 + 1e-9)
         assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.randoms(use_true_random=False))
+def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, rng):
+    """Per rank, the largest of the program's memory rows at a plan's layer counts is the peak the
+    simulator replays for that plan: what the search may not exceed is what a plan will hold."""
+    profile, spec = problem
+    schedule = spec.pipeline_schedule
+    groups = search._groups(profile, spec, schedule.num_stages)
+    model = search._Formulation(profile, spec, schedule, groups, with_budget=False, timing=search.PATHS)
+    body = [g for g, group in enumerate(groups) if group.pinned_cell is None]
+    cells = schedule.num_stages
+    # each body layer, in model order, to a non-decreasing virtual stage, every stage holding one
+    sizes = [sum(groups[g].size for g in body)]
+    cuts = sorted(rng.sample(range(1, sizes[0]), cells - 1))
+    cell_of = [sum(1 for cut in cuts if cut <= i) for i in range(sizes[0])]
+    counts: dict[int, int] = {}
+    index = 0
+    for g in body:
+        for _ in range(groups[g].size):
+            key = (g, cell_of[index], rng.choice(groups[g].modes))
+            index += 1
+            if key in model.count:
+                counts[model.count[key]] = counts.get(model.count[key], 0) + 1
+            else:  # a mode this stage cannot take (MindFormers' prefixes): keep none
+                none = model.count[g, key[1], "none"]
+                counts[none] = counts.get(none, 0) + 1
+    values = model.point(counts)
+    plan = search._plan_of(model, values)
+    program_mib = [max((row.value(values) for r, row in model.memory_rows if r == rank), default=0.0)
+                   for rank in range(schedule.stages)]
+    assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
+    for cell in range(cells):  # and its durations are the simulator's
+        costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
+        assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
+        assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
