@@ -3,6 +3,8 @@ does (hypothesis, random small profiles)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,10 +33,13 @@ def problems(draw):
         forward = draw(times)
         backward = 2 * forward
         keep = draw(st.floats(5, 50))
-        return layer(f"l{i}", kind, forward, backward, draw(st.floats(0, 1)) * backward,
+        made = layer(f"l{i}", kind, forward, backward, draw(st.floats(0, 1)) * backward,
                      parameter_mib=draw(st.floats(0, 40)),
                      modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
                             "full": (forward, keep * 0.1, keep)})
+        retained = draw(st.sampled_from([0.0, 0.5, 1.0]))  # kept after W where the backward is split
+        return dataclasses.replace(made, recompute={mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes)
+                                                    for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
     # layers' working sets where a tail's was the largest
