@@ -52,7 +52,8 @@ def problems(draw):
         stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
         memory_budget_bytes=draw(st.floats(30, 600)) * MIB, p2p_ms=draw(st.sampled_from([0.0, 0.3])),
     )
-    return ModelProfile(layers=tuple(layers)), spec
+    output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
+    return ModelProfile(layers=tuple(layers), stage_output_bytes=output), spec
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
