@@ -89,16 +89,26 @@ class PipelineStageModule(nn.Module):
         return hidden
 
 
+def _same_module(planned: str, found: str) -> bool:
+    """Whether two qualified module names are one module, up to a wrapper's prefix (`module.` of
+    DistributedDataParallel, `model.` where a profile was taken of the inner model)."""
+    return planned == found or planned.endswith("." + found) or found.endswith("." + planned)
+
+
 def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int) -> list[tuple[int, PipelineStageModule]]:
     """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order."""
     layout = _layout(plan)
     parts = _parts(model)
-    blocks = [block.module for block in find_blocks(model)]
+    found = find_blocks(model)
+    blocks = [block.module for block in found]
     body = [layer for layer in layout.layers if layer.is_body]
     if len(body) != len(blocks):
         raise InputError("plan", f"holds {len(body)} body layers; the model has {len(blocks)} blocks")
-    if not 0 <= rank < layout.stages:
-        raise InputError("rank", f"expected 0..{layout.stages - 1}, got {rank}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.stages:
+        raise InputError("rank", f"expected an integer 0..{layout.stages - 1}, got {rank!r}")
+    other = next(((layer.name, block.name) for layer, block in zip(body, found) if not _same_module(layer.name, block.name)), None)
+    if other is not None:  # it runs all the same; its split was planned for another model's costs
+        log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?", *other)
     kind = schedule_kind(layout.schedule)
     if kind.splits_backward and any(layer.recompute == SELECTIVE for layer in body):
         raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "

@@ -13,12 +13,14 @@ from sapp_hook.writeback.layout import PlacedLayer
 from simulator import InputError
 
 
-def layout(counts: list[int], schedule: str = "1F1B", chunks: int = 1, modes: dict[int, str] | None = None) -> Layout:
-    """Head, 4 body layers, tail over virtual stages holding `counts` layers each."""
+def layout(counts: list[int], schedule: str = "1F1B", chunks: int = 1, modes: dict[int, str] | None = None,
+           blocks: str = "model.layers") -> Layout:
+    """Head, 4 body layers (`blocks`.0-3), tail over virtual stages holding `counts` layers each."""
     kinds = ["head", *["body:block"] * 4, "tail"]
+    names = ["head", *[f"{blocks}.{j}" for j in range(4)], "tail"]
     stage_of = [v for v, count in enumerate(counts) for _ in range(count)]
     layers = tuple(
-        PlacedLayer(name=f"layer{i}", kind=kind, virtual_stage=stage_of[i], recompute=(modes or {}).get(i, "none"))
+        PlacedLayer(name=names[i], kind=kind, virtual_stage=stage_of[i], recompute=(modes or {}).get(i, "none"))
         for i, kind in enumerate(kinds)
     )
     return Layout(schedule=schedule, stages=len(counts) // chunks, chunks=chunks, micro_batches=4, layers=layers,
@@ -58,10 +60,20 @@ def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
 def test_bad_plans_for_the_model():
     with pytest.raises(InputError, match="holds 4 body layers; the model has 5 blocks"):
         apply(llama(num_hidden_layers=5), layout([3, 3]), 0)
-    with pytest.raises(InputError, match="rank: expected 0..1, got 2"):
+    with pytest.raises(InputError, match="rank: expected an integer 0..1, got 2"):
         apply(llama(), layout([3, 3]), 2)
+    with pytest.raises(InputError, match="rank: expected an integer 0..1, got '0'"):  # was a TypeError
+        apply(llama(), layout([3, 3]), "0")
     with pytest.raises(InputError, match="has no ZBH1"):
         schedule_class(layout([3, 3], "ZBH1"))
+
+
+def test_a_plan_made_for_another_model_is_warned_about(caplog):
+    apply(llama(), layout([3, 3]), 0)
+    apply(llama(), layout([3, 3], blocks="layers"), 0)  # an estimate names them after the config
+    assert "was the plan made for this model" not in caplog.text
+    apply(gpt2(), layout([3, 3]), 0)  # as many blocks, other names: it runs, but was planned for Llama
+    assert "the plan's body layer 'model.layers.0' is the model's block 'transformer.h.0'" in caplog.text
 
 
 def test_selective_recompute_under_a_split_backward_schedule_is_refused():
@@ -70,10 +82,10 @@ def test_selective_recompute_under_a_split_backward_schedule_is_refused():
 
 
 def test_a_tied_embedding_split_over_ranks_is_warned_about(caplog):
-    apply(gpt2(), layout([3, 3]), 0)  # transformers' GPT-2 ties its LM head to the embedding
+    apply(gpt2(), layout([3, 3], blocks="transformer.h"), 0)  # transformers' GPT-2 ties its LM head to the embedding
     assert "ties its embedding and LM head, which this plan puts on ranks [0, 1]" in caplog.text
     caplog.clear()
-    apply(gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2), 0)  # a V puts both ends on rank 0
+    apply(gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, blocks="transformer.h"), 0)  # a V puts both ends on rank 0
     assert "ties its embedding" not in caplog.text
 
 
