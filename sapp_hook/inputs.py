@@ -43,7 +43,7 @@ def read_document(path: str | Path, what: str) -> object:
 def read_plan_json(path: str | Path, what: str) -> Mapping:
     """A plan JSON (`solve --plan-out`, `Plan.to_dict`): an object holding `spec` and `plan`."""
     data = read_document(path, what)
-    if not isinstance(data, Mapping) or not isinstance(data.get("spec"), Mapping) or not isinstance(data.get("plan"), Mapping):
+    if not (isinstance(data, Mapping) and isinstance(data.get("spec"), Mapping) and isinstance(data.get("plan"), Mapping)):
         raise InputError(what, f"{path}: expected a plan JSON as sapp-hook solve --plan-out writes it "
                                "(an object with spec and plan)")
     return data

@@ -126,7 +126,8 @@ def check_sequence(config: PretrainedConfig, seq_len: int) -> None:
         raise InputError("--model", f"vocab_size: expected an integer >= 1, got {text.vocab_size!r}")
     positions = getattr(text, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
-        raise InputError("--seq-len", f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)")
+        raise InputError("--seq-len",
+                         f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)")
 
 
 def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
@@ -145,7 +146,9 @@ def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
-        raise InputError("--model", f"{where}: transformers cannot build model_type {model_type!r}: {_one_line(exc)}") from None
+        raise InputError(
+            "--model", f"{where}: transformers cannot build model_type {model_type!r}: {_one_line(exc)}"
+        ) from None
 
 
 def _one_line(error: BaseException) -> str:

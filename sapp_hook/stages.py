@@ -106,9 +106,11 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
         raise InputError("plan", f"holds {len(body)} body layers; the model has {len(blocks)} blocks")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.stages:
         raise InputError("rank", f"expected an integer 0..{layout.stages - 1}, got {rank!r}")
-    other = next(((layer.name, block.name) for layer, block in zip(body, found) if not _same_module(layer.name, block.name)), None)
-    if other is not None:  # it runs all the same; its split was planned for another model's costs
-        log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?", *other)
+    for layer, block in zip(body, found):
+        if not _same_module(layer.name, block.name):  # it runs all the same; its split was planned for another model
+            log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?",
+                        layer.name, block.name)
+            break
     kind = schedule_kind(layout.schedule)
     if kind.splits_backward and any(layer.recompute == SELECTIVE for layer in body):
         raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "

@@ -104,7 +104,8 @@ class AutoTuner:
             raise InputError("target" if target is None else "config", "give config and target together")
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
-        if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
+        number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool)
+        if not number or not 0 < time_limit_s < math.inf:
             raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(

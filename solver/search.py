@@ -120,7 +120,8 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
         log.info("layers take microseconds: searching with every time x %g", scale)
-        scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale, action_overhead_ms=spec.action_overhead_ms * scale)
+        scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale,
+                                          action_overhead_ms=spec.action_overhead_ms * scale)
         found = solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s)
         plan = evaluate_plan(profile, spec, found.stage_layer_counts, found.layer_modes)
         proven = found.status == "optimal"
@@ -222,9 +223,10 @@ def _search_time_scale(profile: ModelProfile, spec: PipelineSpec) -> float:
     median = loads[len(loads) // 2]
     if median <= 0 or median >= LEAST_SEARCH_MS:
         return 1.0
-    largest = max([spec.p2p_ms, spec.action_overhead_ms] + [
-        max(layer.forward_ms, layer.backward_ms + max(c.extra_ms for c in layer.recompute.values()))
-        for layer in profile.layers])
+    # no virtual stage's action takes longer than every layer's forward and backward with recompute
+    largest = max(spec.p2p_ms, spec.action_overhead_ms + sum(
+        layer.forward_ms + layer.backward_ms + max(c.extra_ms for c in layer.recompute.values())
+        for layer in profile.layers))
     exponent = math.ceil(math.log10(LEAST_SEARCH_MS / median))
     while exponent > 0 and largest * 10.0**exponent > MAX_MS:
         exponent -= 1
