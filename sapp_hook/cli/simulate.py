@@ -123,10 +123,9 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
         "memory_budget_bytes": parse_bytes(args.memory, "--memory") or None,
     }
     flags = {"p2p_ms": "--p2p", "memory_budget_bytes": "--memory"}
+    resolved = {"schedule": schedule_kind(spec.schedule).name, "chunks": spec.pipeline_schedule.chunks}
     for name, value in given.items():
-        stated = schedule_kind(spec.schedule).name if name == "schedule" else getattr(spec, name)
-        if name == "chunks":
-            stated = spec.pipeline_schedule.chunks
+        stated = resolved[name] if name in resolved else getattr(spec, name)
         if value is not None and value != stated:
             flag = flags.get(name, "--" + name.replace("_", "-"))
             raise InputError(flag, f"{_shown(value)} differs from the plan's spec.{name} ({_shown(stated)}); leave "
