@@ -6,6 +6,7 @@ are not modules of their own: the recorder finds them by when they run relative 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -62,17 +63,21 @@ def _no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _largest_repeated_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The longest ModuleList of one type, or run of one type inside a Sequential (which holds the
+    embedding and the head around its blocks: `nn.Sequential(embed, *blocks, head)`)."""
     best: tuple[tuple[int, int], list[tuple[str, nn.Module]]] | None = None
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
             continue
         children = list(container.named_children())
-        if len({type(child) for _, child in children}) != 1:
+        runs = [list(run) for _, run in itertools.groupby(children, key=lambda child: type(child[1]))]
+        if isinstance(container, nn.ModuleList) and len(runs) != 1:
             continue
-        size = (len(children), sum(p.numel() for p in container.parameters()))
-        if best is None or size > best[0]:
-            prefix = f"{name}." if name else ""
-            best = (size, [(prefix + child_name, child) for child_name, child in children])
+        prefix = f"{name}." if name else ""
+        for run in runs:
+            size = (len(run), sum(p.numel() for _, child in run for p in child.parameters()))
+            if len(run) >= 2 and (best is None or size > best[0]):
+                best = (size, [(prefix + child_name, child) for child_name, child in run])
     return best[1] if best else []
 
 

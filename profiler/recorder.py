@@ -106,6 +106,8 @@ class Recorder:
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._undo_recompute: list[Callable[[], None]] = []
         self._body_started = -1  # discovery: index of the last block that ran in this forward, -1 before any
+        self._runs_in_forward: dict[int, int] | None = None  # block index -> runs, while the model's forward runs
+        self._repeated: set[int] = set()  # blocks that ran twice in one forward of the model
         self._excluded_storages: set[int] = set()  # parameters and buffers: not activations
         self.gradient_bytes: dict[int, int] = {}  # id(param) -> bytes of its .grad
         self.optimizer_bytes: dict[int, int] = {}  # id(param) -> bytes of its optimizer state
@@ -158,6 +160,11 @@ class Recorder:
         missing = [b.name for i, b in enumerate(self.blocks) if i not in self.structure.body_order]
         if missing:
             raise InputError("layers", f"never ran in the warm-up step: {', '.join(missing)}")
+        if self._repeated:
+            names = ", ".join(self.blocks[i].name for i in sorted(self._repeated))
+            raise InputError("layers", f"ran more than once in one forward of the model: {names}; a pipeline splits "
+                                       "blocks that each run once per forward (one block's weights cannot serve "
+                                       "layers on two stages)")
         structure = self.structure
         last = structure.last_body
         for index, block in enumerate(self.blocks):
@@ -200,6 +207,7 @@ class Recorder:
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._body_started = -1
+        self._runs_in_forward = {}
         if self.input_shape is None:
             first = next((v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)), None)
             self.input_shape = tuple(first.shape) if first is not None else ()
@@ -213,6 +221,10 @@ class Recorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if index not in self.structure.body_order:
                 self.structure.body_order.append(index)
+            if self._runs_in_forward is not None:
+                self._runs_in_forward[index] = self._runs_in_forward.get(index, 0) + 1
+                if self._runs_in_forward[index] > 1:
+                    self._repeated.add(index)
             self._body_started = index
             forward = self._forward
             if not self.recording or forward is None:
@@ -256,6 +268,7 @@ class Recorder:
         return hook
 
     def _model_post(self, module: nn.Module, args: tuple, output: object) -> None:
+        self._runs_in_forward = None  # recompute re-runs blocks in the backward: not counted
         forward = self._forward
         if forward is None:
             return

@@ -56,6 +56,20 @@ def test_largest_repeated_module_list_without_hints():
     assert [b.name for b in find_blocks(Net())] == ["blocks.0", "blocks.1", "blocks.2"]
 
 
+def test_the_blocks_of_a_sequential_are_its_longest_run_of_one_type():
+    # torch.distributed.pipelining's own examples: the embedding, the blocks and the head in one Sequential
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *[torch.nn.Linear(16, 16) for _ in range(3)],
+                                torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    assert [b.name for b in find_blocks(model)] == ["0", "1", "2", "3"]  # four Linears in a row
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 16), *[torch.nn.TransformerEncoderLayer(16, 2) for _ in range(3)],
+                                torch.nn.Linear(16, 10))
+    assert [b.name for b in find_blocks(model)] == ["1", "2", "3"]
+    mixed = torch.nn.Module()
+    mixed.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU()])
+    with pytest.raises(InputError, match="found no repeated blocks"):  # a ModuleList is taken whole or not at all
+        find_blocks(mixed)
+
+
 def test_patterns_pick_the_outermost_matching_modules():
     blocks = find_blocks(llama(), ["model.layers.*"])
     assert [b.name for b in blocks] == [f"model.layers.{i}" for i in range(4)]
@@ -347,6 +361,44 @@ def test_a_block_that_never_runs_is_named():
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             profiler.step()
     assert caught.value.field == "layers"
+
+
+def test_a_block_that_runs_twice_in_one_forward_is_named():
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for block in [*self.blocks, self.blocks[0]]:  # block 0's weights serve two layers
+                x = block(x)
+            return x.pow(2).mean()
+
+    model = Shared()
+    with pytest.raises(InputError, match="ran more than once in one forward of the model: blocks.0") as caught:
+        with LayerProfiler(model, steps=1) as profiler:
+            model(torch.randn(2, 4)).backward()
+            profiler.step()
+    assert caught.value.field == "layers"
+
+
+def test_blocks_rerun_by_their_own_checkpointing_are_not_counted_twice():
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:  # each block runs again in the backward, to recompute
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            return x.pow(2).mean()
+
+    model = Checkpointed()
+    with LayerProfiler(model, steps=1, modes=("none",)) as profiler:
+        for _ in range(2):
+            model(torch.randn(2, 4)).backward()
+            profiler.step()
+    assert [layer.name for layer in profiler.profile().layers if layer.is_body] == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 class FakeEvent:
