@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulator.errors import InputError, check_bytes, check_ms
+from simulator.errors import InputError, check_non_negative
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,16 @@ class ChunkCosts:
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
-        for name in ("forward_ms", "backward_ms", "recompute_ms"):
-            check_ms(getattr(self, name), f"{where} {name}")
-        for name in ("activation_bytes", "static_bytes", "working_bytes", "retained_bytes"):
-            check_bytes(getattr(self, name), f"{where} {name}")
+        for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes",
+                     "retained_bytes"):
+            check_non_negative(getattr(self, name), f"{where} {name}")
         if self.retained_bytes > self.activation_bytes:
             raise InputError(
                 f"{where} retained_bytes",
                 f"expected at most activation_bytes ({self.activation_bytes:g}), got {self.retained_bytes:g}",
             )
         if self.weight_ms is not None:
-            check_ms(self.weight_ms, f"{where} weight_ms")
+            check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
                 raise InputError(
                     f"{where} weight_ms",
@@ -69,7 +68,7 @@ class PipelineCosts:
                 raise InputError(f"chunk_costs[{stage}]", f"expected {chunks} chunks like stage 0, got {len(row)}")
             for chunk, costs in enumerate(row):
                 costs.check(f"stage {stage} chunk {chunk}")
-        check_ms(self.p2p_ms, "p2p_ms")
+        check_non_negative(self.p2p_ms, "p2p_ms")
 
     @property
     def stages(self) -> int:

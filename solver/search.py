@@ -71,10 +71,12 @@ SLOWER_STAGE = 0.1
 # on SAPP's fixtures, stopped at 30 s: sim.json 163,868 ms -> 159,611 ms, test.json 79,470 ->
 # 79,290 ms (a plan the whole program had not found after 9.5 minutes); a fifth gave the same.
 POLISH_SHARE = 0.1
-# HiGHS holds rows to about 1e-6, in the program's unit (ms): layers that take microseconds (tiny
-# models on fast devices, estimates of toy configs) are searched with their times scaled up so the
-# median layer takes at least this long, and their plan is simulated again at its true times.
-LEAST_SEARCH_MS = 1.0
+# HiGHS holds rows to about 1e-6, in the program's unit (ms), and fails on programs whose times run
+# to 1e7 ms and more ("Solve error", seen with layers of 1e5-1e6 ms): a profile whose median layer
+# takes less than LEAST or more than MOST milliseconds (tiny models on fast devices; typos) is
+# searched with every time scaled by a power of ten into that range, and its plan simulated again
+# at its true times. SAPP's fixtures (540 ms) and measured profiles (1-100 ms) are searched as they are.
+LEAST_SEARCH_MS, MOST_SEARCH_MS = 1.0, 1e4
 
 
 @dataclass
@@ -119,7 +121,8 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
-        log.info("layers take microseconds: searching with every time x %g", scale)
+        log.info("searching with every time x %g (the median layer's forward and backward take %s ms)", scale,
+                 format_ms(_median_layer_ms(profile)))
         scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale,
                                           action_overhead_ms=spec.action_overhead_ms * scale)
         found = solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s)
@@ -217,10 +220,11 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
 
 
 def _search_time_scale(profile: ModelProfile, spec: PipelineSpec) -> float:
-    """The power of ten that brings the median body layer's forward + backward to LEAST_SEARCH_MS or
-    more (1 where it already is), kept below the largest time a spec or profile may state."""
-    loads = sorted(layer.forward_ms + layer.backward_ms for layer in profile.layers if layer.is_body)
-    median = loads[len(loads) // 2]
+    """The power of ten that brings the median body layer's forward + backward between LEAST_SEARCH_MS
+    and MOST_SEARCH_MS (1 where it already is), kept below the largest time a spec or profile may state."""
+    median = _median_layer_ms(profile)
+    if median > MOST_SEARCH_MS:
+        return 10.0 ** -math.ceil(math.log10(median / MOST_SEARCH_MS))
     if median <= 0 or median >= LEAST_SEARCH_MS:
         return 1.0
     # no virtual stage's action takes longer than every layer's forward and backward with recompute
@@ -231,6 +235,11 @@ def _search_time_scale(profile: ModelProfile, spec: PipelineSpec) -> float:
     while exponent > 0 and largest * 10.0**exponent > MAX_MS:
         exponent -= 1
     return 10.0**exponent
+
+
+def _median_layer_ms(profile: ModelProfile) -> float:
+    loads = sorted(layer.forward_ms + layer.backward_ms for layer in profile.layers if layer.is_body)
+    return loads[len(loads) // 2]
 
 
 def _polished(model: _Formulation, values: list[float], deadline: float) -> list[float] | None:
