@@ -363,18 +363,25 @@ def test_a_block_that_never_runs_is_named():
     assert caught.value.field == "layers"
 
 
+class ThreeLinears(torch.nn.Module):
+    """Three blocks, run as `order(blocks, x)` says: a plain model of the tests' own."""
+
+    def __init__(self, order) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.order = order
+
+    def forward(self, x):
+        return self.order(self.blocks, x).pow(2).mean()
+
+
 def test_a_block_that_runs_twice_in_one_forward_is_named():
-    class Shared(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    def shared(blocks, x):
+        for block in [*blocks, blocks[0]]:  # block 0's weights serve two layers
+            x = block(x)
+        return x
 
-        def forward(self, x):
-            for block in [*self.blocks, self.blocks[0]]:  # block 0's weights serve two layers
-                x = block(x)
-            return x.pow(2).mean()
-
-    model = Shared()
+    model = ThreeLinears(shared)
     with pytest.raises(InputError, match="ran more than once in one forward of the model: blocks.0") as caught:
         with LayerProfiler(model, steps=1) as profiler:
             model(torch.randn(2, 4)).backward()
@@ -383,17 +390,12 @@ def test_a_block_that_runs_twice_in_one_forward_is_named():
 
 
 def test_blocks_rerun_by_their_own_checkpointing_are_not_counted_twice():
-    class Checkpointed(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    def checkpointed(blocks, x):
+        for block in blocks:  # each block runs again in the backward, to recompute
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
 
-        def forward(self, x):
-            for block in self.blocks:  # each block runs again in the backward, to recompute
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            return x.pow(2).mean()
-
-    model = Checkpointed()
+    model = ThreeLinears(checkpointed)
     with LayerProfiler(model, steps=1, modes=("none",)) as profiler:
         for _ in range(2):
             model(torch.randn(2, 4)).backward()
