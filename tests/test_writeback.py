@@ -229,6 +229,16 @@ def test_a_plan_for_another_stage_count_is_refused(config, target):
     assert caught.value.field == "--plan" and path.read_bytes() == before
 
 
+@pytest.mark.parametrize(("target", "declared"), [("mindformers", "num_layers: 8"), ("megatron", "--num-layers 8")])
+def test_a_plan_for_another_layer_count_is_refused(config, target, declared):
+    path = config(target)
+    path.write_text(path.read_text().replace(declared, declared.replace("8", "9")))
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="places 8 decoder layers; .* 9") as caught:
+        write_config(target, path, layout_of(plan()))
+    assert caught.value.field == "--plan" and path.read_bytes() == before
+
+
 @pytest.mark.parametrize(
     ("target", "content", "message"),
     [

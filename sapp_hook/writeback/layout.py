@@ -44,6 +44,10 @@ class Layout:
             cells[layer.virtual_stage].append(layer)
         return cells
 
+    @property
+    def body_layers(self) -> int:
+        return sum(1 for layer in self.layers if layer.is_body)
+
     def body_modes(self) -> set[str]:
         return {layer.recompute for layer in self.layers if layer.is_body}
 

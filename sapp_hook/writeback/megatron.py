@@ -21,6 +21,7 @@ from solver.profile import NONE, SELECTIVE
 
 LAYOUT = "--pipeline-model-parallel-layout"
 PP_SIZE = "--pipeline-model-parallel-size"
+NUM_LAYERS = "--num-layers"
 # Other ways of saying the split: Megatron refuses them next to a layout.
 SPLIT_FLAGS = (
     "--decoder-first-pipeline-num-layers",
@@ -71,6 +72,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         result.notes.append(f"{PP_SIZE} is {size} in {path}: the plan is for {layout.stages} stages")
     elif int(size) != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
+    declared = _value(old, NUM_LAYERS)
+    if declared is not None and declared.isdigit() and int(declared) != layout.body_layers:
+        # Megatron refuses a layout whose t's do not add up to the decoder layers
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} {declared}")
     new = old
     for flag in SPLIT_FLAGS + RECOMPUTE_FLAGS:
         new = _remove(new, flag, takes_value=True)

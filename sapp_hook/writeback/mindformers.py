@@ -30,6 +30,7 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
     keys = {key: _flow(value) for key, value in layout.mindformers.items()}
     if any(section in document for section in TRAINING_SECTIONS):
         _check_stage_count(document, layout, path)
+        _check_layer_count(document, layout, path)
         parallel = document.get("parallel_config")
         if isinstance(parallel, MutableMapping):
             parallel["pipeline_stage"] = layout.stages
@@ -70,6 +71,15 @@ def _round_trip(*, capitalised_booleans: bool) -> YAML:
             bool, lambda representer, value: representer.represent_scalar("tag:yaml.org,2002:bool", str(value))
         )
     return yaml
+
+
+def _check_layer_count(document: MutableMapping, layout: Layout, path: Path) -> None:
+    # MindFormers spreads num_layers by the offsets: other counts would place other layers than planned
+    model = document.get("model")
+    config = model.get("model_config") if isinstance(model, MutableMapping) else None
+    declared = config.get("num_layers") if isinstance(config, MutableMapping) else None
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != layout.body_layers:
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has model.model_config.num_layers {declared}")
 
 
 def _check_stage_count(document: MutableMapping, layout: Layout, path: Path) -> None:
