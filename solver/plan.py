@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from simulator import ChunkCosts, PipelineCosts, schedule_kind, simulate
+from simulator import ChunkCosts, PipelineCosts, Schedule, schedule_kind, simulate
 from simulator.errors import InputError
 from simulator.result import BubbleSplit, SimulationResult
 from solver.fields import Fields
@@ -69,37 +69,9 @@ class Plan:
         ranges = self.virtual_stage_ranges()
         return [[ranges[virtual] for virtual in schedule.stages_of(stage)] for stage in range(schedule.stages)]
 
-    def _body_modes(self, layers: range) -> dict[str, int]:
-        """How many body layers (not head or tail) of `layers` use each recompute mode."""
-        counts = {mode: 0 for mode in MODE_ORDER}
-        for index in layers:
-            if self.layer_kinds[index] not in (HEAD, TAIL):
-                counts[self.layer_modes[index]] += 1
-        return counts
-
     def mindformers(self) -> dict[str, object]:
-        """MindFormers' keys: per chunk and stage, body layers held minus the even share
-        floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
-        schedule = self.spec.pipeline_schedule
-        body = sum(1 for kind in self.layer_kinds if kind not in (HEAD, TAIL))
-        share = body // schedule.num_stages
-        cells = self.stage_chunk_ranges()
-        keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
-        for chunk in range(schedule.chunks):
-            rows = {key: [] for key in keys}
-            for stage in range(schedule.stages):
-                counts = self._body_modes(cells[stage][chunk])
-                full_or_both = counts[FULL] + counts[SELECTIVE_COMM]
-                rows["offset"].append(sum(counts.values()) - share)
-                rows["recompute"].append(counts[FULL])
-                rows["select_recompute"].append(full_or_both + counts[SELECTIVE])
-                rows["select_comm_recompute"].append(full_or_both + counts[COMM])
-            for key in keys:
-                keys[key].append(rows[key])
-        flat = schedule.chunks == 1
-        view: dict[str, object] = {key: value[0] if flat else value for key, value in keys.items()}
-        view["pp_interleave_num"] = schedule.chunks
-        return view
+        """MindFormers' keys (see `mindformers_view`)."""
+        return mindformers_view(self.spec.pipeline_schedule, self.layer_kinds, self.layer_modes, self.stage_layer_counts)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready: the outcome, the spec, and the plan in every view."""
@@ -138,6 +110,36 @@ class Plan:
                 ],
             },
         }
+
+
+def mindformers_view(
+    schedule: Schedule, layer_kinds: Sequence[str], layer_modes: Sequence[str], stage_layer_counts: Sequence[int]
+) -> dict[str, object]:
+    """MindFormers' keys: per chunk and stage, body layers held minus the even share
+    floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
+    body = sum(1 for kind in layer_kinds if kind not in (HEAD, TAIL))
+    share = body // schedule.num_stages
+    starts = [sum(stage_layer_counts[:virtual]) for virtual in range(len(stage_layer_counts))]
+    keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
+    for chunk in range(schedule.chunks):
+        rows: dict[str, list[int]] = {key: [] for key in keys}
+        for stage in range(schedule.stages):
+            virtual = schedule.stage_index(stage, chunk)
+            counts = dict.fromkeys(MODE_ORDER, 0)
+            for index in range(starts[virtual], starts[virtual] + stage_layer_counts[virtual]):
+                if layer_kinds[index] not in (HEAD, TAIL):
+                    counts[layer_modes[index]] += 1
+            full_or_both = counts[FULL] + counts[SELECTIVE_COMM]
+            rows["offset"].append(sum(counts.values()) - share)
+            rows["recompute"].append(counts[FULL])
+            rows["select_recompute"].append(full_or_both + counts[SELECTIVE])
+            rows["select_comm_recompute"].append(full_or_both + counts[COMM])
+        for key in keys:
+            keys[key].append(rows[key])
+    flat = schedule.chunks == 1
+    view: dict[str, object] = {key: value[0] if flat else value for key, value in keys.items()}
+    view["pp_interleave_num"] = schedule.chunks
+    return view
 
 
 def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:

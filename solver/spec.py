@@ -107,7 +107,7 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
     allow_empty = fields.raw("allow_empty_chunks", False)
     if not isinstance(allow_empty, bool):
         raise InputError(fields.at("allow_empty_chunks"), f"expected true or false, got {allow_empty!r}")
-    spec = PipelineSpec(
+    values = dict(
         stages=fields.integer("stages", required=True, least=1),
         micro_batches=fields.integer("micro_batches", required=True, least=1),
         schedule=fields.text("schedule", required=True),
@@ -122,4 +122,10 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         microbatch_group_size=fields.raw("microbatch_group_size"),
     )
     fields.done()
+    try:
+        spec = PipelineSpec(**values)
+    except InputError as error:
+        if error.field not in values:
+            raise
+        raise InputError(fields.at(error.field), error.detail) from None  # the field as the file names it
     return spec

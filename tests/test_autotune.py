@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,13 @@ SETTING = {"stages": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps":
 def mindformers_yaml(tmp_path):
     path = tmp_path / "train.yaml"
     shutil.copy(CONFIGS / "mindformers_llama.yaml", path)
+    set_layers(path, 4)  # the 4 blocks of llama()
     return path
+
+
+def set_layers(path, layers: int) -> None:
+    """The config's num_layers, as a user edits it along with the model."""
+    path.write_text(re.sub(r"num_layers: \d+", f"num_layers: {layers}", path.read_text()))
 
 
 def train(model: torch.nn.Module, steps: int, **options: object):
@@ -49,10 +56,12 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
     assert again.result.from_cache and again.profiler.steps_done == 1
     assert again.result.plan_data == first.result.plan_data
 
+    set_layers(mindformers_yaml, 5)
     deeper = train(llama(num_hidden_layers=5), 6, **options)  # a layer more: profiled and solved again
     assert not deeper.result.from_cache and deeper.profiler.steps_done == 4
     assert len(deeper.result.layout.layers) == 7
 
+    set_layers(mindformers_yaml, 4)
     forced = train(llama(), 6, **options, force=True)
     assert not forced.result.from_cache
 

@@ -14,7 +14,7 @@ import yaml
 from solver_cases import small_profile
 
 from sapp_hook.inputs import mindformers_keys, read_document
-from sapp_hook.writeback import layout_of, write_config
+from sapp_hook.writeback import layout_from_dict, layout_of, write_config
 from sapp_hook.writeback.megatron import layout_string, parse_layout
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan
@@ -195,6 +195,20 @@ def test_plain_plan_files(tmp_path):
         write_config("plan", tmp_path / name, chosen)
         data = read_document(tmp_path / name, "plan")
         assert [layer["recompute"] for layer in data["layers"]][3] == "full"
+
+
+def test_a_plan_json_says_one_plan():
+    data = plan({3: "full"}, stages=2, chunks=2, schedule="Interleaved1F1B").to_dict()
+    assert layout_from_dict(data).mindformers == {key: data["plan"][key] for key in layout_from_dict(data).mindformers}
+    for key in ("offset", "recompute"):  # the keys are optional; the layers say them
+        del data["plan"][key]
+    assert layout_from_dict(data).mindformers["recompute"] == [[0, 1], [0, 0]]
+    data["plan"]["select_recompute"] = [[0, 0], [0, 0]]  # edited by hand, the layers not
+    with pytest.raises(InputError, match=r"plan.select_recompute: is \[\[0, 0\], \[0, 0\]\]; the plan's layers say \[\[0, 1\]"):
+        layout_from_dict(data)
+    data["spec"]["schedule"] = "Interleaved2F2B"
+    with pytest.raises(InputError, match="spec.schedule: expected one of GPipe"):
+        layout_from_dict(data)
 
 
 def test_dry_run_prints_the_diff_and_writes_nothing(config):

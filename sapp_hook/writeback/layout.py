@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from simulator.errors import InputError
 from solver import Plan
 from solver.fields import Fields
+from solver.plan import mindformers_view
 from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL
+from solver.spec import spec_from_dict
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,11 @@ def layout_of(plan: Plan) -> Layout:
 
 
 def layout_from_dict(data: object) -> Layout:
-    """A Layout from a plan JSON (`Plan.to_dict()`)."""
+    """A Layout from a plan JSON (`Plan.to_dict()`); its MindFormers keys, where given, must say what
+    its layers say."""
     fields = Fields(data, "")
-    spec = Fields(fields.raw("spec"), "spec")
-    stages = spec.integer("stages", required=True, least=1)
-    chunks = spec.integer("chunks", required=True, least=1)
-    micro_batches = spec.integer("micro_batches", required=True, least=1)
-    schedule = spec.text("schedule", required=True)
+    spec = spec_from_dict(fields.raw("spec"))
+    schedule = spec.pipeline_schedule
     plan = Fields(fields.raw("plan"), "plan")
     items = plan.raw("layers")
     if not isinstance(items, list) or not items:
@@ -102,17 +102,21 @@ def layout_from_dict(data: object) -> Layout:
         placed = PlacedLayer(
             name=layer.text("name", required=True),
             kind=layer.text("kind", required=True),
-            virtual_stage=layer.integer("virtual_stage", required=True),
+            virtual_stage=layer.integer("virtual_stage", required=True, least=0),
             recompute=layer.text("recompute", required=True),
         )
-        if placed.virtual_stage >= stages * chunks:
-            raise InputError(layer.at("virtual_stage"), f"expected < {stages * chunks} (stages x chunks)")
+        if placed.virtual_stage >= schedule.num_stages:
+            raise InputError(layer.at("virtual_stage"), f"expected < {schedule.num_stages} (stages x chunks)")
         if placed.recompute not in RECOMPUTE_MODES:
             raise InputError(layer.at("recompute"), f"expected one of {', '.join(RECOMPUTE_MODES)}")
         if layers and placed.virtual_stage < layers[-1].virtual_stage:
             raise InputError(layer.at("virtual_stage"), "layers must go through the virtual stages in model order")
         layers.append(placed)
-    mindformers = {key: plan.raw(key) for key in ("offset", "recompute", "select_recompute", "select_comm_recompute",
-                                                  "pp_interleave_num")}
-    return Layout(schedule=schedule, stages=stages, chunks=chunks, micro_batches=micro_batches,
-                  layers=tuple(layers), mindformers=mindformers)
+    counts = [sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_stages)]
+    mindformers = mindformers_view(schedule, [layer.kind for layer in layers], [layer.recompute for layer in layers], counts)
+    for key, derived in mindformers.items():
+        given = plan.raw(key)
+        if given is not None and given != derived:
+            raise InputError(f"plan.{key}", f"is {given!r}; the plan's layers say {derived!r}")
+    return Layout(schedule=schedule.name, stages=schedule.stages, chunks=schedule.chunks,
+                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers)
