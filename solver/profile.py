@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,28 +301,36 @@ def _check_profile(profile: ModelProfile) -> None:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
     check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
     check_bytes(profile.stage_output_bytes, "stage_output_bytes")
-    seen_body = seen_tail = False
-    for index, layer in enumerate(profile.layers):
-        where = f"layers[{index}] ({layer.name})"
-        _check_layer(layer, where)
-        if layer.kind == HEAD and (seen_body or seen_tail):
-            raise InputError(f"{where}.kind", "a head layer must come before every body and tail layer")
-        if layer.is_body and seen_tail:
-            raise InputError(f"{where}.kind", "a body layer must come before every tail layer")
-        seen_body |= layer.is_body
-        seen_tail |= layer.kind == TAIL
-    if not seen_body:
-        raise InputError("layers", "expected at least one body layer (kind body:<type>)")
-    names = {layer.name for layer in profile.layers}
+    layers = profile.layers
+    check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
+    for index, layer in enumerate(layers):
+        _check_layer(layer, f"layers[{index}] ({layer.name})")
+    names = {layer.name for layer in layers}
     for index, tied in enumerate(profile.tied_parameters):
         unknown = [name for name in tied.layers if name not in names]
         if unknown:
             raise InputError(f"tied_parameters[{index}].layers", f"{unknown[0]!r} is not a layer of this profile")
 
 
+def check_kinds(kinds: Sequence[str], names: Sequence[str]) -> None:
+    """Each kind is head, tail or body:<type>, heads before every body layer, tails after; at least
+    one body layer. `names` name each kind in errors."""
+    seen_body = seen_tail = False
+    for kind, where in zip(kinds, names):
+        body = kind.startswith(BODY_PREFIX) and len(kind) > len(BODY_PREFIX)
+        if kind not in (HEAD, TAIL) and not body:
+            raise InputError(where, f"expected head, tail or body:<type>, got {kind!r}")
+        if kind == HEAD and (seen_body or seen_tail):
+            raise InputError(where, "a head layer must come before every body and tail layer")
+        if body and seen_tail:
+            raise InputError(where, "a body layer must come before every tail layer")
+        seen_body |= body
+        seen_tail |= kind == TAIL
+    if not seen_body:
+        raise InputError("layers", "expected at least one body layer (kind body:<type>)")
+
+
 def _check_layer(layer: LayerProfile, where: str) -> None:
-    if layer.kind not in (HEAD, TAIL) and not (layer.is_body and len(layer.kind) > len(BODY_PREFIX)):
-        raise InputError(f"{where}.kind", f"expected head, tail or body:<type>, got {layer.kind!r}")
     for name in ("forward_ms", "backward_ms"):
         check_ms(getattr(layer, name), f"{where}.{name}")
     for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):

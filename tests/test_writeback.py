@@ -3,7 +3,9 @@ each round-trips, keeps what was there, and refuses what does not match."""
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -206,6 +208,18 @@ def test_a_plan_json_says_one_plan():
     data["plan"]["select_recompute"] = [[0, 0], [0, 0]]  # edited by hand, the layers not
     with pytest.raises(InputError, match=r"plan.select_recompute: is \[\[0, 0\], \[0, 0\]\]; the plan's layers say \[\[0, 1\]"):
         layout_from_dict(data)
+    del data["plan"]["select_recompute"]
+    for edits, field, message in [  # layers 0-2 on virtual stage 0 (the head first), 3-4, 5-7, 8-9 (the tail last)
+        ({4: {"kind": "decoder"}}, "plan.layers[4].kind", "expected head, tail or body:<type>, got 'decoder'"),
+        ({4: {"kind": "tail"}}, "plan.layers[5].kind", "a body layer must come before every tail layer"),
+        ({i: {"virtual_stage": 1} for i in range(3)}, "plan.layers[0].virtual_stage",
+         "a head layer belongs on the first virtual stage"),
+    ]:
+        damaged = copy.deepcopy(data)
+        for index, edit in edits.items():
+            damaged["plan"]["layers"][index].update(edit)
+        with pytest.raises(InputError, match=re.escape(f"{field}: {message}")):
+            layout_from_dict(damaged)
     data["spec"]["schedule"] = "Interleaved2F2B"
     with pytest.raises(InputError, match="spec.schedule: expected one of GPipe"):
         layout_from_dict(data)

@@ -10,7 +10,7 @@ from simulator.errors import InputError
 from solver import Plan
 from solver.fields import Fields
 from solver.plan import mindformers_view
-from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL
+from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
 from solver.spec import spec_from_dict
 
 
@@ -112,6 +112,12 @@ def layout_from_dict(data: object) -> Layout:
         if layers and placed.virtual_stage < layers[-1].virtual_stage:
             raise InputError(layer.at("virtual_stage"), "layers must go through the virtual stages in model order")
         layers.append(placed)
+    check_kinds([layer.kind for layer in layers], [f"plan.layers[{index}].kind" for index in range(len(layers))])
+    last = schedule.num_stages - 1
+    for index, layer in enumerate(layers):
+        if (layer.kind == HEAD and layer.virtual_stage != 0) or (layer.kind == TAIL and layer.virtual_stage != last):
+            where = "first" if layer.kind == HEAD else "last"
+            raise InputError(f"plan.layers[{index}].virtual_stage", f"a {layer.kind} layer belongs on the {where} virtual stage")
     counts = [sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_stages)]
     mindformers = mindformers_view(schedule, [layer.kind for layer in layers], [layer.recompute for layer in layers], counts)
     for key, derived in mindformers.items():
