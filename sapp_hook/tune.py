@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
 from sapp_hook.writeback import Layout, WriteBack, check_destination, layout_from_dict, write_config
-from simulator.errors import InputError
+from simulator.errors import InputError, check_seconds
 from simulator.files import atomic_write_text
 from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms, parse_bytes
@@ -104,9 +103,7 @@ class AutoTuner:
             raise InputError("target" if target is None else "config", "give config and target together")
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
-        number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool)
-        if not number or not 0 < time_limit_s < math.inf:
-            raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
+        check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(
             stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks,

@@ -30,6 +30,13 @@ def check_non_negative(value: object, field: str) -> float:
     return float(value)
 
 
+def check_seconds(value: object, field: str) -> float:
+    """A time limit: a number of seconds > 0, `math.inf` for none."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InputError(field, f"expected a number of seconds > 0 (inf: no limit), got {value!r}")
+    return float(value)
+
+
 def check_ms(value: object, field: str) -> None:
     """A duration: a finite number of milliseconds, >= 0 and at most MAX_MS."""
     if check_non_negative(value, field) > MAX_MS:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
 from simulator.costs import ChunkCosts, PipelineCosts
-from simulator.errors import MAX_MS, InputError
+from simulator.errors import MAX_MS, InputError, check_seconds
 from simulator.replay import critical_path
 from simulator.schedule import Schedule
 from simulator.schedules import schedule_kind
@@ -117,8 +117,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     Status "optimal" when the search proved it, "feasible" with the proven gap when the time limit
     stopped it. Deterministic unless the time limit stops a search.
     """
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-        raise InputError("time_limit_s", f"expected a number of seconds > 0, got {time_limit_s!r}")
+    check_seconds(time_limit_s, "time_limit_s")
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
         log.info("searching with every time x %g (the median layer's forward and backward take %s ms)", scale,

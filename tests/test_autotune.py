@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -130,7 +131,7 @@ def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
      ({"action_overhead_ms": -1.0}, "action_overhead_ms"),
      # refused before the profiling steps, not after them
      ({"config": "x.yaml", "target": "deepspeed"}, "target"), ({"config": "/no/such.yaml", "target": "mindformers"}, "config"),
-     ({"time_limit_s": 0}, "time_limit_s")],
+     ({"time_limit_s": 0}, "time_limit_s"), ({"time_limit_s": math.nan}, "time_limit_s")],
 )
 def test_bad_options(options, field):
     with pytest.raises(InputError) as caught:

@@ -176,6 +176,18 @@ def test_bad_specs(kwargs, field):
     assert caught.value.field == field
 
 
+@pytest.mark.parametrize("limit", [0, -1.0, math.nan, "10", True, None])
+def test_bad_time_limits(limit):
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    with pytest.raises(InputError, match=r"time_limit_s: expected a number of seconds > 0 \(inf: no limit\)"):
+        solve(small_profile(4), spec, time_limit_s=limit)
+
+
+def test_no_time_limit():
+    plan = solve(small_profile(4), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), time_limit_s=math.inf)
+    assert plan.status == "optimal"
+
+
 def test_zero_sharding_divides_static_memory():
     spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=1)
     assert spec.static_bytes(100, 100, 800) == 100 + 100 + 200

@@ -24,6 +24,7 @@ from sapp_hook.cli.common import (
 )
 from sapp_hook.cli.report import against_even, plan_report
 from simulator import InputError
+from simulator.errors import check_seconds
 from simulator.files import atomic_write_text
 from solver import PipelineSpec, load_profile, solve
 
@@ -44,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", required=True, metavar="FILE", help="sapp-hook profile JSON or SAPP layer JSON")
     add_pipeline_flags(parser, required=True)
     parser.add_argument("--memory", required=True, metavar="SIZE", help="memory per device, e.g. 56GB or 52GiB")
-    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60; inf for none")
     parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
     parser.add_argument(
         "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
@@ -89,8 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         allow_empty_chunks=args.allow_empty_chunks,
         microbatch_group_size=args.microbatch_group_size,
     )
-    if not args.time_limit > 0:
-        raise InputError("--time-limit", f"expected a number of seconds > 0, got {args.time_limit:g}")
+    check_seconds(args.time_limit, "--time-limit")
     say(notes, talk)
     configure_logging(talk)
     plan = solve(profile, spec, time_limit_s=args.time_limit)
