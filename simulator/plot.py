@@ -121,8 +121,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     figure.suptitle(
         title
         or (
-            f"{schedule.name}: {stages} stages x {chunks} chunk{'s' if chunks > 1 else ''}, "
-            f"{schedule.micro_batches} micro-batches; iteration {result.iteration_time_ms:,.4g} ms\n"
+            f"{schedule.describe()}; iteration {result.iteration_time_ms:,.4g} ms\n"
             f"bubble {bubble.real:.3f} = ideal {bubble.ideal:.3f} + imbalance {bubble.imbalance:.3f}"
             f" + recompute {bubble.recompute:.3f} + comm {bubble.comm:.3f}"
         ),

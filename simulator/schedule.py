@@ -69,6 +69,11 @@ class Schedule:
         """Virtual stages in the model: stages x chunks."""
         return self.stages * self.chunks
 
+    def describe(self) -> str:
+        """`1F1B: 4 stages x 1 chunk, 8 micro-batches`."""
+        chunk_word = "chunk" if self.chunks == 1 else "chunks"
+        return f"{self.name}: {self.stages} stages x {self.chunks} {chunk_word}, {self.micro_batches} micro-batches"
+
     @property
     def num_actions(self) -> int:
         return sum(len(actions) for actions in self.rank_actions)

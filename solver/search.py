@@ -135,11 +135,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     schedule = spec.pipeline_schedule
     groups = _groups(profile, spec, schedule.num_stages)
     _check_room(schedule, groups, spec)
-    log.info(
-        "solving %s: %d layers on %d stages x %d chunks, %d micro-batches (%d actions)",
-        schedule.name, len(profile.layers), schedule.stages, schedule.chunks, schedule.micro_batches,
-        schedule.num_actions,
-    )
+    log.info("solving %s, %d layers (%d actions)", schedule.describe(), len(profile.layers), schedule.num_actions)
 
     model = _Formulation(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
     if model.timing == PATHS:

@@ -22,10 +22,8 @@ def bubble_line(bubble: BubbleSplit) -> str:
 
 def replay_report(result: SimulationResult) -> str:
     schedule = result.schedule
-    chunk_word = "chunk" if schedule.chunks == 1 else "chunks"
     lines = [
-        f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} {chunk_word}, "
-        f"{schedule.micro_batches} micro-batches ({schedule.num_actions:,} actions)",
+        f"{schedule.describe()} ({schedule.num_actions:,} actions)",
         f"iteration time  {format_ms(result.iteration_time_ms)} ms",
         bubble_line(result.bubble),
     ]
@@ -50,8 +48,7 @@ def plan_report(plan: Plan) -> str:
     if plan.solve_seconds is not None:
         status += f", {plan.solve_seconds:.2f} s"
     lines = [
-        f"{schedule.name}: {schedule.stages} stages x {schedule.chunks} chunk{'s' if schedule.chunks > 1 else ''}, "
-        f"{schedule.micro_batches} micro-batches, {len(plan.layer_names)} layers",
+        f"{schedule.describe()}, {len(plan.layer_names)} layers",
         f"status          {status}",
         f"iteration time  {format_ms(plan.iteration_time_ms)} ms",
         bubble_line(plan.bubble),
