@@ -17,7 +17,7 @@ from solver_cases import small_profile
 
 from sapp_hook.inputs import mindformers_keys, read_document
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
-from sapp_hook.writeback.megatron import layout_string, parse_layout
+from sapp_hook.writeback.megatron import FIRST, LAST, LAYOUT, layout_string, parse_layout, split_flags
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan
 
@@ -25,11 +25,12 @@ CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 FILES = {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh", "torchtitan": "torchtitan_llama.toml"}
 
 
-def plan(modes_per_layer: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B"):
+def plan(modes_per_layer: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B",
+         counts: list[int] | None = None):
     profile = small_profile(8)  # head, 8 body layers, tail
     spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=8, schedule=schedule)
     # virtual stages hold the head, 8 body layers and the tail: body [2, 2, 3, 1] with 4 virtual stages
-    counts = {2: [5, 5], 4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[stages * chunks]
+    counts = counts or {2: [5, 5], 4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[stages * chunks]
     modes = ["none"] * 10
     for index, mode in (modes_per_layer or {}).items():
         modes[index] = mode
@@ -95,6 +96,28 @@ def test_megatron_layout_round_trips(config):
     assert "--recompute-granularity full \\" in text and "--recompute-num-layers 1 \\" in text
     assert os.access(path, os.X_OK)  # still a runnable script
     assert text.splitlines()[0] == "#!/bin/bash" and "--lr 3e-4" in text
+
+
+@pytest.mark.parametrize(
+    ("counts", "flags"),
+    [([3, 2, 2, 3], []), ([2, 3, 3, 2], [(FIRST, "1"), (LAST, "1")]), ([6, 1, 1, 2], [(FIRST, "5")]),
+     ([2, 1, 1, 6], [(LAST, "5")]), ([3, 2, 3, 2], None), ([1, 4, 4, 1], None)],
+)
+def test_megatron_first_and_last_stage_flags_where_they_say_the_split(counts, flags):
+    # counts hold the head on the first virtual stage and the tail on the last
+    assert split_flags(layout_of(plan(counts=counts))) == flags
+    assert split_flags(layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B", counts=[3, 2, 2, 3]))) is None
+
+
+def test_megatron_gets_first_and_last_stage_flags_in_place_of_a_layout(config):
+    path = config("megatron")
+    write_config("megatron", path, layout_of(plan(counts=[3, 2, 3, 2])))
+    assert f"{LAYOUT} " in path.read_text()
+    write_config("megatron", path, layout_of(plan(counts=[2, 3, 3, 2])))  # one layer fewer on the ends
+    text = path.read_text()
+    assert f"{FIRST} 1 \\\n    {LAST} 1 \\\n" in text and LAYOUT not in text
+    write_config("megatron", path, layout_of(plan(counts=[3, 2, 3, 2])))  # and back: no flag of both ways left
+    assert _flag(path.read_text(), LAYOUT) == '"Ett|tt|t*3|tL"' and FIRST not in path.read_text()
 
 
 def test_megatron_arguments_file(tmp_path):

@@ -1,9 +1,12 @@
-"""Megatron-LM arguments in a launch script or an arguments file: the pipeline layout string and the
+"""Megatron-LM arguments in a launch script or an arguments file: the pipeline split and the
 recompute flags.
 
-`--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` loss, stages split by `|`,
-virtual stages in Megatron's vpp-major order, which is sapp-hook's model order for loop placement)
-expresses any split. Megatron recomputes the same way on every stage (`--recompute-method block`
+A split with one chunk per rank whose stages hold the same number of decoder layers, the first or
+last apart, is said with `--decoder-first/last-pipeline-num-layers` (Megatron spreads the rest
+evenly; these flags predate the layout string and older versions read only them). Any other split
+is said with `--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` loss, stages
+split by `|`, virtual stages in Megatron's vpp-major order, which is sapp-hook's model order for
+loop placement). Megatron recomputes the same way on every stage (`--recompute-method block`
 recomputes the first N layers of each stage): a plan it cannot express gets the nearest setting that
 recomputes at least as much, and a side file with the exact plan.
 """
@@ -20,12 +23,15 @@ from simulator.errors import InputError
 from solver.profile import NONE, SELECTIVE
 
 LAYOUT = "--pipeline-model-parallel-layout"
+FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 PP_SIZE = "--pipeline-model-parallel-size"
 NUM_LAYERS = "--num-layers"
-# Other ways of saying the split: Megatron refuses them next to a layout.
+# The ways of saying the split: those the plan is not written with go (Megatron refuses a layout
+# next to any other).
 SPLIT_FLAGS = (
-    "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
+    LAYOUT,
+    FIRST,
+    LAST,
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
 )
@@ -43,6 +49,19 @@ def layout_string(layout: Layout) -> str:
         text += "L" if cell and cell[-1].kind == "tail" else ""
         stages.append(text)
     return "|".join(stages)
+
+
+def split_flags(layout: Layout) -> list[tuple[str, str]] | None:
+    """The first/last-stage flags that say the plan's split, none for an even one; None where only a
+    layout string can say it (several chunks, uneven middle stages, a stage without decoder layers)."""
+    body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
+    if layout.chunks != 1 or min(body) < 1:
+        return None
+    for first, last in ((False, False), (True, False), (False, True), (True, True)):
+        evenly = body[int(first) : len(body) - int(last)]  # the stages Megatron splits the rest over
+        if evenly and len(set(evenly)) == 1:
+            return [(FIRST, str(body[0]))] * first + [(LAST, str(body[-1]))] * last
+    return None
 
 
 def parse_layout(text: str) -> list[int]:
@@ -76,19 +95,23 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     if declared is not None and declared.isdigit() and int(declared) != layout.body_layers:
         # Megatron refuses a layout whose t's do not add up to the decoder layers
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} {declared}")
-    new = old
-    for flag in SPLIT_FLAGS + RECOMPUTE_FLAGS:
-        new = _remove(new, flag, takes_value=True)
-    for flag in SWITCHES:
-        new = _remove(new, flag, takes_value=False)
     # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
     # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
     # an arguments file (`$(cat args.txt)`) must not have quotes either.
     shell = path.suffix in (".sh", ".bash") or old.startswith("#!")
-    quoted = shell and _inside_quotes(new, _pattern(PP_SIZE, True).search(new).start())
-    text = layout_string(layout)
+    quoted = shell and _inside_quotes(old, _pattern(PP_SIZE, True).search(old).start())
+    split = split_flags(layout)
+    if split is None:
+        text = layout_string(layout)
+        split = [(LAYOUT, f'"{text}"' if shell and not quoted else text)]
     recompute, inexact = _recompute_flags(layout)
-    flags = [(LAYOUT, f'"{text}"' if shell and not quoted else text), *recompute]
+    flags = [*split, *recompute]
+    new = old
+    kept = {flag for flag, _ in split}  # rewritten where they stand
+    for flag in [flag for flag in SPLIT_FLAGS if flag not in kept] + list(RECOMPUTE_FLAGS):
+        new = _remove(new, flag, takes_value=True)
+    for flag in SWITCHES:
+        new = _remove(new, flag, takes_value=False)
     for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
         new = _set(new, flag, value)
     commit(result, old, new, dry_run=dry_run)
