@@ -101,8 +101,6 @@ class AutoTuner:
             raise InputError("on_plan", f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
         if (config is None) != (target is None):
             raise InputError("target" if target is None else "config", "give config and target together")
-        if target is not None:  # now, not after the profiling steps
-            check_destination(target, config, target_field="target", config_field="config")
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(
@@ -121,6 +119,11 @@ class AutoTuner:
             log.info("sapp-hook: %s splits the backward: selective recompute is left out", schedule)
         self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
                                       layers=layers, on_step=self._progress)
+        if target is not None:  # now, not after the profiling steps
+            # one process holds the whole model; under torchrun each rank holds its stage's blocks
+            whole = not _distributed() and os.environ.get("WORLD_SIZE", "1") == "1"
+            check_destination(target, config, target_field="target", config_field="config",
+                              body_layers=len(self.profiler.blocks) if whole else None)
         self.result: TuneResult | None = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}

@@ -139,6 +139,14 @@ def test_bad_options(options, field):
     assert caught.value.field == field
 
 
+@pytest.mark.parametrize("target", ["mindformers", "megatron"])
+def test_a_config_for_another_layer_count_is_refused_before_profiling(tmp_path, target):
+    config = tmp_path / "config"
+    shutil.copy(CONFIGS / {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh"}[target], config)
+    with pytest.raises(InputError, match=f"{config} has (model.model_config.num_layers|--num-layers) 8; the model has 4 blocks"):
+        autotune(llama(), **SETTING, config=config, target=target)
+
+
 def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):
     """A calibrated overhead and a measured P2P time are planned with, and a plan made without them is
     not reused for them."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from sapp_hook.writeback import megatron, mindformers
 from sapp_hook.writeback.files import WriteBack, read_config
 from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
@@ -37,12 +38,27 @@ def check_target(target: str, field: str) -> None:
         raise InputError(field, f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
 
 
-def check_destination(target: str, path: str | Path, *, target_field: str, config_field: str) -> None:
-    """Refuse, before any work, a target sapp-hook does not know or a config it cannot rewrite (a plan
-    file, the `plan` target, may be new)."""
+DECLARED_LAYERS: dict[str, Callable[[Path, str], tuple[int, str] | None]] = {
+    "mindformers": mindformers.declared_layers,
+    "megatron": megatron.declared_layers,
+}
+
+
+def check_destination(
+    target: str, path: str | Path, *, target_field: str, config_field: str, body_layers: int | None = None
+) -> None:
+    """Refuse, before any work, a target sapp-hook does not know, a config it cannot rewrite (a plan
+    file, the `plan` target, may be new), or one that says another number of decoder layers than the
+    model's `body_layers` (where known)."""
     check_target(target, target_field)
-    if target != "plan":
-        read_config(Path(path), config_field)
+    if target == "plan":
+        return
+    read_config(Path(path), config_field)
+    if body_layers is None or target not in DECLARED_LAYERS:
+        return
+    declared = DECLARED_LAYERS[target](Path(path), config_field)
+    if declared is not None and declared[0] != body_layers:
+        raise InputError(config_field, f"{path} has {declared[1]} {declared[0]}; the model has {body_layers} blocks")
 
 
 __all__ = ["TARGETS", "Layout", "WriteBack", "check_destination", "layout_from_dict", "layout_of", "write_config"]

@@ -91,10 +91,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         result.notes.append(f"{PP_SIZE} is {size} in {path}: the plan is for {layout.stages} stages")
     elif int(size) != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
-    declared = _value(old, NUM_LAYERS)
-    if declared is not None and declared.isdigit() and int(declared) != layout.body_layers:
-        # Megatron refuses a layout whose t's do not add up to the decoder layers
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} {declared}")
+    declared = _declared_layers(old)
+    if declared is not None and declared[0] != layout.body_layers:
+        # Megatron refuses a split whose layers do not add up to the decoder layers
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {declared[1]} {declared[0]}")
     # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
     # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
     # an arguments file (`$(cat args.txt)`) must not have quotes either.
@@ -119,6 +119,16 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         result.notes.append(inexact)
         write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
     return result
+
+
+def declared_layers(path: Path, field: str) -> tuple[int, str] | None:
+    """The decoder layers a Megatron-LM script says the model has (a number, not a variable), and the flag."""
+    return _declared_layers(read_config(path, field))
+
+
+def _declared_layers(text: str) -> tuple[int, str] | None:
+    declared = _value(text, NUM_LAYERS)
+    return (int(declared), NUM_LAYERS) if declared is not None and declared.isdigit() else None
 
 
 def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:
