@@ -98,13 +98,13 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
                 tuner.step()
         result = tuner.result
         assert (result.plan is not None) == (rank == 0)  # rank 0 solved; both have the layout
-        (Path(folder) / f"layout{rank}.json").write_text(json.dumps(result.layout.per_layer()))
+        (Path(folder) / f"layout{rank}.json").write_text(result.layout.plan_json())
 
 
 def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path):
     mp.spawn(tuned_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in (0, 1)]
     assert layouts[0] == layouts[1]
-    assert [layer["kind"] for layer in layouts[0]["layers"]] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
+    assert [layer["kind"] for layer in layouts[0]["plan"]["layers"]] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
     written = json.loads((tmp_path / "plan.json").read_text())
-    assert written["layers"] == layouts[0]["layers"] and written["stages"] == 2
+    assert written == layouts[0] and written["spec"]["stages"] == 2

@@ -176,11 +176,13 @@ def test_megatron_gets_the_layout_as_one_argument_from_any_script_shape(tmp_path
 
 def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):
     path = config("megatron")
-    result = write_config("megatron", path, layout_of(plan({1: "full", 2: "full"})))
+    chosen = layout_of(plan({1: "full", 2: "full"}))
+    result = write_config("megatron", path, chosen)
     assert "--recompute-num-layers 2" in path.read_text()
     assert any("same number of layers on every stage" in note for note in result.notes)
     side = path.with_name(path.name + ".sapp-hook.json")
-    assert str(side) in result.written and '"recompute": "full"' in side.read_text()
+    assert str(side) in result.written
+    assert layout_from_dict(read_document(side, "plan")) == chosen  # the plan JSON, as sapp_hook.apply reads it
 
 
 def test_megatron_interleaved_layout_is_vpp_major():
@@ -219,7 +221,8 @@ def test_plain_plan_files(tmp_path):
     for name in ("plan.json", "plan.yaml"):
         write_config("plan", tmp_path / name, chosen)
         data = read_document(tmp_path / name, "plan")
-        assert [layer["recompute"] for layer in data["layers"]][3] == "full"
+        assert [layer["recompute"] for layer in data["plan"]["layers"]][3] == "full"
+        assert layout_from_dict(data) == chosen  # the plan JSON again: apply --plan and sapp_hook.apply read it
 
 
 def test_a_plan_json_says_one_plan():

@@ -58,7 +58,7 @@ def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack
 
 
 def write_side_file(result: WriteBack, text: str, *, dry_run: bool) -> None:
-    """The exact per-layer plan next to the config (`NAME.sapp-hook.json`), for `sapp_hook.apply`."""
+    """The plan JSON next to the config (`NAME.sapp-hook.json`), for `sapp_hook.apply`."""
     side = result.path.with_name(result.path.name + ".sapp-hook.json")
     result.notes.append(f"the exact per-layer recompute plan is in {side}")
     if not dry_run:

@@ -3,6 +3,7 @@ their recompute mode. Read from a `Plan` or from the plan JSON `sapp-hook solve 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class Layout:
     micro_batches: int
     layers: tuple[PlacedLayer, ...]
     mindformers: Mapping[str, object]
+    plan_data: Mapping[str, object]  # the plan JSON (Plan.to_dict) it was read from
 
     @property
     def num_virtual_stages(self) -> int:
@@ -69,17 +71,10 @@ class Layout:
                 return mode
         return NONE if modes <= {NONE} else FULL
 
-    def per_layer(self) -> dict[str, object]:
-        """The exact plan, for the side file the applying code reads where a config cannot say it."""
-        return {
-            "schedule": self.schedule,
-            "stages": self.stages,
-            "chunks": self.chunks,
-            "layers": [
-                {"name": layer.name, "kind": layer.kind, "virtual_stage": layer.virtual_stage, "recompute": layer.recompute}
-                for layer in self.layers
-            ],
-        }
+    def plan_json(self) -> str:
+        """The plan JSON this layout was read from: the exact plan, for a side file that `sapp_hook.apply`,
+        `sapp-hook apply --plan` and `simulate --plan` read where a config cannot say it."""
+        return json.dumps(self.plan_data, indent=1) + "\n"
 
 
 def layout_of(plan: Plan) -> Layout:
@@ -125,4 +120,4 @@ def layout_from_dict(data: object) -> Layout:
         if given is not None and given != derived:
             raise InputError(f"plan.{key}", f"is {given!r}; the plan's layers say {derived!r}")
     return Layout(schedule=schedule.name, stages=schedule.stages, chunks=schedule.chunks,
-                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers)
+                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers, plan_data=data)

@@ -13,7 +13,6 @@ recomputes at least as much, and a side file with the exact plan.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -117,7 +116,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     commit(result, old, new, dry_run=dry_run)
     if inexact:
         result.notes.append(inexact)
-        write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
+        write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
 
 

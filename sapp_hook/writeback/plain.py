@@ -1,4 +1,5 @@
-"""The plan itself, as JSON or YAML, for launchers sapp-hook has no target for."""
+"""The plan itself, as JSON or YAML (the plan JSON `solve --plan-out` writes), for launchers sapp-hook has
+no target for."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from solver.profile import read_limited
 
 
 def write_plan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
-    data = {**layout.per_layer(), "micro_batches": layout.micro_batches, "mindformers": dict(layout.mindformers)}
     if path.suffix.lower() in (".yaml", ".yml"):
-        text = yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+        text = yaml.safe_dump(json.loads(layout.plan_json()), sort_keys=False, default_flow_style=None)
     else:
-        text = json.dumps(data, indent=1) + "\n"
+        text = layout.plan_json()
     old = read_limited(path, "--config").decode("utf-8", "replace") if path.is_file() else ""
     return commit(WriteBack(path=path, diff=""), old, text, dry_run=dry_run)

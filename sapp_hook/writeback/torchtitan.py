@@ -9,7 +9,6 @@ selective becomes full under the schedules that split the backward, which torch 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import tomlkit
@@ -86,7 +85,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
         )
     commit(result, old, tomlkit.dumps(document), dry_run=dry_run)
     if result.notes:
-        write_side_file(result, json.dumps(layout.per_layer(), indent=1) + "\n", dry_run=dry_run)
+        write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
 
 
