@@ -108,4 +108,4 @@ def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path
     assert "sapp-hook run: planned; training" in done.stderr
     for rank in (0, 1):  # the planning launch exited before logging; the second trained from the plan
         assert [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()] == [{"from_cache": True}]
-    assert json.loads(plan.read_text())["stages"] == 2
+    assert json.loads(plan.read_text())["spec"]["stages"] == 2

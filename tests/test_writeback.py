@@ -199,10 +199,32 @@ def test_torchtitan_module_names_schedule_and_checkpointing(config):
     assert parallelism["module_fqns_per_model_part"] == [
         ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"],
         ["layers.4", "layers.5", "layers.6"], ["layers.7", "norm", "output"]]
-    assert parallelism["num_pp_microbatches"] == 8 and "pipeline_parallel_first_stage_less_layers" not in parallelism
+    # local_batch_size 16 in 8 micro-batches; no num_pp_microbatches, a key TorchTitan's TOML reader refuses
+    assert parallelism["pipeline_parallel_microbatch_size"] == 2 and "num_pp_microbatches" not in parallelism
+    assert "pipeline_parallel_first_stage_less_layers" not in parallelism
     assert document["activation_checkpoint"]["mode"] == "full"
     assert "# applied to every block" in path.read_text() and "[training]" in path.read_text()
     assert any("checkpoints every block alike" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(
+    ("edit", "outcome"),
+    [(("local_batch_size = 16", "local_batch_size = 12"), "local_batch_size 12, which does not split into 8"),
+     (("local_batch_size = 16\n", ""), "has no training.local_batch_size"),
+     (("pipeline_parallel_degree = 4", "pipeline_parallel_degree = 4\nnum_pp_microbatches = 2"), 8)],
+)
+def test_torchtitan_micro_batches(config, edit, outcome):
+    path = config("torchtitan")
+    path.write_text(path.read_text().replace(*edit))
+    before = path.read_text()
+    if isinstance(outcome, str):
+        with pytest.raises(InputError, match=outcome):
+            write_config("torchtitan", path, layout_of(plan()))
+        assert path.read_text() == before
+    else:  # a config that already counts them keeps counting them
+        write_config("torchtitan", path, layout_of(plan()))
+        parallelism = tomlkit.parse(path.read_text())["parallelism"]
+        assert parallelism["num_pp_microbatches"] == outcome and "pipeline_parallel_microbatch_size" not in parallelism
 
 
 def test_torchtitan_gets_full_recompute_where_the_schedule_splits_the_backward(config):

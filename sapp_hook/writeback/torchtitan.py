@@ -1,5 +1,5 @@
-"""TorchTitan TOML: the module names of every model part, the schedule, the micro-batch count and the
-activation-checkpoint mode.
+"""TorchTitan TOML: the module names of every model part, the schedule, the micro-batch size that makes
+the plan's micro-batch count and the activation-checkpoint mode.
 
 TorchTitan names a Llama's modules `tok_embeddings`, `layers.<i>`, `norm` and `output`; the head is the
 first, the tail the last two. It checkpoints every block the same way: a plan that varies recompute by
@@ -62,7 +62,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     result = WriteBack(path=path, diff="")
     parallelism["pipeline_parallel_degree"] = layout.stages
     parallelism["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
-    parallelism["num_pp_microbatches"] = layout.micro_batches
+    _set_micro_batches(document, parallelism, layout, path)
     for key in SPLIT_KEYS:
         parallelism.pop(key, None)
     parallelism["module_fqns_per_model_part"] = module_names(layout)
@@ -87,6 +87,24 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     if result.notes:
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
+
+
+def _set_micro_batches(document: dict, parallelism: dict, layout: Layout, path: Path) -> None:
+    """TorchTitan's TOML configs say the micro-batch count as the size each micro-batch takes out of
+    `training.local_batch_size` (and refuse keys they do not know: `num_pp_microbatches` is the Python
+    configs' count, kept where a config already has it)."""
+    if "num_pp_microbatches" in parallelism:
+        parallelism["num_pp_microbatches"] = layout.micro_batches
+        return
+    training = document.get("training")
+    local = training.get("local_batch_size") if isinstance(training, dict) else None
+    if isinstance(local, bool) or not isinstance(local, int):
+        raise InputError("--config", f"{path} has no training.local_batch_size, which TorchTitan splits into the plan's "
+                                     f"{layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}")
+    if local % layout.micro_batches:
+        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches; {path} has training.local_batch_size "
+                                   f"{local}, which does not split into {layout.micro_batches}")
+    parallelism["pipeline_parallel_microbatch_size"] = local // layout.micro_batches
 
 
 def read_torchtitan_parts(path: Path) -> list[list[str]]:
