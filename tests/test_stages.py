@@ -8,8 +8,7 @@ from profiler_cases import batch, gpt2, llama
 
 from profiler.layers import find_blocks
 from sapp_hook import TiedGradients, apply, schedule_class
-from sapp_hook.writeback import Layout
-from sapp_hook.writeback.layout import PlacedLayer
+from sapp_hook.writeback import Layout, layout_from_dict
 from simulator import InputError
 
 
@@ -19,12 +18,10 @@ def layout(counts: list[int], schedule: str = "1F1B", chunks: int = 1, modes: di
     kinds = ["head", *["body:block"] * 4, "tail"]
     names = ["head", *[f"{blocks}.{j}" for j in range(4)], "tail"]
     stage_of = [v for v, count in enumerate(counts) for _ in range(count)]
-    layers = tuple(
-        PlacedLayer(name=names[i], kind=kind, virtual_stage=stage_of[i], recompute=(modes or {}).get(i, "none"))
-        for i, kind in enumerate(kinds)
-    )
-    return Layout(schedule=schedule, stages=len(counts) // chunks, chunks=chunks, micro_batches=4, layers=layers,
-                  mindformers={})
+    layers = [{"name": names[i], "kind": kind, "virtual_stage": stage_of[i], "recompute": (modes or {}).get(i, "none")}
+              for i, kind in enumerate(kinds)]
+    spec = {"stages": len(counts) // chunks, "chunks": chunks, "micro_batches": 4, "schedule": schedule}
+    return layout_from_dict({"spec": spec, "plan": {"layers": layers}})
 
 
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
