@@ -77,12 +77,18 @@ def test_the_backup_keeps_the_users_config_across_writes(config):
     assert theirs.read_text() == "the user's own backup"
 
 
-def test_mindformers_interleaved_writes_lists_of_lists(config):
+@pytest.mark.parametrize(("schedule", "scheduler"), [("Interleaved1F1B", "1f1b"), ("ZBVZeroBubble", "zero_bubble_v"),
+                                                     ("DualPipeV", "1f1b")])
+def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(config, schedule, scheduler):
     path = config("mindformers")
-    chosen = plan(chunks=2, schedule="Interleaved1F1B")
-    write_config("mindformers", path, layout_of(chosen))
-    model_config = yaml.safe_load(path.read_text())["model"]["model_config"]
+    chosen = plan(chunks=2, schedule=schedule)
+    result = write_config("mindformers", path, layout_of(chosen))
+    document = yaml.safe_load(path.read_text())
+    model_config = document["model"]["model_config"]
     assert model_config["offset"] == chosen.mindformers()["offset"] and model_config["pp_interleave_num"] == 2
+    # without pipeline_interleave MindFormers takes pp_interleave_num as 1
+    assert document["parallel"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": scheduler}
+    assert any("MindFormers has no DualPipeV order" in note for note in result.notes) == (schedule == "DualPipeV")
 
 
 def test_megatron_layout_round_trips(config):

@@ -16,6 +16,8 @@ from sapp_hook.writeback.layout import Layout
 from simulator.errors import InputError
 
 TRAINING_SECTIONS = ("parallel_config", "model", "recompute_config")
+# The orders of several chunks per rank MindFormers runs (`parallel.pipeline_config.pipeline_scheduler`).
+SCHEDULERS = {"Interleaved1F1B": "1f1b", "Interleaved1F1B-less-memory": "1f1b", "ZBVZeroBubble": "zero_bubble_v"}
 
 
 def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
@@ -41,6 +43,8 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
         for key, value in keys.items():
             place = MINDFORMERS_PLACES[key][0]
             _node(document, place[:-1], path, create=True)[place[-1]] = value
+        if layout.chunks > 1:
+            _set_interleave(document, layout, path, result)
     elif not document or any(key in document for key in MINDFORMERS_PLACES):
         document.update(keys)  # a flat file of plan keys, as SAPP writes them
     else:
@@ -51,6 +55,26 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
     stream = io.StringIO()
     yaml.dump(document, stream)
     return commit(result, old, stream.getvalue(), dry_run=dry_run)
+
+
+def _set_interleave(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> None:
+    """MindFormers runs pp_interleave_num chunks only with `parallel.pipeline_config.pipeline_interleave`
+    on (else it takes 1), in the order `pipeline_scheduler` names."""
+    parallel = _node(document, ("parallel",), path, create=True)
+    pipeline = parallel.get("pipeline_config")
+    if pipeline is None:
+        pipeline = parallel["pipeline_config"] = {}
+    if not isinstance(pipeline, MutableMapping):
+        raise InputError("--config", f"{path}: parallel.pipeline_config is not a mapping")
+    pipeline["pipeline_interleave"] = True
+    scheduler = SCHEDULERS.get(layout.schedule)
+    if scheduler is not None:
+        pipeline["pipeline_scheduler"] = scheduler
+    else:
+        result.notes.append(
+            f"MindFormers has no {layout.schedule} order (it runs {', '.join(sorted(set(SCHEDULERS.values())))}): "
+            f"parallel.pipeline_config.pipeline_scheduler is left as it was, and the plan's times assume {layout.schedule}"
+        )
 
 
 def _flow(value: object) -> object:
