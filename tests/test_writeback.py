@@ -126,6 +126,18 @@ def test_megatron_gets_first_and_last_stage_flags_in_place_of_a_layout(config):
     assert _flag(path.read_text(), LAYOUT) == '"Ett|tt|t*3|tL"' and FIRST not in path.read_text()
 
 
+@pytest.mark.parametrize(("global_batch", "outcome"), [("16", "at data-parallel size 1"), ("32", "at data-parallel size 2"),
+                                                     ("12", "8 at no data-parallel size")])
+def test_megatron_batch_sizes_make_the_plans_micro_batches(config, global_batch, outcome):
+    path = config("megatron")  # --micro-batch-size 2; the plan runs 8 micro-batches
+    path.write_text(path.read_text().replace("--global-batch-size 16", f"--global-batch-size {global_batch}"))
+    if global_batch == "12":
+        with pytest.raises(InputError, match=outcome):
+            write_config("megatron", path, layout_of(plan()))
+    else:
+        assert any(outcome in note for note in write_config("megatron", path, layout_of(plan())).notes)
+
+
 def test_megatron_arguments_file(tmp_path):
     path = tmp_path / "args.txt"
     path.write_text("--num-layers 8\n--pipeline-model-parallel-size 4\n--bf16\n")

@@ -25,6 +25,7 @@ LAYOUT = "--pipeline-model-parallel-layout"
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 PP_SIZE = "--pipeline-model-parallel-size"
 NUM_LAYERS = "--num-layers"
+GLOBAL_BATCH, MICRO_BATCH = "--global-batch-size", "--micro-batch-size"
 # The ways of saying the split: those the plan is not written with go (Megatron refuses a layout
 # next to any other).
 SPLIT_FLAGS = (
@@ -94,6 +95,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     if declared is not None and declared[0] != layout.body_layers:
         # Megatron refuses a split whose layers do not add up to the decoder layers
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {declared[1]} {declared[0]}")
+    _check_micro_batches(old, layout, path, result)
     # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
     # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
     # an arguments file (`$(cat args.txt)`) must not have quotes either.
@@ -118,6 +120,22 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         result.notes.append(inexact)
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
+
+
+def _check_micro_batches(text: str, layout: Layout, path: Path, result: WriteBack) -> None:
+    """Megatron runs global / (micro-batch size x data-parallel size) micro-batches per step: a script
+    whose batch sizes cannot make the plan's count at any data-parallel size is refused, else the size
+    that makes it is said."""
+    global_batch, micro_batch = _value(text, GLOBAL_BATCH), _value(text, MICRO_BATCH)
+    if not (global_batch and micro_batch and global_batch.isdigit() and micro_batch.isdigit() and int(micro_batch)):
+        return  # variables, or left to Megatron's defaults
+    samples = int(global_batch) // int(micro_batch)
+    if int(global_batch) % int(micro_batch) or samples % layout.micro_batches:
+        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {GLOBAL_BATCH} "
+                                   f"{global_batch} and {MICRO_BATCH} {micro_batch}, Megatron runs {global_batch} / "
+                                   f"({micro_batch} x data-parallel size): {layout.micro_batches} at no data-parallel size")
+    result.notes.append(f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch} make the plan's "
+                        f"{layout.micro_batches} micro-batches per step at data-parallel size {samples // layout.micro_batches}")
 
 
 def declared_layers(path: Path, field: str) -> tuple[int, str] | None:
