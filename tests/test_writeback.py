@@ -91,6 +91,15 @@ def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(c
     assert any("MindFormers has no DualPipeV order" in note for note in result.notes) == (schedule == "DualPipeV")
 
 
+def test_mindformers_micro_batches_are_the_plans_and_a_change_is_said(config):
+    path = config("mindformers")  # micro_batch_num 8, as the plan
+    assert not write_config("mindformers", path, layout_of(plan())).notes
+    path.write_text(path.read_text().replace("  micro_batch_num: 8\n", ""))
+    notes = write_config("mindformers", path, layout_of(plan())).notes
+    assert yaml.safe_load(path.read_text())["parallel_config"]["micro_batch_num"] == 8
+    assert any("micro_batch_num unset (1) -> 8" in note for note in notes)
+
+
 def test_megatron_layout_round_trips(config):
     path = config("megatron")
     chosen = plan({1: "full", 3: "full", 5: "full", 8: "full"})  # the first body layer of every stage

@@ -36,8 +36,13 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
         parallel = document.get("parallel_config")
         if isinstance(parallel, MutableMapping):
             parallel["pipeline_stage"] = layout.stages
-            if "micro_batch_num" in parallel:
-                parallel["micro_batch_num"] = layout.micro_batches
+            before = parallel.get("micro_batch_num")
+            if before != layout.micro_batches:
+                result.notes.append(
+                    f"parallel_config.micro_batch_num {'unset (1)' if before is None else before} -> {layout.micro_batches}, "
+                    f"the plan's: MindFormers' global batch (batch_size x data_parallel x micro_batch_num) changes with it"
+                )
+            parallel["micro_batch_num"] = layout.micro_batches
         if layout.chunks == 1 and "pp_interleave_num" not in _node(document, MINDFORMERS_PLACES["pp_interleave_num"][0][:-1], path, create=False):
             keys.pop("pp_interleave_num")
         for key, value in keys.items():
