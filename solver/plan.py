@@ -4,6 +4,7 @@ what the simulator says of it. Views as MindFormers keys, per-stage layer counts
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ def mindformers_view(
     floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
     body = sum(1 for kind in layer_kinds if kind not in (HEAD, TAIL))
     share = body // schedule.num_stages
-    starts = [sum(stage_layer_counts[:virtual]) for virtual in range(len(stage_layer_counts))]
+    starts = [0, *itertools.accumulate(stage_layer_counts)]
     keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
     for chunk in range(schedule.chunks):
         rows: dict[str, list[int]] = {key: [] for key in keys}

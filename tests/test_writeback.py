@@ -88,7 +88,7 @@ def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(c
     assert model_config["offset"] == chosen.mindformers()["offset"] and model_config["pp_interleave_num"] == 2
     # without pipeline_interleave MindFormers takes pp_interleave_num as 1
     assert document["parallel"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": scheduler}
-    assert any("MindFormers has no DualPipeV order" in note for note in result.notes) == (schedule == "DualPipeV")
+    assert any("knows no MindFormers pipeline_scheduler for DualPipeV" in note for note in result.notes) == (schedule == "DualPipeV")
 
 
 def test_mindformers_micro_batches_are_the_plans_and_a_change_is_said(config):

@@ -76,9 +76,10 @@ def _set_interleave(document: MutableMapping, layout: Layout, path: Path, result
     if scheduler is not None:
         pipeline["pipeline_scheduler"] = scheduler
     else:
+        known = ", ".join(f"{scheduler} for {name}" for name, scheduler in SCHEDULERS.items())
         result.notes.append(
-            f"MindFormers has no {layout.schedule} order (it runs {', '.join(sorted(set(SCHEDULERS.values())))}): "
-            f"parallel.pipeline_config.pipeline_scheduler is left as it was, and the plan's times assume {layout.schedule}"
+            f"sapp-hook knows no MindFormers pipeline_scheduler for {layout.schedule} ({known}): it is left as it "
+            f"was, and the plan's times assume {layout.schedule}"
         )
 
 
