@@ -212,6 +212,19 @@ def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):
     assert layout_from_dict(read_document(side, "plan")) == chosen  # the plan JSON, as sapp_hook.apply reads it
 
 
+def test_selective_recompute_is_the_profiles_where_a_target_can_say_it_and_said_where_not(config):
+    every = {layer: "selective" for layer in range(1, 9)}
+    path = config("torchtitan")
+    notes = write_config("torchtitan", path, layout_of(plan(every))).notes
+    checkpoint = tomlkit.parse(path.read_text())["activation_checkpoint"]
+    assert checkpoint["mode"] == "selective" and checkpoint["selective_ac_option"] == "op"  # not every 2nd block
+    assert any("recomputes every second matmul" in note for note in notes)
+    path = config("megatron")
+    notes = write_config("megatron", path, layout_of(plan(every))).notes
+    assert "--recompute-granularity selective" in path.read_text()
+    assert any("is not the selective recompute the profile measured" in note for note in notes)
+
+
 def test_megatron_interleaved_layout_is_vpp_major():
     chosen = plan(chunks=2, schedule="Interleaved1F1B")
     assert layout_string(layout_of(chosen)) == "Et|t|t|t|t|t|tt|L"

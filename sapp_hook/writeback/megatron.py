@@ -154,7 +154,11 @@ def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:
     if modes <= {NONE}:
         return [], ""
     if modes == {SELECTIVE}:
-        return [("--recompute-granularity", "selective")], ""
+        return [("--recompute-granularity", "selective")], (
+            "Megatron-LM's selective recompute (--recompute-modules, core attention by default) is not the selective "
+            "recompute the profile measured (norms, activations and rotary redone, matmul and attention outputs kept): "
+            "its memory and time are not the plan's"
+        )
     full = layout.uniform_full_count()
     if full is not None:
         return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(full))], ""
