@@ -37,7 +37,7 @@ from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
-from sapp_hook.writeback import Layout, WriteBack, check_destination, layout_from_dict, write_config
+from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
 from simulator.errors import InputError, check_seconds
 from simulator.files import atomic_write_text
 from simulator.schedules import schedule_kind
@@ -120,10 +120,10 @@ class AutoTuner:
         self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
                                       layers=layers, on_step=self._progress)
         if target is not None:  # now, not after the profiling steps
-            # one process holds the whole model; under torchrun each rank holds its stage's blocks
-            whole = not _distributed() and os.environ.get("WORLD_SIZE", "1") == "1"
-            check_destination(target, config, target_field="target", config_field="config",
-                              body_layers=len(self.profiler.blocks) if whole else None)
+            check_destination(target, config, target_field="target", config_field="config")
+            # where one process holds the whole model (under torchrun each rank holds its stage's blocks)
+            if not _distributed() and os.environ.get("WORLD_SIZE", "1") == "1":
+                check_job(target, config, self.spec, len(self.profiler.blocks), config_field="config")
         self.result: TuneResult | None = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}

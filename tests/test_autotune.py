@@ -139,12 +139,19 @@ def test_bad_options(options, field):
     assert caught.value.field == field
 
 
-@pytest.mark.parametrize("target", ["mindformers", "megatron"])
-def test_a_config_for_another_layer_count_is_refused_before_profiling(tmp_path, target):
+@pytest.mark.parametrize(
+    ("target", "setting", "message"),
+    [("mindformers", {}, "the plan places 4 decoder layers; .* has model.model_config.num_layers 8"),
+     ("megatron", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
+     ("megatron", {"schedule": "ZBH1"}, "Megatron-LM runs 1F1B, Interleaved1F1B, GPipe; this plan is for ZBH1"),
+     ("torchtitan", {"micro_batches": 5}, "the plan is for 5 micro-batches; .* training.local_batch_size 16")],
+)
+def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(tmp_path, target, setting, message):
     config = tmp_path / "config"
-    shutil.copy(CONFIGS / {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh"}[target], config)
-    with pytest.raises(InputError, match=f"{config} has (model.model_config.num_layers|--num-layers) 8; the model has 4 blocks"):
-        autotune(llama(), **SETTING, config=config, target=target)
+    shutil.copy(CONFIGS / {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh",
+                           "torchtitan": "torchtitan_llama.toml"}[target], config)
+    with pytest.raises(InputError, match=f"config: {config} does not fit this job: {message}"):
+        autotune(llama(), **{**SETTING, **setting}, config=config, target=target)
 
 
 def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sapp_hook.writeback import megatron, mindformers
 from sapp_hook.writeback.files import WriteBack, read_config
-from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
+from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
 from sapp_hook.writeback.mindformers import write_mindformers
 from sapp_hook.writeback.plain import write_plan
 from sapp_hook.writeback.torchtitan import write_torchtitan
 from simulator.errors import InputError
+from solver import PipelineSpec
 
 TARGETS: dict[str, Callable[..., WriteBack]] = {
     "mindformers": write_mindformers,
@@ -38,27 +38,27 @@ def check_target(target: str, field: str) -> None:
         raise InputError(field, f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
 
 
-DECLARED_LAYERS: dict[str, Callable[[Path, str], tuple[int, str] | None]] = {
-    "mindformers": mindformers.declared_layers,
-    "megatron": megatron.declared_layers,
-}
-
-
-def check_destination(
-    target: str, path: str | Path, *, target_field: str, config_field: str, body_layers: int | None = None
-) -> None:
-    """Refuse, before any work, a target sapp-hook does not know, a config it cannot rewrite (a plan
-    file, the `plan` target, may be new), or one that says another number of decoder layers than the
-    model's `body_layers` (where known)."""
+def check_destination(target: str, path: str | Path, *, target_field: str, config_field: str) -> None:
+    """Refuse, before any work, a target sapp-hook does not know or a config it cannot rewrite (a plan
+    file, the `plan` target, may be new)."""
     check_target(target, target_field)
-    if target == "plan":
-        return
-    read_config(Path(path), config_field)
-    if body_layers is None or target not in DECLARED_LAYERS:
-        return
-    declared = DECLARED_LAYERS[target](Path(path), config_field)
-    if declared is not None and declared[0] != body_layers:
-        raise InputError(config_field, f"{path} has {declared[1]} {declared[0]}; the model has {body_layers} blocks")
+    if target != "plan":
+        read_config(Path(path), config_field)
 
 
-__all__ = ["TARGETS", "Layout", "WriteBack", "check_destination", "layout_from_dict", "layout_of", "write_config"]
+def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: int, *, config_field: str) -> None:
+    """Refuse, before any work, a config that cannot take any plan for this job (stage count, schedule,
+    layer count, batch sizes): an even split of `body_layers` written in a dry run."""
+    try:
+        write_config(target, path, even_layout(spec, body_layers), dry_run=True)
+    except InputError as error:
+        if error.field != "--plan":
+            raise InputError(config_field, error.detail) from None
+        # the writers' refusals of a plan read "--plan: is for 4 pipeline stages; ..." and the like
+        subject = "the plan " if error.detail.startswith(("is ", "places ")) else ""
+        raise InputError(config_field, f"{path} does not fit this job: {subject}{error.detail}") from None
+
+
+__all__ = [
+    "TARGETS", "Layout", "WriteBack", "check_destination", "check_job", "layout_from_dict", "layout_of", "write_config",
+]

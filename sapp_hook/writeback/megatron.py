@@ -138,11 +138,6 @@ def _check_micro_batches(text: str, layout: Layout, path: Path, result: WriteBac
                         f"{layout.micro_batches} micro-batches per step at data-parallel size {samples // layout.micro_batches}")
 
 
-def declared_layers(path: Path, field: str) -> tuple[int, str] | None:
-    """The decoder layers a Megatron-LM script says the model has (a number, not a variable), and the flag."""
-    return _declared_layers(read_config(path, field))
-
-
 def _declared_layers(text: str) -> tuple[int, str] | None:
     declared = _value(text, NUM_LAYERS)
     return (int(declared), NUM_LAYERS) if declared is not None and declared.isdigit() else None

@@ -103,11 +103,6 @@ def _round_trip(*, capitalised_booleans: bool) -> YAML:
     return yaml
 
 
-def declared_layers(path: Path, field: str) -> tuple[int, str] | None:
-    """The decoder layers a MindFormers config says the model has, and where it says it."""
-    return _declared_layers(read_yaml(path, field))
-
-
 def _declared_layers(document: object) -> tuple[int, str] | None:
     model = document.get("model") if isinstance(document, Mapping) else None
     config = model.get("model_config") if isinstance(model, Mapping) else None
