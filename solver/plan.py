@@ -334,6 +334,11 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
     return evaluate_plan(profile, spec, counts, modes)
 
 
+def even_counts(layers: int, stages: int) -> list[int]:
+    """`layers` spread evenly over `stages`, the first ones taking one more where they do not divide."""
+    return [layers // stages + (1 if v < layers % stages else 0) for v in range(stages)]
+
+
 def even_plan(profile: ModelProfile, spec: PipelineSpec, mode: str = NONE) -> Plan:
     """The split people start from: body layers spread evenly over the virtual stages (the first ones
     take one more where they do not divide), head layers on the first, tail layers on the last, every
@@ -342,7 +347,7 @@ def even_plan(profile: ModelProfile, spec: PipelineSpec, mode: str = NONE) -> Pl
     heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
     tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
     body = len(profile.layers) - heads - tails
-    counts = [body // stages + (1 if v < body % stages else 0) for v in range(stages)]
+    counts = even_counts(body, stages)
     counts[0] += heads
     counts[-1] += tails
     modes = [mode if layer.is_body and mode in layer.recompute else NONE for layer in profile.layers]

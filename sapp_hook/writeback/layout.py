@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from simulator.errors import InputError
 from solver import PipelineSpec, Plan
 from solver.fields import Fields
-from solver.plan import mindformers_view
+from solver.plan import even_counts, mindformers_view
 from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
 from solver.spec import spec_from_dict, spec_to_dict
 
@@ -81,7 +81,7 @@ def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
     """A head, `body_layers` blocks and a tail split evenly over the virtual stages, without recompute:
     a stand-in plan for checking a config before any plan exists."""
     stages = spec.pipeline_schedule.num_stages
-    virtual = [v for v in range(stages) for _ in range(body_layers // stages + (1 if v < body_layers % stages else 0))]
+    virtual = [v for v, count in enumerate(even_counts(body_layers, stages)) for _ in range(count)]
     layers = [{"name": "head", "kind": HEAD, "virtual_stage": 0, "recompute": NONE}]
     layers += [{"name": f"layers.{i}", "kind": "body:block", "virtual_stage": v, "recompute": NONE} for i, v in enumerate(virtual)]
     layers.append({"name": "tail", "kind": TAIL, "virtual_stage": stages - 1, "recompute": NONE})
