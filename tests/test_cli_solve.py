@@ -12,7 +12,8 @@ from cli_args import with_flags
 from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
-from solver import PipelineSpec, even_plan, load_profile
+from sapp_hook.cli.report import plan_report
+from solver import PipelineSpec, evaluate_plan, even_plan, load_profile
 
 CASE = ["--profile", str(SAPP / "test.json"), "--stages", "4", "--chunks", "2", "--micro-batches", "8",
         "--schedule", "Interleaved1F1B"]
@@ -171,3 +172,17 @@ def test_json_stdout_is_clean_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-m", "sapp_hook", *SOLVE, "--json"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "optimal"
+
+
+def test_the_plan_table_keeps_its_columns_with_long_recompute_lists():
+    profile = load_profile(SAPP / "sim.json")  # modes none, full, selective+comm, comm, ...
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    body = [index for index, layer in enumerate(profile.layers) if layer.is_body]
+    modes = ["none"] * len(profile.layers)
+    for index, mode in zip(body[:3], ("full", "selective+comm", "comm")):
+        modes[index] = mode
+    half = len(profile.layers) // 2
+    table = plan_report(evaluate_plan(profile, spec, [half, len(profile.layers) - half], modes)).splitlines()
+    rows = [line for line in table if line.lstrip().startswith(("stage", "0 ", "1 "))]
+    assert "full 1, selective+comm 1, comm 1" in rows[1]
+    assert len({len(row) for row in rows}) == 1  # the peak memory column, right-aligned, ends where its header does

@@ -58,7 +58,7 @@ def plan_report(plan: Plan) -> str:
     if schedule_kind(schedule.name).splits_backward and SELECTIVE in plan.layer_modes:
         lines.append(f"note            {schedule.name} splits the backward, which torch cannot run through selective "
                      "checkpointing: --modes none,full plans without it")
-    lines.append(f"{'stage':>5}  {'layers per chunk':<18}  {'recompute':<28}  {'peak memory':>12}")
+    rows = []
     for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
         counts = "+".join(str(len(r)) for r in chunk_ranges)
         modes = {mode: 0 for mode in MODE_ORDER}
@@ -68,7 +68,12 @@ def plan_report(plan: Plan) -> str:
         recompute = ", ".join(f"{mode} {count}" for mode, count in modes.items() if count and mode != "none") or "-"
         peak = plan.stage_peak_memory_bytes[stage]
         share = "" if math.isinf(budget) else f" ({peak / budget:.0%})"
-        lines.append(f"{stage:>5}  {counts:<18}  {recompute:<28}  {format_bytes(peak):>12}{share}")
+        rows.append((stage, counts, recompute, f"{format_bytes(peak):>12}{share}"))
+    # columns as wide as their longest entry, and at least as wide as the headers' usual room
+    counts_width = max(18, *(len(row[1]) for row in rows))
+    recompute_width = max(28, *(len(row[2]) for row in rows))
+    lines.append(f"{'stage':>5}  {'layers per chunk':<{counts_width}}  {'recompute':<{recompute_width}}  {'peak memory':>12}")
+    lines += [f"{stage:>5}  {counts:<{counts_width}}  {recompute:<{recompute_width}}  {peak}" for stage, counts, recompute, peak in rows]
     if not math.isinf(budget):
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"memory budget   {format_bytes(budget)} per device: {verdict}")
