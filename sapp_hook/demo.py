@@ -114,7 +114,8 @@ def _report(plan_report: str, written: list[str], notes: list[str], budget: floa
         "- plan.json, profile.json: the plan and the measured profile",
     ]
     if notes:
-        lines += ["", "What the write-backs said (what a target cannot express, what it changed):", *(f"- {note}" for note in notes)]
+        lines += ["", "What the write-backs said (what a target cannot express, what it changed):"]
+        lines += [f"- {note}" for note in notes]
     lines.append("")
     lines.append(f"Targets: {', '.join(TARGETS)}. Apply a plan yourself: sapp-hook apply --plan plan.json --target NAME --config FILE")
     return "\n".join(lines) + "\n"

@@ -72,8 +72,8 @@ def plan_report(plan: Plan) -> str:
     # columns as wide as their longest entry, and at least as wide as the headers' usual room
     counts_width = max(18, *(len(row[1]) for row in rows))
     recompute_width = max(28, *(len(row[2]) for row in rows))
-    lines.append(f"{'stage':>5}  {'layers per chunk':<{counts_width}}  {'recompute':<{recompute_width}}  {'peak memory':>12}")
-    lines += [f"{stage:>5}  {counts:<{counts_width}}  {recompute:<{recompute_width}}  {peak}" for stage, counts, recompute, peak in rows]
+    for stage, counts, recompute, peak in [("stage", "layers per chunk", "recompute", f"{'peak memory':>12}"), *rows]:
+        lines.append(f"{stage:>5}  {counts:<{counts_width}}  {recompute:<{recompute_width}}  {peak}")
     if not math.isinf(budget):
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"memory budget   {format_bytes(budget)} per device: {verdict}")

@@ -1,8 +1,8 @@
 """Writing a plan into the launch config of a training job: one module per target.
 
 Every writer keeps comments, key order and unrelated keys, checks the plan against the config (stage
-and layer counts, schedule, micro-batches) before touching anything, writes atomically with a backup, and in a dry run only
-returns the diff. Where a target cannot express the plan it says so in `WriteBack.notes`.
+and layer counts, schedule, micro-batches) before touching anything, writes atomically with a backup,
+and in a dry run only returns the diff. Where a target cannot express the plan it says so in `WriteBack.notes`.
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ def _check_micro_batches(text: str, layout: Layout, path: Path, result: WriteBac
                                    f"{global_batch} and {MICRO_BATCH} {micro_batch}, Megatron runs {global_batch} / "
                                    f"({micro_batch} x data-parallel size): {layout.micro_batches} at no data-parallel size")
     result.notes.append(f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch} make the plan's "
-                        f"{layout.micro_batches} micro-batches per step at data-parallel size {samples // layout.micro_batches}")
+                        f"{layout.micro_batches} micro-batches per step at data-parallel size "
+                        f"{samples // layout.micro_batches}")
 
 
 def _declared_layers(text: str) -> tuple[int, str] | None:
