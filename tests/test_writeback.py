@@ -88,7 +88,8 @@ def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(c
     assert model_config["offset"] == chosen.mindformers()["offset"] and model_config["pp_interleave_num"] == 2
     # without pipeline_interleave MindFormers takes pp_interleave_num as 1
     assert document["parallel"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": scheduler}
-    assert any("knows no MindFormers pipeline_scheduler for DualPipeV" in note for note in result.notes) == (schedule == "DualPipeV")
+    said = any("knows no MindFormers pipeline_scheduler for DualPipeV" in note for note in result.notes)
+    assert said == (schedule == "DualPipeV")
 
 
 def test_mindformers_micro_batches_are_the_plans_and_a_change_is_said(config):
@@ -294,7 +295,8 @@ def test_a_plan_json_says_one_plan():
         del data["plan"][key]
     assert layout_from_dict(data).mindformers["recompute"] == [[0, 1], [0, 0]]
     data["plan"]["select_recompute"] = [[0, 0], [0, 0]]  # edited by hand, the layers not
-    with pytest.raises(InputError, match=r"plan.select_recompute: is \[\[0, 0\], \[0, 0\]\]; the plan's layers say \[\[0, 1\]"):
+    said = r"plan.select_recompute: is \[\[0, 0\], \[0, 0\]\]; the plan's layers say \[\[0, 1\]"
+    with pytest.raises(InputError, match=said):
         layout_from_dict(data)
     del data["plan"]["select_recompute"]
     for edits, field, message in [  # layers 0-2 on virtual stage 0 (the head first), 3-4, 5-7, 8-9 (the tail last)
