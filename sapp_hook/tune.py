@@ -121,9 +121,11 @@ class AutoTuner:
                                       layers=layers, on_step=self._progress)
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
-            # where one process holds the whole model (under torchrun each rank holds its stage's blocks)
-            if not _distributed() and os.environ.get("WORLD_SIZE", "1") == "1":
-                check_job(target, config, self.spec, len(self.profiler.blocks), config_field="config")
+            blocks = len(self.profiler.blocks)
+            if _distributed():  # each rank holds its stage's blocks, the ranks one pipeline (as the profiles join)
+                blocks = sum(int(part) for part in _everyone(str(blocks).encode()))
+            if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
+                check_job(target, config, self.spec, blocks, config_field="config")
         self.result: TuneResult | None = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}

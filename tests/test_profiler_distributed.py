@@ -12,7 +12,10 @@ from profiler_cases import BATCH, SEQ, batch, llama
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles
 from sapp_hook.gloo import gloo_group
+from simulator import InputError
 from solver.profile import ModelProfile
+
+CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 
 
 class FirstStage(torch.nn.Module):
@@ -82,6 +85,29 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
     model = llama()
     assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
     assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 for layer in profile.layers[1:5])
+
+
+def refused_rank(rank: int, store: str, config: str) -> None:
+    from sapp_hook import autotune
+
+    with gloo_group(rank, 2, store):
+        stage = (FirstStage if rank == 0 else LastStage)(llama())
+        try:
+            autotune(stage, stages=2, micro_batches=8, schedule="1F1B", config=config, target="mindformers")
+        except InputError as error:
+            Path(f"{config}.{rank}").write_text(str(error))
+
+
+def test_autotune_under_two_ranks_checks_the_config_against_the_whole_model_up_front(tmp_path):
+    config = tmp_path / "train.yaml"  # 8 layers on 4 stages; the model: 4 blocks on 2 ranks
+    config.write_text((CONFIGS / "mindformers_llama.yaml").read_text())
+    mp.spawn(refused_rank, args=(str(tmp_path / "store"), str(config)), nprocs=2, join=True)
+    for rank in (0, 1):  # both ranks refuse, before any step: one rank alone would leave the other waiting
+        said = Path(f"{config}.{rank}").read_text()
+        assert said.startswith(f"config: {config} does not fit this job: the plan is for 2 pipeline stages")
+    config.write_text(config.read_text().replace("pipeline_stage: 4", "pipeline_stage: 2"))
+    mp.spawn(refused_rank, args=(str(tmp_path / "store2"), str(config)), nprocs=2, join=True)
+    assert "the plan places 4 decoder layers" in Path(f"{config}.1").read_text()  # the ranks' 2 + 2 blocks
 
 
 def tuned_rank(rank: int, store: str, folder: str) -> None:
