@@ -91,10 +91,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         result.notes.append(f"{PP_SIZE} is {size} in {path}: the plan is for {layout.stages} stages")
     elif int(size) != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
-    declared = _declared_layers(old)
-    if declared is not None and declared[0] != layout.body_layers:
+    declared = _value(old, NUM_LAYERS)
+    if declared is not None and declared.isdigit() and int(declared) != layout.body_layers:
         # Megatron refuses a split whose layers do not add up to the decoder layers
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {declared[1]} {declared[0]}")
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} {declared}")
     _check_micro_batches(old, layout, path, result)
     # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
     # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
@@ -137,11 +137,6 @@ def _check_micro_batches(text: str, layout: Layout, path: Path, result: WriteBac
     result.notes.append(f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch} make the plan's "
                         f"{layout.micro_batches} micro-batches per step at data-parallel size "
                         f"{samples // layout.micro_batches}")
-
-
-def _declared_layers(text: str) -> tuple[int, str] | None:
-    declared = _value(text, NUM_LAYERS)
-    return (int(declared), NUM_LAYERS) if declared is not None and declared.isdigit() else None
 
 
 def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:

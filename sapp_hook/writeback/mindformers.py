@@ -103,20 +103,14 @@ def _round_trip(*, capitalised_booleans: bool) -> YAML:
     return yaml
 
 
-def _declared_layers(document: object) -> tuple[int, str] | None:
-    model = document.get("model") if isinstance(document, Mapping) else None
-    config = model.get("model_config") if isinstance(model, Mapping) else None
-    declared = config.get("num_layers") if isinstance(config, Mapping) else None
-    if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared, "model.model_config.num_layers"
-    return None
-
-
 def _check_layer_count(document: MutableMapping, layout: Layout, path: Path) -> None:
     # MindFormers spreads num_layers by the offsets: other counts would place other layers than planned
-    declared = _declared_layers(document)
-    if declared is not None and declared[0] != layout.body_layers:
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {declared[1]} {declared[0]}")
+    model = document.get("model")
+    config = model.get("model_config") if isinstance(model, Mapping) else None
+    declared = config.get("num_layers") if isinstance(config, Mapping) else None
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != layout.body_layers:
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
+                                   f"model.model_config.num_layers {declared}")
 
 
 def _check_stage_count(document: MutableMapping, layout: Layout, path: Path) -> None:
