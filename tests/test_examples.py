@@ -14,7 +14,9 @@ ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
 
 
 def run(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, *arguments], cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300)
+    # the plan cache in the test's own folder: a plan cached by an earlier run would be reused, not solved
+    env = {**ENV, "XDG_CACHE_HOME": str(cwd / "cache")}
+    done = subprocess.run([sys.executable, *arguments], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
 
@@ -30,8 +32,10 @@ def test_autotune_llama_writes_its_plan_into_the_config(tmp_path):
     config = tmp_path / "train.yaml"
     shutil.copy(ROOT / "sapp_hook" / "templates" / "mindformers_llama.yaml", config)
     before = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
+    # 7 profiling steps (1 warm-up, 2 per recompute mode), then training goes on with the plan
     done = run(str(ROOT / "examples" / "autotune_llama.py"), "--config", str(config), "--target", "mindformers",
-               "--steps", "6", cwd=tmp_path)
+               "--steps", "8", cwd=tmp_path)
     offset = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
-    assert "step 5: loss" in done.stdout + done.stderr
+    assert "step 7: loss" in done.stdout + done.stderr
+    assert len(list((tmp_path / "cache" / "sapp-hook").glob("*.json"))) == 1
     assert offset != before and len(offset) == 4 and sum(offset) == 0
