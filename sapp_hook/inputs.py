@@ -64,10 +64,13 @@ def read_yaml(path: str | Path, what: str) -> object:
         raise InputError(what, f"{path} is not valid YAML: {exc}".replace("\n", " ")) from None
 
 
-# Where MindFormers keeps each key in a training config, besides the top level.
+# Where a MindFormers training config keeps each plan key, besides the top level: the classic format's
+# place first (where its writer puts it), then llm_template_v2's.
 MINDFORMERS_PLACES = {
-    "offset": (("model", "model_config", "offset"),),
-    "pp_interleave_num": (("model", "model_config", "pp_interleave_num"),),
+    "offset": (("model", "model_config", "offset"),
+               ("distribute_parallel_config", "pipeline_parallel_config", "pipeline_stage_offset")),
+    "pp_interleave_num": (("model", "model_config", "pp_interleave_num"),
+                          ("distribute_parallel_config", "pipeline_parallel_config", "virtual_pipeline_model_parallel_size")),
     "recompute": (("recompute_config", "recompute"),),
     "select_recompute": (("recompute_config", "select_recompute"),),
     "select_comm_recompute": (("recompute_config", "select_comm_recompute"),),

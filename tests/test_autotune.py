@@ -140,16 +140,18 @@ def test_bad_options(options, field):
 
 
 @pytest.mark.parametrize(
-    ("target", "setting", "message"),
-    [("mindformers", {}, "the plan places 4 decoder layers; .* has model.model_config.num_layers 8"),
-     ("megatron", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
-     ("megatron", {"schedule": "ZBH1"}, "Megatron-LM runs 1F1B, Interleaved1F1B, GPipe; this plan is for ZBH1"),
-     ("torchtitan", {"micro_batches": 5}, "the plan is for 5 micro-batches; .* training.local_batch_size 16")],
+    ("target", "template", "setting", "message"),
+    [("mindformers", "mindformers_llama.yaml", {}, "the plan places 4 decoder layers; .* has model.model_config.num_layers 8"),
+     ("mindformers", "mindformers_v2_llama.yaml", {}, "the plan places 4 decoder layers; .* has model_config.num_hidden_layers 8"),
+     ("megatron", "megatron_llama.sh", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
+     ("megatron", "megatron_llama.sh", {"schedule": "ZBH1"},
+      "Megatron-LM runs 1F1B, Interleaved1F1B, GPipe; this plan is for ZBH1"),
+     ("torchtitan", "torchtitan_llama.toml", {"micro_batches": 5},
+      "the plan is for 5 micro-batches; .* training.local_batch_size 16")],
 )
-def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(tmp_path, target, setting, message):
+def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(tmp_path, target, template, setting, message):
     config = tmp_path / "config"
-    shutil.copy(CONFIGS / {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh",
-                           "torchtitan": "torchtitan_llama.toml"}[target], config)
+    shutil.copy(CONFIGS / template, config)
     with pytest.raises(InputError, match=f"config: {config} does not fit this job: {message}"):
         autotune(llama(), **{**SETTING, **setting}, config=config, target=target)
 

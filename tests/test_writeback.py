@@ -4,6 +4,7 @@ each round-trips, keeps what was there, and refuses what does not match."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -13,16 +14,19 @@ from pathlib import Path
 import pytest
 import tomlkit
 import yaml
-from solver_cases import small_profile
+from solver_cases import layer, small_profile
 
 from sapp_hook.inputs import mindformers_keys, read_document
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
 from sapp_hook.writeback.megatron import FIRST, LAST, LAYOUT, layout_string, parse_layout, split_flags
 from simulator import InputError
-from solver import PipelineSpec, evaluate_plan
+from solver import ModelProfile, PipelineSpec, evaluate_plan
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 FILES = {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh", "torchtitan": "torchtitan_llama.toml"}
+TEMPLATE_V2 = "mindformers_v2_llama.yaml"  # MindFormers' llm_template_v2 format
+EVERY_FORMAT = pytest.mark.parametrize(("target", "name"), [*FILES.items(), ("mindformers", TEMPLATE_V2)],
+                                       ids=[*FILES, "mindformers-v2"])
 
 
 def plan(modes_per_layer: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B",
@@ -39,9 +43,9 @@ def plan(modes_per_layer: dict[int, str] | None = None, *, stages: int = 4, chun
 
 @pytest.fixture
 def config(tmp_path):
-    def copy(target: str) -> Path:
-        path = tmp_path / FILES[target]
-        shutil.copy(CONFIGS / FILES[target], path)
+    def copy(target: str, name: str | None = None) -> Path:
+        path = tmp_path / (name or FILES[target])
+        shutil.copy(CONFIGS / path.name, path)
         return path
 
     return copy
@@ -100,6 +104,102 @@ def test_mindformers_micro_batches_are_the_plans_and_a_change_is_said(config):
     assert yaml.safe_load(path.read_text())["parallel_config"]["micro_batch_num"] == 8
     assert any("micro_batch_num unset (1) -> 8" in note for note in notes)
 
+
+
+def test_mindformers_template_v2_gets_the_plan_where_it_keeps_it(config):
+    path = config("mindformers", TEMPLATE_V2)
+    chosen = plan({1: "full", 2: "full", 4: "selective"})
+    result = write_config("mindformers", path, layout_of(chosen))
+    text = path.read_text()
+    assert "# the pipeline split lives here" in text and "pipeline_stage_offset: [0, 0, 1, -1]" in text
+    before = yaml.safe_load((CONFIGS / TEMPLATE_V2).read_text())
+    after = yaml.safe_load(text)
+    # no classic sections: llm_template_v2 refuses keys it does not know in its own sections
+    assert set(after) == set(before) and after["model_config"] == before["model_config"]
+    pipeline = after["distribute_parallel_config"]["pipeline_parallel_config"]
+    assert pipeline == {"pipeline_interleave": False, "pipeline_scheduler": "1f1b",
+                        "virtual_pipeline_model_parallel_size": 1, "pipeline_stage_offset": [0, 0, 1, -1]}
+    assert after["recompute_config"] == {"recompute": [2, 0, 0, 0], "select_recompute": [2, 1, 0, 0],
+                                         "select_comm_recompute": False}
+    keys = mindformers_keys(read_document(path, "config"), "config")  # read back as `simulate --mindformers-plan` does
+    assert {k: keys[k] for k in ("offset", "recompute", "select_recompute", "pp_interleave_num")} == {
+        k: chosen.mindformers()[k] for k in ("offset", "recompute", "select_recompute", "pp_interleave_num")}
+    assert not result.notes  # global_batch_size 8 = the plan's 8 micro-batches at data_parallel_size 1
+
+
+@pytest.mark.parametrize(("schedule", "chunks", "scheduler"), [
+    ("Interleaved1F1B", 2, "1f1b"), ("ZBVZeroBubble", 2, "zero_bubble_v"), ("GPipe", 1, "gpipe"), ("ZBH1", 1, None)])
+def test_mindformers_template_v2_schedules(config, schedule, chunks, scheduler):
+    path = config("mindformers", TEMPLATE_V2)
+    chosen = plan(stages=4, chunks=chunks, schedule=schedule)
+    result = write_config("mindformers", path, layout_of(chosen))
+    pipeline = yaml.safe_load(path.read_text())["distribute_parallel_config"]["pipeline_parallel_config"]
+    assert pipeline["pipeline_interleave"] == (chunks > 1) and pipeline["virtual_pipeline_model_parallel_size"] == chunks
+    assert pipeline["pipeline_stage_offset"] == chosen.mindformers()["offset"]
+    assert pipeline["pipeline_scheduler"] == (scheduler or "1f1b")  # left as it was where MindFormers has no name
+    assert any("knows no MindFormers pipeline_scheduler for ZBH1" in note for note in result.notes) == (scheduler is None)
+
+
+def comm_plan(modes: dict[int, str]):
+    """Four stages of two body layers with MindFormers' five recompute types."""
+    body = {"none": (0.0, 40.0, 4.0), "comm": (0.5, 30.0, 4.0), "selective": (1.0, 22.0, 4.0),
+            "selective+comm": (1.5, 15.0, 4.0), "full": (3.0, 5.0, 30.0)}
+    layers = [layer("embed", "head", 1.0, 2.0), *(layer(f"block.{i}", "body:decoder", 3.0, 6.0, modes=body)
+                                                   for i in range(8)), layer("lm_head", "tail", 5.0, 10.0)]
+    profile = ModelProfile(layers=tuple(layers), model="five-types")
+    chosen = ["none"] * 10
+    for index, mode in modes.items():
+        chosen[index] = mode
+    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    return evaluate_plan(profile, spec, [3, 2, 2, 3], chosen)
+
+
+@pytest.mark.parametrize(("modes", "comm", "side_file"), [
+    ({1: "full", 8: "full"}, False, False),  # full recompute takes the communication with it
+    ({i: "comm" for i in range(1, 9)} | {3: "selective+comm", 8: "full"}, True, False),  # every other layer
+    ({1: "comm", 3: "selective+comm"}, True, True),  # some layers only: true for all, said, and the side file
+])
+def test_mindformers_template_v2_communication_recompute_is_one_bool(config, modes, comm, side_file):
+    path = config("mindformers", TEMPLATE_V2)
+    chosen = comm_plan(modes)
+    result = write_config("mindformers", path, layout_of(chosen))
+    recompute = yaml.safe_load(path.read_text())["recompute_config"]
+    assert recompute["select_comm_recompute"] is comm
+    assert recompute["recompute"] == chosen.mindformers()["recompute"]
+    side = path.with_name(path.name + ".sapp-hook.json")
+    assert side.exists() == side_file
+    assert any("true or false only" in note for note in result.notes) == side_file
+    if side_file:
+        assert layout_from_dict(json.loads(side.read_text())).layers == layout_of(chosen).layers
+
+
+DATA_PARALLEL, GLOBAL_BATCH = "  data_parallel_size: 1\n", "  global_batch_size: 8 "
+
+
+@pytest.mark.parametrize(("edits", "outcome", "refused"), [
+    ([(DATA_PARALLEL, "  data_parallel_size: 2\n")], "data_parallel_size 2, MindFormers runs 4", True),
+    ([(DATA_PARALLEL, "")], "make the plan's 8 micro-batches per step at data-parallel size 1", False),
+    ([(GLOBAL_BATCH, "  global_batch_size: 24 ")], "MindFormers runs 24", True),
+    ([(DATA_PARALLEL, ""), (GLOBAL_BATCH, "  global_batch_size: 7 ")], "MindFormers runs 7 // data-parallel size: 8 at none",
+     True),
+    # left unset, MindFormers' defaults: 512 and 1
+    ([(DATA_PARALLEL, ""), ("  micro_batch_size: 1\n", ""), (GLOBAL_BATCH, "  seed: 1 ")],
+     "global_batch_size 512, micro_batch_size 1 and micro_batch_interleave_num 1 make the plan's 8 micro-batches per "
+     "step at data-parallel size 64", False),
+])
+def test_mindformers_template_v2_batch_sizes_make_the_plans_micro_batches(config, edits, outcome, refused):
+    path = config("mindformers", TEMPLATE_V2)
+    text = path.read_text()
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
+    path.write_text(text)
+    if refused:
+        with pytest.raises(InputError, match=re.escape(outcome)) as caught:
+            write_config("mindformers", path, layout_of(plan()))
+        assert caught.value.field == "--plan" and path.read_text() == text
+    else:
+        assert any(outcome in note for note in write_config("mindformers", path, layout_of(plan())).notes)
 
 def test_megatron_layout_round_trips(config):
     path = config("megatron")
@@ -323,9 +423,9 @@ def test_dry_run_prints_the_diff_and_writes_nothing(config):
     assert "+module_fqns_per_model_part" in result.diff and "-pipeline_parallel_first_stage_less_layers" in result.diff
 
 
-@pytest.mark.parametrize("target", list(FILES))
-def test_a_failure_between_write_and_rename_leaves_the_old_file(config, target, monkeypatch):
-    path = config(target)
+@EVERY_FORMAT
+def test_a_failure_between_write_and_rename_leaves_the_old_file(config, target, name, monkeypatch):
+    path = config(target, name)
     before = path.read_bytes()
 
     def broken_rename(source, destination):
@@ -338,18 +438,20 @@ def test_a_failure_between_write_and_rename_leaves_the_old_file(config, target, 
     assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(".bak")) == [path.name]
 
 
-@pytest.mark.parametrize("target", list(FILES))
-def test_a_plan_for_another_stage_count_is_refused(config, target):
-    path = config(target)
+@EVERY_FORMAT
+def test_a_plan_for_another_stage_count_is_refused(config, target, name):
+    path = config(target, name)
     before = path.read_bytes()
     with pytest.raises(InputError, match="is for 2 pipeline stages") as caught:
         write_config(target, path, layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B")))
     assert caught.value.field == "--plan" and path.read_bytes() == before
 
 
-@pytest.mark.parametrize(("target", "declared"), [("mindformers", "num_layers: 8"), ("megatron", "--num-layers 8")])
-def test_a_plan_for_another_layer_count_is_refused(config, target, declared):
-    path = config(target)
+@pytest.mark.parametrize(("target", "name", "declared"), [("mindformers", None, "num_layers: 8"),
+                                                         ("mindformers", TEMPLATE_V2, "num_hidden_layers: 8"),
+                                                         ("megatron", None, "--num-layers 8")])
+def test_a_plan_for_another_layer_count_is_refused(config, target, name, declared):
+    path = config(target, name)
     path.write_text(path.read_text().replace(declared, declared.replace("8", "9")))
     before = path.read_bytes()
     with pytest.raises(InputError, match="places 8 decoder layers; .* 9") as caught:

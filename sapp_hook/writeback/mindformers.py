@@ -1,4 +1,11 @@
-"""MindFormers YAML: offset, recompute lists, interleave and stage count, where MindFormers keeps them."""
+"""MindFormers YAML: offset, recompute lists, interleave and stage count, where MindFormers keeps them.
+
+Two formats: the classic training config (`parallel_config`, `model.model_config.offset`, ...) and
+MindFormers' newer "llm_template_v2" (`distribute_parallel_config`, `training_args` and
+`model_config` at the top; the offsets in
+`distribute_parallel_config.pipeline_parallel_config.pipeline_stage_offset`), whose reader refuses
+keys it does not know in those sections and takes `select_comm_recompute` only as a bool.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +18,18 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedSeq
 
 from sapp_hook.inputs import MINDFORMERS_PLACES, read_yaml
-from sapp_hook.writeback.files import WriteBack, commit, read_config
+from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout
 from simulator.errors import InputError
 
 TRAINING_SECTIONS = ("parallel_config", "model", "recompute_config")
+TEMPLATE_V2_SECTIONS = ("distribute_parallel_config", "training_args", "model_config")
 # The orders of several chunks per rank MindFormers runs (`parallel.pipeline_config.pipeline_scheduler`).
 SCHEDULERS = {"Interleaved1F1B": "1f1b", "Interleaved1F1B-less-memory": "1f1b", "ZBVZeroBubble": "zero_bubble_v"}
+# llm_template_v2 names the one-chunk orders too (its pipeline_scheduler is one of 1f1b, gpipe, zero_bubble_v).
+TEMPLATE_V2_SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", **SCHEDULERS}
+# What llm_template_v2 takes where a config leaves these unset (its TrainingConfig and TrainingParallelConfig).
+V2_DEFAULT_GLOBAL_BATCH, V2_DEFAULT_MICRO_BATCH, V2_DEFAULT_INTERLEAVE = 512, 1, 1
 
 
 def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
@@ -29,37 +41,133 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
     if not isinstance(document, MutableMapping):
         raise InputError("--config", f"{path} is not a MindFormers config (a YAML mapping)")
     result = WriteBack(path=path, diff="")
-    keys = {key: _flow(value) for key, value in layout.mindformers.items()}
-    if any(section in document for section in TRAINING_SECTIONS):
-        _check_stage_count(document, layout, path)
-        _check_layer_count(document, layout, path)
-        parallel = document.get("parallel_config")
-        if isinstance(parallel, MutableMapping):
-            parallel["pipeline_stage"] = layout.stages
-            before = parallel.get("micro_batch_num")
-            if before != layout.micro_batches:
-                result.notes.append(
-                    f"parallel_config.micro_batch_num {'unset (1)' if before is None else before} -> {layout.micro_batches}, "
-                    f"the plan's: MindFormers' global batch (batch_size x data_parallel x micro_batch_num) changes with it"
-                )
-            parallel["micro_batch_num"] = layout.micro_batches
-        if layout.chunks == 1 and "pp_interleave_num" not in _node(document, MINDFORMERS_PLACES["pp_interleave_num"][0][:-1], path, create=False):
-            keys.pop("pp_interleave_num")
-        for key, value in keys.items():
-            place = MINDFORMERS_PLACES[key][0]
-            _node(document, place[:-1], path, create=True)[place[-1]] = value
-        if layout.chunks > 1:
-            _set_interleave(document, layout, path, result)
+    side_file = False
+    if any(section in document for section in TEMPLATE_V2_SECTIONS):
+        side_file = _write_template_v2(document, layout, path, result)
+    elif any(section in document for section in TRAINING_SECTIONS):
+        _write_classic(document, layout, path, result)
     elif not document or any(key in document for key in MINDFORMERS_PLACES):
-        document.update(keys)  # a flat file of plan keys, as SAPP writes them
+        document.update(_flow_keys(layout))  # a flat file of plan keys, as SAPP writes them
     else:
         raise InputError(
-            "--config", f"{path} has none of {', '.join(TRAINING_SECTIONS)} (a MindFormers training config) nor "
-            f"plan keys ({', '.join(MINDFORMERS_PLACES)}) at its top: is it a MindFormers config?"
+            "--config", f"{path} has none of {', '.join(TRAINING_SECTIONS + TEMPLATE_V2_SECTIONS)} (a MindFormers "
+            f"training config) nor plan keys ({', '.join(MINDFORMERS_PLACES)}) at its top: is it a MindFormers config?"
         )
     stream = io.StringIO()
     yaml.dump(document, stream)
-    return commit(result, old, stream.getvalue(), dry_run=dry_run)
+    commit(result, old, stream.getvalue(), dry_run=dry_run)
+    if side_file:
+        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    return result
+
+
+def _write_classic(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> None:
+    """The plan in the classic training config's places."""
+    _check_stage_count(document, layout, path)
+    _check_layer_count(document, layout, path)
+    parallel = document.get("parallel_config")
+    if isinstance(parallel, MutableMapping):
+        parallel["pipeline_stage"] = layout.stages
+        before = parallel.get("micro_batch_num")
+        if before != layout.micro_batches:
+            result.notes.append(
+                f"parallel_config.micro_batch_num {'unset (1)' if before is None else before} -> {layout.micro_batches}, "
+                f"the plan's: MindFormers' global batch (batch_size x data_parallel x micro_batch_num) changes with it"
+            )
+        parallel["micro_batch_num"] = layout.micro_batches
+    keys = _flow_keys(layout)
+    if layout.chunks == 1 and "pp_interleave_num" not in _node(document, MINDFORMERS_PLACES["pp_interleave_num"][0][:-1], path, create=False):
+        keys.pop("pp_interleave_num")
+    for key, value in keys.items():
+        place = MINDFORMERS_PLACES[key][0]
+        _node(document, place[:-1], path, create=True)[place[-1]] = value
+    if layout.chunks > 1:
+        _set_interleave(document, layout, path, result)
+
+
+def _flow_keys(layout: Layout) -> dict[str, object]:
+    return {key: _flow(value) for key, value in layout.mindformers.items()}
+
+
+def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> bool:
+    """The plan in llm_template_v2's places. True when the config cannot say it exactly (a side file is due)."""
+    parallel = _node(document, ("distribute_parallel_config",), path, create=True)
+    stages = parallel.get("pipeline_model_parallel_size")
+    if stages is not None and stages != layout.stages:
+        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
+                                   f"distribute_parallel_config.pipeline_model_parallel_size {stages}")
+    model = document.get("model_config")
+    declared = model.get("num_hidden_layers") if isinstance(model, Mapping) else None
+    if _is_int(declared) and declared != layout.body_layers:
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
+                                   f"model_config.num_hidden_layers {declared}")
+    _check_v2_micro_batches(document, parallel, layout, path, result)
+    parallel["pipeline_model_parallel_size"] = layout.stages
+    pipeline = parallel.get("pipeline_parallel_config")
+    if pipeline is None:
+        pipeline = parallel["pipeline_parallel_config"] = {}
+    if not isinstance(pipeline, MutableMapping):
+        raise InputError("--config", f"{path}: distribute_parallel_config.pipeline_parallel_config is not a mapping")
+    view = layout.mindformers
+    pipeline["pipeline_interleave"] = layout.chunks > 1
+    _set_scheduler(pipeline, TEMPLATE_V2_SCHEDULERS, layout, result)
+    pipeline["virtual_pipeline_model_parallel_size"] = layout.chunks
+    pipeline["pipeline_stage_offset"] = _flow(view["offset"])
+    recompute = _node(document, ("recompute_config",), path, create=True)
+    recompute["recompute"] = _flow(view["recompute"])
+    recompute["select_recompute"] = _flow(view["select_recompute"])
+    # A bool only here: true recomputes the communication of every layer not fully recomputed, false of
+    # none. The counts include the fully recomputed layers, as MindFormers' lists do.
+    comm, full = _cells(view["select_comm_recompute"]), _cells(view["recompute"])
+    share = layout.body_layers // layout.num_virtual_stages  # MindFormers' offsets are counts less this share
+    held = [[offset + share for offset in row] for row in _cells(view["offset"])]
+    some = any(c > f for comm_row, full_row in zip(comm, full) for c, f in zip(comm_row, full_row))
+    recompute["select_comm_recompute"] = some
+    if some and comm != held:
+        result.notes.append(
+            "llm_template_v2 takes select_comm_recompute as true or false only: the plan recomputes the "
+            "communication of some layers, so it is true for all (a little more time than planned, no more memory)"
+        )
+        return True
+    return False
+
+
+def _check_v2_micro_batches(document: Mapping, parallel: Mapping, layout: Layout, path: Path, result: WriteBack) -> None:
+    """llm_template_v2 runs global_batch_size // (data_parallel_size x micro_batch_size x
+    micro_batch_interleave_num) micro-batches (it has no micro_batch_num to set): a config that cannot
+    make the plan's count is refused; where the data-parallel size is left to the device count, the
+    size that makes it is said."""
+    training = document.get("training_args")
+    training = training if isinstance(training, Mapping) else {}
+    global_batch = training.get("global_batch_size", V2_DEFAULT_GLOBAL_BATCH)
+    micro_batch = training.get("micro_batch_size", V2_DEFAULT_MICRO_BATCH)
+    interleave = parallel.get("micro_batch_interleave_num", V2_DEFAULT_INTERLEAVE)
+    data_parallel = parallel.get("data_parallel_size")
+    if not all(_is_int(value) and value > 0 for value in (global_batch, micro_batch, interleave)):
+        return  # MindFormers' own checks say what is wrong with them
+    per_replica = global_batch // (micro_batch * interleave)
+    sizes = (f"training_args.global_batch_size {global_batch}, micro_batch_size {micro_batch} and "
+             f"micro_batch_interleave_num {interleave}")
+    if _is_int(data_parallel) and data_parallel > 0:
+        if per_replica // data_parallel != layout.micro_batches:
+            raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes} at "
+                                       f"data_parallel_size {data_parallel}, MindFormers runs {per_replica // data_parallel}")
+        return
+    replicas = per_replica // layout.micro_batches
+    if not replicas or per_replica // replicas != layout.micro_batches:
+        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes}, "
+                                   f"MindFormers runs {per_replica} // data-parallel size: {layout.micro_batches} at none")
+    result.notes.append(f"{sizes} make the plan's {layout.micro_batches} micro-batches per step at data-parallel "
+                        f"size {replicas}")
+
+
+def _cells(value: object) -> list[list[int]]:
+    """A MindFormers per-stage list, or list of lists per chunk, as lists per chunk."""
+    return [list(row) for row in value] if value and isinstance(value[0], list) else [list(value)]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _set_interleave(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> None:
@@ -72,11 +180,15 @@ def _set_interleave(document: MutableMapping, layout: Layout, path: Path, result
     if not isinstance(pipeline, MutableMapping):
         raise InputError("--config", f"{path}: parallel.pipeline_config is not a mapping")
     pipeline["pipeline_interleave"] = True
-    scheduler = SCHEDULERS.get(layout.schedule)
+    _set_scheduler(pipeline, SCHEDULERS, layout, result)
+
+
+def _set_scheduler(pipeline: MutableMapping, schedulers: Mapping[str, str], layout: Layout, result: WriteBack) -> None:
+    scheduler = schedulers.get(layout.schedule)
     if scheduler is not None:
         pipeline["pipeline_scheduler"] = scheduler
     else:
-        known = ", ".join(f"{scheduler} for {name}" for name, scheduler in SCHEDULERS.items())
+        known = ", ".join(f"{scheduler} for {name}" for name, scheduler in schedulers.items())
         result.notes.append(
             f"sapp-hook knows no MindFormers pipeline_scheduler for {layout.schedule} ({known}): it is left as it "
             f"was, and the plan's times assume {layout.schedule}"
@@ -108,7 +220,7 @@ def _check_layer_count(document: MutableMapping, layout: Layout, path: Path) -> 
     model = document.get("model")
     config = model.get("model_config") if isinstance(model, Mapping) else None
     declared = config.get("num_layers") if isinstance(config, Mapping) else None
-    if isinstance(declared, int) and not isinstance(declared, bool) and declared != layout.body_layers:
+    if _is_int(declared) and declared != layout.body_layers:
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
                                    f"model.model_config.num_layers {declared}")
 
