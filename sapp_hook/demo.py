@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 MODEL = "tiny-llama"
 STAGES, MICRO_BATCHES, SCHEDULE = 4, 8, "1F1B"
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 128
-TEMPLATES = {"mindformers": "mindformers_llama.yaml", "megatron": "megatron_llama.sh", "torchtitan": "torchtitan_llama.toml"}
+# (target, example config): autotune writes the first; the others get the same plan after it
+TEMPLATES = (("mindformers", "mindformers_llama.yaml"), ("mindformers", "mindformers_v2_llama.yaml"),
+             ("megatron", "megatron_llama.sh"), ("torchtitan", "torchtitan_llama.toml"))
 BUDGET_SHARE = 0.9  # of the least memory any split needs without recompute
 
 
@@ -34,7 +36,7 @@ def run_demo(out: str | Path) -> dict[str, object]:
     out = Path(out)
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
-    for name in TEMPLATES.values():
+    for _, name in TEMPLATES:
         shutil.copy(resources.files("sapp_hook") / "templates" / name, configs / name)
 
     torch.set_num_threads(1)
@@ -47,7 +49,7 @@ def run_demo(out: str | Path) -> dict[str, object]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tuner = autotune(
         model, optimizer, stages=STAGES, micro_batches=MICRO_BATCHES, schedule=SCHEDULE, memory_budget=budget,
-        config=configs / TEMPLATES["mindformers"], target="mindformers", cache_dir=out / "cache", force=True,
+        config=configs / TEMPLATES[0][1], target=TEMPLATES[0][0], cache_dir=out / "cache", force=True,
         out_dir=out,
     )
     with tuner:
@@ -62,10 +64,10 @@ def run_demo(out: str | Path) -> dict[str, object]:
     result = tuner.result
     written = list(result.writeback.written)
     notes = list(result.writeback.notes)
-    for target in ("megatron", "torchtitan"):
-        back = write_config(target, configs / TEMPLATES[target], result.layout)
+    for target, name in TEMPLATES[1:]:
+        back = write_config(target, configs / name, result.layout)
         written += back.written
-        notes += [f"{target}: {note}" for note in back.notes]
+        notes += [f"{name}: {note}" for note in back.notes]
     written += write_config("plan", out / "plan.yaml", result.layout).written
     report = out / "report.md"
     report.write_text(_report(result.report, written, notes, budget))

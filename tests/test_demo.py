@@ -23,6 +23,8 @@ def test_demo_writes_every_target_a_chart_and_a_report(tmp_path, capsys):
     configs = out / "configs"
     mindformers = yaml.safe_load((configs / "mindformers_llama.yaml").read_text())
     assert mindformers["model"]["model_config"]["offset"] == plan["plan"]["offset"]
+    template_v2 = yaml.safe_load((configs / "mindformers_v2_llama.yaml").read_text())
+    assert template_v2["distribute_parallel_config"]["pipeline_parallel_config"]["pipeline_stage_offset"] == plan["plan"]["offset"]
     assert "--pipeline-model-parallel-layout" in (configs / "megatron_llama.sh").read_text()
     titan = tomlkit.parse((configs / "torchtitan_llama.toml").read_text())
     assert len(titan["parallelism"]["module_fqns_per_model_part"]) == 4
