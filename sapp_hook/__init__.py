@@ -1,7 +1,7 @@
 """sapp-hook: balance pipeline-parallel training from inside the run.
 
-The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`, and
-the schedule simulator's names. The torch parts are imported on first use, so planning and
+The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`,
+`torchtitan_module_names` (for TorchTitan's Python configs), and the schedule simulator's names. The torch parts are imported on first use, so planning and
 simulation work where torch is not installed.
 """
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from sapp_hook.protocol import REPLAN_EXIT_CODE
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
+from sapp_hook.writeback.torchtitan import torchtitan_module_names
 from simulator import (
     SCHEDULES,
     ChunkCosts,
@@ -46,6 +47,7 @@ __all__ = [
     "REPLAN_EXIT_CODE",
     "layout_from_dict",
     "layout_of",
+    "torchtitan_module_names",
     "write_config",
     "SCHEDULES",
     "ChunkCosts",

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from profiler.distributed import all_gather_bytes
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES, set_recompute
-from sapp_hook.writeback.layout import Layout, layout_from_dict, layout_of
+from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
 from simulator.schedule import rank_chunk_to_stage, stage_to_rank
 from simulator.schedules import schedule_kind
@@ -97,7 +97,7 @@ def _same_module(planned: str, found: str) -> bool:
 
 def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int) -> list[tuple[int, PipelineStageModule]]:
     """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order."""
-    layout = _layout(plan)
+    layout = as_layout(plan)
     parts = _parts(model)
     found = find_blocks(model)
     blocks = [block.module for block in found]
@@ -158,7 +158,7 @@ class TiedGradients:
         self.group, self.holds = None, False
         if not (dist.is_available() and dist.is_initialized()):
             return  # one process runs every stage: they share the weight itself
-        holders = _end_ranks(_layout(plan)) if self.weight is not None else []
+        holders = _end_ranks(as_layout(plan)) if self.weight is not None else []
         members = [r if group is None else dist.get_global_rank(group, r) for r in holders] if len(holders) > 1 else []
         # new_group is collective over the world: every rank learns every pipeline's holders first
         everyone = {tuple(json.loads(part)) for part in all_gather_bytes(json.dumps(members).encode())} - {()}
@@ -178,18 +178,10 @@ def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
     """The torch.distributed.pipelining schedule class that runs `plan`."""
     import torch.distributed.pipelining as pipelining
 
-    layout = _layout(plan)
+    layout = as_layout(plan)
     if layout.schedule not in TORCH_SCHEDULES:
         raise InputError("plan", f"torch.distributed.pipelining has no {layout.schedule}; it runs {', '.join(TORCH_SCHEDULES)}")
     return getattr(pipelining, TORCH_SCHEDULES[layout.schedule])
-
-
-def _layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
-    if isinstance(plan, Layout):
-        return plan
-    if isinstance(plan, Plan):
-        return layout_of(plan)
-    return layout_from_dict(plan)
 
 
 def _tied_weight(parts: _Parts) -> nn.Parameter | None:

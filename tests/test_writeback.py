@@ -16,6 +16,7 @@ import tomlkit
 import yaml
 from solver_cases import layer, small_profile
 
+import sapp_hook
 from sapp_hook.inputs import mindformers_keys, read_document
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
 from sapp_hook.writeback.megatron import FIRST, LAST, LAYOUT, layout_string, parse_layout, split_flags
@@ -378,6 +379,23 @@ def test_torchtitan_gets_full_recompute_where_the_schedule_splits_the_backward(c
     assert any("cannot run through selective checkpointing" in note for note in result.notes)
     assert str(result.written[-1]).endswith(".json")  # the exact plan beside it
 
+
+
+def test_a_torchtitan_python_config_is_told_what_to_set(tmp_path, config):
+    recipe = tmp_path / "llama3_recipe.py"
+    recipe.write_text("def llama3_debug():\n    return Trainer.Config()\n")
+    chosen = plan({1: "full", 4: "selective"})
+    with pytest.raises(InputError) as caught:
+        write_config("torchtitan", recipe, layout_of(chosen))
+    assert caught.value.field == "--config" and recipe.read_text().startswith("def llama3_debug")
+    for setting in ("pipeline_parallel_degree = 4", "pipeline_parallel_schedule = '1F1B'", "num_pp_microbatches = 8",
+                    "sapp_hook.torchtitan_module_names(plan)", "activation_checkpoint = FullAC.Config()"):
+        assert setting in caught.value.detail
+    # the names a Python config takes are those the TOML writer writes, from a Plan or from its JSON
+    path = config("torchtitan")
+    write_config("torchtitan", path, layout_of(chosen))
+    written = tomlkit.parse(path.read_text())["parallelism"]["module_fqns_per_model_part"]
+    assert sapp_hook.torchtitan_module_names(chosen) == sapp_hook.torchtitan_module_names(chosen.to_dict()) == written
 
 def test_plain_plan_files(tmp_path):
     chosen = layout_of(plan({3: "full"}))

@@ -93,6 +93,15 @@ def layout_of(plan: Plan) -> Layout:
     return layout_from_dict(plan.to_dict())
 
 
+def as_layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
+    """A Layout from a Plan, a Layout or a plan JSON as read."""
+    if isinstance(plan, Layout):
+        return plan
+    if isinstance(plan, Plan):
+        return layout_of(plan)
+    return layout_from_dict(plan)
+
+
 def layout_from_dict(data: object) -> Layout:
     """A Layout from a plan JSON (`Plan.to_dict()`); its MindFormers keys, where given, must say what
     its layers say."""

@@ -5,19 +5,23 @@ TorchTitan names a Llama's modules `tok_embeddings`, `layers.<i>`, `norm` and `o
 first, the tail the last two. It checkpoints every block the same way: a plan that varies recompute by
 layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`;
 selective becomes full under the schedules that split the backward, which torch cannot run through it.
+TorchTitan's newer Python configs (Trainer.Config) are code: a `.py` config gets one error saying what
+to set there, with `torchtitan_module_names` for the split.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
-from sapp_hook.writeback.layout import Layout
+from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
 from simulator.schedules import schedule_kind
+from solver import Plan
 from solver.profile import FULL, NONE, SELECTIVE
 
 HEAD_MODULES, TAIL_MODULES = ["tok_embeddings"], ["norm", "output"]
@@ -27,6 +31,14 @@ SCHEDULES = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "Interleaved1F
 # Other ways of saying the split, which module_fqns_per_model_part replaces.
 SPLIT_KEYS = ("pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
               "pipeline_parallel_last_stage_less_layers")
+
+
+def torchtitan_module_names(plan: Plan | Layout | Mapping[str, object]) -> list[list[str]]:
+    """The module names of every model part (virtual stage, in model order) for a plan (a Plan, a
+    Layout or the plan JSON as read), in TorchTitan's Llama naming: what
+    `pipeline_parallel_module_fqns_per_model_part` takes in a TorchTitan Python config (Trainer.Config),
+    which is code sapp-hook does not rewrite."""
+    return module_names(as_layout(plan))
 
 
 def module_names(layout: Layout) -> list[list[str]]:
@@ -49,6 +61,8 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"torch.distributed.pipelining has no {layout.schedule}; TorchTitan runs {', '.join(SCHEDULES)}")
     old = read_config(path)
+    if path.suffix == ".py":
+        raise InputError("--config", _python_config(path, layout))
     try:
         document = tomlkit.parse(old)
     except TOMLKitError as exc:
@@ -69,10 +83,8 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     checkpoint = document.get("activation_checkpoint")
     if not isinstance(checkpoint, dict):
         checkpoint = document["activation_checkpoint"] = tomlkit.table()
-    mode = layout.heaviest_mode()
-    if mode == SELECTIVE and schedule_kind(layout.schedule).splits_backward:
-        # torch allows one backward through a selective-checkpoint region; this schedule runs two
-        mode = FULL
+    mode = checkpoint_mode(layout)
+    if mode != layout.heaviest_mode():
         result.notes.append(
             f"{layout.schedule} splits each backward in two, which torch cannot run through selective "
             f"checkpointing: mode is 'full' (recomputes more than the plan asks, keeps no more)"
@@ -94,6 +106,28 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     if result.notes:
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
+
+
+def checkpoint_mode(layout: Layout) -> str:
+    """The one activation-checkpoint mode TorchTitan runs for every block: the heaviest the plan uses,
+    full for selective under the schedules that split the backward (torch allows one backward through
+    a selective-checkpoint region; these run two)."""
+    mode = layout.heaviest_mode()
+    return FULL if mode == SELECTIVE and schedule_kind(layout.schedule).splits_backward else mode
+
+
+def _python_config(path: Path, layout: Layout) -> str:
+    """What to set by hand in a TorchTitan Python config (TorchTitan dropped its TOML configs in 2026;
+    its Python configs are code, and take no per-field overrides from the command line)."""
+    checkpoint = {NONE: "None", SELECTIVE: "SelectiveAC.Config()"}.get(checkpoint_mode(layout), "FullAC.Config()")
+    return (
+        f"{path} is Python: sapp-hook rewrites TorchTitan's TOML configs; in a Python config (Trainer.Config) set "
+        f"parallelism.pipeline_parallel_degree = {layout.stages}, pipeline_parallel_schedule = "
+        f"{SCHEDULES[layout.schedule]!r}, num_pp_microbatches = {layout.micro_batches}, "
+        f"pipeline_parallel_module_fqns_per_model_part = sapp_hook.torchtitan_module_names(plan) (the plan JSON, "
+        f"as `--target plan` or `solve --plan-out` writes it) and activation_checkpoint = {checkpoint} (one for "
+        f"every block: the heaviest mode the plan uses)"
+    )
 
 
 def _set_micro_batches(document: dict, parallelism: dict, layout: Layout, path: Path) -> None:
