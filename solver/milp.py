@@ -67,6 +67,13 @@ class Milp:
         self.row_lower.append(lower)
         self.row_upper.append(upper)
 
+    def remove_rows(self, rows: range) -> None:
+        """Drop the consecutive rows `rows`; the rows after them move up."""
+        begin, end = self.row_start[rows.start], self.row_start[rows.stop]
+        del self.row_index[begin:end], self.row_value[begin:end]
+        del self.row_lower[rows.start:rows.stop], self.row_upper[rows.start:rows.stop]
+        self.row_start[rows.start:] = [start - (end - begin) for start in self.row_start[rows.stop:]]
+
     def minimize(
         self,
         objective: Terms,

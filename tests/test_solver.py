@@ -105,6 +105,24 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
         second.stage_layer_counts, second.layer_modes, second.stage_peak_memory_bytes)
 
 
+
+def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
+    from solver.milp import Milp
+
+    program = Milp()
+    x, y = program.variable(0, 10, integer=True), program.variable(0, 10)
+    cost = {x: 1.0, y: 3.0}
+    program.row({x: 1.0, y: 1.0}, lower=3.5)                  # kept
+    first = program.num_rows
+    program.row({x: 1.0}, upper=1.0)                           # removed
+    program.row({y: 1.0}, upper=9.0)                           # removed
+    program.row({x: 1.0, y: -1.0}, upper=1.0)                  # kept, added after them
+    assert program.minimize(cost, time_limit_s=10).values == pytest.approx([1.0, 2.5])
+    program.remove_rows(range(first, first + 2))
+    assert program.num_rows == 2 and program.row_start == [0, 2, 4]
+    # x <= 1 gone (else x = 1, y = 2.5); x - y <= 1 kept (else x = 4, y = 0)
+    assert program.minimize(cost, time_limit_s=10).values == pytest.approx([2.0, 1.5])
+
 def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(caplog, monkeypatch):
     import logging
 
