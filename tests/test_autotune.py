@@ -145,7 +145,7 @@ def test_bad_options(options, field):
      ("mindformers", "mindformers_v2_llama.yaml", {}, "the plan places 4 decoder layers; .* has model_config.num_hidden_layers 8"),
      ("megatron", "megatron_llama.sh", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
      ("megatron", "megatron_llama.sh", {"schedule": "ZBH1"},
-      "Megatron-LM runs 1F1B, Interleaved1F1B, GPipe; this plan is for ZBH1"),
+      "Megatron-LM runs 1F1B, Interleaved1F1B; this plan is for ZBH1"),
      ("torchtitan", "torchtitan_llama.toml", {"micro_batches": 5},
       "the plan is for 5 micro-batches; .* training.local_batch_size 16")],
 )

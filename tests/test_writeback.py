@@ -508,9 +508,13 @@ def test_read_only_config_and_unknown_target(config, monkeypatch):
         write_config("deepspeed", path, layout_of(plan()))
 
 
-def test_schedules_a_target_cannot_run(config):
-    with pytest.raises(InputError, match="Megatron-LM runs 1F1B, Interleaved1F1B, GPipe"):
-        write_config("megatron", config("megatron"), layout_of(plan(stages=4, chunks=2, schedule="ZBVZeroBubble")))
+@pytest.mark.parametrize(("schedule", "chunks"), [("ZBVZeroBubble", 2), ("GPipe", 1)])
+def test_schedules_a_target_cannot_run(config, schedule, chunks):
+    path = config("megatron")
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=f"Megatron-LM runs 1F1B, Interleaved1F1B; this plan is for {schedule}"):
+        write_config("megatron", path, layout_of(plan(stages=4, chunks=chunks, schedule=schedule)))
+    assert path.read_bytes() == before
 
 
 def _flag(text: str, flag: str) -> str:

@@ -37,7 +37,9 @@ SPLIT_FLAGS = (
 )
 SWITCHES = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--recompute-activations")
 RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
-SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")  # the orders Megatron runs
+# The orders Megatron runs with pipelining (get_forward_backward_func: 1F1B, interleaved 1F1B); it has
+# no GPipe: a GPipe plan would run as 1F1B, with other times and memory than planned.
+SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def layout_string(layout: Layout) -> str:
