@@ -97,6 +97,19 @@ def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(c
     assert said == (schedule == "DualPipeV")
 
 
+
+@pytest.mark.parametrize(("schedule", "scheduler"), [("1F1B", "1f1b"), ("GPipe", "gpipe"), ("ZBH1", None)])
+def test_mindformers_one_chunk_schedules(config, schedule, scheduler):
+    path = config("mindformers")
+    result = write_config("mindformers", path, layout_of(plan(schedule=schedule)))
+    pipeline = yaml.safe_load(path.read_text())["parallel"]["pipeline_config"]
+    assert pipeline == {"pipeline_interleave": False, "pipeline_scheduler": scheduler or "1f1b"}  # left where unknown
+    assert any("knows no MindFormers pipeline_scheduler for ZBH1" in note for note in result.notes) == (scheduler is None)
+    # without a pipeline_config MindSpore runs 1f1b: a 1F1B plan adds none
+    path.write_text("parallel_config:\n  pipeline_stage: 4\nmodel:\n  model_config:\n    num_layers: 8\n")
+    write_config("mindformers", path, layout_of(plan(schedule=schedule)))
+    assert ("parallel" in yaml.safe_load(path.read_text())) == (schedule != "1F1B")
+
 def test_mindformers_micro_batches_are_the_plans_and_a_change_is_said(config):
     path = config("mindformers")  # micro_batch_num 8, as the plan
     assert not write_config("mindformers", path, layout_of(plan())).notes

@@ -24,10 +24,11 @@ from simulator.errors import InputError
 
 TRAINING_SECTIONS = ("parallel_config", "model", "recompute_config")
 TEMPLATE_V2_SECTIONS = ("distribute_parallel_config", "training_args", "model_config")
-# The orders of several chunks per rank MindFormers runs (`parallel.pipeline_config.pipeline_scheduler`).
-SCHEDULERS = {"Interleaved1F1B": "1f1b", "Interleaved1F1B-less-memory": "1f1b", "ZBVZeroBubble": "zero_bubble_v"}
-# llm_template_v2 names the one-chunk orders too (its pipeline_scheduler is one of 1f1b, gpipe, zero_bubble_v).
-TEMPLATE_V2_SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", **SCHEDULERS}
+# The orders MindSpore runs, as its pipeline_scheduler names them (`parallel.pipeline_config` in the
+# classic format; llm_template_v2 takes one of 1f1b, gpipe, zero_bubble_v). With one chunk and no
+# pipeline_config, MindSpore runs 1f1b.
+SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "1f1b", "Interleaved1F1B-less-memory": "1f1b",
+              "ZBVZeroBubble": "zero_bubble_v"}
 # What llm_template_v2 takes where a config leaves these unset (its TrainingConfig and TrainingParallelConfig).
 V2_DEFAULT_GLOBAL_BATCH, V2_DEFAULT_MICRO_BATCH, V2_DEFAULT_INTERLEAVE = 512, 1, 1
 
@@ -81,8 +82,7 @@ def _write_classic(document: MutableMapping, layout: Layout, path: Path, result:
     for key, value in keys.items():
         place = MINDFORMERS_PLACES[key][0]
         _node(document, place[:-1], path, create=True)[place[-1]] = value
-    if layout.chunks > 1:
-        _set_interleave(document, layout, path, result)
+    _set_pipeline_config(document, layout, path, result)
 
 
 def _flow_keys(layout: Layout) -> dict[str, object]:
@@ -110,7 +110,7 @@ def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, res
         raise InputError("--config", f"{path}: distribute_parallel_config.pipeline_parallel_config is not a mapping")
     view = layout.mindformers
     pipeline["pipeline_interleave"] = layout.chunks > 1
-    _set_scheduler(pipeline, TEMPLATE_V2_SCHEDULERS, layout, result)
+    _set_scheduler(pipeline, layout, result)
     pipeline["virtual_pipeline_model_parallel_size"] = layout.chunks
     pipeline["pipeline_stage_offset"] = _flow(view["offset"])
     recompute = _node(document, ("recompute_config",), path, create=True)
@@ -170,25 +170,29 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _set_interleave(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> None:
+def _set_pipeline_config(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> None:
     """MindFormers runs pp_interleave_num chunks only with `parallel.pipeline_config.pipeline_interleave`
-    on (else it takes 1), in the order `pipeline_scheduler` names."""
+    on (else it takes 1), in the order `pipeline_scheduler` names; a one-chunk 1F1B plan needs neither
+    where the config does not say them."""
+    section = document.get("parallel")
+    pipeline = section.get("pipeline_config") if isinstance(section, Mapping) else None
+    if layout.chunks == 1 and layout.schedule == "1F1B" and pipeline is None:
+        return
     parallel = _node(document, ("parallel",), path, create=True)
-    pipeline = parallel.get("pipeline_config")
     if pipeline is None:
         pipeline = parallel["pipeline_config"] = {}
     if not isinstance(pipeline, MutableMapping):
         raise InputError("--config", f"{path}: parallel.pipeline_config is not a mapping")
-    pipeline["pipeline_interleave"] = True
-    _set_scheduler(pipeline, SCHEDULERS, layout, result)
+    pipeline["pipeline_interleave"] = layout.chunks > 1
+    _set_scheduler(pipeline, layout, result)
 
 
-def _set_scheduler(pipeline: MutableMapping, schedulers: Mapping[str, str], layout: Layout, result: WriteBack) -> None:
-    scheduler = schedulers.get(layout.schedule)
+def _set_scheduler(pipeline: MutableMapping, layout: Layout, result: WriteBack) -> None:
+    scheduler = SCHEDULERS.get(layout.schedule)
     if scheduler is not None:
         pipeline["pipeline_scheduler"] = scheduler
     else:
-        known = ", ".join(f"{scheduler} for {name}" for name, scheduler in schedulers.items())
+        known = ", ".join(f"{scheduler} for {name}" for name, scheduler in SCHEDULERS.items())
         result.notes.append(
             f"sapp-hook knows no MindFormers pipeline_scheduler for {layout.schedule} ({known}): it is left as it "
             f"was, and the plan's times assume {layout.schedule}"
