@@ -198,8 +198,9 @@ DATA_PARALLEL, GLOBAL_BATCH = "  data_parallel_size: 1\n", "  global_batch_size:
      True),
     # left unset, MindFormers' defaults: 512 and 1
     ([(DATA_PARALLEL, ""), ("  micro_batch_size: 1\n", ""), (GLOBAL_BATCH, "  seed: 1 ")],
-     "global_batch_size 512, micro_batch_size 1 and micro_batch_interleave_num 1 make the plan's 8 micro-batches per "
-     "step at data-parallel size 64", False),
+     "training_args.global_batch_size 512 (unset: the default), training_args.micro_batch_size 1 (unset: the "
+     "default) and distribute_parallel_config.micro_batch_interleave_num 1 make the plan's 8 micro-batches per step "
+     "at data-parallel size 64", False),
 ])
 def test_mindformers_template_v2_batch_sizes_make_the_plans_micro_batches(config, edits, outcome, refused):
     path = config("mindformers", TEMPLATE_V2)

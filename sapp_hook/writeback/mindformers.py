@@ -139,15 +139,21 @@ def _check_v2_micro_batches(document: Mapping, parallel: Mapping, layout: Layout
     size that makes it is said."""
     training = document.get("training_args")
     training = training if isinstance(training, Mapping) else {}
-    global_batch = training.get("global_batch_size", V2_DEFAULT_GLOBAL_BATCH)
-    micro_batch = training.get("micro_batch_size", V2_DEFAULT_MICRO_BATCH)
-    interleave = parallel.get("micro_batch_interleave_num", V2_DEFAULT_INTERLEAVE)
+    said = []
+
+    def size(section: Mapping, name: str, key: str, default: int) -> object:
+        value = section.get(key, default)
+        said.append(f"{name}.{key} {value}{'' if key in section else ' (unset: the default)'}")
+        return value
+
+    global_batch = size(training, "training_args", "global_batch_size", V2_DEFAULT_GLOBAL_BATCH)
+    micro_batch = size(training, "training_args", "micro_batch_size", V2_DEFAULT_MICRO_BATCH)
+    interleave = size(parallel, "distribute_parallel_config", "micro_batch_interleave_num", V2_DEFAULT_INTERLEAVE)
     data_parallel = parallel.get("data_parallel_size")
     if not all(_is_int(value) and value > 0 for value in (global_batch, micro_batch, interleave)):
         return  # MindFormers' own checks say what is wrong with them
     per_replica = global_batch // (micro_batch * interleave)
-    sizes = (f"training_args.global_batch_size {global_batch}, micro_batch_size {micro_batch} and "
-             f"micro_batch_interleave_num {interleave}")
+    sizes = f"{said[0]}, {said[1]} and {said[2]}"
     if _is_int(data_parallel) and data_parallel > 0:
         if per_replica // data_parallel != layout.micro_batches:
             raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes} at "
