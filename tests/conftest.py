@@ -1,6 +1,9 @@
 import os
 
+import pytest
 from hypothesis import settings
+
+from sapp_hook.protocol import ENVIRONMENT
 
 # One intra-op thread per process: on 2-core machines two threads are 5-10x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -11,3 +14,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_cache_or_launcher_settings_from_outside(tmp_path_factory, monkeypatch):
+    """Every test starts from an empty plan cache of its own, and none of `sapp-hook run`'s settings:
+    a plan cached by an earlier run (in ~/.cache/sapp-hook) would be reused instead of solved."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    for variable in ENVIRONMENT.values():
+        monkeypatch.delenv(variable, raising=False)
