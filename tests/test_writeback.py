@@ -479,16 +479,25 @@ def test_a_plan_for_another_stage_count_is_refused(config, target, name):
     assert caught.value.field == "--plan" and path.read_bytes() == before
 
 
-@pytest.mark.parametrize(("target", "name", "declared"), [("mindformers", None, "num_layers: 8"),
-                                                         ("mindformers", TEMPLATE_V2, "num_hidden_layers: 8"),
-                                                         ("megatron", None, "--num-layers 8")])
-def test_a_plan_for_another_layer_count_is_refused(config, target, name, declared):
+@pytest.mark.parametrize(("target", "name", "declared", "said"), [
+    ("mindformers", None, "num_layers: 9", "num_layers 9"),
+    ("mindformers", TEMPLATE_V2, "num_hidden_layers: 9", "num_hidden_layers 9"),
+    # MindFormers spreads the multi-token-prediction layers with the decoder layers
+    ("mindformers", TEMPLATE_V2, "num_hidden_layers: 8\n  mtp_num_layers: 1", "num_hidden_layers 8 + mtp_num_layers 1"),
+    ("megatron", None, "--num-layers 9", "--num-layers 9")])
+def test_a_plan_for_another_layer_count_is_refused(config, target, name, declared, said):
     path = config(target, name)
-    path.write_text(path.read_text().replace(declared, declared.replace("8", "9")))
+    text = path.read_text()
+    place = declared.split("\n")[0].replace("9", "8")
+    assert place in text
+    path.write_text(text.replace(place, declared))
     before = path.read_bytes()
-    with pytest.raises(InputError, match="places 8 decoder layers; .* 9") as caught:
+    with pytest.raises(InputError, match=f"places 8 decoder layers; .*{re.escape(said)}$") as caught:
         write_config(target, path, layout_of(plan()))
     assert caught.value.field == "--plan" and path.read_bytes() == before
+    if "mtp" in declared:  # 7 decoder layers and an MTP layer: the plan's 8
+        path.write_text(text.replace(place, "num_hidden_layers: 7\n  mtp_num_layers: 1"))
+        write_config(target, path, layout_of(plan()))
 
 
 @pytest.mark.parametrize(

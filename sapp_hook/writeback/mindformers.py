@@ -97,10 +97,13 @@ def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, res
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
                                    f"distribute_parallel_config.pipeline_model_parallel_size {stages}")
     model = document.get("model_config")
-    declared = model.get("num_hidden_layers") if isinstance(model, Mapping) else None
-    if _is_int(declared) and declared != layout.body_layers:
+    model = model if isinstance(model, Mapping) else {}
+    declared, mtp = model.get("num_hidden_layers"), model.get("mtp_num_layers") or 0
+    # MindFormers spreads the multi-token-prediction layers by the offsets too, after the decoder layers
+    if _is_int(declared) and _is_int(mtp) and declared + mtp != layout.body_layers:
+        said = f" + mtp_num_layers {mtp}" if mtp else ""
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
-                                   f"model_config.num_hidden_layers {declared}")
+                                   f"model_config.num_hidden_layers {declared}{said}")
     _check_v2_micro_batches(document, parallel, layout, path, result)
     parallel["pipeline_model_parallel_size"] = layout.stages
     pipeline = parallel.get("pipeline_parallel_config")
