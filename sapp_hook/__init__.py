@@ -1,8 +1,8 @@
 """sapp-hook: balance pipeline-parallel training from inside the run.
 
 The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`,
-`torchtitan_module_names` (for TorchTitan's Python configs), and the schedule simulator's names. The torch parts are imported on first use, so planning and
-simulation work where torch is not installed.
+`torchtitan_module_names` (for TorchTitan's Python configs), and the schedule simulator's names. The
+torch parts are imported on first use, so planning and simulation work where torch is not installed.
 """
 
 from typing import Any

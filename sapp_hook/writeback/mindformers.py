@@ -92,6 +92,22 @@ def _flow_keys(layout: Layout) -> dict[str, object]:
 def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, result: WriteBack) -> bool:
     """The plan in llm_template_v2's places. True when the config cannot say it exactly (a side file is due)."""
     parallel = _node(document, ("distribute_parallel_config",), path, create=True)
+    _check_v2_counts(document, parallel, layout, path)
+    _check_v2_micro_batches(document, parallel, layout, path, result)
+    parallel["pipeline_model_parallel_size"] = layout.stages
+    pipeline = parallel.get("pipeline_parallel_config")
+    if pipeline is None:
+        pipeline = parallel["pipeline_parallel_config"] = {}
+    if not isinstance(pipeline, MutableMapping):
+        raise InputError("--config", f"{path}: distribute_parallel_config.pipeline_parallel_config is not a mapping")
+    pipeline["pipeline_interleave"] = layout.chunks > 1
+    _set_scheduler(pipeline, layout, result)
+    pipeline["virtual_pipeline_model_parallel_size"] = layout.chunks
+    pipeline["pipeline_stage_offset"] = _flow(layout.mindformers["offset"])
+    return _set_v2_recompute(_node(document, ("recompute_config",), path, create=True), layout, result)
+
+
+def _check_v2_counts(document: Mapping, parallel: Mapping, layout: Layout, path: Path) -> None:
     stages = parallel.get("pipeline_model_parallel_size")
     if stages is not None and stages != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
@@ -104,23 +120,15 @@ def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, res
         said = f" + mtp_num_layers {mtp}" if mtp else ""
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
                                    f"model_config.num_hidden_layers {declared}{said}")
-    _check_v2_micro_batches(document, parallel, layout, path, result)
-    parallel["pipeline_model_parallel_size"] = layout.stages
-    pipeline = parallel.get("pipeline_parallel_config")
-    if pipeline is None:
-        pipeline = parallel["pipeline_parallel_config"] = {}
-    if not isinstance(pipeline, MutableMapping):
-        raise InputError("--config", f"{path}: distribute_parallel_config.pipeline_parallel_config is not a mapping")
+
+
+def _set_v2_recompute(recompute: MutableMapping, layout: Layout, result: WriteBack) -> bool:
+    """The recompute lists; True when select_comm_recompute, a bool only here, cannot say the plan's."""
     view = layout.mindformers
-    pipeline["pipeline_interleave"] = layout.chunks > 1
-    _set_scheduler(pipeline, layout, result)
-    pipeline["virtual_pipeline_model_parallel_size"] = layout.chunks
-    pipeline["pipeline_stage_offset"] = _flow(view["offset"])
-    recompute = _node(document, ("recompute_config",), path, create=True)
     recompute["recompute"] = _flow(view["recompute"])
     recompute["select_recompute"] = _flow(view["select_recompute"])
-    # A bool only here: true recomputes the communication of every layer not fully recomputed, false of
-    # none. The counts include the fully recomputed layers, as MindFormers' lists do.
+    # True recomputes the communication of every layer not fully recomputed, false of none. The counts
+    # include the fully recomputed layers, as MindFormers' lists do.
     comm, full = _cells(view["select_comm_recompute"]), _cells(view["recompute"])
     share = layout.body_layers // layout.num_virtual_stages  # MindFormers' offsets are counts less this share
     held = [[offset + share for offset in row] for row in _cells(view["offset"])]

@@ -83,7 +83,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     checkpoint = document.get("activation_checkpoint")
     if not isinstance(checkpoint, dict):
         checkpoint = document["activation_checkpoint"] = tomlkit.table()
-    mode = checkpoint_mode(layout)
+    mode = _checkpoint_mode(layout)
     if mode != layout.heaviest_mode():
         result.notes.append(
             f"{layout.schedule} splits each backward in two, which torch cannot run through selective "
@@ -108,7 +108,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     return result
 
 
-def checkpoint_mode(layout: Layout) -> str:
+def _checkpoint_mode(layout: Layout) -> str:
     """The one activation-checkpoint mode TorchTitan runs for every block: the heaviest the plan uses,
     full for selective under the schedules that split the backward (torch allows one backward through
     a selective-checkpoint region; these run two)."""
@@ -119,7 +119,7 @@ def checkpoint_mode(layout: Layout) -> str:
 def _python_config(path: Path, layout: Layout) -> str:
     """What to set by hand in a TorchTitan Python config (TorchTitan dropped its TOML configs in 2026;
     its Python configs are code, and take no per-field overrides from the command line)."""
-    checkpoint = {NONE: "None", SELECTIVE: "SelectiveAC.Config()"}.get(checkpoint_mode(layout), "FullAC.Config()")
+    checkpoint = {NONE: "None", SELECTIVE: "SelectiveAC.Config()"}.get(_checkpoint_mode(layout), "FullAC.Config()")
     return (
         f"{path} is Python: sapp-hook rewrites TorchTitan's TOML configs; in a Python config (Trainer.Config) set "
         f"parallelism.pipeline_parallel_degree = {layout.stages}, pipeline_parallel_schedule = "
