@@ -170,7 +170,7 @@ def comm_plan(modes: dict[int, str]):
 
 @pytest.mark.parametrize(("modes", "comm", "side_file"), [
     ({1: "full", 8: "full"}, False, False),  # full recompute takes the communication with it
-    ({i: "comm" for i in range(1, 9)} | {3: "selective+comm", 8: "full"}, True, False),  # every other layer
+    ({i: "comm" for i in range(1, 9)} | {3: "selective+comm", 8: "full"}, True, False),  # all not fully recomputed
     ({1: "comm", 3: "selective+comm"}, True, True),  # some layers only: true for all, said, and the side file
 ])
 def test_mindformers_template_v2_communication_recompute_is_one_bool(config, modes, comm, side_file):
@@ -497,7 +497,7 @@ def test_a_plan_for_another_layer_count_is_refused(config, target, name, declare
     assert caught.value.field == "--plan" and path.read_bytes() == before
     if "mtp" in declared:  # 7 decoder layers and an MTP layer: the plan's 8
         path.write_text(text.replace(place, "num_hidden_layers: 7\n  mtp_num_layers: 1"))
-        write_config(target, path, layout_of(plan()))
+        assert write_config(target, path, layout_of(plan())).written == [str(path)]
 
 
 @pytest.mark.parametrize(
