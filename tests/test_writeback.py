@@ -507,6 +507,8 @@ def test_a_plan_for_another_layer_count_is_refused(config, target, name, declare
         ("torchtitan", "[training]\nsteps = 1\n", "has no [parallelism] table"),
         ("torchtitan", "[parallelism\n", "is not valid TOML"),
         ("mindformers", "model:\n  arch: {type: X}\nparallel_config: {pipeline_stage: 4}\n", "lacks the section model.model_config"),
+        ("mindformers", "distribute_parallel_config: 4\n", "distribute_parallel_config is the int 4; expected a mapping"),
+        ("mindformers", "model_config: {}\nrecompute_config: [1]\n", "recompute_config is a list; expected a mapping"),
         ("mindformers", "a: &x [1]\nb: *x\n", "aliases are not accepted"),
         ("mindformers", '{"name": "llama", "layers_description": []}\n', "has none of parallel_config, model"),
     ],

@@ -264,6 +264,10 @@ def _node(document: MutableMapping, place: tuple[str, ...], path: Path, *, creat
         if not isinstance(child, MutableMapping):
             if not create:
                 return {}
-            raise InputError("--config", f"{path} lacks the section {'.'.join(place[: depth + 1])}, where MindFormers keeps it")
+            section = ".".join(place[: depth + 1])
+            if child is not None:
+                kind = "a list" if isinstance(child, list) else f"the {type(child).__name__} {child!r}"
+                raise InputError("--config", f"{path}: {section} is {kind}; expected a mapping")
+            raise InputError("--config", f"{path} lacks the section {section}, where MindFormers keeps it")
         node = child
     return node
