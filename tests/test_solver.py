@@ -73,9 +73,15 @@ def test_no_recompute_where_memory_has_room(caplog):
     assert len(tie_breaks) == 1 and "least peak memory" in tie_breaks[0]  # no recompute to take away
 
 
-def test_least_recompute_among_the_fastest_plans():
-    profile = small_profile(6)
-    spec = spec_for("1F1B", 4, 1, 6, 400)
+@pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches", "budget_mib", "two_kinds"), [
+    ("1F1B", 4, 1, 6, 400, False), ("GPipe", 3, 1, 4, 300, False), ("ZBH1", 3, 1, 4, 300, True),
+    ("Interleaved1F1B", 2, 2, 4, 300, True), ("ZBVZeroBubble", 2, 2, 4, 300, False), ("DualPipeV", 2, 2, 4, 340, False),
+])
+def test_least_recompute_among_the_fastest_plans(name, stages, chunks, micro_batches, budget_mib, two_kinds):
+    """The tie-break seeks the least recompute for the fastest plan's split: here it is the least of
+    every equally fast plan, and then the least peak among those."""
+    profile = small_profile(6, two_kinds=two_kinds)
+    spec = spec_for(name, stages, chunks, micro_batches, budget_mib)
     plan = solve(profile, spec)
 
     def recompute_ms(candidate):
