@@ -95,11 +95,7 @@ def _write_template_v2(document: MutableMapping, layout: Layout, path: Path, res
     _check_v2_counts(document, parallel, layout, path)
     _check_v2_micro_batches(document, parallel, layout, path, result)
     parallel["pipeline_model_parallel_size"] = layout.stages
-    pipeline = parallel.get("pipeline_parallel_config")
-    if pipeline is None:
-        pipeline = parallel["pipeline_parallel_config"] = {}
-    if not isinstance(pipeline, MutableMapping):
-        raise InputError("--config", f"{path}: distribute_parallel_config.pipeline_parallel_config is not a mapping")
+    pipeline = _subsection(parallel, "pipeline_parallel_config", "distribute_parallel_config", path)
     pipeline["pipeline_interleave"] = layout.chunks > 1
     _set_scheduler(pipeline, layout, result)
     pipeline["virtual_pipeline_model_parallel_size"] = layout.chunks
@@ -195,13 +191,19 @@ def _set_pipeline_config(document: MutableMapping, layout: Layout, path: Path, r
     pipeline = section.get("pipeline_config") if isinstance(section, Mapping) else None
     if layout.chunks == 1 and layout.schedule == "1F1B" and pipeline is None:
         return
-    parallel = _node(document, ("parallel",), path, create=True)
-    if pipeline is None:
-        pipeline = parallel["pipeline_config"] = {}
-    if not isinstance(pipeline, MutableMapping):
-        raise InputError("--config", f"{path}: parallel.pipeline_config is not a mapping")
+    pipeline = _subsection(_node(document, ("parallel",), path, create=True), "pipeline_config", "parallel", path)
     pipeline["pipeline_interleave"] = layout.chunks > 1
     _set_scheduler(pipeline, layout, result)
+
+
+def _subsection(parent: MutableMapping, key: str, where: str, path: Path) -> MutableMapping:
+    """The mapping at `parent[key]` (`where` names `parent`), made empty where it is missing."""
+    child = parent.get(key)
+    if child is None:
+        child = parent[key] = {}
+    if not isinstance(child, MutableMapping):
+        raise InputError("--config", f"{path}: {where}.{key} is not a mapping")
+    return child
 
 
 def _set_scheduler(pipeline: MutableMapping, layout: Layout, result: WriteBack) -> None:
