@@ -143,12 +143,32 @@ def mindformers_view(
     return view
 
 
+def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
+    """Per virtual stage, what the engine keeps of the tensors stages pass (`profile.stage_output_bytes`
+    each): per micro-batch in flight, the output it sent, until the output's gradient comes back; for
+    the whole run, with `spec.receive_buffers`, torch's buffers: one per micro-batch for the input
+    received (every virtual stage but the first) and one for the output gradient (all but the last)."""
+    schedule = spec.pipeline_schedule
+    last = schedule.num_stages - 1
+    size = profile.stage_output_bytes
+    in_flight, whole_run = [], []
+    for virtual in range(schedule.num_stages):
+        # torch hands an output to the next virtual stage on the same rank as that stage's input
+        # buffer: the buffers hold it, not a copy
+        local = virtual < last and schedule.rank_of(virtual + 1) == schedule.rank_of(virtual)
+        in_flight.append(size if virtual < last and not (spec.receive_buffers and local) else 0.0)
+        buffers = (virtual > 0) + (virtual < last) if spec.receive_buffers else 0
+        whole_run.append(buffers * spec.micro_batches * size)
+    return in_flight, whole_run
+
+
 def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:
     """The simulator's per-(stage, chunk) costs of a split: sums over each chunk's layers, its
-    working set the largest of theirs, each stage's constant memory on its first chunk, and the output
-    the engine keeps per micro-batch on every virtual stage but the last."""
+    working set the largest of theirs, each stage's constant memory on its first chunk, and what the
+    engine keeps of the tensors stages pass (`boundary_bytes`)."""
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
+    kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
     start = 0
@@ -162,13 +182,14 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             weight_ms=sum(layer.split_weight_ms() for layer, _ in layers) + weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
-            + (profile.stage_output_bytes if virtual < len(counts) - 1 else 0.0),
+            + kept_in_flight[virtual],
             retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers),
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
                 for layer, _ in layers
             )
-            + (constant if chunk == 0 else 0.0),
+            + (constant if chunk == 0 else 0.0)
+            + kept_whole_run[virtual],
             working_bytes=_working_bytes(layers, frees_tail=not schedule_kind(spec.schedule).splits_backward),
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)

@@ -33,7 +33,7 @@ from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
-from solver.plan import Plan, evaluate_plan, ordered_modes
+from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
@@ -545,8 +545,9 @@ class _Formulation:
         for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
             for expression in cell_sums:
                 expression.constant += overhead
-        for expression in activation[:-1]:  # the output the engine keeps, as in pipeline_costs
-            expression.constant += profile.stage_output_bytes / MIB
+        for cell, (in_flight, whole_run) in enumerate(zip(*boundary_bytes(profile, spec))):
+            activation[cell].constant += in_flight / MIB
+            static[cell].constant += whole_run / MIB
         self.recompute_terms: dict[int, float] = {}
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:

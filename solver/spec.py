@@ -25,6 +25,9 @@ class PipelineSpec:
     also parameters, each by `data_parallel`. `stage_constant_bytes` is added to the profile's.
     `action_overhead_ms` is added to every forward, backward, input- and weight-gradient action: the
     engine's own cost per action (Python, scheduling), which a calibration measures.
+    `receive_buffers`: the engine is torch.distributed.pipelining (TorchTitan's too), which holds
+    for the whole run, on every virtual stage, one buffer per micro-batch for the input it receives
+    (all but the first) and one for the output gradient (all but the last).
     """
 
     stages: int
@@ -39,6 +42,7 @@ class PipelineSpec:
     zero_stage: int = 0
     allow_empty_chunks: bool = False
     microbatch_group_size: int | None = None  # Interleaved1F1B only (Megatron's)
+    receive_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes != math.inf:
@@ -48,6 +52,8 @@ class PipelineSpec:
         check_ms(self.action_overhead_ms, "action_overhead_ms")
         if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise InputError("data_parallel", f"expected an integer >= 1, got {self.data_parallel!r}")
+        if not isinstance(self.receive_buffers, bool):
+            raise InputError("receive_buffers", f"expected true or false, got {self.receive_buffers!r}")
         if self.zero_stage not in ZERO_STAGES:
             raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {self.zero_stage!r}")
         self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
@@ -98,15 +104,18 @@ def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
         "zero_stage": spec.zero_stage,
         "allow_empty_chunks": spec.allow_empty_chunks,
         "microbatch_group_size": spec.microbatch_group_size,
+        "receive_buffers": spec.receive_buffers,
     }
 
 
 def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
     fields = Fields(data, where)
     budget = fields.raw("memory_budget_bytes")
-    allow_empty = fields.raw("allow_empty_chunks", False)
-    if not isinstance(allow_empty, bool):
-        raise InputError(fields.at("allow_empty_chunks"), f"expected true or false, got {allow_empty!r}")
+    flags = {}
+    for name in ("allow_empty_chunks", "receive_buffers"):
+        flags[name] = fields.raw(name, False)
+        if not isinstance(flags[name], bool):
+            raise InputError(fields.at(name), f"expected true or false, got {flags[name]!r}")
     values = dict(
         stages=fields.integer("stages", required=True, least=1),
         micro_batches=fields.integer("micro_batches", required=True, least=1),
@@ -118,8 +127,8 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         action_overhead_ms=fields.number("action_overhead_ms", 0.0),
         data_parallel=fields.integer("data_parallel", 1, least=1),
         zero_stage=fields.integer("zero_stage", 0),
-        allow_empty_chunks=allow_empty,
         microbatch_group_size=fields.raw("microbatch_group_size"),
+        **flags,
     )
     fields.done()
     try:

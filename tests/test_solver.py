@@ -506,6 +506,34 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
 
 
+@pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("DualPipeV", 2)])
+def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
+    """torch.distributed.pipelining holds, for the whole run, a buffer per micro-batch for each virtual
+    stage's input (all but the first) and output gradient (all but the last); where the next virtual
+    stage is on the same rank (a V's turn), its input buffers hold the outputs themselves, not copies."""
+    keeping = dataclasses.replace(small_profile(6), stage_output_bytes=24 * MIB)
+    plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    loose = dataclasses.replace(plain_spec, receive_buffers=True)
+    unlimited = solve(keeping, loose, time_limit_s=20)
+    schedule_of = loose.pipeline_schedule
+    plain = evaluate_plan(keeping, plain_spec, unlimited.stage_layer_counts, unlimited.layer_modes).simulation.costs
+    last = schedule_of.num_stages - 1
+    for virtual in range(schedule_of.num_stages):
+        rank, chunk = schedule_of.rank_of(virtual), schedule_of.chunk_of(virtual)
+        cost, before = unlimited.simulation.costs.chunk_costs[rank][chunk], plain.chunk_costs[rank][chunk]
+        buffers = (virtual > 0) + (virtual < last)
+        assert cost.static_bytes == before.static_bytes + buffers * 4 * 24 * MIB
+        turns = virtual < last and schedule_of.rank_of(virtual + 1) == rank
+        assert cost.activation_bytes == before.activation_bytes - (24 * MIB if turns else 0)
+    assert (schedule == "DualPipeV") == any(
+        schedule_of.rank_of(v + 1) == schedule_of.rank_of(v) for v in range(last))
+    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
+    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
+    plan = solve(keeping, spec, time_limit_s=20)
+    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
+    assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
+
+
 def test_a_start_highs_cannot_complete_is_dropped_not_fatal():
     """HiGHS 1.16 ends in "Solve error" when handed this program's balanced split as a partial start
     with its root heuristics off (found by the property tests); the search then runs without it."""

@@ -167,6 +167,7 @@ def test_missing_file(tmp_path):
         ({"p2p_ms": 1e308}, "p2p_ms"),  # HiGHS gave up on the program ("Empty")
         ({"action_overhead_ms": 2.0**70}, "action_overhead_ms"),
         ({"stage_constant_bytes": 2.0**70}, "stage_constant_bytes"),
+        ({"receive_buffers": "yes"}, "receive_buffers"),
     ],
 )
 def test_bad_specs(kwargs, field):
@@ -221,11 +222,15 @@ def test_mindformers_true_means_every_layer_of_the_stage():
     assert plan.layer_modes == ("none",) + ("full",) * 6 + ("none",)
 
 
-def test_plan_json_round_trip():
-    profile = small_profile(6)
-    plan = solve(profile, PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B", memory_budget_bytes=450 * MIB))
+@pytest.mark.parametrize("receive_buffers", [False, True])
+def test_plan_json_round_trip(receive_buffers):
+    profile = dataclasses.replace(small_profile(6), stage_output_bytes=2 * MIB)
+    plan = solve(profile, PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B",
+                                       memory_budget_bytes=450 * MIB, receive_buffers=receive_buffers))
     again = plan_from_dict(profile, json.loads(json.dumps(plan.to_dict())))
     assert (again.stage_layer_counts, again.layer_modes, again.iteration_time_ms) == (
         plan.stage_layer_counts, plan.layer_modes, plan.iteration_time_ms,
     )
     assert again.spec == plan.spec
+    with pytest.raises(InputError, match=r"spec.receive_buffers: expected true or false, got 1"):
+        plan_from_dict(profile, {**plan.to_dict(), "spec": {**plan.to_dict()["spec"], "receive_buffers": 1}})

@@ -51,6 +51,7 @@ def problems(draw):
     spec = PipelineSpec(
         stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
         memory_budget_bytes=draw(st.floats(30, 600)) * MIB, p2p_ms=draw(st.sampled_from([0.0, 0.3])),
+        receive_buffers=draw(st.booleans()),
     )
     output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
     return ModelProfile(layers=tuple(layers), stage_output_bytes=output), spec
@@ -64,10 +65,7 @@ def test_plans_fit_and_infeasibility_is_exact(problem):
         plan = solve(profile, spec, time_limit_s=30)
     except InfeasibleError as error:
         assert error.smallest_budget_bytes > spec.memory_budget_bytes
-        looser = PipelineSpec(
-            stages=spec.stages, chunks=spec.chunks, micro_batches=spec.micro_batches, schedule=spec.schedule,
-            memory_budget_bytes=error.smallest_budget_bytes * (1 + 1e-9), p2p_ms=spec.p2p_ms,
-        )
+        looser = dataclasses.replace(spec, memory_budget_bytes=error.smallest_budget_bytes * (1 + 1e-9))
         assert solve(profile, looser, time_limit_s=30).fits
         return
     assert plan.status == "optimal" and plan.fits
