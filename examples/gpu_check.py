@@ -104,8 +104,7 @@ def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[di
     for name, plan in plans.items():
         # fresh: apply leaves each block under its plan's recompute
         model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
-        predicted = predictions(plan, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8,
-                                output_bytes=profile.stage_output_bytes)
+        predicted = predictions(plan, profile, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
         ranks = []
         for rank in range(spec.stages):
             replay = replay_rank(model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,

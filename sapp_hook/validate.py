@@ -2,8 +2,8 @@
 one thread each), next to what the simulator said of it from a profile taken beforehand.
 
 Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
-holds for backward over a step (saved-tensor hooks in the real run), and the parameter, gradient and
-optimizer bytes; beside each, the prediction.
+holds for backward over a step (saved-tensor hooks in the real run), the parameter, gradient and
+optimizer bytes, and the bytes of torch's receive buffers; beside each, the prediction.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
 from solver.fields import Fields
+from solver.plan import boundary_bytes
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
         if schedule_kind(setup.schedule).splits_backward:
             profile = profile.with_modes(mode for mode in profile.modes if mode != SELECTIVE)
     spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
-                        schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes)
+                        schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes, receive_buffers=True)
     plan = choose_plan(profile, spec, setup.plan)
     log.info("validate: running the plan on %d processes, %d steps", setup.stages, setup.warmup_steps + setup.steps)
     with tempfile.TemporaryDirectory(dir=workdir) as folder:
@@ -110,24 +111,25 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
     return plan_from_dict(profile, read_plan_json(which, "--plan"))
 
 
-def predictions(plan: Plan, input_bytes: float = 0.0, output_bytes: float = 0.0) -> dict[str, list[float]]:
+def predictions(plan: Plan, profile: ModelProfile | None = None, input_bytes: float = 0.0) -> dict[str, list[float]]:
     """Per rank: when its last action ends; the peak of what autograd holds for backward (less
     `input_bytes` per micro-batch on the first stage: the token ids, which the engine holds for the whole
-    step as data; and less the `output_bytes` per micro-batch the engine keeps of each stage's output,
-    the profile's `stage_output_bytes`, which autograd does not hold); the peak of all the plan counts
-    but static bytes, working bytes included (what an allocator sees above the static bytes); and the
-    static bytes."""
+    step as data; and, given the `profile`, less the outputs the engine keeps per micro-batch in
+    flight, `boundary_bytes`, which autograd does not hold); the peak of all the plan counts but static
+    bytes, working bytes included (what an allocator sees above the static bytes); the static bytes;
+    and the part of them that is the engine's receive buffers (`spec.receive_buffers`)."""
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
-    first = (schedule.rank_of(0), schedule.chunk_of(0))
-    last = (schedule.rank_of(schedule.num_stages - 1), schedule.chunk_of(schedule.num_stages - 1))
+    kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec) if profile is not None else (
+        [0.0] * schedule.num_stages, [0.0] * schedule.num_stages)
 
     def peaks(autograd_only: bool) -> list[float]:
         def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:
-            ids = input_bytes if (rank, chunk) == first else 0.0
-            kept_output = output_bytes if autograd_only and (rank, chunk) != last else 0.0
+            virtual = schedule.stage_index(rank, chunk)
+            ids = input_bytes if virtual == 0 else 0.0
+            kept_output = kept_in_flight[virtual] if autograd_only else 0.0
             return dataclasses.replace(costs_of, static_bytes=0.0,
                                        activation_bytes=costs_of.activation_bytes - ids - kept_output,
                                        working_bytes=0.0 if autograd_only else costs_of.working_bytes)
@@ -139,7 +141,9 @@ def predictions(plan: Plan, input_bytes: float = 0.0, output_bytes: float = 0.0)
         return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
 
     static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
-    return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static}
+    buffers = [sum(kept_whole_run[virtual] for virtual in schedule.stages_of(rank)) for rank in range(schedule.stages)]
+    return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static,
+            "receive_buffer_bytes": buffers}
 
 
 def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
@@ -216,6 +220,7 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
         "parameter_bytes": unique_bytes(parameters),
         "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
         "optimizer_bytes": unique_bytes([t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]),
+        "receive_buffer_bytes": unique_bytes(_receive_buffers(stages)),
         "losses": losses,
         "p2p_ms": p2p_ms,
         "layers": sorted(id_ for _, module in modules for id_ in _layer_names(model, module)),
@@ -243,6 +248,13 @@ def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
     return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
 
 
+def _receive_buffers(stages: list[Any]) -> list[Any]:
+    """The tensors torch's stages keep to receive inputs and output gradients into, one per micro-batch
+    (after a step: a stage fed by another on its rank keeps that stage's outputs there)."""
+    return [info.buffer for stage in stages for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+            for info in infos if info.buffer is not None]
+
+
 def _layer_names(model: Any, module: Any) -> list[str]:
     names = {id(m): name for name, m in model.named_modules()}
     return [names[id(layer)] for layer in module.layers]
@@ -253,8 +265,7 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
     p2p_ms = measured[0]["p2p_ms"]  # measured in the run: the prediction includes it
     spec = dataclasses.replace(plan.spec, p2p_ms=p2p_ms)
     plan = evaluate_plan(profile, spec, plan.stage_layer_counts, plan.layer_modes)
-    predicted = predictions(plan, input_bytes=setup.micro_batch_size * setup.seq_len * 8,
-                            output_bytes=profile.stage_output_bytes)
+    predicted = predictions(plan, profile, input_bytes=setup.micro_batch_size * setup.seq_len * 8)
     ranks = []
     for rank, row in enumerate(measured):
         step = statistics.median(row["step_ms"])
@@ -268,8 +279,10 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
             "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][rank],
             "measured_activation_peak_bytes": activation,
             "activation_error": _error(predicted["activation_peak_bytes"][rank], activation),
-            "predicted_static_bytes": predicted["static_bytes"][rank],
+            "predicted_static_bytes": predicted["static_bytes"][rank] - predicted["receive_buffer_bytes"][rank],
             "measured_static_bytes": row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"],
+            "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][rank],
+            "measured_receive_buffer_bytes": row["receive_buffer_bytes"],
             "layers": row["layers"],
         })
     iteration = max(r["measured_step_ms"] for r in ranks)

@@ -37,7 +37,7 @@ def test_the_stored_gpu_runs_are_predicted_as_the_readme_says(dtype):
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
     for run in record["plans"]:
         plan = evaluate_plan(profile, spec, run["stage_layer_counts"], run["layer_modes"])
-        predicted = predictions(plan, input_bytes=REPLAY_TOKENS * 8, output_bytes=profile.stage_output_bytes)
+        predicted = predictions(plan, profile, input_bytes=REPLAY_TOKENS * 8)
         errors = [round(100 * (predicted["peak_bytes"][rank["rank"]] / rank["allocated_peak_bytes"] - 1), 1)
                   for rank in run["ranks"]]
         assert errors == EXPECTED[dtype][run["plan"]], run["plan"]

@@ -32,7 +32,7 @@ def profile(config):
                                                            ("GPipe", None, NONE), ("Interleaved1F1B", 2, FULL)])
 def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule, chunks, mode):
     plan = even_plan(profile, PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule), mode)
-    predicted = predictions(plan, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8, output_bytes=profile.stage_output_bytes)
+    predicted = predictions(plan, profile, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8)
     whole = predictions(plan)  # with the token ids and kept outputs: what the plan's peaks count
     for rank in range(2):
         assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(plan.stage_peak_memory_bytes[rank])
