@@ -47,6 +47,9 @@ from solver.profile import SELECTIVE
 from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
+# The plan runs on torch.distributed.pipelining (this package's `apply`, TorchTitan), whose receive
+# buffers it counts, unless it is written for these.
+ENGINES_WITHOUT_RECEIVE_BUFFERS = ("mindformers", "megatron")
 
 
 
@@ -107,6 +110,7 @@ class AutoTuner:
             stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks,
             memory_budget_bytes=float("inf") if budget is None else budget,
             data_parallel=data_parallel, zero_stage=zero_stage, p2p_ms=p2p_ms, action_overhead_ms=action_overhead_ms,
+            receive_buffers=target not in ENGINES_WITHOUT_RECEIVE_BUFFERS,
         )
         self.model, self.optimizer = model, optimizer
         self.config, self.target = (Path(config) if config else None), target

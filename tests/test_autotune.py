@@ -51,6 +51,7 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
     assert "# parallel settings: the pipeline split lives under model.model_config" in text
     offset = yaml.safe_load(text)["model"]["model_config"]["offset"]
     assert offset == first.result.plan.mindformers()["offset"] and sum(offset) == 0
+    assert first.result.plan_data["spec"]["receive_buffers"] is False  # MindSpore's engine: not torch's buffers
     assert "even split" in first.result.report
 
     again = train(llama(), 3, **options)  # same model and setting: the cached plan, after one step
@@ -164,6 +165,7 @@ def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):
     assert not calibrated.result.from_cache
     spec = calibrated.result.plan_data["spec"]
     assert spec["action_overhead_ms"] == 2.0 and spec["p2p_ms"] == 0.5
+    assert spec["receive_buffers"] is True  # no config to write: the plan runs on torch's engine (`apply`)
 
 
 def test_the_model_trains_the_same_under_autotune(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -84,6 +85,27 @@ def test_simulate_refuses_flags_a_plan_json_contradicts(capsys, tmp_path):
         with pytest.raises(SystemExit):
             main([*replay, *flags])
         assert words in capsys.readouterr().err
+
+
+def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
+    """--receive-buffers (torch's engine): each rank holds a buffer of stage_output_bytes per micro-batch
+    for its input or its output gradient; a plan JSON states it, and a replay may not say otherwise."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(dataclasses.replace(small_profile(6), stage_output_bytes=2**20).to_dict()))
+    solve = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B",
+             "--memory", "10GiB", "--json"]
+    peaks = []
+    for flags in ([], ["--receive-buffers"]):
+        assert main([*solve, *flags, "--plan-out", str(tmp_path / f"plan{len(flags)}.json")]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["stage_peak_memory_bytes"])
+    assert [with_buffers - without for without, with_buffers in zip(*peaks)] == [4 * 2**20, 4 * 2**20]
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", str(profile), "--plan", str(tmp_path / "plan0.json"), "--receive-buffers"])
+    assert "--receive-buffers: true differs from the plan's spec.receive_buffers (false)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--schedule", "1F1B", "--stages", "2", "--micro-batches", "4", "--forward", "1",
+              "--backward", "2", "--receive-buffers"])
+    assert "--receive-buffers needs --profile" in capsys.readouterr().err
 
 
 def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):

@@ -79,6 +79,15 @@ def add_overhead_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_receive_buffers_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--receive-buffers", action="store_true",
+        help="the job runs on torch.distributed.pipelining (or TorchTitan), which keeps a buffer per micro-batch "
+             "for every stage's received input and output gradient, all run long (the profile's "
+             "stage_output_bytes each)",
+    )
+
+
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="OUT", help="write a Gantt chart with memory curves (.png, .svg or .pdf)")
     parser.add_argument("--trace", metavar="OUT", help="write a Chrome/Perfetto trace (.json)")

@@ -9,6 +9,7 @@ from sapp_hook.cli.common import (
     add_output_flags,
     add_overhead_flag,
     add_pipeline_flags,
+    add_receive_buffers_flag,
     check_milliseconds,
     command,
     fail,
@@ -55,6 +56,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--plan", metavar="FILE", help="with --profile: a plan JSON written by sapp-hook solve")
     parser.add_argument("--memory", default="0", metavar="SIZE", help="with --mindformers-plan: the budget to check")
+    add_receive_buffers_flag(parser)
     add_overhead_flag(parser)
     add_output_flags(parser)
     parser.set_defaults(run=command(PROG, _run))
@@ -73,6 +75,9 @@ def _replay_uniform(args: argparse.Namespace) -> int:
             fail(PROG, f"--{name.replace('_', '-')} is required (or --profile with a plan)")
     if args.mindformers_plan or args.plan:
         fail(PROG, "--mindformers-plan and --plan need --profile")
+    if args.receive_buffers:
+        fail(PROG, "--receive-buffers needs --profile (the buffers' size is its stage_output_bytes); "
+                   "with --forward and --backward, add them to --static")
     if args.action_overhead:
         fail(PROG, "--action-overhead needs --profile and --mindformers-plan "
                    "(with --forward and --backward, add it to them)")
@@ -121,6 +126,7 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
         "microbatch_group_size": args.microbatch_group_size,
         "p2p_ms": args.p2p or None,
         "memory_budget_bytes": parse_bytes(args.memory, "--memory") or None,
+        "receive_buffers": args.receive_buffers or None,
     }
     flags = {"p2p_ms": "--p2p", "memory_budget_bytes": "--memory"}
     resolved = {"schedule": schedule_kind(spec.schedule).name, "chunks": spec.pipeline_schedule.chunks}
@@ -136,6 +142,8 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
 def _shown(value: object) -> str:
     if value is None:
         return "the schedule's default"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return f"{value:,}" if isinstance(value, int) else f"{value:g}" if isinstance(value, float) else str(value)
@@ -170,6 +178,7 @@ def _replay_plan(args: argparse.Namespace) -> int:
             p2p_ms=args.p2p,
             action_overhead_ms=args.action_overhead,
             microbatch_group_size=args.microbatch_group_size,
+            receive_buffers=args.receive_buffers,
         )
         keys = mindformers_keys(read_document(args.mindformers_plan, "--mindformers-plan"), "--mindformers-plan")
         plan = plan_from_mindformers(profile, spec, keys)

@@ -11,6 +11,7 @@ from sapp_hook.cli.common import (
     add_output_flags,
     add_overhead_flag,
     add_pipeline_flags,
+    add_receive_buffers_flag,
     check_milliseconds,
     command,
     configure_logging,
@@ -54,6 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_overhead_flag(parser)
     parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
+    add_receive_buffers_flag(parser)
     parser.add_argument("--modes", metavar="LIST",
                         help="recompute modes the plan may use, e.g. none,full (default: all the profile offers)")
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
@@ -89,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         zero_stage=args.zero_stage,
         allow_empty_chunks=args.allow_empty_chunks,
         microbatch_group_size=args.microbatch_group_size,
+        receive_buffers=args.receive_buffers,
     )
     check_seconds(args.time_limit, "--time-limit")
     say(notes, talk)
