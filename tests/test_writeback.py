@@ -484,6 +484,9 @@ def test_a_plan_for_another_stage_count_is_refused(config, target, name):
     ("mindformers", TEMPLATE_V2, "num_hidden_layers: 9", "num_hidden_layers 9"),
     # MindFormers spreads the multi-token-prediction layers with the decoder layers
     ("mindformers", TEMPLATE_V2, "num_hidden_layers: 8\n  mtp_num_layers: 1", "num_hidden_layers 8 + mtp_num_layers 1"),
+    # classic: research/deepseek3's mtp_depth (LayerSetting(num_layers + mtp_depth, ...)), parallel_core's key
+    ("mindformers", None, "num_layers: 8\n    mtp_depth: 1", "num_layers 8 + mtp_depth 1"),
+    ("mindformers", None, "num_layers: 8\n    mtp_num_layers: 1", "num_layers 8 + mtp_num_layers 1"),
     ("megatron", None, "--num-layers 9", "--num-layers 9")])
 def test_a_plan_for_another_layer_count_is_refused(config, target, name, declared, said):
     path = config(target, name)
@@ -496,7 +499,7 @@ def test_a_plan_for_another_layer_count_is_refused(config, target, name, declare
         write_config(target, path, layout_of(plan()))
     assert caught.value.field == "--plan" and path.read_bytes() == before
     if "mtp" in declared:  # 7 decoder layers and an MTP layer: the plan's 8
-        path.write_text(text.replace(place, "num_hidden_layers: 7\n  mtp_num_layers: 1"))
+        path.write_text(text.replace(place, declared.replace(": 8", ": 7")))
         assert write_config(target, path, layout_of(plan())).written == [str(path)]
 
 

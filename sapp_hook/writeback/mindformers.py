@@ -108,14 +108,7 @@ def _check_v2_counts(document: Mapping, parallel: Mapping, layout: Layout, path:
     if stages is not None and stages != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
                                    f"distribute_parallel_config.pipeline_model_parallel_size {stages}")
-    model = document.get("model_config")
-    model = model if isinstance(model, Mapping) else {}
-    declared, mtp = model.get("num_hidden_layers"), model.get("mtp_num_layers") or 0
-    # MindFormers spreads the multi-token-prediction layers by the offsets too, after the decoder layers
-    if _is_int(declared) and _is_int(mtp) and declared + mtp != layout.body_layers:
-        said = f" + mtp_num_layers {mtp}" if mtp else ""
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
-                                   f"model_config.num_hidden_layers {declared}{said}")
+    _check_declared_layers(document.get("model_config"), "model_config", "num_hidden_layers", layout, path)
 
 
 def _set_v2_recompute(recompute: MutableMapping, layout: Layout, result: WriteBack) -> bool:
@@ -239,13 +232,25 @@ def _round_trip(*, capitalised_booleans: bool) -> YAML:
 
 
 def _check_layer_count(document: MutableMapping, layout: Layout, path: Path) -> None:
-    # MindFormers spreads num_layers by the offsets: other counts would place other layers than planned
     model = document.get("model")
     config = model.get("model_config") if isinstance(model, Mapping) else None
-    declared = config.get("num_layers") if isinstance(config, Mapping) else None
-    if _is_int(declared) and declared != layout.body_layers:
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has "
-                                   f"model.model_config.num_layers {declared}")
+    _check_declared_layers(config, "model.model_config", "num_layers", layout, path)
+
+
+# The multi-token-prediction depth: research/deepseek3's classic configs, then parallel_core's
+MTP_KEYS = ("mtp_depth", "mtp_num_layers")
+
+
+def _check_declared_layers(model: object, section: str, key: str, layout: Layout, path: Path) -> None:
+    """MindFormers spreads the decoder layers and then the multi-token-prediction layers by the offsets
+    (LayerSetting gets both counts, in either format): another count would place other layers than planned."""
+    model = model if isinstance(model, Mapping) else {}
+    declared = model.get(key)
+    mtp_key = next((name for name in MTP_KEYS if _is_int(model.get(name)) and model.get(name)), None)
+    mtp = model[mtp_key] if mtp_key else 0
+    if _is_int(declared) and declared + mtp != layout.body_layers:
+        said = f" + {mtp_key} {mtp}" if mtp_key else ""
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {section}.{key} {declared}{said}")
 
 
 def _check_stage_count(document: MutableMapping, layout: Layout, path: Path) -> None:
