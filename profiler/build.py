@@ -71,9 +71,8 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        retained = kept * profiler.retained_fractions.get(kind, {}).get(mode, 0.0)
-        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
-                                        retained_bytes=retained)
+        # torch's split backward frees everything a layer saved at its W: no retained_bytes
+        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working)
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
     elif kind in profiler.weight_fractions:

@@ -56,7 +56,11 @@ class HeldActivations:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         else:
             entry[0] += 1
-        return _Held(self, key, tensor)
+        # Detached: the tensor handed to a pack hook still carries its grad_fn, and holding it where it
+        # is an output that grad_fn saved closes a cycle through the graph that nothing collects once a
+        # backward keeps the graph (torch's split backward): every such tensor leaked, which read as
+        # "W keeps part of the graph" (29% of a Llama block; measured 0% with the view detached)
+        return _Held(self, key, tensor.detach())
 
     @staticmethod
     def _unpack(held: object) -> torch.Tensor:

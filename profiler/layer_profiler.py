@@ -32,9 +32,9 @@ from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
 from profiler.recorder import Recorder
 from profiler.samples import LayerSamples
-from profiler.split import retained_share, weight_fraction
+from profiler.split import weight_fraction
 from simulator.errors import InputError
-from solver.profile import NONE, SELECTIVE, ModelProfile
+from solver.profile import NONE, ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,6 @@ class LayerProfiler:
         self.steps_done = 0
         self._attached = False
         self._weight_fractions: dict[str, float] = {}
-        self._retained_fractions: dict[str, dict[str, float]] = {}
 
     @property
     def total_steps(self) -> int:
@@ -180,24 +179,12 @@ class LayerProfiler:
             fraction = weight_fraction(block.module, args, kwargs, self.device)
             if fraction is not None:
                 self._weight_fractions[block.kind] = fraction
-            following = self.blocks[index + 1] if index + 1 < len(self.blocks) else None
-            chain = [block.module] + ([following.module] if following is not None and following.kind == block.kind else [])
-            for mode in self.modes:
-                if mode != SELECTIVE:  # torch refuses a second backward through a selective region
-                    retained = retained_share(chain, args, kwargs, self.device, mode)
-                    if retained is not None:
-                        self._retained_fractions.setdefault(block.kind, {})[mode] = retained
         self.recorder.captured_inputs.clear()
 
     @property
     def weight_fractions(self) -> dict[str, float]:
         """Per body kind: the share of the backward that computes weight gradients (measured alone)."""
         return dict(self._weight_fractions)
-
-    @property
-    def retained_fractions(self) -> dict[str, dict[str, float]]:
-        """Per body kind and recompute mode: the share of saved bytes a split backward keeps after W."""
-        return {kind: dict(modes) for kind, modes in self._retained_fractions.items()}
 
 
 def _check_count(value: object, field: str, minimum: int) -> None:

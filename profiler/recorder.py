@@ -379,7 +379,7 @@ class Recorder:
         forward = self._forward
         if forward is not None:
             self._count(forward, forward.current, tensor)
-        return tensor
+        return tensor.detach()  # not the tensor itself: see profiler.held
 
     def _kept_by(self, index: int) -> Callable[[torch.Tensor], None]:
         def kept(tensor: torch.Tensor) -> None:
