@@ -28,7 +28,8 @@ CASES = [
       for schedule, chunks in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))],
     ("tiny-llama", 4, "1F1B", 1, ("even", "solve"), None),
     ("tiny-llama", 2, "1F1B", 1, ("even-full", "solve"), 150),
-    ("tiny-moe", 2, "Interleaved1F1B", 2, ("even-full", "solve"), 150),
+    # (150 MiB until torch's receive buffers were counted: 151 MiB is now the least that fits)
+    ("tiny-moe", 2, "Interleaved1F1B", 2, ("even-full", "solve"), 160),
 ]
 
 
