@@ -111,19 +111,18 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
     return plan_from_dict(profile, read_plan_json(which, "--plan"))
 
 
-def predictions(plan: Plan, profile: ModelProfile | None = None, input_bytes: float = 0.0) -> dict[str, list[float]]:
-    """Per rank: when its last action ends; the peak of what autograd holds for backward (less
-    `input_bytes` per micro-batch on the first stage: the token ids, which the engine holds for the whole
-    step as data; and, given the `profile`, less the outputs the engine keeps per micro-batch in
-    flight, `boundary_bytes`, which autograd does not hold); the peak of all the plan counts but static
+def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> dict[str, list[float]]:
+    """Per rank of a plan for `profile`: when its last action ends; the peak of what autograd holds for
+    backward (less `input_bytes` per micro-batch on the first stage: the token ids, which the engine
+    holds for the whole step as data; and less the outputs the engine keeps per micro-batch in flight,
+    `boundary_bytes`, which autograd does not hold); the peak of all the plan counts but static
     bytes, working bytes included (what an allocator sees above the static bytes); the static bytes;
     and the part of them that is the engine's receive buffers (`spec.receive_buffers`)."""
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
-    kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec) if profile is not None else (
-        [0.0] * schedule.num_stages, [0.0] * schedule.num_stages)
+    kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec)
 
     def peaks(autograd_only: bool) -> list[float]:
         def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:

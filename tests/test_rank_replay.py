@@ -33,7 +33,7 @@ def profile(config):
 def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule, chunks, mode):
     plan = even_plan(profile, PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule), mode)
     predicted = predictions(plan, profile, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8)
-    whole = predictions(plan)  # with the token ids and kept outputs: what the plan's peaks count
+    whole = predictions(plan, profile)  # its peak_bytes keep the token ids and kept outputs, as the plan's peaks
     for rank in range(2):
         assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(plan.stage_peak_memory_bytes[rank])
     model = build_model(config)
