@@ -91,15 +91,17 @@ def summary(results: list[dict], calibration: dict) -> str:
         "after one warm-up; gloo, one thread per process, 2 cores.",
         "",
         "| model | schedule | stages | plan | layers per virtual stage | predicted ms | measured ms | error | "
-        "worst activation error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "worst activation error | allocator peak, predicted / measured per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         activation = max(row["activation_error"] for row in r["ranks"])
+        allocator = ", ".join(f"{row['predicted_peak_bytes'] / row['measured_allocated_peak_bytes']:.2f}"
+                              for row in r["ranks"])
         budget = "" if r["memory_budget_mib"] is None else f" ({r['memory_budget_mib']} MiB)"
         lines.append(f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['plan']}{budget} | "
                      f"{r['stage_layer_counts']} | {r['predicted_iteration_ms']:.0f} | {r['measured_iteration_ms']:.0f} | "
-                     f"{r['iteration_error']:.1%} | {activation:.1%} |")
+                     f"{r['iteration_error']:.1%} | {activation:.1%} | {allocator} |")
     errors = [r["iteration_error"] for r in results]
     lines += ["", f"Step-time error over {len(errors)} runs: median {statistics.median(errors):.1%}, "
                   f"worst {max(errors):.1%}."]

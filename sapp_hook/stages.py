@@ -22,12 +22,13 @@ from torch.utils._pytree import tree_leaves
 from profiler.distributed import all_gather_bytes
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES, set_recompute
+from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
 from simulator.schedule import rank_chunk_to_stage, stage_to_rank
 from simulator.schedules import schedule_kind
 from solver import Plan
-from solver.profile import NONE, SELECTIVE
+from solver.profile import NONE
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,9 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
             log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?",
                         layer.name, block.name)
             break
-    kind = schedule_kind(layout.schedule)
-    if kind.splits_backward and any(layer.recompute == SELECTIVE for layer in body):
-        raise InputError("plan", f"{layout.schedule} splits each backward in two, and torch allows one backward "
-                                 "through a selective-checkpoint region: plan with none or full recompute")
-    placement = kind.placement
+    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
+        raise InputError("plan", f"recomputes layers; {no_recompute_reason(layout.schedule)}: plan with --modes none")
+    placement = schedule_kind(layout.schedule).placement
     ends = _end_ranks(layout)
     if _tied_weight(parts) is not None and len(ends) > 1:
         log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: sum their gradients "

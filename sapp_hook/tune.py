@@ -37,13 +37,13 @@ from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
+from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
 from simulator.errors import InputError, check_seconds
 from simulator.files import atomic_write_text
-from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, solve
-from solver.profile import SELECTIVE
+from solver.profile import NONE
 from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
@@ -117,10 +117,9 @@ class AutoTuner:
         self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
         self.out_dir = Path(out_dir) if out_dir else None
         self.cache = PlanCache(cache_dir)
-        if schedule_kind(schedule).splits_backward and SELECTIVE in modes:
-            # torch allows one backward through a selective-checkpoint region; these schedules run two
-            modes = tuple(mode for mode in modes if mode != SELECTIVE)
-            log.info("sapp-hook: %s splits the backward: selective recompute is left out", schedule)
+        if not recompute_runs_under(schedule) and set(modes) != {NONE}:
+            modes = (NONE,)
+            log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
         self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
                                       layers=layers, on_step=self._progress)
         if target is not None:  # now, not after the profiling steps

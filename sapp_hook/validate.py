@@ -2,22 +2,28 @@
 one thread each), next to what the simulator said of it from a profile taken beforehand.
 
 Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
-holds for backward over a step (saved-tensor hooks in the real run), the parameter, gradient and
+holds for backward over a step (saved-tensor hooks in the real run), the most bytes allocated during
+a step above its start (torch.profiler's memory events, in one more step), the parameter, gradient and
 optimizer bytes, and the bytes of torch's receive buffers; beside each, the prediction.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
@@ -49,19 +55,17 @@ class Setup:
 
 def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
     """Profile (unless given), plan, run the plan on `setup.stages` processes, and compare. Under a
-    schedule that splits the backward, a given profile's selective recompute is left out: torch runs
-    one backward through a selective-checkpoint region."""
+    schedule that splits the backward, a given profile's recompute modes are left out
+    (`sapp_hook.torch_engine`)."""
     from sapp_hook.models import load_config
-    from simulator.schedules import schedule_kind
-
     if profile is None:
         profile = profile_for(setup)  # checks the setup and the model first
     else:
         _check(setup)
         load_config(setup.model)  # a bad model fails here, not in every rank
         _check_profile_of(setup, profile)
-        if schedule_kind(setup.schedule).splits_backward:
-            profile = profile.with_modes(mode for mode in profile.modes if mode != SELECTIVE)
+        if not recompute_runs_under(setup.schedule):
+            profile = profile.with_modes([NONE])
     spec = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
                         schedule=setup.schedule, memory_budget_bytes=setup.memory_budget_bytes, receive_buffers=True)
     plan = choose_plan(profile, spec, setup.plan)
@@ -74,11 +78,9 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
 def profile_for(setup: Setup) -> ModelProfile:
     """The setup's model profiled in this process, in the recompute modes its schedule can run."""
     from sapp_hook.models import load_config, profile_example
-    from simulator.schedules import schedule_kind
-
     _check(setup)
     config = load_config(setup.model)
-    modes = (NONE, FULL) if schedule_kind(setup.schedule).splits_backward else (NONE, SELECTIVE, FULL)
+    modes = (NONE, SELECTIVE, FULL) if recompute_runs_under(setup.schedule) else (NONE,)
     log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
     return profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
                            seq_len=setup.seq_len, modes=modes, model_name=setup.model)
@@ -89,6 +91,8 @@ def _check(setup: Setup) -> None:
         value = getattr(setup, name)
         if not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    if setup.plan == "even-full" and not recompute_runs_under(setup.schedule):
+        raise InputError("--even-full", no_recompute_reason(setup.schedule))
 
 
 def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
@@ -107,8 +111,12 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
     if which in ("even", "even-full"):
         return even_plan(profile, spec, FULL if which == "even-full" else NONE)
     from sapp_hook.inputs import read_plan_json
+    from sapp_hook.writeback import layout_from_dict
 
-    return plan_from_dict(profile, read_plan_json(which, "--plan"))
+    data = read_plan_json(which, "--plan")
+    if not recompute_runs_under(spec.schedule) and layout_from_dict(data).body_modes() - {NONE}:
+        raise InputError("--plan", f"recomputes layers; {no_recompute_reason(spec.schedule)}")
+    return plan_from_dict(profile, data)
 
 
 def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> dict[str, list[float]]:
@@ -212,9 +220,14 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
             peaks.append(held.peak_bytes)
         losses.append([loss.item() for loss in step_losses])
 
+    # one more step, untimed, for what the allocator holds above the step's start: the profiler that
+    # counts it slows every allocation
+    allocated = _allocated_peak_bytes(lambda: schedule.step(*((batch,) if first else ()), target=batch if last else None,
+                                                            return_outputs=False))
     measured = {
         "rank": rank,
         "step_ms": step_ms,
+        "allocated_peak_bytes": allocated,
         "activation_peak_bytes": peaks,
         "parameter_bytes": unique_bytes(parameters),
         "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
@@ -245,6 +258,37 @@ def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
         trips.append((time.perf_counter() - started) * 1e3)
     dist.barrier()
     return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
+
+
+def _allocated_peak_bytes(step: Callable[[], object]) -> int:
+    """The most bytes this process allocates during `step` above what it held when the step began: the
+    running sum of the allocations and frees torch.profiler records (a CPU allocator keeps no peak)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    changes = sorted(((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events()
+                      if event.name() == "[memory]"), key=lambda change: change[0])
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull() -> Iterator[None]:
+    """File descriptor 2 to /dev/null meanwhile: torch's profiler writes its start and stop to it from C++,
+    which no setting turns off (the terminal is the CLI's)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _receive_buffers(stages: list[Any]) -> list[Any]:
@@ -278,6 +322,9 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
             "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][rank],
             "measured_activation_peak_bytes": activation,
             "activation_error": _error(predicted["activation_peak_bytes"][rank], activation),
+            "predicted_peak_bytes": predicted["peak_bytes"][rank],
+            "measured_allocated_peak_bytes": row["allocated_peak_bytes"],
+            "allocated_error": _error(predicted["peak_bytes"][rank], row["allocated_peak_bytes"]),
             "predicted_static_bytes": predicted["static_bytes"][rank] - predicted["receive_buffer_bytes"][rank],
             "measured_static_bytes": row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"],
             "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][rank],

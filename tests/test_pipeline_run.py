@@ -37,8 +37,8 @@ def pipelined_rank(rank: int, store: str, folder: str, schedule: str, counts: li
 
     with gloo_group(rank, 2, store):
         model = untied_or_tied(family)
-        # torch allows one backward through a selective-checkpoint region: not under split-backward schedules
-        modes = {2: "full"} if schedule == "ZBVZeroBubble" else {2: "full", 3: "selective"}
+        # no recompute under split-backward schedules, where torch runs a checkpointed block once per weight group
+        modes = {} if schedule == "ZBVZeroBubble" else {2: "full", 3: "selective"}
         plan = layout(counts, schedule, chunks, modes=modes)
         modules = apply(model, plan, rank)
         stages = [PipelineStage(module, index, len(counts), torch.device("cpu")) for index, module in modules]

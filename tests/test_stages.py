@@ -73,9 +73,11 @@ def test_a_plan_made_for_another_model_is_warned_about(caplog):
     assert "the plan's body layer 'model.layers.0' is the model's block 'transformer.h.0'" in caplog.text
 
 
-def test_selective_recompute_under_a_split_backward_schedule_is_refused():
-    with pytest.raises(InputError, match="torch allows one backward through a selective-checkpoint region"):
-        apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: "selective"}), 0)
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_under_a_split_backward_schedule_is_refused(mode):
+    with pytest.raises(InputError, match="plan: recomputes layers; ZBVZeroBubble splits each backward in two, and "
+                                         "torch runs a checkpointed block again for every weight-gradient group"):
+        apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: mode}), 0)
 
 
 def test_a_tied_embedding_split_over_ranks_is_warned_about(caplog):

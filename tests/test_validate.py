@@ -38,6 +38,7 @@ def test_a_plan_runs_as_predicted(gpt2_config, schedule, chunks, plan):
         assert row["measured_static_bytes"] == row["predicted_static_bytes"]
         # torch's stages keep a receive buffer per micro-batch for the inputs and output gradients
         assert row["measured_receive_buffer_bytes"] == row["predicted_receive_buffer_bytes"] > 0
+        assert row["measured_allocated_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
     config = load_config(gpt2_config)
     model = build_model(config)
     batch = random_batch(config, 2 * 4, 32, seed=0)["input_ids"]
@@ -95,3 +96,33 @@ def test_cli_bad_input_names_the_flag(capsys, flags, message):
         main(with_flags(argv, flags))
     err = capsys.readouterr().err
     assert caught.value.code == 2 and message in err and err.count("error:") == 1
+
+
+def test_recompute_is_refused_where_the_schedule_splits_the_backward(capsys):
+    """torch runs a checkpointed block again for every weight-gradient group of a split backward
+    (sapp_hook.torch_engine): an even split with full recompute is refused before any profiling."""
+    from sapp_hook.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "DualPipeV",
+              "--even-full"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("error:") == 1
+    assert "--even-full: DualPipeV splits each backward in two, and torch runs a checkpointed block again" in err
+
+
+def test_the_allocator_peak_of_a_step_is_counted_from_its_start():
+    """torch.profiler's memory events, summed in order: 1 MiB and 2 MiB live, then 1 MiB freed and 0.5 MiB
+    taken: 3 MiB at the peak, whatever was allocated before the step."""
+    from sapp_hook.validate import _allocated_peak_bytes
+
+    before = torch.empty(2**20)  # noqa: F841 (held: not counted)
+
+    def step():
+        first = torch.empty(2**18)
+        second = torch.empty(2**19)
+        del first
+        third = torch.empty(2**17)
+        return second, third
+
+    assert _allocated_peak_bytes(step) == 3 * 2**20

@@ -383,15 +383,19 @@ def test_torchtitan_micro_batches(config, edit, outcome):
         assert parallelism["num_pp_microbatches"] == outcome and "pipeline_parallel_microbatch_size" not in parallelism
 
 
-def test_torchtitan_gets_full_recompute_where_the_schedule_splits_the_backward(config):
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_torchtitan_refuses_recompute_where_the_schedule_splits_the_backward(config, mode):
     path = config("torchtitan")
-    result = write_config("torchtitan", path, layout_of(plan({layer: "selective" for layer in range(1, 9)}, stages=4,
-                                                             chunks=2, schedule="ZBVZeroBubble")))
+    before = path.read_bytes()
+    recomputing = plan({layer: mode for layer in range(1, 9)}, stages=4, chunks=2, schedule="ZBVZeroBubble")
+    with pytest.raises(InputError, match="recomputes layers; TorchTitan runs torch.distributed.pipelining: "
+                                         "ZBVZeroBubble splits each backward in two") as caught:
+        write_config("torchtitan", path, layout_of(recomputing))
+    assert caught.value.field == "--plan" and path.read_bytes() == before
+    write_config("torchtitan", path, layout_of(plan(stages=4, chunks=2, schedule="ZBVZeroBubble")))
     document = tomlkit.parse(path.read_text())
     assert document["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
-    assert document["activation_checkpoint"]["mode"] == "full"
-    assert any("cannot run through selective checkpointing" in note for note in result.notes)
-    assert str(result.written[-1]).endswith(".json")  # the exact plan beside it
+    assert document["activation_checkpoint"]["mode"] == "none"
 
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
+from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from simulator import SimulationResult
 from simulator.result import BubbleSplit
-from simulator.schedules import schedule_kind
 from simulator.units import format_bytes, format_ms
 from solver import ModelProfile, Plan, even_plan
 from solver.plan import MODE_ORDER
-from solver.profile import FULL, SELECTIVE
+from solver.profile import FULL, NONE
 
 
 def bubble_line(bubble: BubbleSplit) -> str:
@@ -55,9 +55,9 @@ def plan_report(plan: Plan) -> str:
     ]
     if plan.weight_split_assumed:
         lines.append("note            weight-gradient times not in the profile: I and W each took half of B")
-    if schedule_kind(schedule.name).splits_backward and SELECTIVE in plan.layer_modes:
-        lines.append(f"note            {schedule.name} splits the backward, which torch cannot run through selective "
-                     "checkpointing: --modes none,full plans without it")
+    if not recompute_runs_under(schedule.name) and set(plan.layer_modes) - {NONE}:
+        lines.append(f"note            on torch (TorchTitan, sapp_hook.apply): {no_recompute_reason(schedule.name)}; "
+                     "--modes none plans without it")
     rows = []
     for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
         counts = "+".join(str(len(r)) for r in chunk_ranges)

@@ -29,7 +29,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=(
             "Profile the model in one process, plan (the solver's plan, the even split, or a plan JSON), run "
             "the plan with torch.distributed.pipelining on one gloo process per stage, and print per rank the "
-            "predicted and measured step time and peak activation bytes (saved-tensor hooks in the real run)."
+            "predicted and measured step time, peak activation bytes (saved-tensor hooks in the real run) and "
+            "peak bytes allocated during a step (torch.profiler's memory events, in one more step)."
         ),
     )
     parser.add_argument("--model", required=True, metavar="NAME", help="a built-in model or a transformers config.json")
@@ -87,12 +88,15 @@ def validation_report(report: dict) -> str:
         f"{report['measured_iteration_ms']:.1f} ms ({report['iteration_error']:.1%} apart); "
         f"P2P measured {report['p2p_ms']:.3f} ms per activation, in the prediction",
         f"{'rank':>4}  {'step ms: predicted':>18} {'measured':>9} {'error':>6}  {'activations: predicted':>22} "
-        f"{'measured':>10} {'error':>6}",
+        f"{'measured':>10} {'error':>6}  {'allocator: predicted':>20} {'measured':>10} {'error':>6}",
     ]
     for row in report["ranks"]:
         lines.append(
             f"{row['rank']:>4}  {row['predicted_step_ms']:>18.1f} {row['measured_step_ms']:>9.1f} {row['step_error']:>6.1%}  "
             f"{format_bytes(row['predicted_activation_peak_bytes']):>22} {format_bytes(row['measured_activation_peak_bytes']):>10} "
-            f"{row['activation_error']:>6.1%}"
+            f"{row['activation_error']:>6.1%}  {format_bytes(row['predicted_peak_bytes']):>20} "
+            f"{format_bytes(row['measured_allocated_peak_bytes']):>10} {row['allocated_error']:>6.1%}"
         )
+    lines.append("(activations: what autograd holds for backward; allocator: every byte allocated during a step "
+                 "above its start, working sets and the outputs the engine keeps included)")
     return "\n".join(lines)

@@ -3,8 +3,8 @@ the plan's micro-batch count and the activation-checkpoint mode.
 
 TorchTitan names a Llama's modules `tok_embeddings`, `layers.<i>`, `norm` and `output`; the head is the
 first, the tail the last two. It checkpoints every block the same way: a plan that varies recompute by
-layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`;
-selective becomes full under the schedules that split the backward, which torch cannot run through it.
+layer gets the heaviest mode it uses, and a side file with the exact plan for `sapp_hook.apply`; a
+plan that recomputes under a schedule that splits the backward is refused (`sapp_hook.torch_engine`).
 TorchTitan's newer Python configs (Trainer.Config) are code: a `.py` config gets one error saying what
 to set there, with `torchtitan_module_names` for the split.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
+from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
-from simulator.schedules import schedule_kind
 from solver import Plan
 from solver.profile import FULL, NONE, SELECTIVE
 
@@ -73,6 +73,9 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     degree = parallelism.get("pipeline_parallel_degree")
     if degree is not None and degree != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has pipeline_parallel_degree {degree}")
+    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
+        raise InputError("--plan", f"recomputes layers; TorchTitan runs torch.distributed.pipelining: "
+                                   f"{no_recompute_reason(layout.schedule)}; plan with --modes none")
     result = WriteBack(path=path, diff="")
     parallelism["pipeline_parallel_degree"] = layout.stages
     parallelism["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
@@ -83,12 +86,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     checkpoint = document.get("activation_checkpoint")
     if not isinstance(checkpoint, dict):
         checkpoint = document["activation_checkpoint"] = tomlkit.table()
-    mode = _checkpoint_mode(layout)
-    if mode != layout.heaviest_mode():
-        result.notes.append(
-            f"{layout.schedule} splits each backward in two, which torch cannot run through selective "
-            f"checkpointing: mode is 'full' (recomputes more than the plan asks, keeps no more)"
-        )
+    mode = layout.heaviest_mode()
     checkpoint["mode"] = {NONE: "none", SELECTIVE: "selective", FULL: "full"}.get(mode, "full")
     if mode == SELECTIVE:
         # per op, as the profile measured it; TorchTitan's default ("2") fully checkpoints every second block
@@ -108,18 +106,10 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     return result
 
 
-def _checkpoint_mode(layout: Layout) -> str:
-    """The one activation-checkpoint mode TorchTitan runs for every block: the heaviest the plan uses,
-    full for selective under the schedules that split the backward (torch allows one backward through
-    a selective-checkpoint region; these run two)."""
-    mode = layout.heaviest_mode()
-    return FULL if mode == SELECTIVE and schedule_kind(layout.schedule).splits_backward else mode
-
-
 def _python_config(path: Path, layout: Layout) -> str:
     """What to set by hand in a TorchTitan Python config (TorchTitan dropped its TOML configs in 2026;
     its Python configs are code, and take no per-field overrides from the command line)."""
-    checkpoint = {NONE: "None", SELECTIVE: "SelectiveAC.Config()"}.get(_checkpoint_mode(layout), "FullAC.Config()")
+    checkpoint = {NONE: "None", SELECTIVE: "SelectiveAC.Config()"}.get(layout.heaviest_mode(), "FullAC.Config()")
     return (
         f"{path} is Python: sapp-hook rewrites TorchTitan's TOML configs; in a Python config (Trainer.Config) set "
         f"parallelism.pipeline_parallel_degree = {layout.stages}, pipeline_parallel_schedule = "

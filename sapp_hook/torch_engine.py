@@ -1,0 +1,23 @@
+"""What torch.distributed.pipelining does that a plan must allow for. No torch import: the CLI reads it."""
+
+from __future__ import annotations
+
+from simulator.schedules import schedule_kind
+
+
+def recompute_runs_under(schedule: str) -> bool:
+    """Whether torch runs recomputed (checkpointed) blocks as planned under `schedule`: not where the
+    schedule splits the backward (ZBVZeroBubble, DualPipeV). torch's split backward runs
+    `stage_backward_input`, then `stage_backward_weight` with one `autograd.grad` per group of weights,
+    and a checkpointed region is run again for every call that reaches it: a selective-checkpoint region
+    refuses the second backward, and a fully checkpointed Llama block ran its forward 10 times instead of
+    2 (two blocks, 9 weight groups each). tiny-llama under ZBVZeroBubble with every block fully
+    recomputed took 2.6x its predicted step time and peaked above the same split without recompute."""
+    return not schedule_kind(schedule).splits_backward
+
+
+def no_recompute_reason(schedule: str) -> str:
+    """Why a plan under `schedule` may not recompute on torch (for errors and notes)."""
+    return (f"{schedule} splits each backward in two, and torch runs a checkpointed block again for every "
+            "weight-gradient group of the second half (a selective one not at all): recompute there costs "
+            "several forwards and holds more memory than none")
