@@ -7,7 +7,7 @@ from simulator.schedules import schedule_kind
 
 def recompute_runs_under(schedule: str) -> bool:
     """Whether torch runs recomputed (checkpointed) blocks as planned under `schedule`: not where the
-    schedule splits the backward (ZBVZeroBubble, DualPipeV). torch's split backward runs
+    schedule splits the backward (ZBH1, ZBVZeroBubble, DualPipeV). torch's split backward runs
     `stage_backward_input`, then `stage_backward_weight` with one `autograd.grad` per group of weights,
     and a checkpointed region is run again for every call that reaches it: a selective-checkpoint region
     refuses the second backward, and a fully checkpointed Llama block ran its forward 10 times instead of

@@ -58,6 +58,7 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
     schedule that splits the backward, a given profile's recompute modes are left out
     (`sapp_hook.torch_engine`)."""
     from sapp_hook.models import load_config
+
     if profile is None:
         profile = profile_for(setup)  # checks the setup and the model first
     else:
@@ -78,6 +79,7 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
 def profile_for(setup: Setup) -> ModelProfile:
     """The setup's model profiled in this process, in the recompute modes its schedule can run."""
     from sapp_hook.models import load_config, profile_example
+
     _check(setup)
     config = load_config(setup.model)
     modes = (NONE, SELECTIVE, FULL) if recompute_runs_under(setup.schedule) else (NONE,)
