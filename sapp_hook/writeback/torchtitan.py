@@ -60,6 +60,9 @@ def module_names(layout: Layout) -> list[list[str]]:
 def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"torch.distributed.pipelining has no {layout.schedule}; TorchTitan runs {', '.join(SCHEDULES)}")
+    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
+        raise InputError("--plan", f"recomputes layers; TorchTitan runs torch.distributed.pipelining: "
+                                   f"{no_recompute_reason(layout.schedule)}; plan with --modes none")
     old = read_config(path)
     if path.suffix == ".py":
         raise InputError("--config", _python_config(path, layout))
@@ -73,9 +76,6 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     degree = parallelism.get("pipeline_parallel_degree")
     if degree is not None and degree != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has pipeline_parallel_degree {degree}")
-    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
-        raise InputError("--plan", f"recomputes layers; TorchTitan runs torch.distributed.pipelining: "
-                                   f"{no_recompute_reason(layout.schedule)}; plan with --modes none")
     result = WriteBack(path=path, diff="")
     parallelism["pipeline_parallel_degree"] = layout.stages
     parallelism["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
