@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from profiler.distributed import all_gather_bytes
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES, set_recompute
-from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
+from sapp_hook.torch_engine import check_no_recompute
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
 from simulator.schedule import rank_chunk_to_stage, stage_to_rank
@@ -112,8 +112,7 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
             log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?",
                         layer.name, block.name)
             break
-    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
-        raise InputError("plan", f"recomputes layers; {no_recompute_reason(layout.schedule)}: plan with --modes none")
+    check_no_recompute(layout.schedule, layout.body_modes(), "plan")
     placement = schedule_kind(layout.schedule).placement
     ends = _end_ranks(layout)
     if _tied_weight(parts) is not None and len(ends) > 1:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from simulator.errors import InputError
 from simulator.schedules import schedule_kind
+from solver.profile import NONE
 
 
 def recompute_runs_under(schedule: str) -> bool:
@@ -14,6 +18,13 @@ def recompute_runs_under(schedule: str) -> bool:
     2 (two blocks, 9 weight groups each). tiny-llama under ZBVZeroBubble with every block fully
     recomputed took 2.6x its predicted step time and peaked above the same split without recompute."""
     return not schedule_kind(schedule).splits_backward
+
+
+def check_no_recompute(schedule: str, modes: Iterable[str], field: str, runner: str = "") -> None:
+    """One InputError naming `field` where a plan recomputing layers (its `modes`) would run under
+    `schedule` on torch (`runner`: who runs torch, for the message)."""
+    if not recompute_runs_under(schedule) and set(modes) - {NONE}:
+        raise InputError(field, f"recomputes layers; {runner}{no_recompute_reason(schedule)}; plan with --modes none")
 
 
 def no_recompute_reason(schedule: str) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
+from sapp_hook.torch_engine import check_no_recompute, no_recompute_reason, recompute_runs_under
 from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
@@ -116,8 +116,7 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
     from sapp_hook.writeback import layout_from_dict
 
     data = read_plan_json(which, "--plan")
-    if not recompute_runs_under(spec.schedule) and layout_from_dict(data).body_modes() - {NONE}:
-        raise InputError("--plan", f"recomputes layers; {no_recompute_reason(spec.schedule)}")
+    check_no_recompute(spec.schedule, layout_from_dict(data).body_modes(), "--plan")
     return plan_from_dict(profile, data)
 
 

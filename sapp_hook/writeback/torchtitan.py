@@ -17,7 +17,7 @@ from pathlib import Path
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
+from sapp_hook.torch_engine import check_no_recompute
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
@@ -60,9 +60,7 @@ def module_names(layout: Layout) -> list[list[str]]:
 def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"torch.distributed.pipelining has no {layout.schedule}; TorchTitan runs {', '.join(SCHEDULES)}")
-    if not recompute_runs_under(layout.schedule) and layout.body_modes() - {NONE}:
-        raise InputError("--plan", f"recomputes layers; TorchTitan runs torch.distributed.pipelining: "
-                                   f"{no_recompute_reason(layout.schedule)}; plan with --modes none")
+    check_no_recompute(layout.schedule, layout.body_modes(), "--plan", runner="TorchTitan runs torch.distributed.pipelining: ")
     old = read_config(path)
     if path.suffix == ".py":
         raise InputError("--config", _python_config(path, layout))
