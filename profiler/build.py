@@ -67,7 +67,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         kept = min(median(memory.kept_bytes.get(mode, [])), kept_none)
         if memory.backward_peak_bytes.get(mode):
             working = median(memory.backward_peak_bytes[mode])
-        elif kind.startswith("body:"):  # CPU: the gradients flowing in and out, and what is rebuilt
+        elif kind.startswith("body:"):  # memory not counted: the gradients flowing in and out, and what is rebuilt
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0

@@ -45,7 +45,7 @@ class EventClock:
 
 
 class DeviceMemory:
-    """The caching allocator's counters on an accelerator (none exist for the CPU)."""
+    """The caching allocator's counters on an accelerator (the CPU has none: see `cpu_memory.CpuMemory`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

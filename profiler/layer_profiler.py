@@ -13,6 +13,8 @@
 
 The first `warmup_steps` steps warm up and find the layers' order; then each recompute mode runs
 `steps` times, the modes taking turns so that drift in the machine's speed spreads over all of them.
+On the CPU, which keeps no allocator counters, one more step per mode counts the bytes ops allocate
+(`CpuMemory`) for each layer's backward working set; those steps are not timed.
 Every block runs under the mode of its step (full or selective checkpointing), which leaves losses and
 gradients bit-identical: checkpointing recomputes the same values.
 """
@@ -28,6 +30,7 @@ from torch import nn
 
 from profiler.build import build_profile
 from profiler.clock import clock_for, device_of, memory_for
+from profiler.cpu_memory import CpuMemory
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
 from profiler.recorder import Recorder
@@ -78,14 +81,34 @@ class LayerProfiler:
         self.on_step = on_step
         self.device = device_of(model)
         self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device), count_memory)
+        # no allocator to read: working sets come from steps of their own, one per mode, counted op by op
+        self._cpu_memory = CpuMemory() if count_memory and self.recorder.memory is None else None
+        self._timed_memory = self.recorder.memory
+        self._counting = False  # a memory step's CpuMemory is entered
         self.samples: dict[object, LayerSamples] = {}
         self.steps_done = 0
         self._attached = False
         self._weight_fractions: dict[str, float] = {}
 
     @property
-    def total_steps(self) -> int:
+    def timed_steps_end(self) -> int:
+        """The step after the last timed one: warm-up, then `steps` per mode."""
         return self.warmup_steps + self.steps * len(self.modes)
+
+    @property
+    def total_steps(self) -> int:
+        return self.timed_steps_end + (len(self.modes) if self._cpu_memory is not None else 0)
+
+    def is_memory_step(self, step: int) -> bool:
+        """Whether step `step` (0-based) counts the CPU's allocations instead of being timed."""
+        return step >= self.timed_steps_end
+
+    def describe_step(self, step: int) -> str:
+        """What step `step` (0-based) is for, for progress lines: "warm-up", "recompute full", ..."""
+        if step < self.warmup_steps:
+            return "warm-up"
+        what = f"recompute {self.mode_of(step)}"
+        return f"{what}, counting memory" if self.is_memory_step(step) else what
 
     @property
     def done(self) -> bool:
@@ -95,6 +118,8 @@ class LayerProfiler:
         """The recompute mode step `step` (0-based) runs under; warm-up steps run without recompute."""
         if step < self.warmup_steps:
             return NONE
+        if self.is_memory_step(step):
+            return self.modes[step - self.timed_steps_end]
         return self.modes[(step - self.warmup_steps) % len(self.modes)]
 
     def __enter__(self) -> LayerProfiler:
@@ -109,11 +134,13 @@ class LayerProfiler:
             return
         self.recorder.attach(self.optimizer)
         self._attached = True
-        log.info("profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)", len(self.blocks),
-                 self.model_name, self.warmup_steps, self.steps, len(self.modes), ", ".join(self.modes))
+        counting = f" + {len(self.modes)} counting memory" if self._cpu_memory is not None else ""
+        log.info("profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)%s", len(self.blocks),
+                 self.model_name, self.warmup_steps, self.steps, len(self.modes), ", ".join(self.modes), counting)
 
     def detach(self) -> None:
         """Remove every hook and restore every block's forward; safe to call twice."""
+        self._stop_counting()
         if self._attached:
             self.recorder.detach()
             self._attached = False
@@ -125,7 +152,10 @@ class LayerProfiler:
         recorder = self.recorder
         recorder.clock.synchronize()
         mode = self.mode_of(self.steps_done)
-        if self.steps_done >= self.warmup_steps:
+        if self.is_memory_step(self.steps_done):
+            self._stop_counting()
+            self._collect_working_sets(mode)
+        elif self.steps_done >= self.warmup_steps:
             self._collect(mode)
         recorder.passes.clear()
         self.steps_done += 1
@@ -150,7 +180,11 @@ class LayerProfiler:
         mode = self.mode_of(self.steps_done)
         recorder.recording = self.steps_done >= self.warmup_steps
         recorder.set_mode(mode, on_kept=True)
-        last_plain_step = self.total_steps - len(self.modes) + self.modes.index(NONE)
+        if self.is_memory_step(self.steps_done):
+            recorder.memory = self._cpu_memory
+            self._cpu_memory.__enter__()
+            self._counting = True
+        last_plain_step = self.timed_steps_end - len(self.modes) + self.modes.index(NONE)
         if self.split_backward and self.steps_done == last_plain_step:
             first_of_kind = {}
             for index, block in enumerate(self.blocks):
@@ -172,6 +206,17 @@ class LayerProfiler:
                 input_bytes=record.input_bytes,
                 backward_peak_bytes=record.backward_peak_bytes,
             )
+
+    def _collect_working_sets(self, mode: str) -> None:
+        for slot, record in self.recorder.passes:
+            if record.backward_peak_bytes is not None:
+                self.samples.setdefault(slot, LayerSamples()).add_working_set(mode, record.backward_peak_bytes)
+
+    def _stop_counting(self) -> None:
+        if self._counting:
+            self._cpu_memory.__exit__(None, None, None)
+            self._counting = False
+            self.recorder.memory = self._timed_memory
 
     def _measure_weight_split(self) -> None:
         for index, (args, kwargs) in self.recorder.captured_inputs.items():

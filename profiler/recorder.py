@@ -45,7 +45,7 @@ class Pass:
     kept_bytes: dict[int, int] = field(default_factory=dict)  # storage -> bytes kept for backward
     input_bytes: int = 0  # the activation a block receives (its gradient flows back out of the block)
     backward_base_bytes: int = 0
-    backward_peak_bytes: int | None = None  # accelerators: allocator peak over the backward, above its start
+    backward_peak_bytes: int | None = None  # allocator peak over the backward, above its start (memory steps on the CPU)
 
 
 @dataclass

@@ -15,7 +15,7 @@ class LayerSamples:
     backward_ms: dict[str, list[float]] = field(default_factory=dict)
     kept_bytes: dict[str, list[int]] = field(default_factory=dict)
     input_bytes: list[int] = field(default_factory=list)
-    backward_peak_bytes: dict[str, list[int]] = field(default_factory=dict)  # accelerators only
+    backward_peak_bytes: dict[str, list[int]] = field(default_factory=dict)  # allocator peaks over the backward
 
     def add(self, mode: str, forward_ms: float, backward_ms: float, kept_bytes: int, input_bytes: int,
             backward_peak_bytes: int | None) -> None:
@@ -24,7 +24,10 @@ class LayerSamples:
         self.kept_bytes.setdefault(mode, []).append(kept_bytes)
         self.input_bytes.append(input_bytes)
         if backward_peak_bytes is not None:
-            self.backward_peak_bytes.setdefault(mode, []).append(backward_peak_bytes)
+            self.add_working_set(mode, backward_peak_bytes)
+
+    def add_working_set(self, mode: str, backward_peak_bytes: int) -> None:
+        self.backward_peak_bytes.setdefault(mode, []).append(backward_peak_bytes)
 
     def merged(self, other: LayerSamples) -> LayerSamples:
         """This layer's samples and another's together (pooling the layers of one kind)."""

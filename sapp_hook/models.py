@@ -170,7 +170,7 @@ def profile_example(
     dtype: str = "float32",
 ) -> ModelProfile:
     """Build `config`'s model on `device` in `dtype` and profile it over a few AdamW training steps on
-    random tokens."""
+    random tokens. `on_step(done, total, what)`: progress after each step, `what` the step's purpose."""
     import torch
 
     from profiler import LayerProfiler
@@ -184,7 +184,8 @@ def profile_example(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
         model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,
-        model_name=model_name or config.model_type, on_step=on_step,
+        model_name=model_name or config.model_type,
+        on_step=None if on_step is None else lambda done, total, mode: on_step(done, total, profiler.describe_step(done - 1)),
         micro_batch={"size": micro_batch_size, "sequence": seq_len},
     )
     with profiler:

@@ -292,8 +292,7 @@ class AutoTuner:
 
     def _progress(self, done: int, total: int, mode: str) -> None:
         if _rank() == 0:
-            log.info("sapp-hook: profiling step %d/%d done (%s)", done, total,
-                     "warm-up" if done <= self.profiler.warmup_steps else f"recompute {mode}")
+            log.info("sapp-hook: profiling step %d/%d done (%s)", done, total, self.profiler.describe_step(done - 1))
 
 
 def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:

@@ -18,6 +18,7 @@ from simulator import InputError
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 SETTING = {"stages": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps": 1}
+PROFILING = 7  # steps: a warm-up, then per recompute mode (none, selective, full) one timed and one counting memory
 
 
 @pytest.fixture
@@ -45,8 +46,8 @@ def train(model: torch.nn.Module, steps: int, **options: object):
 
 def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_yaml):
     options = {"config": mindformers_yaml, "target": "mindformers", "cache_dir": tmp_path / "cache"}
-    first = train(llama(), 6, **options)
-    assert first.done and not first.result.from_cache and first.profiler.steps_done == 4
+    first = train(llama(), PROFILING + 1, **options)
+    assert first.done and not first.result.from_cache and first.profiler.steps_done == PROFILING
     text = mindformers_yaml.read_text()
     assert "# parallel settings: the pipeline split lives under model.model_config" in text
     offset = yaml.safe_load(text)["model"]["model_config"]["offset"]
@@ -59,18 +60,18 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
     assert again.result.plan_data == first.result.plan_data
 
     set_layers(mindformers_yaml, 5)
-    deeper = train(llama(num_hidden_layers=5), 6, **options)  # a layer more: profiled and solved again
-    assert not deeper.result.from_cache and deeper.profiler.steps_done == 4
+    deeper = train(llama(num_hidden_layers=5), PROFILING + 1, **options)  # a layer more: profiled and solved again
+    assert not deeper.result.from_cache and deeper.profiler.steps_done == PROFILING
     assert len(deeper.result.layout.layers) == 7
 
     set_layers(mindformers_yaml, 4)
-    forced = train(llama(), 6, **options, force=True)
+    forced = train(llama(), PROFILING + 1, **options, force=True)
     assert not forced.result.from_cache
 
 
 @pytest.mark.parametrize("damage", ["layers", "stages"])
 def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage):
-    first = train(llama(), 6, cache_dir=tmp_path)
+    first = train(llama(), PROFILING + 1, cache_dir=tmp_path)
     (entry_path,) = tmp_path.glob("*.json")
     entry = json.loads(entry_path.read_text())
     if damage == "layers":  # as an older or hand-edited cache might hold
@@ -78,14 +79,14 @@ def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage
     else:
         entry["plan"]["spec"]["stages"] = 2
     entry_path.write_text(json.dumps(entry))
-    again = train(llama(), 6, cache_dir=tmp_path)  # a KeyError or "other parallel settings" before
+    again = train(llama(), PROFILING + 1, cache_dir=tmp_path)  # a KeyError or "other parallel settings" before
     assert not again.result.from_cache and again.profiler.steps_done == first.profiler.steps_done
     assert train(llama(), 3, cache_dir=tmp_path).result.plan_data == again.result.plan_data  # cached anew
 
 
 def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml):
     with pytest.raises(SystemExit) as caught:
-        train(llama(), 6, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, on_plan="exit")
+        train(llama(), PROFILING + 1, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, on_plan="exit")
     assert caught.value.code == REPLAN_EXIT_CODE
     assert mindformers_yaml.with_name("train.yaml.sapp-hook.bak").exists()
 
@@ -114,15 +115,15 @@ def test_as_a_decorator_of_the_step_function(tmp_path):
     def step(index: int) -> float:
         return train_step(model, optimizer, index)
 
-    losses = [step(i) for i in range(6)]
-    assert tuner.done and len(losses) == 6
+    losses = [step(i) for i in range(PROFILING + 1)]
+    assert tuner.done and len(losses) == PROFILING + 1
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"plan.json", "report.txt", "profile.json", "plan.png"}
 
 
 def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
     before = mindformers_yaml.read_text()
     with pytest.raises(InputError, match="sapp-hook found no plan; the config is untouched"):
-        train(llama(), 6, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, memory_budget="1MB")
+        train(llama(), PROFILING + 1, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, memory_budget="1MB")
     assert mindformers_yaml.read_text() == before
 
 
@@ -160,8 +161,8 @@ def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(tmp
 def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):
     """A calibrated overhead and a measured P2P time are planned with, and a plan made without them is
     not reused for them."""
-    train(llama(), 6, cache_dir=tmp_path)
-    calibrated = train(llama(), 6, cache_dir=tmp_path, action_overhead_ms=2.0, p2p_ms=0.5)
+    train(llama(), PROFILING + 1, cache_dir=tmp_path)
+    calibrated = train(llama(), PROFILING + 1, cache_dir=tmp_path, action_overhead_ms=2.0, p2p_ms=0.5)
     assert not calibrated.result.from_cache
     spec = calibrated.result.plan_data["spec"]
     assert spec["action_overhead_ms"] == 2.0 and spec["p2p_ms"] == 0.5
@@ -171,11 +172,11 @@ def test_the_engine_costs_reach_the_plan_and_the_cache_key(tmp_path):
 def test_the_model_trains_the_same_under_autotune(tmp_path):
     plain, tuned = llama(), llama()
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    expected = [train_step(plain, plain_optimizer, step) for step in range(6)]
+    expected = [train_step(plain, plain_optimizer, step) for step in range(PROFILING + 2)]
     tuned_optimizer = torch.optim.AdamW(tuned.parameters(), lr=1e-3)
     with autotune(tuned, tuned_optimizer, **SETTING, cache_dir=tmp_path) as tuner:
         got = []
-        for step in range(6):
+        for step in range(PROFILING + 2):  # the steps counting memory included
             got.append(train_step(tuned, tuned_optimizer, step))
             tuner.step()
     assert got == expected

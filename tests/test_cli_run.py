@@ -27,14 +27,14 @@ TRAIN = textwrap.dedent('''
     model = transformers.LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B", profile_steps=1) as tuner:
-        for step in range(6):
+        for step in range(8):  # 7 profiling steps: a warm-up, one timed and one counting memory per mode
             ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             tuner.step()
     with open(sys.argv[1], "a") as log:
-        log.write(json.dumps({"from_cache": tuner.result.from_cache, "steps": 6}) + "\\n")
+        log.write(json.dumps({"from_cache": tuner.result.from_cache, "steps": 8}) + "\\n")
 ''')
 
 
@@ -51,7 +51,7 @@ def test_run_plans_writes_and_relaunches(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "sapp-hook run: planned; training" in done.stderr
     runs = [json.loads(line) for line in log.read_text().splitlines()]
-    assert runs == [{"from_cache": True, "steps": 6}]  # the planning launch exited before logging
+    assert runs == [{"from_cache": True, "steps": 8}]  # the planning launch exited before logging
     offset = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
     assert isinstance(offset, list) and sum(offset) == 0
 
@@ -84,7 +84,7 @@ TRAIN_ON_TWO_RANKS = textwrap.dedent('''
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
                   modes=("none", "full")) as tuner:
-        for step in range(4):
+        for step in range(tuner.profiler.total_steps):
             train_stage(stage, rank, step, optimizer)
             tuner.step()
     with open(f"{sys.argv[1]}.{rank}", "a") as log:

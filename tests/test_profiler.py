@@ -151,11 +151,59 @@ def test_activation_bytes_of_a_plain_block_match_a_hand_count(llama_run):
 
 def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):
     for _, _, profile in (llama_run, gpt2_run):
-        hidden = profile.layers[1].recompute["none"].working_bytes / 2  # input and its gradient
+        hidden = BATCH * SEQ * 64 * FP32
         assert profile.stage_output_bytes == hidden  # what a stage sends on, and the engine keeps
         for layer in profile.layers:
             if layer.is_body:
                 assert layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * FP32 == hidden
+
+
+class Linears(torch.nn.Module):
+    """Blocks of one bias-free Linear each on (batch, width) inputs: what each backward allocates can be
+    counted by hand."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_on_the_cpu_working_sets_are_counted_op_by_op_in_untimed_steps():
+    """The CPU keeps no allocator counters: one more step per mode counts what ops allocate. A bias-free
+    Linear's backward allocates its input's gradient and its weight's, whatever the mode (full
+    recompute's rebuilt output is freed before them); those steps add no times."""
+    rows, width = 8, 16
+    model = Linears(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LayerProfiler(model, optimizer, steps=2, modes=("none", "full")) as profiler:
+        while not profiler.done:
+            model(torch.randn(rows, width)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            profiler.step()
+    assert profiler.total_steps == 1 + 2 * 2 + 2
+    assert [profiler.describe_step(step) for step in (0, 4, 5, 6)] == [
+        "warm-up", "recompute full", "recompute none, counting memory", "recompute full, counting memory"]
+    profile = profiler.profile()
+    for index, layer in enumerate(profile.layers[1:], start=1):  # block 0's input needs no gradient: no hook ends it
+        for mode in ("none", "full"):
+            assert layer.recompute[mode].working_bytes == (rows * width + width * width) * FP32
+            assert len(profiler.samples[index].forward_ms[mode]) == 2  # the timed steps' only
+            assert len(profiler.samples[index].backward_peak_bytes[mode]) == 1
+
+
+def test_the_tail_and_head_working_sets_hold_their_gradients(llama_run):
+    """The loss and LM head's backward allocates the logits' gradient (what it frees on the way, the
+    log-softmax it saved, makes the peak less than the sum of all it allocates); the embedding's, its
+    weight's gradient."""
+    _, _, profile = llama_run
+    vocab, hidden = LLAMA["vocab_size"], LLAMA["hidden_size"]
+    assert profile.layers[-1].recompute["none"].working_bytes >= BATCH * SEQ * vocab * FP32
+    assert profile.layers[0].recompute["none"].working_bytes >= vocab * hidden * FP32
 
 
 def selective_block_bytes() -> int:
@@ -206,7 +254,7 @@ def test_layer_times_add_up_to_the_step(llama_run):
             optimizer.zero_grad()
             before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.samples.items()}
             profiler.step()
-            if profiler.steps_done > profiler.warmup_steps:
+            if profiler.warmup_steps < profiler.steps_done <= profiler.timed_steps_end:
                 layers_ms = sum(
                     s.forward_ms["none"][-1] + s.backward_ms["none"][-1]
                     for slot, s in profiler.samples.items()
@@ -347,7 +395,7 @@ def test_bad_options_are_clear_errors(options, field):
 def test_asking_for_the_profile_too_early_says_how_far_it_got():
     model = llama()
     profiler = LayerProfiler(model, steps=1)
-    with profiler, pytest.raises(RuntimeError, match="profiled 0 of 4 steps"):
+    with profiler, pytest.raises(RuntimeError, match="profiled 0 of 7 steps"):  # 1 warm-up, 3 timed, 3 counting memory
         profiler.profile()
     with pytest.raises(RuntimeError, match="outside the profiling window"):
         profiler.step()
@@ -399,7 +447,7 @@ def test_blocks_rerun_by_their_own_checkpointing_are_not_counted_twice():
 
     model = ThreeLinears(checkpointed)
     with LayerProfiler(model, steps=1, modes=("none",)) as profiler:
-        for _ in range(2):
+        while not profiler.done:
             model(torch.randn(2, 4)).backward()
             profiler.step()
     assert [layer.name for layer in profiler.profile().layers if layer.is_body] == ["blocks.0", "blocks.1", "blocks.2"]

@@ -119,7 +119,7 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
         plan_file = Path(folder) / "plan.json"
         with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
                       modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
-            for step in range(4):
+            for step in range(tuner.profiler.total_steps):
                 train_stage(stage, rank, step, optimizer)
                 tuner.step()
         result = tuner.result

@@ -131,9 +131,8 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
     transformers.logging.set_verbosity_error()  # the CLI owns the terminal
     config = load_config(args.model)
 
-    def progress(done: int, total: int, mode: str) -> None:
+    def progress(done: int, total: int, what: str) -> None:
         if talk:
-            what = "warm-up" if done <= warmup_steps else f"recompute {mode}"
             print(f"profiling: step {done}/{total} done ({what})", file=sys.stderr, flush=True)
 
     try:
