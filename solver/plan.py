@@ -190,21 +190,28 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             )
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual],
-            working_bytes=_working_bytes(layers, frees_tail=not schedule_kind(spec.schedule).splits_backward),
+            working_bytes=_working_bytes(layers, one_backward=not schedule_kind(spec.schedule).splits_backward),
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
 
 
-def _working_bytes(layers: list[tuple[LayerProfile, str]], *, frees_tail: bool) -> float:
+def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool) -> float:
     """What a chunk holds above its activations while its backward runs: the largest working set of
-    its layers. Where one backward runs the whole chunk (`frees_tail`: not a split backward, which
-    keeps the graph for the weight gradients) the tail layers, last in the model, go first and free
-    their activations (the LM head's logits) before any other layer's backward: measured on an H200,
-    full recompute on the last rank was over-predicted by 13.6% without this, 2.0% with it."""
-    freed = 0.0
-    if frees_tail:
-        freed = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind == TAIL)
-    return max([layer.recompute[mode].working_bytes - (0.0 if layer.kind == TAIL else freed) for layer, mode in layers],
+    its layers. Where one backward runs the whole chunk (`one_backward`: not a split backward, which
+    keeps the graph for the weight gradients) each layer's backward frees what it saved, so the tail
+    layers, last in the model, go first and free their activations (the LM head's logits) before
+    any other layer's backward (measured on an H200: full recompute on the last rank was
+    over-predicted by 13.6% without this, 2.0% with it), and the head layers go last, when every
+    other layer of the chunk has freed its activations (the embedding's gradient, as large as the
+    embedding, comes then: in the validation study the first rank's allocator peak was over-predicted
+    by up to 32% without this, within 7% with it).
+    Body layers are counted less the tail's activations only, as the search states them."""
+    if not one_backward:
+        return max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0)
+    freed_by_tail = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind == TAIL)
+    freed_before_head = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD)
+    freed = {TAIL: 0.0, HEAD: freed_before_head}
+    return max([layer.recompute[mode].working_bytes - freed.get(layer.kind, freed_by_tail) for layer, mode in layers],
                default=0.0)
 
 

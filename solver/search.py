@@ -722,37 +722,51 @@ class _Formulation:
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
     def _working_sets(self, cells: int) -> list[_Linear]:
-        """Per virtual stage, the largest working set of the layers it holds, less the activations of
-        the tail layers there, which free them first, where one backward runs the whole chunk (as
-        `plan.pipeline_costs` counts it)."""
+        """Per virtual stage, the largest working set of the layers it holds, where one backward runs
+        the whole chunk less what the layers whose backward ran before have freed (as
+        `plan.pipeline_costs` counts it): the tail's activations, before any other layer's; the head's
+        less every other layer's activations there too (a linear row in the counts)."""
+        one_backward = not schedule_kind(self.spec.schedule).splits_backward
         freed = [0.0] * cells
-        if not schedule_kind(self.spec.schedule).splits_backward:
+        if one_backward:
             for group in self.groups:
                 if group.kind == TAIL:
                     freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
         pinned = [0.0] * cells
+        head = [-INF] * cells  # the head's working set less the tail's activations, before the body's are taken off
         for group in self.groups:
-            if group.pinned_cell is not None:
-                less = 0.0 if group.kind == TAIL else freed[group.pinned_cell]
-                pinned[group.pinned_cell] = max(pinned[group.pinned_cell], group.working_mib[NONE] - less)
-        # cell -> (its working-set variable, least value, (count variable, working set) of each layer that may raise it)
-        self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
+            c = group.pinned_cell
+            if group.kind == TAIL:
+                pinned[c] = max(pinned[c], group.working_mib[NONE])
+            elif group.kind == HEAD and one_backward:
+                head[c] = max(head[c], group.working_mib[NONE] - freed[c])
+            elif c is not None:
+                pinned[c] = max(pinned[c], group.working_mib[NONE] - freed[c])
+        # cell -> (its working-set variable, least value, (count variable, working set) of each layer that
+        # may raise it, (the head's working set, activation per count variable) or None)
+        self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]], tuple[float, dict[int, float]] | None]] = {}
         working = []
         for c in range(cells):
             choices = [(g, count, self.groups[g].working_mib[mode] - freed[c])
                        for (g, cell, mode), count in self.count.items() if cell == c]
             choices = [(g, count, size) for g, count, size in choices if size > pinned[c]]
-            if not choices:  # no layer here can hold more than its head or tail does
+            head_row = None
+            if head[c] > pinned[c]:
+                head_row = (head[c], {count: self.groups[g].activation_mib[mode]
+                                      for (g, cell, mode), count in self.count.items() if cell == c})
+            if not choices and head_row is None:  # no layer here can hold more than its head or tail does
                 working.append(_Linear(constant=pinned[c]))
                 continue
             variable = self.milp.variable(pinned[c])
-            self.working_choices[c] = (variable, pinned[c], [(count, size) for _, count, size in choices])
+            self.working_choices[c] = (variable, pinned[c], [(count, size) for _, count, size in choices], head_row)
             for g, count, size in choices:
                 present = count  # a group of one layer: its count says whether it is there
                 if self.groups[g].size > 1:
                     present = self.milp.variable(0, 1, integer=True)
                     self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
                 self.milp.row({variable: 1.0, present: -size}, lower=0.0)
+            if head_row is not None:  # the head's backward runs last, after every other layer here has freed
+                self.milp.row({variable: 1.0, **head_row[1]}, lower=head_row[0])
             working.append(_Linear({variable: 1.0}))
         return working
 
@@ -813,8 +827,11 @@ class _Formulation:
     def update_working_set(self, values: list[float], cell: int) -> None:
         """Set the working-set variable of virtual stage `cell` from the layer counts in `values`."""
         if cell in self.working_choices:
-            variable, least, choices = self.working_choices[cell]
-            values[variable] = max([least] + [size for count, size in choices if values[count] > 0.5])
+            variable, least, choices, head_row = self.working_choices[cell]
+            sizes = [least] + [size for count, size in choices if values[count] > 0.5]
+            if head_row is not None:
+                sizes.append(head_row[0] - _dot(head_row[1], values))
+            values[variable] = max(sizes)
 
     def add_peak_variable(self) -> int:
         peak = self.milp.variable()

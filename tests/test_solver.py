@@ -433,6 +433,39 @@ def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedul
     assert last.working_bytes == last_working_mib * MIB and first.working_bytes == 30 * MIB
 
 
+def heavy_head_profile(working_mib: float) -> ModelProfile:
+    """small_profile(6) with an embedding whose backward allocates `working_mib` (its weight's gradient)."""
+    profile = small_profile(6)
+    head = layer("embed", "head", 1.0, 2.0, 1.0, parameter_mib=60, modes={"none": (0.0, 0.0, working_mib)})
+    return dataclasses.replace(profile, layers=(head, *profile.layers[1:]))
+
+
+@pytest.mark.parametrize(("schedule", "mode", "first_working_mib"), [
+    ("1F1B", "none", 4),  # the head's 100 MiB less the 3 x 40 MiB the blocks freed: a block's 4 MiB is larger
+    ("1F1B", "full", 100 - 3 * 5),  # the blocks' 30 MiB each, or the head's less their 3 x 5 MiB
+    ("ZBH1", "full", 100),  # a split backward keeps every block's activations until W
+])
+def test_the_heads_working_set_comes_after_the_chunk_has_freed_the_rest(schedule, mode, first_working_mib):
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
+    plan = evaluate_plan(heavy_head_profile(100), spec, [4, 4], ["none"] + [mode] * 6 + ["none"])
+    assert plan.simulation.costs.chunk_costs[0][0].working_bytes == first_working_mib * MIB
+
+
+@pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches"), [
+    ("1F1B", 2, 1, 4), ("GPipe", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBH1", 2, 1, 4)])
+def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(name, stages, chunks, micro_batches):
+    """At 1.05x the least budget that fits, where the head's working set decides how much the first
+    stage must recompute."""
+    profile = heavy_head_profile(150)
+    with pytest.raises(InfeasibleError) as caught:
+        solve(profile, spec_for(name, stages, chunks, micro_batches, 1))
+    budget_mib = 1.05 * caught.value.smallest_budget_bytes / MIB
+    spec = spec_for(name, stages, chunks, micro_batches, budget_mib)
+    plan = solve(profile, spec)
+    assert plan.status == "optimal" and plan.fits
+    assert plan.iteration_time_ms == pytest.approx(brute_force(profile, spec).iteration_time_ms, rel=1e-9)
+
+
 @pytest.mark.parametrize("name, stages, chunks, micro_batches", [CASES[0], CASES[3], CASES[6]])
 def test_layers_of_microseconds_are_planned_as_if_they_took_milliseconds(name, stages, chunks, micro_batches):
     """HiGHS holds rows to about 1e-6 ms: a profile of microsecond layers, searched as it is, ended
