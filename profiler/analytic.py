@@ -208,6 +208,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
         stage_output_bytes=tokens * s.hidden_size * p / tp,
+        model_output_bytes=tokens * s.vocab_size * p / tp,  # the logits, split over the vocabulary
     )
 
 

@@ -48,6 +48,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         fingerprint=fingerprint(profiler.model, [b.kind for b in profiler.blocks]),
         # the hidden state a body block receives is what a stage sends on
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
+        model_output_bytes=median(recorder.output_bytes),
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
     )
 

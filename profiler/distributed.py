@@ -55,6 +55,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
         fingerprint=hashlib.sha256("".join(p.fingerprint for p in ordered).encode()).hexdigest()[:16],
         stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
         stage_output_bytes=max(p.stage_output_bytes for p in ordered),
+        model_output_bytes=ordered[-1].model_output_bytes,
         tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),
     )
 

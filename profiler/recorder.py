@@ -114,6 +114,7 @@ class Recorder:
         self.captured_inputs: dict[int, tuple[tuple, dict]] = {}  # body index -> (args, kwargs), for split_backward
         self.capture_for: set[int] = set()
         self.input_shape: tuple[int, ...] | None = None  # of the model's first tensor input (token ids)
+        self.output_bytes: list[int] = []  # per recorded forward: what the model returns that has a gradient
 
     # -- installing and removing ------------------------------------------------------------------
 
@@ -273,9 +274,13 @@ class Recorder:
         if forward is None:
             return
         started = self._backward_started(forward)
+        returned = []
         for tensor in tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 tensor.grad_fn.register_prehook(started)
+                returned.append(tensor)
+        if self.recording:
+            self.output_bytes.append(unique_bytes(returned))
 
     def _owner_pre(self, module: nn.Module) -> Callable:
         def hook(mod: nn.Module, args: tuple) -> None:

@@ -146,8 +146,12 @@ def mindformers_view(
 def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
     """Per virtual stage, what the engine keeps of the tensors stages pass (`profile.stage_output_bytes`
     each): per micro-batch in flight, the output it sent, until the output's gradient comes back; for
-    the whole run, with `spec.receive_buffers`, torch's buffers: one per micro-batch for the input
-    received (every virtual stage but the first) and one for the output gradient (all but the last)."""
+    the whole run, with `spec.receive_buffers` (torch's engine), torch's buffers: one per micro-batch
+    for the input received (every virtual stage but the first) and one for the output gradient (all
+    but the last). torch's engine also keeps the last stage's output, the model's
+    (`profile.model_output_bytes`, the logits), per micro-batch in flight: the loss is computed from
+    it outside the stage, and the stage holds it until that micro-batch's backward (GPipe's last
+    rank, 8 micro-batches of tiny-llama: 32 MiB its allocator held that the plan did not count)."""
     schedule = spec.pipeline_schedule
     last = schedule.num_stages - 1
     size = profile.stage_output_bytes
@@ -156,7 +160,10 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
         # torch hands an output to the next virtual stage on the same rank as that stage's input
         # buffer: the buffers hold it, not a copy
         local = virtual < last and schedule.rank_of(virtual + 1) == schedule.rank_of(virtual)
-        in_flight.append(size if virtual < last and not (spec.receive_buffers and local) else 0.0)
+        if virtual == last:
+            in_flight.append(profile.model_output_bytes if spec.receive_buffers else 0.0)
+        else:
+            in_flight.append(0.0 if spec.receive_buffers and local else size)
         buffers = (virtual > 0) + (virtual < last) if spec.receive_buffers else 0
         whole_run.append(buffers * spec.micro_batches * size)
     return in_flight, whole_run

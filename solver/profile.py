@@ -95,6 +95,9 @@ class ModelProfile:
     # per micro-batch: a stage's output (the hidden state it sends), which the pipeline engine keeps
     # until its gradient comes back; held by every virtual stage but the last
     stage_output_bytes: float = 0.0
+    # per micro-batch: what the model's forward returns (the logits), which torch's pipeline engine
+    # keeps on the last stage until that micro-batch's backward
+    model_output_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
 
     def __post_init__(self) -> None:
@@ -149,6 +152,7 @@ class ModelProfile:
             "fingerprint": self.fingerprint,
             "stage_constant_bytes": self.stage_constant_bytes,
             "stage_output_bytes": self.stage_output_bytes,
+            "model_output_bytes": self.model_output_bytes,
             "layers": [_layer_to_dict(layer) for layer in self.layers],
             "tied_parameters": [
                 {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
@@ -182,6 +186,7 @@ class ModelProfile:
             fingerprint=fields.text("fingerprint"),
             stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
             stage_output_bytes=fields.number("stage_output_bytes", 0.0),
+            model_output_bytes=fields.number("model_output_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
         fields.done()
@@ -301,6 +306,7 @@ def _check_profile(profile: ModelProfile) -> None:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
     check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
     check_bytes(profile.stage_output_bytes, "stage_output_bytes")
+    check_bytes(profile.model_output_bytes, "model_output_bytes")
     layers = profile.layers
     check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
     for index, layer in enumerate(layers):

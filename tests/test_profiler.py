@@ -149,6 +149,12 @@ def test_activation_bytes_of_a_plain_block_match_a_hand_count(llama_run):
         assert layer.recompute["none"].activation_bytes == llama_block_bytes(first=False)
 
 
+def test_the_models_output_is_the_logits_and_the_loss(llama_run):
+    """What torch's pipeline engine keeps on the last stage per micro-batch in flight."""
+    _, _, profile = llama_run
+    assert profile.model_output_bytes == (BATCH * SEQ * LLAMA["vocab_size"] + 1) * FP32
+
+
 def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):
     for _, _, profile in (llama_run, gpt2_run):
         hidden = BATCH * SEQ * 64 * FP32

@@ -54,7 +54,8 @@ def problems(draw):
         receive_buffers=draw(st.booleans()),
     )
     output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
-    return ModelProfile(layers=tuple(layers), stage_output_bytes=output), spec
+    logits = draw(st.sampled_from([0.0, 7.0])) * MIB  # the model's, which torch's engine keeps on the last stage
+    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits), spec
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

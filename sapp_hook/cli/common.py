@@ -84,7 +84,7 @@ def add_receive_buffers_flag(parser: argparse.ArgumentParser) -> None:
         "--receive-buffers", action="store_true",
         help="the job runs on torch.distributed.pipelining (or TorchTitan), which keeps a buffer per micro-batch "
              "for every stage's received input and output gradient, all run long (the profile's "
-             "stage_output_bytes each)",
+             "stage_output_bytes each), and the last stage's outputs (model_output_bytes) until their backward",
     )
 
 
