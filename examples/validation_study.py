@@ -28,8 +28,9 @@ CASES = [
       for schedule, chunks in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))],
     ("tiny-llama", 4, "1F1B", 1, ("even", "solve"), None),
     ("tiny-llama", 2, "1F1B", 1, ("even-full", "solve"), 150),
-    # (150 MiB until torch's receive buffers were counted: 151 MiB is now the least that fits)
-    ("tiny-moe", 2, "Interleaved1F1B", 2, ("even-full", "solve"), 160),
+    # the least that fits: 150 MiB before torch's receive buffers were counted, then 151 MiB; 159 MiB
+    # with the CPU's working sets measured; 163 MiB with the logits torch keeps on the last stage
+    ("tiny-moe", 2, "Interleaved1F1B", 2, ("even-full", "solve"), 170),
 ]
 
 

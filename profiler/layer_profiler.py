@@ -101,7 +101,7 @@ class LayerProfiler:
 
     def is_memory_step(self, step: int) -> bool:
         """Whether step `step` (0-based) counts the CPU's allocations instead of being timed."""
-        return step >= self.timed_steps_end
+        return self._cpu_memory is not None and step >= self.timed_steps_end
 
     def describe_step(self, step: int) -> str:
         """What step `step` (0-based) is for, for progress lines: "warm-up", "recompute full", ..."""
