@@ -83,8 +83,6 @@ class LayerProfiler:
         self.recorder = Recorder(model, self.blocks, clock_for(self.device), memory_for(self.device), count_memory)
         # no allocator to read: working sets come from steps of their own, one per mode, counted op by op
         self._cpu_memory = CpuMemory() if count_memory and self.recorder.memory is None else None
-        self._timed_memory = self.recorder.memory
-        self._counting = False  # a memory step's CpuMemory is entered
         self.samples: dict[object, LayerSamples] = {}
         self.steps_done = 0
         self._attached = False
@@ -183,7 +181,6 @@ class LayerProfiler:
         if self.is_memory_step(self.steps_done):
             recorder.memory = self._cpu_memory
             self._cpu_memory.__enter__()
-            self._counting = True
         last_plain_step = self.timed_steps_end - len(self.modes) + self.modes.index(NONE)
         if self.split_backward and self.steps_done == last_plain_step:
             first_of_kind = {}
@@ -213,10 +210,10 @@ class LayerProfiler:
                 self.samples.setdefault(slot, LayerSamples()).add_working_set(mode, record.backward_peak_bytes)
 
     def _stop_counting(self) -> None:
-        if self._counting:
+        """Leave a memory step's CpuMemory, if one is entered (the recorder reads it only then)."""
+        if self._cpu_memory is not None and self.recorder.memory is self._cpu_memory:
             self._cpu_memory.__exit__(None, None, None)
-            self._counting = False
-            self.recorder.memory = self._timed_memory
+            self.recorder.memory = None
 
     def _measure_weight_split(self) -> None:
         for index, (args, kwargs) in self.recorder.captured_inputs.items():

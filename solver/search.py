@@ -740,8 +740,8 @@ class _Formulation:
                 pinned[c] = max(pinned[c], group.working_mib[NONE])
             elif group.kind == HEAD and one_backward:
                 head[c] = max(head[c], group.working_mib[NONE] - freed[c])
-            elif c is not None:
-                pinned[c] = max(pinned[c], group.working_mib[NONE] - freed[c])
+            elif group.kind == HEAD:  # a split backward frees nothing before the head's
+                pinned[c] = max(pinned[c], group.working_mib[NONE])
         # cell -> (its working-set variable, least value, (count variable, working set) of each layer that
         # may raise it, (the head's working set, activation per count variable) or None)
         self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]], tuple[float, dict[int, float]] | None]] = {}
