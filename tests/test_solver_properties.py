@@ -161,3 +161,18 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
         assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
         assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
+
+
+def test_a_search_highs_ends_in_a_solve_error_is_run_again_tighter(monkeypatch):
+    """HiGHS 1.16.0 ends this program (found by the property above) on a solution that breaks a row by
+    exactly its tolerance and calls it a solve error; the search runs again with a tighter one (with
+    `milp.RETRY_FEASIBILITY_TOLERANCE` at HiGHS's default, 1e-6, this raised "Solve error")."""
+    head = layer("head", "head", 1.1229761813946553, 1.4453265197763752)
+    body = [layer(f"l{i}", "body:a", forward, 2 * forward, 0.0, modes={
+        "none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)})
+        for i, forward in enumerate((4.5, 4.547999165838229, 2.0, 1.966640451660458, 2.9080647529977286))]
+    profile = ModelProfile(layers=(head, *body, layer("tail", "tail", 1.0, 1.0)))
+    spec = PipelineSpec(stages=3, micro_batches=3, schedule="GPipe", memory_budget_bytes=34 * MIB)
+    monkeypatch.setattr(search, "_timing_for", lambda schedule: search.PATHS)
+    plan = solve(profile, spec, time_limit_s=30)
+    assert plan.status == "optimal" and plan.fits
