@@ -137,10 +137,12 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
         def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:
             virtual = schedule.stage_index(rank, chunk)
             ids = input_bytes if virtual == 0 else 0.0
-            kept_output = kept_in_flight[virtual] if autograd_only else 0.0
-            return dataclasses.replace(costs_of, static_bytes=0.0,
-                                       activation_bytes=costs_of.activation_bytes - ids - kept_output,
-                                       working_bytes=0.0 if autograd_only else costs_of.working_bytes)
+            if not autograd_only:
+                return dataclasses.replace(costs_of, static_bytes=0.0, activation_bytes=costs_of.activation_bytes - ids)
+            # gradients (working sets, a split backward's pending and retained ones) are not what it saved
+            return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, pending_bytes=0.0,
+                                       retained_bytes=0.0,
+                                       activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual])
 
         bare_costs = PipelineCosts(
             tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from simulator.errors import InputError, check_non_negative
 
 
@@ -15,9 +16,12 @@ class ChunkCosts:
     `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
     run as a separate W action (None: not measured). `recompute_ms` is the forward work the
     backward redoes for activation recompute. `working_bytes` is held only while a backward of
-    this chunk runs (gradient buffers, re-materialised activations). `retained_bytes`, part of
-    `activation_bytes`, stays held from the W action to the end of the step: where the backward is
-    split, torch's W frees only the tensors the weight gradients used.
+    this chunk runs (gradient buffers, re-materialised activations). Where the backward is split:
+    `pending_bytes` is held from the I action to the W action (the gradients the weight gradients
+    still need, those of each weighted op's output; torch keeps them in its param groups; negative
+    where the I action frees more than it holds, down to the whole activation), and
+    `retained_bytes` from the W action to the end of the step (what an engine's W does not free:
+    part of the activations; torch's input gradient, left on its receive buffer).
     """
 
     forward_ms: float
@@ -28,17 +32,15 @@ class ChunkCosts:
     static_bytes: float = 0.0
     working_bytes: float = 0.0
     retained_bytes: float = 0.0
+    pending_bytes: float = 0.0
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
         for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes",
                      "retained_bytes"):
             check_non_negative(getattr(self, name), f"{where} {name}")
-        if self.retained_bytes > self.activation_bytes:
-            raise InputError(
-                f"{where} retained_bytes",
-                f"expected at most activation_bytes ({self.activation_bytes:g}), got {self.retained_bytes:g}",
-            )
+        # the I action may free part of the activations (torch's last stage drops the model's output there)
+        check_non_negative(self.pending_bytes + self.activation_bytes, f"{where} pending_bytes + activation_bytes")
         if self.weight_ms is not None:
             check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
@@ -46,6 +48,17 @@ class ChunkCosts:
                     f"{where} weight_ms",
                     f"expected at most backward_ms ({self.backward_ms:g}), got {self.weight_ms:g}",
                 )
+
+    def held_change_bytes(self, kind: str) -> float:
+        """What an action of `kind` on this chunk adds to the bytes its rank holds once it has run
+        (negative: what it frees). Its working set comes on top while a backward runs."""
+        if kind == FORWARD:
+            return self.activation_bytes
+        if kind == BACKWARD_INPUT:
+            return self.pending_bytes
+        if kind == BACKWARD_WEIGHT:
+            return -(self.activation_bytes - self.retained_bytes + self.pending_bytes)
+        return -self.activation_bytes
 
     def split_weight_ms(self) -> float:
         """The weight-gradient part of the backward; half of it where it was not measured."""

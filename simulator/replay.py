@@ -3,13 +3,14 @@
 An action starts when its rank is free and the action it depends on has ended (plus the P2P
 time when that action ran on another rank). Sends are asynchronous: they never hold a rank.
 Memory of a rank: its static bytes, plus the activation of every (chunk, micro-batch) whose
-forward has ended and whose backward (B, or W when split) has not, plus the chunk's working
+forward has ended and whose backward (B, or W when split) has not, plus, where the backward is
+split, the pending gradients of every one whose I has run and W has not, plus the chunk's working
 set while one of its backward actions runs.
 """
 
 from __future__ import annotations
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from simulator.actions import BACKWARD_INPUT, FORWARD
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.program import Program
@@ -111,15 +112,14 @@ def _rank_memory(program: Program, costs: PipelineCosts, rank: int) -> tuple[flo
     for chunk_index, kind in zip(program.chunk[first:last], program.kind[first:last]):
         chunk = row[chunk_index]
         if kind == FORWARD:
-            memory += chunk.activation_bytes
             held += 1
-            peak = max(peak, memory)
             peak_held = max(peak_held, held)
-            continue
-        peak = max(peak, memory + chunk.working_bytes)
-        if kind != BACKWARD_INPUT:
-            memory -= chunk.activation_bytes - (chunk.retained_bytes if kind == BACKWARD_WEIGHT else 0.0)
-            held -= 1
+        else:
+            peak = max(peak, memory + chunk.working_bytes)
+            if kind != BACKWARD_INPUT:
+                held -= 1
+        memory += chunk.held_change_bytes(kind)
+        peak = max(peak, memory)
     return peak, peak_held
 
 

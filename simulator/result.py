@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
+from simulator.actions import BACKWARD_WEIGHT, FORWARD, Action
 from simulator.costs import PipelineCosts
 from simulator.schedule import Schedule
 
@@ -94,15 +94,9 @@ class SimulationResult:
         for timed in self.rank_timeline(rank):
             chunk = row[timed.chunk]
             kind = timed.action.kind
-            if kind == FORWARD:
-                memory += chunk.activation_bytes
-                points.append((timed.end_ms, memory))
-                continue
-            points.append((timed.start_ms, memory + chunk.working_bytes))
-            if kind == FULL_BACKWARD:
-                memory -= chunk.activation_bytes
-            elif kind == BACKWARD_WEIGHT:
-                memory -= chunk.activation_bytes - chunk.retained_bytes
+            if kind != FORWARD:
+                points.append((timed.start_ms, memory + chunk.working_bytes))
+            memory += chunk.held_change_bytes(kind)
             points.append((timed.end_ms, memory))
         points.append((self.iteration_time_ms, memory))
         return points

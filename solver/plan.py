@@ -143,6 +143,17 @@ def mindformers_view(
     return view
 
 
+def torch_splits_backward(spec: PipelineSpec) -> bool:
+    """Whether torch's engine (`spec.receive_buffers`) runs the schedule's backward split in two, where
+    it differs from the split the profile states in two ways. Virtual stage 0, whose input takes no
+    gradient, runs its whole backward at its W, its I doing nothing (so nothing waits between them:
+    `_PipelineStageBase.backward_weight_one_chunk`). Every other stage's I leaves its input's
+    gradient on the receive buffer (`stage_backward_input` sets the input's `.grad`), where it stays
+    until the next step clears it: part of what the profile measures as pending until W, kept after.
+    The last stage's I drops the model's output (the logits), which the engine kept from its forward."""
+    return spec.receive_buffers and schedule_kind(spec.schedule).splits_backward
+
+
 def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
     """Per virtual stage, what the engine keeps of the tensors stages pass (`profile.stage_output_bytes`
     each): per micro-batch in flight, the output it sent, until the output's gradient comes back; for
@@ -177,27 +188,33 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
+    splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
     start = 0
     for virtual, count in enumerate(counts):
         layers = [(profile.layers[i], modes[i]) for i in range(start, start + count)]
         start += count
         stage, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
+        whole = torch_split and virtual == 0
         grid[stage][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
-            weight_ms=sum(layer.split_weight_ms() for layer, _ in layers) + weight_overhead,
+            weight_ms=sum(layer.backward_ms if whole else layer.split_weight_ms() for layer, _ in layers)
+            + weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
             + kept_in_flight[virtual],
-            retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers),
+            retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers)
+            + (profile.stage_output_bytes if torch_split and virtual > 0 else 0.0),
+            pending_bytes=(0.0 if whole else sum(layer.recompute[mode].pending_bytes for layer, mode in layers))
+            - (profile.model_output_bytes if torch_split and virtual == schedule.num_stages - 1 else 0.0),
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
                 for layer, _ in layers
             )
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual],
-            working_bytes=_working_bytes(layers, one_backward=not schedule_kind(spec.schedule).splits_backward),
+            working_bytes=_working_bytes(layers, one_backward=whole or not splits),
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
 

@@ -31,14 +31,17 @@ class RecomputeCost:
     extra_ms: forward work the backward redoes. activation_bytes: kept per micro-batch until the
     backward. working_bytes: held only while this layer's backward runs (gradient buffers and,
     for full recompute, the re-materialised activations). retained_bytes: the part of
-    activation_bytes a split backward (torch's input-gradient then weight-gradient calls) keeps
-    after the weight gradients, until the step ends.
+    activation_bytes a split backward (an input-gradient then a weight-gradient action) keeps
+    after the weight gradients, until the step ends. pending_bytes: what a split backward holds
+    from the layer's input gradients to its weight gradients, per micro-batch: the gradients of
+    its weighted ops' outputs, which the weight gradients still need.
     """
 
     extra_ms: float
     activation_bytes: float
     working_bytes: float = 0.0
     retained_bytes: float = 0.0
+    pending_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,7 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
         "optimizer_bytes": layer.optimizer_bytes,
         "recompute": {
             mode: {"extra_ms": c.extra_ms, "activation_bytes": c.activation_bytes, "working_bytes": c.working_bytes,
-                   "retained_bytes": c.retained_bytes}
+                   "retained_bytes": c.retained_bytes, "pending_bytes": c.pending_bytes}
             for mode, c in layer.recompute.items()
         },
     }
@@ -278,6 +281,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             activation_bytes=cost.number("activation_bytes", required=True),
             working_bytes=cost.number("working_bytes", 0.0),
             retained_bytes=cost.number("retained_bytes", 0.0),
+            pending_bytes=cost.number("pending_bytes", 0.0),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -352,7 +356,7 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         if mode not in RECOMPUTE_MODES:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
-        for name in ("activation_bytes", "working_bytes", "retained_bytes"):
+        for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes"):
             check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",

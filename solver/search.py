@@ -33,7 +33,7 @@ from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
-from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes
+from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_splits_backward
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
@@ -96,6 +96,7 @@ class _Group:
     activation_mib: dict[str, float]
     working_mib: dict[str, float]
     retained_mib: dict[str, float]
+    pending_mib: dict[str, float]
     pinned_cell: int | None = None  # heads and tails do not move
 
 
@@ -456,6 +457,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
                 working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
                 retained_mib={m: layer.recompute[m].retained_bytes / MIB for m in modes},
+                pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -463,9 +465,9 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
 
 
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
-    """Modes no other mode beats on extra time, activation, working set and retained bytes alike (the first
-    of equals)."""
-    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes) for m, c in layer.recompute.items()}
+    """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
+    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes)
+             for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
         beaten = any(
@@ -534,14 +536,21 @@ class _Formulation:
                 if not pinned:
                     milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
 
-        forward, backward, weight, activation, static, retained = (self._cell_sum(f) for f in (
+        forward, backward, weight, activation, static, retained, pending = (self._cell_sum(f) for f in (
             lambda g, m: g.forward_ms,
             lambda g, m: g.backward_ms + g.extra_ms[m],
             lambda g, m: g.weight_ms,
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
             lambda g, m: g.retained_mib[m],
+            lambda g, m: g.pending_mib[m],
         ))
+        if torch_splits_backward(spec):  # as plan.pipeline_costs states it
+            weight[0] = self._cell_sum(lambda g, m: g.backward_ms)[0]
+            pending[0] = _Linear()
+            for cell in range(1, cells):
+                retained[cell].constant += profile.stage_output_bytes / MIB
+            pending[cells - 1].constant -= profile.model_output_bytes / MIB
         for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
             for expression in cell_sums:
                 expression.constant += overhead
@@ -552,8 +561,7 @@ class _Formulation:
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:
                 self.recompute_terms[variable] = groups[g].extra_ms[mode]
-        self.activation, self.static, self.retained = activation, static, retained
-        self.retains = any(value for g in groups for value in g.retained_mib.values())
+        self.activation, self.static, self.retained, self.pending = activation, static, retained, pending
         self.working = self._working_sets(cells)
 
         # Durations of each kind of action on each virtual stage, as variables.
@@ -726,19 +734,19 @@ class _Formulation:
         the whole chunk less what the layers whose backward ran before have freed (as
         `plan.pipeline_costs` counts it): the tail's activations, before any other layer's; the head's
         less every other layer's activations there too (a linear row in the counts)."""
-        one_backward = not schedule_kind(self.spec.schedule).splits_backward
+        splits = schedule_kind(self.spec.schedule).splits_backward
+        one_backward = [not splits or (c == 0 and torch_splits_backward(self.spec)) for c in range(cells)]
         freed = [0.0] * cells
-        if one_backward:
-            for group in self.groups:
-                if group.kind == TAIL:
-                    freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
+        for group in self.groups:
+            if group.kind == TAIL and one_backward[group.pinned_cell]:
+                freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
         pinned = [0.0] * cells
         head = [-INF] * cells  # the head's working set less the tail's activations, before the body's are taken off
         for group in self.groups:
             c = group.pinned_cell
             if group.kind == TAIL:
                 pinned[c] = max(pinned[c], group.working_mib[NONE])
-            elif group.kind == HEAD and one_backward:
+            elif group.kind == HEAD and one_backward[c]:
                 head[c] = max(head[c], group.working_mib[NONE] - freed[c])
             elif group.kind == HEAD:  # a split backward frees nothing before the head's
                 pinned[c] = max(pinned[c], group.working_mib[NONE])
@@ -775,11 +783,21 @@ class _Formulation:
         schedule = self.schedule
         program = schedule.program
         constant_mib = (self.profile.stage_constant_bytes + self.spec.stage_constant_bytes) / MIB
+        retains = any(row.terms or row.constant for row in self.retained)
+        pends = any(row.terms or row.constant for row in self.pending)
+        past_input = [_Linear({**a.terms}, a.constant) for a in self.activation]  # activations and pending gradients
+        for expression, pending in zip(past_input, self.pending):
+            expression.constant += pending.constant
+            for variable, coefficient in pending.terms.items():
+                expression.add(variable, coefficient)
         rows = []
         for rank in range(schedule.stages):
             cells = schedule.stages_of(rank)
-            # per chunk: activations held whole, then (after W, where retained) the part kept to the end
-            held = [0] * (2 * schedule.chunks)
+            # per chunk, how many micro-batches are past their forward and before their backward; past
+            # I and before W (apart only where something is pending there: fewer distinct points);
+            # past W (only where something is retained)
+            chunks = schedule.chunks
+            held = [0] * (3 * chunks)
             points: set[tuple[tuple[int, ...], int]] = set()
             for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
                 chunk, kind = program.chunk[i], program.kind[i]
@@ -788,15 +806,20 @@ class _Formulation:
                     points.add((tuple(held), -1))
                     continue
                 points.add((tuple(held), chunk))
-                if kind != BACKWARD_INPUT:
-                    held[chunk] -= 1
-                    if kind == BACKWARD_WEIGHT and self.retains:
-                        held[schedule.chunks + chunk] += 1
+                if kind == BACKWARD_INPUT:
+                    if pends:
+                        held[chunk] -= 1
+                        held[2 * chunks + chunk] += 1
+                    continue
+                held[2 * chunks + chunk if kind == BACKWARD_WEIGHT and pends else chunk] -= 1
+                if kind == BACKWARD_WEIGHT and retains:
+                    held[chunks + chunk] += 1
             for counts, working_chunk in _undominated(points):
                 row = _Linear(constant=constant_mib)
                 for chunk, cell in enumerate(cells):
                     for part, scale in ((self.static[cell], 1), (self.activation[cell], counts[chunk]),
-                                        (self.retained[cell], counts[schedule.chunks + chunk])):
+                                        (self.retained[cell], counts[chunks + chunk]),
+                                        (past_input[cell], counts[2 * chunks + chunk])):
                         if not scale:
                             continue
                         row.constant += scale * part.constant

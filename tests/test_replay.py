@@ -176,6 +176,34 @@ def test_bad_pipeline_costs():
         simulate(build_schedule("1F1B", 2, 2), PipelineCosts.uniform(2, 1, forward_ms=0.0, backward_ms=0.0))
 
 
+@pytest.mark.parametrize("pending", [40, -30])
+@pytest.mark.parametrize("name, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("1F1B", 1)])
+def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
+    """A split backward holds `pending_bytes` per micro-batch from its I action to its W (or frees that
+    much of the activation there, where negative): the peak is the most that the counts of F, I and W
+    run so far give, working sets included."""
+    stages, micro_batches = 2, 6
+    chunk = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=1, activation_bytes=100, static_bytes=1000,
+                       working_bytes=7, pending_bytes=pending)
+    costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(stages)))
+    schedule = build_schedule(name, stages, micro_batches, chunks)
+    result = simulate(schedule, costs)
+    for rank in range(stages):
+        done = dict.fromkeys("FBIW", 0)
+        peak = held = 1000 * chunks
+        for action in schedule.rank_actions[rank]:
+            if action.kind != "F":
+                peak = max(peak, held + 7)
+            done[action.kind] += 1
+            held = 1000 * chunks + 100 * (done["F"] - done["B"] - done["W"]) + pending * (done["I"] - done["W"])
+            peak = max(peak, held)
+        assert result.stage_peak_memory_bytes[rank] == peak
+        assert max(memory for _, memory in result.memory_curve(rank)) == peak
+        assert done["I"] == done["W"] and (done["I"] > 0) == (name != "1F1B")
+    with pytest.raises(InputError, match="pending_bytes"):  # an I action frees at most the activation
+        PipelineCosts(((dataclasses.replace(chunk, pending_bytes=-101),),))
+
+
 @pytest.mark.parametrize("name, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("1F1B", 1)])
 def test_retained_activations_stay_until_the_step_ends(name, chunks):
     """After a W action the retained part of an activation stays: every micro-batch's, by the end."""
@@ -189,5 +217,5 @@ def test_retained_activations_stay_until_the_step_ends(name, chunks):
         curve = result.memory_curve(rank)
         assert curve[-1][1] == 1000 * chunks + (30 * micro_batches * chunks if splits else 0)
         assert max(memory for _, memory in curve) == result.stage_peak_memory_bytes[rank]
-    with pytest.raises(InputError, match="retained_bytes: expected at most activation_bytes"):
-        PipelineCosts(((dataclasses.replace(chunk, retained_bytes=101),),))
+    with pytest.raises(InputError, match="retained_bytes"):
+        PipelineCosts(((dataclasses.replace(chunk, retained_bytes=-1),),))

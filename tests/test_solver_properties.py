@@ -37,9 +37,12 @@ def problems(draw):
                      parameter_mib=draw(st.floats(0, 40)),
                      modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
                             "full": (forward, keep * 0.1, keep)})
-        retained = draw(st.sampled_from([0.0, 0.5, 1.0]))  # kept after W where the backward is split
-        return dataclasses.replace(made, recompute={mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes)
-                                                    for mode, cost in made.recompute.items()})
+        # where the backward is split: kept after W, and held from I to W
+        retained, pending_mib = draw(st.sampled_from([0.0, 0.5, 1.0])), draw(st.sampled_from([0.0, 0.6 * keep]))
+        return dataclasses.replace(made, recompute={
+            mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
+                                      pending_bytes=pending_mib * MIB)
+            for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
     # layers' working sets where a tail's was the largest
