@@ -177,17 +177,20 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         attention_flops = 2 * tokens * s.sequence // s.context_parallel * q_width  # causal: half of 4*b*s^2*h
         forward_ms = seconds_ms(matmul_flops + attention_flops)
         kept = _block_activation_bytes(tokens, s, head_dim, p, first=index == 0, moe=moe)
+        pending = _block_pending_bytes(tokens, s, head_dim, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
         layers.append(LayerProfile(
             name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
             forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,
             weight_ms=seconds_ms(matmul_flops),
             recompute={
-                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * tokens * s.hidden_size * p / tp),
+                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * tokens * s.hidden_size * p / tp, pending_bytes=pending),
                 SELECTIVE: RecomputeCost(elementwise_ms, kept[SELECTIVE] / tp,
-                                         (2 * tokens * s.hidden_size * p + kept[NONE] - kept[SELECTIVE]) / tp),
+                                         (2 * tokens * s.hidden_size * p + kept[NONE] - kept[SELECTIVE]) / tp,
+                                         pending_bytes=pending),
                 FULL: RecomputeCost(forward_ms + elementwise_ms, kept[FULL] / tp,
-                                    (2 * tokens * s.hidden_size * p + kept[NONE] - kept[FULL]) / tp),
+                                    (2 * tokens * s.hidden_size * p + kept[NONE] - kept[FULL]) / tp,
+                                    pending_bytes=pending),
             },
             parameter_bytes=elements * p / tp, gradient_bytes=elements * p / tp,
             optimizer_bytes=optimizer_bytes(elements, tensors),
@@ -210,6 +213,22 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         stage_output_bytes=tokens * s.hidden_size * p / tp,
         model_output_bytes=tokens * s.vocab_size * p / tp,  # the logits, split over the vocabulary
     )
+
+
+def _block_pending_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, moe: bool) -> float:
+    """What a split backward holds of a block from its input gradients to its weight gradients: the
+    gradient of every weighted op's output (the projections, the norms' scaled outputs, the router).
+    Exact for dense blocks (transformers' Llama, measured); an upper bound for MoE blocks, whose input
+    gradients also free some of what the routing saved (9-19% less held on the tests' MoE models)."""
+    q_width, kv_width = s.num_heads * head_dim, (s.num_kv_heads or s.num_heads) * head_dim
+    attention = q_width + 2 * kv_width + s.hidden_size + (q_width + kv_width if s.qk_norm else 0)
+    if moe:
+        mlp = s.experts_per_token * (2 * s.moe_ffn_size + s.hidden_size) + s.num_experts
+        if s.shared_expert_ffn_size:
+            mlp += 2 * s.shared_expert_ffn_size + s.hidden_size + 1  # and its gate, one per token
+    else:
+        mlp = 2 * s.ffn_size + s.hidden_size
+    return tokens * (attention + 2 * s.hidden_size + mlp) * p  # the two norms
 
 
 def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, first: bool,

@@ -73,7 +73,8 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         else:
             working = 0.0
         # torch's split backward frees everything a layer saved at its W: no retained_bytes
-        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working)
+        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
+                                        pending_bytes=_pending_bytes(kind, profiler))
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
     elif kind in profiler.weight_fractions:
@@ -95,6 +96,15 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             "backward_ms": spread(timing.backward_ms.get(NONE, [])),
         },
     )
+
+
+def _pending_bytes(kind: str, profiler: LayerProfiler) -> float:
+    """What a split backward holds from a layer's input gradients to its weight gradients: measured per
+    body kind. None for the head, whose input takes no gradient (torch runs the first stage's whole
+    backward at its W), nor for the tail: its I holds the logits' gradient for the LM head's weight
+    gradient but frees what the loss saved, about as much (tiny-llama's tail, re-run alone: 0.25 MiB
+    held net of a 4 MiB gradient)."""
+    return float(profiler.pending_gradient_bytes.get(kind, 0))
 
 
 def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],

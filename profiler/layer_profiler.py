@@ -35,7 +35,7 @@ from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
 from profiler.recorder import Recorder
 from profiler.samples import LayerSamples
-from profiler.split import weight_fraction
+from profiler.split import pending_gradient_bytes, weight_fraction
 from simulator.errors import InputError
 from solver.profile import NONE, ModelProfile
 
@@ -63,7 +63,8 @@ class LayerProfiler:
     ) -> None:
         """`steps`: measured steps per recompute mode. `layers`: module-name patterns for the body blocks
         (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
-        `split_backward`: time each body kind's input-gradient and weight-gradient parts once, alone.
+        `split_backward`: time each body kind's input-gradient and weight-gradient parts once, alone, and
+        count what is held between them.
         `count_memory`: count what autograd saves (off: times only, for the least overhead).
         `on_step(done, total, mode)`: progress after each step."""
         _check_count(steps, "steps", 1)
@@ -87,6 +88,7 @@ class LayerProfiler:
         self.steps_done = 0
         self._attached = False
         self._weight_fractions: dict[str, float] = {}
+        self._pending_gradient_bytes: dict[str, int] = {}
 
     @property
     def timed_steps_end(self) -> int:
@@ -163,7 +165,7 @@ class LayerProfiler:
             self.on_step(self.steps_done, self.total_steps, mode)
         if self.done:
             self.detach()
-            self._measure_weight_split()
+            self._measure_split_backward()
         else:
             self._start_step()
 
@@ -215,18 +217,26 @@ class LayerProfiler:
             self._cpu_memory.__exit__(None, None, None)
             self.recorder.memory = None
 
-    def _measure_weight_split(self) -> None:
+    def _measure_split_backward(self) -> None:
         for index, (args, kwargs) in self.recorder.captured_inputs.items():
             block = self.blocks[index]
             fraction = weight_fraction(block.module, args, kwargs, self.device)
             if fraction is not None:
                 self._weight_fractions[block.kind] = fraction
+            pending = pending_gradient_bytes(block.module, args, kwargs, self.device)
+            if pending is not None:
+                self._pending_gradient_bytes[block.kind] = pending
         self.recorder.captured_inputs.clear()
 
     @property
     def weight_fractions(self) -> dict[str, float]:
         """Per body kind: the share of the backward that computes weight gradients (measured alone)."""
         return dict(self._weight_fractions)
+
+    @property
+    def pending_gradient_bytes(self) -> dict[str, int]:
+        """Per body kind: what a split backward holds from its input gradients to its weight gradients."""
+        return dict(self._pending_gradient_bytes)
 
 
 def _check_count(value: object, field: str, minimum: int) -> None:

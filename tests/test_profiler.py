@@ -309,14 +309,18 @@ def test_losses_and_weights_are_bit_identical_with_and_without_the_profiler(make
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     watched_optimizer = torch.optim.AdamW(watched.parameters(), lr=1e-3)
     torch.manual_seed(1)
-    plain_losses = [train_step(plain, plain_optimizer, step) for step in range(6)]
+    plain_losses = [train_step(plain, plain_optimizer, step) for step in range(9)]
     torch.manual_seed(1)
     watched_losses = []
-    with LayerProfiler(watched, watched_optimizer, steps=1) as profiler:  # 1 warm-up + none, selective, full
-        for step in range(6):  # two more steps after the profiler let go
+    # 1 warm-up + none, selective, full, timed + the three counting memory, then the split backward's
+    # measurements, alone
+    with LayerProfiler(watched, watched_optimizer, steps=1) as profiler:
+        assert profiler.total_steps == 7
+        for step in range(9):  # two more steps after the profiler let go
             watched_losses.append(train_step(watched, watched_optimizer, step))
             if not profiler.done:
                 profiler.step()
+    assert profiler.done and profiler.pending_gradient_bytes
     assert watched_losses == plain_losses
     for a, b in zip(plain.parameters(), watched.parameters()):
         assert torch.equal(a, b)
@@ -515,6 +519,27 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
         assert layer.forward_ms > 0 and layer.backward_ms > 0
     assert profile.layers[-1].recompute["none"].working_bytes == 2**20  # the tail: loss, LM head, final norm
     assert profile.layers[0].recompute["none"].working_bytes == 2**20  # the head: the embedding's gradient
+
+
+def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
+    """Measured as torch's pipeline stages run it, on a copy of an input; the gradients training has
+    accumulated and the random state are left as they were."""
+    from profiler.split import pending_gradient_bytes
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 6, bias=False))
+    first = block[0].weight
+    first.grad = torch.ones_like(first)
+    accumulated = first.grad
+    inputs = (torch.randn(5, 8, requires_grad=True),)
+    state = torch.random.get_rng_state()
+    held = pending_gradient_bytes(block, inputs, {}, torch.device("cpu"))
+    # the first layer's output gradient, which its weight gradient needs (the second's is the gradient
+    # handed in), and the input's, which torch leaves on the input
+    assert held == (5 * 12 + 5 * 8) * 4
+    assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
+    assert block[1].weight.grad is None
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert pending_gradient_bytes(block, (torch.randn(5, 8),), {}, torch.device("cpu")) is None  # no input gradient
 
 
 def test_torch_split_backward_keeps_nothing_after_w(llama_run):
