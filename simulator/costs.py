@@ -14,7 +14,9 @@ class ChunkCosts:
 
     `backward_ms` is the full backward (input and weight gradients) without recompute;
     `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
-    run as a separate W action (None: not measured). `recompute_ms` is the forward work the
+    run as a separate W action (None: not measured), and `input_ms` the I action's part (None:
+    the rest of the backward; the two may add up to more, as torch's two calls do). `recompute_ms`
+    is the forward work the
     backward redoes for activation recompute. `working_bytes` is held only while a backward of
     this chunk runs (gradient buffers, re-materialised activations). Where the backward is split:
     `pending_bytes` is held from the I action to the W action (the gradients the weight gradients
@@ -33,6 +35,7 @@ class ChunkCosts:
     working_bytes: float = 0.0
     retained_bytes: float = 0.0
     pending_bytes: float = 0.0
+    input_ms: float | None = None
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
@@ -41,6 +44,8 @@ class ChunkCosts:
             check_non_negative(getattr(self, name), f"{where} {name}")
         # the I action may free part of the activations (torch's last stage drops the model's output there)
         check_non_negative(self.pending_bytes + self.activation_bytes, f"{where} pending_bytes + activation_bytes")
+        if self.input_ms is not None:
+            check_non_negative(self.input_ms, f"{where} input_ms")
         if self.weight_ms is not None:
             check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
@@ -63,6 +68,11 @@ class ChunkCosts:
     def split_weight_ms(self) -> float:
         """The weight-gradient part of the backward; half of it where it was not measured."""
         return self.backward_ms / 2 if self.weight_ms is None else self.weight_ms
+
+    def split_input_ms(self) -> float:
+        """The input-gradient part of a split backward, without recompute; the rest of the backward
+        where it was not given."""
+        return self.backward_ms - self.split_weight_ms() if self.input_ms is None else self.input_ms
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ set while one of its backward actions runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 from simulator.actions import BACKWARD_INPUT, FORWARD
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
@@ -76,9 +78,8 @@ def _durations(program: Program, costs: PipelineCosts) -> list[float]:
     table = []  # ordered as Program.cost_slot reads it: rank, chunk, kind
     for row in costs.chunk_costs:
         for cost in row:
-            weight = cost.split_weight_ms()
             table += [cost.forward_ms, cost.backward_ms + cost.recompute_ms,
-                      cost.backward_ms - weight + cost.recompute_ms, weight]
+                      cost.split_input_ms() + cost.recompute_ms, cost.split_weight_ms()]
     return [table[slot] for slot in program.cost_slot]
 
 
@@ -144,12 +145,13 @@ def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float)
         forward_ms=sum(c.forward_ms for c in chunks) / count,
         backward_ms=sum(c.backward_ms for c in chunks) / count,
         weight_ms=sum(c.split_weight_ms() for c in chunks) / count,
+        input_ms=sum(c.split_input_ms() for c in chunks) / count,
     )
     balanced_ms = makespan(PipelineCosts(tuple((mean,) * schedule.chunks for _ in range(schedule.stages))))
     mean_recompute_ms = sum(c.recompute_ms for c in chunks) / count
     balanced_recompute_ms = balanced_ms
     if mean_recompute_ms > 0:
-        with_recompute = ChunkCosts(mean.forward_ms, mean.backward_ms, mean.weight_ms, mean_recompute_ms)
+        with_recompute = dataclasses.replace(mean, recompute_ms=mean_recompute_ms)
         balanced_recompute_ms = makespan(
             PipelineCosts(tuple((with_recompute,) * schedule.chunks for _ in range(schedule.stages)))
         )

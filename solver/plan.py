@@ -201,6 +201,8 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
             weight_ms=sum(layer.backward_ms if whole else layer.split_weight_ms() for layer, _ in layers)
             + weight_overhead,
+            input_ms=(0.0 if whole else sum(layer.split_input_ms() for layer, _ in layers))
+            + backward_overhead - weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
             + kept_in_flight[virtual],

@@ -54,6 +54,9 @@ class LayerProfile:
     backward_ms: float  # input and weight gradients, without recompute
     recompute: Mapping[str, RecomputeCost]  # always holds "none"
     weight_ms: float | None = None  # the weight-gradient part of backward_ms, where measured
+    # The input-gradient part where the backward runs split in two (I), where measured: with weight_ms
+    # it may add up to more than backward_ms (torch's two calls cost more than one backward).
+    input_ms: float | None = None
     parameter_bytes: float = 0.0
     gradient_bytes: float = 0.0
     optimizer_bytes: float = 0.0
@@ -71,6 +74,10 @@ class LayerProfile:
     def split_weight_ms(self) -> float:
         """The weight-gradient time; half the backward where it was not measured (as the simulator does)."""
         return self.backward_ms / 2 if self.weight_ms is None else self.weight_ms
+
+    def split_input_ms(self) -> float:
+        """The input-gradient time of a split backward; the rest of the backward where not measured."""
+        return self.backward_ms - self.split_weight_ms() if self.input_ms is None else self.input_ms
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class ModelProfile:
                 forward_ms=layer.forward_ms * factor,
                 backward_ms=layer.backward_ms * factor,
                 weight_ms=None if layer.weight_ms is None else layer.weight_ms * factor,
+                input_ms=None if layer.input_ms is None else layer.input_ms * factor,
                 recompute={mode: dataclasses.replace(cost, extra_ms=cost.extra_ms * factor)
                            for mode, cost in layer.recompute.items()},
             )
@@ -254,6 +262,7 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
         "forward_ms": layer.forward_ms,
         "backward_ms": layer.backward_ms,
         "weight_ms": layer.weight_ms,
+        "input_ms": layer.input_ms,
         "parameter_bytes": layer.parameter_bytes,
         "gradient_bytes": layer.gradient_bytes,
         "optimizer_bytes": layer.optimizer_bytes,
@@ -293,6 +302,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
         forward_ms=fields.number("forward_ms", required=True),
         backward_ms=fields.number("backward_ms", required=True),
         weight_ms=fields.number("weight_ms"),
+        input_ms=fields.number("input_ms"),
         parameter_bytes=fields.number("parameter_bytes", 0.0),
         gradient_bytes=fields.number("gradient_bytes", 0.0),
         optimizer_bytes=fields.number("optimizer_bytes", 0.0),
@@ -345,6 +355,8 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         check_ms(getattr(layer, name), f"{where}.{name}")
     for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
         check_bytes(getattr(layer, name), f"{where}.{name}")
+    if layer.input_ms is not None:
+        check_ms(layer.input_ms, f"{where}.input_ms")
     if layer.weight_ms is not None:
         check_ms(layer.weight_ms, f"{where}.weight_ms")
         if layer.weight_ms > layer.backward_ms:

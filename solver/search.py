@@ -91,6 +91,7 @@ class _Group:
     forward_ms: float
     backward_ms: float
     weight_ms: float
+    input_ms: float
     static_mib: float
     extra_ms: dict[str, float]
     activation_mib: dict[str, float]
@@ -257,16 +258,17 @@ def _polished(model: _Formulation, values: list[float], deadline: float) -> list
 
 def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[_Group]) -> float:
     """A lower bound on any plan's iteration time, for a search stopped before it had a good one:
-    the busiest rank's work (forward and backward of every micro-batch) at the optimum of the LP
-    relaxation of the program without its time rows, memory rows kept (so recompute the budget
-    forces counts). Milliseconds; 0 if that LP does not solve in time."""
+    the busiest rank's work (every action it runs) at the optimum of the LP relaxation of the
+    program without its time rows, memory rows kept (so recompute the budget forces counts).
+    Milliseconds; 0 if that LP does not solve in time."""
     model = _Formulation(profile, spec, schedule, groups, with_budget=True, timing=PATHS)  # no path rows yet
     busiest = model.milp.variable()
+    program = schedule.program
     for rank in range(schedule.stages):
-        work = {busiest: 1.0}
-        for cell in schedule.stages_of(rank):
-            for kind in (FORWARD, FULL_BACKWARD):
-                work[model.duration[cell, kind]] = -schedule.micro_batches
+        work = {busiest: 1.0}  # every action the rank runs (split backwards may take longer than whole ones)
+        for action in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
+            variable = model.action_duration[action]
+            work[variable] = work.get(variable, 0.0) - 1.0
         model.milp.row(work, lower=0.0)
     relaxed = model.milp.minimize({busiest: 1.0}, time_limit_s=BOUND_LIMIT_S, relaxed=True)
     return relaxed.objective if relaxed.status == "optimal" else 0.0
@@ -452,6 +454,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 forward_ms=layer.forward_ms,
                 backward_ms=layer.backward_ms,
                 weight_ms=layer.split_weight_ms(),
+                input_ms=layer.split_input_ms(),
                 static_mib=spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes) / MIB,
                 extra_ms={m: layer.recompute[m].extra_ms for m in modes},
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
@@ -482,8 +485,8 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
 
 def _costs_key(layer: LayerProfile) -> tuple:
     return (
-        layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.parameter_bytes,
-        layer.gradient_bytes, layer.optimizer_bytes, tuple(sorted(layer.recompute.items())),
+        layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.split_input_ms(),
+        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, tuple(sorted(layer.recompute.items())),
     )
 
 
@@ -536,10 +539,11 @@ class _Formulation:
                 if not pinned:
                     milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
 
-        forward, backward, weight, activation, static, retained, pending = (self._cell_sum(f) for f in (
+        forward, backward, weight, input_grad, activation, static, retained, pending = (self._cell_sum(f) for f in (
             lambda g, m: g.forward_ms,
             lambda g, m: g.backward_ms + g.extra_ms[m],
             lambda g, m: g.weight_ms,
+            lambda g, m: g.input_ms + g.extra_ms[m],
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
             lambda g, m: g.retained_mib[m],
@@ -547,11 +551,14 @@ class _Formulation:
         ))
         if torch_splits_backward(spec):  # as plan.pipeline_costs states it
             weight[0] = self._cell_sum(lambda g, m: g.backward_ms)[0]
+            input_grad[0] = self._cell_sum(lambda g, m: g.extra_ms[m])[0]
             pending[0] = _Linear()
             for cell in range(1, cells):
                 retained[cell].constant += profile.stage_output_bytes / MIB
             pending[cells - 1].constant -= profile.model_output_bytes / MIB
-        for cell_sums, overhead in zip((forward, backward, weight), spec.action_overheads_ms()):
+        forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
+        for cell_sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
+                                    (input_grad, backward_overhead - weight_overhead)):
             for expression in cell_sums:
                 expression.constant += overhead
         for cell, (in_flight, whole_run) in enumerate(zip(*boundary_bytes(profile, spec))):
@@ -568,11 +575,8 @@ class _Formulation:
         self.duration: dict[tuple[int, str], int] = {}
         self.duration_expression: dict[int, _Linear] = {}  # duration variable -> its value in layer counts
         for c in range(cells):
-            input_grad = _Linear(dict(backward[c].terms), backward[c].constant - weight[c].constant)
-            for variable, coefficient in weight[c].terms.items():
-                input_grad.add(variable, -coefficient)
             for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
-                                     (BACKWARD_INPUT, input_grad), (BACKWARD_WEIGHT, weight[c])):
+                                     (BACKWARD_INPUT, input_grad[c]), (BACKWARD_WEIGHT, weight[c])):
                 self.duration[c, kind] = self._defined(expression)
                 self.duration_expression[self.duration[c, kind]] = expression
         program = schedule.program
@@ -640,6 +644,7 @@ class _Formulation:
                 forward_ms=max(values[self.duration[virtual, FORWARD]], 0.0),
                 backward_ms=backward,
                 weight_ms=min(max(values[self.duration[virtual, BACKWARD_WEIGHT]], 0.0), backward),
+                input_ms=max(values[self.duration[virtual, BACKWARD_INPUT]], 0.0),
             )
         chain = critical_path(schedule, PipelineCosts(tuple(map(tuple, costs)), p2p_ms=self.spec.p2p_ms))
         program = schedule.program

@@ -105,6 +105,18 @@ def test_split_backward_frees_activations_after_w():
     assert [bytes_ for _, bytes_ in result.memory_curve(0)] == [0, 8, 11, 8, 11, 0, 0]
 
 
+def test_a_measured_input_half_times_the_i_action():
+    """torch's two halves of a split backward cost more than one backward: I takes `input_ms` (plus
+    recompute) where given, whatever backward_ms - weight_ms says; B keeps backward_ms."""
+    cost = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=1, input_ms=1.5, recompute_ms=0.25)
+    split = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((cost,),)))
+    assert [t.end_ms - t.start_ms for t in split.rank_timeline(0)] == [1.0, 1.75, 1.0]
+    whole = simulate(build_schedule("1F1B", 1, 1), PipelineCosts(((cost,),)))
+    assert [t.end_ms - t.start_ms for t in whole.rank_timeline(0)] == [1.0, 2.25]
+    with pytest.raises(InputError, match="input_ms"):
+        PipelineCosts(((dataclasses.replace(cost, input_ms=-1.0),),))
+
+
 def test_weight_split_defaults_to_half_and_says_so():
     schedule = build_schedule("ZBH1", 1, 1)
     halved = simulate(schedule, PipelineCosts.uniform(1, 1, forward_ms=1.0, backward_ms=3.0))

@@ -74,14 +74,14 @@ def test_any_scale_of_times_and_sizes_is_solved_or_refused_in_one_error(time_exp
     base = small_profile(4)
     document = base.to_dict()
     for layer in document["layers"]:
-        for key in ("forward_ms", "backward_ms", "weight_ms"):
+        for key in ("forward_ms", "backward_ms", "weight_ms", "input_ms"):
             if layer.get(key) is not None:
                 layer[key] *= 10**time_exponent
         for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
             layer[key] *= 10**size_exponent
         for cost in layer["recompute"].values():
             cost["extra_ms"] *= 10**time_exponent
-            for key in ("activation_bytes", "working_bytes", "retained_bytes"):
+            for key in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes"):
                 cost[key] = cost.get(key, 0.0) * 10**size_exponent
     try:
         profile = ModelProfile.from_dict(document)

@@ -626,3 +626,18 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     plan = solve(pending, spec, time_limit_s=20)
     assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
     assert plan.iteration_time_ms == pytest.approx(brute_force(pending, spec).iteration_time_ms)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_a_measured_input_half_is_planned_for_as_simulated(schedule, chunks):
+    """Where torch's two halves of a split backward cost more than one backward (the profile's
+    input_ms), the program times the I actions as the simulator does: brute force agrees, and the
+    plan runs slower than one that took I as the rest of the backward."""
+    base = small_profile(6)
+    slower = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(layer, input_ms=1.3 * (layer.backward_ms - layer.split_weight_ms())) if layer.is_body
+        else layer for layer in base.layers))
+    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    plan = solve(slower, spec, time_limit_s=20)
+    assert plan.iteration_time_ms == pytest.approx(brute_force(slower, spec).iteration_time_ms)
+    assert plan.iteration_time_ms > solve(base, spec, time_limit_s=20).iteration_time_ms

@@ -116,6 +116,7 @@ def profile_dict():
         (lambda d: d["layers"][1].update(kind="decoder"), "expected head, tail or body:<type>"),
         (lambda d: d["layers"].reverse(), "must come before"),
         (lambda d: d["layers"][1].update(weight_ms=99), "weight_ms: expected at most backward_ms"),
+        (lambda d: d["layers"][1].update(input_ms=-1), "layers[1].input_ms: expected a finite number >= 0"),
         (lambda d: d["layers"][1].update(forward_ms="fast"), "forward_ms: expected a finite number"),
         (lambda d: d["layers"][1].update(forward_ms=math.inf), "forward_ms: expected a finite number"),
         (lambda d: d.update(layers=[]), "layers: expected a non-empty list"),

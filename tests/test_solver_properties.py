@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from solver_cases import MIB, layer
 
 from simulator import SCHEDULES, simulate
-from simulator.actions import FORWARD, FULL_BACKWARD
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve, start
 from solver.plan import pipeline_costs
 
@@ -33,11 +33,14 @@ def problems(draw):
         forward = draw(times)
         backward = 2 * forward
         keep = draw(st.floats(5, 50))
-        made = layer(f"l{i}", kind, forward, backward, draw(st.floats(0, 1)) * backward,
+        weight = draw(st.floats(0, 1)) * backward
+        made = layer(f"l{i}", kind, forward, backward, weight,
                      parameter_mib=draw(st.floats(0, 40)),
                      modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
                             "full": (forward, keep * 0.1, keep)})
-        # where the backward is split: kept after W, and held from I to W
+        # where the backward is split: I's own time (torch's two halves cost more than one backward),
+        # what is kept after W, and held from I to W
+        made = dataclasses.replace(made, input_ms=draw(st.sampled_from([None, 1.3 * (backward - weight)])))
         retained, pending_mib = draw(st.sampled_from([0.0, 0.5, 1.0])), draw(st.sampled_from([0.0, 0.6 * keep]))
         return dataclasses.replace(made, recompute={
             mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
@@ -181,4 +184,6 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
         assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
         assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
+        assert values[model.duration[cell, BACKWARD_INPUT]] == pytest.approx(costs.split_input_ms() + costs.recompute_ms)
+        assert values[model.duration[cell, BACKWARD_WEIGHT]] == pytest.approx(costs.split_weight_ms())
 
