@@ -59,6 +59,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
     backward_ms = median(timing.backward_ms.get(NONE, []))
     kept_none = median(memory.kept_bytes.get(NONE, []))
     boundary_bytes = median(memory.input_bytes)
+    split = profiler.backward_splits.get(kind)
     recompute = {}
     for mode in modes:
         extra_ms = 0.0
@@ -72,21 +73,26 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        # torch's split backward frees everything a layer saved at its W: no retained_bytes
+        # torch's split backward frees everything a layer saved at its W: no retained_bytes. What it
+        # holds from I to W is measured per body kind; none for the head, whose input takes no gradient
+        # (torch runs the first stage's whole backward at its W), nor for the tail: its I holds the
+        # logits' gradient for the LM head's weight gradient but frees what the loss saved, about as
+        # much (tiny-llama's tail, re-run alone: 0.25 MiB held net of a 4 MiB gradient)
         recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
-                                        pending_bytes=_pending_bytes(kind, profiler))
+                                        pending_bytes=split.pending_bytes if split is not None else 0.0)
+    input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
-    elif kind in profiler.weight_fractions:
-        weight_ms = backward_ms * profiler.weight_fractions[kind]
-    else:
-        weight_ms = None
+    elif split is not None:
+        weight_ms = min(backward_ms * split.weight_share, backward_ms)
+        input_ms = backward_ms * split.input_share
     return LayerProfile(
         name=name,
         kind=kind,
         forward_ms=forward_ms,
         backward_ms=backward_ms,
         weight_ms=weight_ms,
+        input_ms=input_ms,
         recompute=recompute,
         parameter_bytes=unique_bytes(params),
         gradient_bytes=sum(recorder.gradient_bytes.get(id(p), 0) for p in _unique(params)),
@@ -96,15 +102,6 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             "backward_ms": spread(timing.backward_ms.get(NONE, [])),
         },
     )
-
-
-def _pending_bytes(kind: str, profiler: LayerProfiler) -> float:
-    """What a split backward holds from a layer's input gradients to its weight gradients: measured per
-    body kind. None for the head, whose input takes no gradient (torch runs the first stage's whole
-    backward at its W), nor for the tail: its I holds the logits' gradient for the LM head's weight
-    gradient but frees what the loss saved, about as much (tiny-llama's tail, re-run alone: 0.25 MiB
-    held net of a 4 MiB gradient)."""
-    return float(profiler.pending_gradient_bytes.get(kind, 0))
 
 
 def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],

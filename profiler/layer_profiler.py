@@ -35,7 +35,7 @@ from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
 from profiler.recorder import Recorder
 from profiler.samples import LayerSamples
-from profiler.split import pending_gradient_bytes, weight_fraction
+from profiler.split import SplitBackward, measure_split_backward
 from simulator.errors import InputError
 from solver.profile import NONE, ModelProfile
 
@@ -63,8 +63,8 @@ class LayerProfiler:
     ) -> None:
         """`steps`: measured steps per recompute mode. `layers`: module-name patterns for the body blocks
         (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
-        `split_backward`: time each body kind's input-gradient and weight-gradient parts once, alone, and
-        count what is held between them.
+        `split_backward`: time each body kind's backward split in two as torch's stages split it, once,
+        alone, and count what is held between the halves.
         `count_memory`: count what autograd saves (off: times only, for the least overhead).
         `on_step(done, total, mode)`: progress after each step."""
         _check_count(steps, "steps", 1)
@@ -87,8 +87,7 @@ class LayerProfiler:
         self.samples: dict[object, LayerSamples] = {}
         self.steps_done = 0
         self._attached = False
-        self._weight_fractions: dict[str, float] = {}
-        self._pending_gradient_bytes: dict[str, int] = {}
+        self._backward_splits: dict[str, SplitBackward] = {}
 
     @property
     def timed_steps_end(self) -> int:
@@ -220,23 +219,15 @@ class LayerProfiler:
     def _measure_split_backward(self) -> None:
         for index, (args, kwargs) in self.recorder.captured_inputs.items():
             block = self.blocks[index]
-            fraction = weight_fraction(block.module, args, kwargs, self.device)
-            if fraction is not None:
-                self._weight_fractions[block.kind] = fraction
-            pending = pending_gradient_bytes(block.module, args, kwargs, self.device)
-            if pending is not None:
-                self._pending_gradient_bytes[block.kind] = pending
+            measured = measure_split_backward(block.module, args, kwargs, self.device)
+            if measured is not None:
+                self._backward_splits[block.kind] = measured
         self.recorder.captured_inputs.clear()
 
     @property
-    def weight_fractions(self) -> dict[str, float]:
-        """Per body kind: the share of the backward that computes weight gradients (measured alone)."""
-        return dict(self._weight_fractions)
-
-    @property
-    def pending_gradient_bytes(self) -> dict[str, int]:
-        """Per body kind: what a split backward holds from its input gradients to its weight gradients."""
-        return dict(self._pending_gradient_bytes)
+    def backward_splits(self) -> dict[str, SplitBackward]:
+        """Per body kind: its backward split in two, measured alone."""
+        return dict(self._backward_splits)
 
 
 def _check_count(value: object, field: str, minimum: int) -> None:

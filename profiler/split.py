@@ -1,13 +1,14 @@
 """The measurements made outside the training steps: a block re-run alone on a copy of an input it
-saw, with the backward split as zero-bubble schedules split it (input gradients, then weight
-gradients), for how much of the backward the weight gradients take and what is held between the
-two. Random number generators and the parameters' gradients are restored, so training goes on as
-if this never ran."""
+saw, its backward split as torch's pipeline stages split it for zero-bubble schedules (input
+gradients, then weight gradients: `stage_backward_input`, `stage_backward_weight`), for what each
+half takes against one plain backward and what is held between the two. Random number generators
+and the parameters' gradients are restored, so training goes on as if this never ran."""
 
 from __future__ import annotations
 
 import contextlib
 import statistics
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,60 +20,89 @@ from profiler.cpu_memory import CpuMemory
 from profiler.recorder import _output_tensor
 
 
-def weight_fraction(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3) -> float | None:
-    """The share of `module`'s backward spent on weight gradients: one backward for the input gradient
-    alone, one for everything, on the same graph; the median over `repeats` after a warm-up."""
+@dataclass(frozen=True)
+class SplitBackward:
+    """A block's backward split in two, against one plain backward of the same block.
+
+    input_share, weight_share: the input-gradient and weight-gradient halves' times over the plain
+    backward's (they may add up to more than 1: torch's two calls cost more than one backward).
+    pending_bytes: what the first half leaves held for the second (`RecomputeCost.pending_bytes`).
+    """
+
+    input_share: float
+    weight_share: float
+    pending_bytes: int
+
+
+def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                           repeats: int = 3) -> SplitBackward | None:
+    """Time `repeats` plain backwards and split ones of `module` after a warm-up (medians of the
+    shares), then count what one more split holds between its halves. None where the block takes no
+    input gradient or has no parameters."""
     inputs, params = _differentiable(module, args, kwargs)
     if not inputs or not params:
         return None
     clock = clock_for(device)
-    fractions = []
-    accelerators = _accelerators(device)
-    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
-        for attempt in range(repeats + 1):
-            output = _output_tensor(module(*args, **kwargs))
-            if output is None:
-                return None
-            grad = torch.ones_like(output)
-            start = clock.mark()
-            torch.autograd.grad(output, inputs, grad, retain_graph=True)
-            middle = clock.mark()
-            torch.autograd.grad(output, inputs + params, grad)
-            end = clock.mark()
-            clock.synchronize()
-            input_ms, total_ms = clock.elapsed_ms(start, middle), clock.elapsed_ms(middle, end)
-            if attempt and total_ms > 0:
-                fractions.append(min(1.0, max(0.0, (total_ms - input_ms) / total_ms)))
-    return float(statistics.median(fractions)) if fractions else None
-
-
-def pending_gradient_bytes(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> int | None:
-    """What torch's split backward holds for `module` from its input gradients to its weight gradients
-    (`stage_backward_input`, then `stage_backward_weight`, as its pipeline stages run them): the
-    gradients of its weighted ops' outputs, in bytes as the allocator counts them."""
-    inputs, params = _differentiable(module, args, kwargs)
-    if not inputs or not params:
-        return None
-    memory = memory_for(device) or CpuMemory()
-    counting = memory if isinstance(memory, CpuMemory) else contextlib.nullcontext()
-    gradients = [p.grad for p in params]  # stage_backward_weight accumulates into .grad
-    for p in params:
-        p.grad = None
+    gradients = [p.grad for p in params]  # stage_backward_weight accumulates into .grad, in place
+    _clear_gradients([], params)
+    shares: list[tuple[float, float]] = []
     try:
-        with torch.random.fork_rng(devices=_accelerators(device), device_type=device.type), counting:
-            output = _output_tensor(module(*args, **kwargs))
-            if output is None:
-                return None
-            grad = torch.ones_like(output)
-            before = memory.allocated()
-            input_grads, param_groups = stage_backward_input([output], [grad], inputs, iter(params))
-            del input_grads  # sent on by the engine
-            held = memory.allocated() - before
-            stage_backward_weight(iter(params), param_groups)
+        with torch.random.fork_rng(devices=_accelerators(device), device_type=device.type):
+            for attempt in range(repeats + 1):
+                output = _output_tensor(module(*args, **kwargs))
+                if output is None:
+                    return None
+                grad = torch.ones_like(output)
+                start = clock.mark()
+                torch.autograd.grad(output, inputs + params, grad)
+                plain = clock.mark()
+                output = _output_tensor(module(*args, **kwargs))
+                begin = clock.mark()
+                _, param_groups = stage_backward_input([output], [grad], inputs, iter(params))
+                middle = clock.mark()
+                stage_backward_weight(iter(params), param_groups)
+                end = clock.mark()
+                clock.synchronize()
+                plain_ms = clock.elapsed_ms(start, plain)
+                if attempt and plain_ms > 0:
+                    shares.append((clock.elapsed_ms(begin, middle) / plain_ms, clock.elapsed_ms(middle, end) / plain_ms))
+                _clear_gradients(inputs, params)
+            pending = _pending_bytes(module, args, kwargs, inputs, params, device)
     finally:
         for p, gradient in zip(params, gradients):
             p.grad = gradient
+    if not shares or pending is None:
+        return None
+    return SplitBackward(input_share=float(statistics.median(share for share, _ in shares)),
+                         weight_share=float(statistics.median(share for _, share in shares)), pending_bytes=pending)
+
+
+def _pending_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch.Tensor],
+                   params: list[nn.Parameter], device: torch.device) -> int | None:
+    """What the input-gradient half leaves held for the weight-gradient half, as the allocator counts
+    it: the gradients of the weighted ops' outputs, which the weight gradients need, and the input's,
+    which torch leaves on the input; less what the first half frees of the graph the second does not
+    use."""
+    memory = memory_for(device) or CpuMemory()
+    counting = memory if isinstance(memory, CpuMemory) else contextlib.nullcontext()
+    with counting:
+        output = _output_tensor(module(*args, **kwargs))
+        if output is None:
+            return None
+        grad = torch.ones_like(output)
+        before = memory.allocated()
+        input_grads, param_groups = stage_backward_input([output], [grad], inputs, iter(params))
+        del input_grads  # sent on by the engine
+        held = memory.allocated() - before
+        stage_backward_weight(iter(params), param_groups)
+        _clear_gradients(inputs, params)
     return max(held, 0)
+
+
+def _clear_gradients(inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+    """Drop what a split backward accumulated into `.grad` (the inputs' and the parameters')."""
+    for tensor in [*inputs, *params]:
+        tensor.grad = None
 
 
 def _differentiable(module: nn.Module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[nn.Parameter]]:

@@ -274,11 +274,14 @@ def test_layer_times_add_up_to_the_step(llama_run):
 def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     _, profiler, profile = llama_run
     body = [layer for layer in profile.layers if layer.is_body]
-    assert len({(layer.forward_ms, layer.backward_ms, layer.weight_ms) for layer in body}) == 1
-    # the share is timed (a loaded machine can time it at 0); the formula is what must hold
-    fraction = profiler.weight_fractions[body[0].kind]
-    assert 0 <= fraction <= 1 and body[0].weight_ms == body[0].backward_ms * fraction
+    assert len({(layer.forward_ms, layer.backward_ms, layer.weight_ms, layer.input_ms) for layer in body}) == 1
+    # the shares are timed (a loaded machine can time them at 0); the formulas are what must hold
+    split = profiler.backward_splits[body[0].kind]
+    assert body[0].weight_ms == min(body[0].backward_ms * split.weight_share, body[0].backward_ms)
+    assert body[0].input_ms == body[0].backward_ms * split.input_share
+    assert all(layer.recompute[mode].pending_bytes == split.pending_bytes for layer in body for mode in layer.modes)
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
+    assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
 
 
 def test_each_kind_of_a_mixed_model_is_timed_on_its_own():
@@ -320,7 +323,7 @@ def test_losses_and_weights_are_bit_identical_with_and_without_the_profiler(make
             watched_losses.append(train_step(watched, watched_optimizer, step))
             if not profiler.done:
                 profiler.step()
-    assert profiler.done and profiler.pending_gradient_bytes
+    assert profiler.done and profiler.backward_splits
     assert watched_losses == plain_losses
     for a, b in zip(plain.parameters(), watched.parameters()):
         assert torch.equal(a, b)
@@ -524,7 +527,7 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
 def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     """Measured as torch's pipeline stages run it, on a copy of an input; the gradients training has
     accumulated and the random state are left as they were."""
-    from profiler.split import pending_gradient_bytes
+    from profiler.split import measure_split_backward
 
     block = torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 6, bias=False))
     first = block[0].weight
@@ -532,14 +535,15 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     accumulated = first.grad
     inputs = (torch.randn(5, 8, requires_grad=True),)
     state = torch.random.get_rng_state()
-    held = pending_gradient_bytes(block, inputs, {}, torch.device("cpu"))
+    split = measure_split_backward(block, inputs, {}, torch.device("cpu"))
     # the first layer's output gradient, which its weight gradient needs (the second's is the gradient
     # handed in), and the input's, which torch leaves on the input
-    assert held == (5 * 12 + 5 * 8) * 4
+    assert split.pending_bytes == (5 * 12 + 5 * 8) * 4
+    assert split.input_share >= 0 and split.weight_share >= 0  # timed: a loaded machine can time 0
     assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
-    assert block[1].weight.grad is None
+    assert block[1].weight.grad is None and inputs[0].grad is None
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert pending_gradient_bytes(block, (torch.randn(5, 8),), {}, torch.device("cpu")) is None  # no input gradient
+    assert measure_split_backward(block, (torch.randn(5, 8),), {}, torch.device("cpu")) is None  # no input gradient
 
 
 def test_torch_split_backward_keeps_nothing_after_w(llama_run):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from profiler import LayerProfiler
-from profiler.split import weight_fraction
+from profiler.split import measure_split_backward
 from sapp_hook.models import build_model, load_config, random_batch
 
 torch.set_num_threads(1)
@@ -51,11 +51,13 @@ def test_weight_split(benchmark):
     block = model.model.layers[1]
     hidden = torch.randn(2, 128, CONFIG.hidden_size, requires_grad=True)
     position = model.model.rotary_emb(hidden, torch.arange(128)[None])
-    fraction = benchmark.pedantic(
-        weight_fraction, args=(block, (hidden,), {"position_embeddings": position}, torch.device("cpu")), rounds=3
+    split = benchmark.pedantic(
+        measure_split_backward, args=(block, (hidden,), {"position_embeddings": position}, torch.device("cpu")),
+        rounds=3,
     )
-    benchmark.extra_info["weight_fraction"] = fraction
-    assert 0 < fraction < 1
+    benchmark.extra_info.update(input_share=split.input_share, weight_share=split.weight_share,
+                                pending_bytes=split.pending_bytes)
+    assert split.input_share > 0 and split.weight_share > 0
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-moe"])
