@@ -15,10 +15,10 @@ class ChunkCosts:
     `backward_ms` is the full backward (input and weight gradients) without recompute;
     `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
     run as a separate W action (None: not measured), and `input_ms` the I action's part (None:
-    the rest of the backward; the two may add up to more, as torch's two calls do). `recompute_ms`
-    is the forward work the
-    backward redoes for activation recompute. `working_bytes` is held only while a backward of
-    this chunk runs (gradient buffers, re-materialised activations). Where the backward is split:
+    the rest of the backward; the two may add up to more, as torch's two calls do).
+    `recompute_ms` is the forward work the backward redoes for activation recompute.
+    `working_bytes` is held only while a backward of this chunk runs (gradient buffers,
+    re-materialised activations). Where the backward is split:
     `pending_bytes` is held from the I action to the W action (the gradients the weight gradients
     still need, those of each weighted op's output; torch keeps them in its param groups; negative
     where the I action frees more than it holds, down to the whole activation), and

@@ -177,7 +177,9 @@ class Milp:
             highspy.HighsModelStatus.kIterationLimit,
         ):
             status, bound = "stopped", info.mip_dual_bound
-        elif model_status == highspy.HighsModelStatus.kSolveError and (hint is not None or random_seed < SOLVE_ERROR_RETRIES):
+        elif model_status == highspy.HighsModelStatus.kSolveError and (
+            hint is not None or random_seed < SOLVE_ERROR_RETRIES
+        ):
             # HiGHS 1.16 can fail to complete a partial start with its root heuristics off (seen on a
             # one-stage, one-layer program); the same search without the start does not. It can also
             # end a search on a solution that breaks a row by exactly its feasibility tolerance and call

@@ -15,6 +15,7 @@ from solver import (
     InfeasibleError,
     ModelProfile,
     PipelineSpec,
+    Plan,
     RecomputeCost,
     evaluate_plan,
     load_profile,
@@ -493,29 +494,35 @@ def test_action_overhead_is_planned_with_and_simulated_alike(schedule, chunks):
     assert bare.iteration_time_ms < plan.iteration_time_ms <= bare.iteration_time_ms + 1.5 * 2 * actions_per_rank
 
 
+def _with_share_of_activation(profile: ModelProfile, field: str, share: float) -> ModelProfile:
+    """`profile` with `field` of every recompute cost set to `share` of its activation bytes."""
+    return dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, **{field: share * c.activation_bytes})
+                                              for m, c in layer.recompute.items()})
+        for layer in profile.layers))
+
+
+def _solved_under_a_binding_budget(profile: ModelProfile, loose: PipelineSpec, unlimited: Plan) -> Plan:
+    """The plan for `profile` under 0.93x the peak of its plan without a budget (`unlimited`), which
+    binds: checked to fit and to be as fast as brute force."""
+    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)
+    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
+    plan = solve(profile, spec, time_limit_s=20)
+    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
+    assert plan.iteration_time_ms == pytest.approx(brute_force(profile, spec).iteration_time_ms)
+    return plan
+
+
 @pytest.mark.parametrize("held", ["retained_bytes", "pending_bytes"])
 @pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("1F1B", 1)])
 def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, held):
     """Where the backward is split, part of each activation stays until the step ends (retained), and
     gradients wait from I to W (pending): the solver's memory rows count them as the simulator does,
     so its plan fits and matches brute force."""
-    retaining = dataclasses.replace(
-        small_profile(6),
-        layers=tuple(
-            dataclasses.replace(layer, recompute={m: dataclasses.replace(c, **{held: c.activation_bytes / 2})
-                                                  for m, c in layer.recompute.items()})
-            for layer in small_profile(6).layers
-        ),
-    )
+    retaining = _with_share_of_activation(small_profile(6), held, 0.5)
     loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
-    unlimited = solve(retaining, loose, time_limit_s=20)
-    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
-    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
-    expected = brute_force(retaining, spec)
-    plan = solve(retaining, spec, time_limit_s=20)
-    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
-    assert plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms)
-    forgetful = evaluate_plan(small_profile(6), spec, plan.stage_layer_counts, plan.layer_modes)
+    plan = _solved_under_a_binding_budget(retaining, loose, solve(retaining, loose, time_limit_s=20))
+    forgetful = evaluate_plan(small_profile(6), plan.spec, plan.stage_layer_counts, plan.layer_modes)
     # DualPipeV splits few backwards, after its peak: the gradients they leave pending raise no peak here
     raises_peak = schedule != "1F1B" and not (schedule == "DualPipeV" and held == "pending_bytes")
     assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == raises_peak
@@ -535,11 +542,7 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
         for chunk, cost in enumerate(row):
             kept = 0 if (rank, chunk) == last else 24 * MIB
             assert cost.activation_bytes == plain.chunk_costs[rank][chunk].activation_bytes + kept
-    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
-    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
-    plan = solve(keeping, spec, time_limit_s=20)
-    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
-    assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
+    _solved_under_a_binding_budget(keeping, loose, unlimited)
 
 
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("DualPipeV", 2)])
@@ -566,11 +569,7 @@ def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
         assert cost.activation_bytes == before.activation_bytes - (24 * MIB if turns else 0) + logits
     assert (schedule == "DualPipeV") == any(
         schedule_of.rank_of(v + 1) == schedule_of.rank_of(v) for v in range(last))
-    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
-    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
-    plan = solve(keeping, spec, time_limit_s=20)
-    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
-    assert plan.iteration_time_ms == pytest.approx(brute_force(keeping, spec).iteration_time_ms)
+    _solved_under_a_binding_budget(keeping, loose, unlimited)
 
 
 def test_a_start_highs_cannot_complete_is_dropped_not_fatal():
@@ -597,11 +596,8 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     gradient, does nothing at I and runs its whole backward at W, so nothing is pending between them;
     every other stage leaves its input's gradient on its receive buffer until the step ends; the last
     drops the logits at I. Other engines (and schedules that do not split) keep the profile's split."""
-    pending = dataclasses.replace(small_profile(6), stage_output_bytes=3 * MIB, model_output_bytes=5 * MIB,
-                                  layers=tuple(
-        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, pending_bytes=c.activation_bytes / 2)
-                                              for m, c in layer.recompute.items()})
-        for layer in small_profile(6).layers))
+    pending = dataclasses.replace(_with_share_of_activation(small_profile(6), "pending_bytes", 0.5),
+                                  stage_output_bytes=3 * MIB, model_output_bytes=5 * MIB)
     plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     loose = dataclasses.replace(plain_spec, receive_buffers=True)
     unlimited = solve(pending, loose, time_limit_s=20)
@@ -621,11 +617,7 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
         assert cost.retained_bytes == other.retained_bytes + (3 * MIB if splits else 0)
         # the logits, which torch's engine keeps from the last stage's forward, go at its I
         assert cost.pending_bytes == other.pending_bytes - (5 * MIB if splits and virtual == last else 0)
-    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)  # binds
-    spec = dataclasses.replace(loose, memory_budget_bytes=budget)
-    plan = solve(pending, spec, time_limit_s=20)
-    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
-    assert plan.iteration_time_ms == pytest.approx(brute_force(pending, spec).iteration_time_ms)
+    _solved_under_a_binding_budget(pending, loose, unlimited)
 
 
 @pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
