@@ -72,6 +72,10 @@ def check_layers() -> tuple[list[dict], list[str]]:
             "cuda_activation_bytes": gpu.recompute["none"].activation_bytes,
             "cpu_activation_bytes": cpu.recompute["none"].activation_bytes,
             "cuda_working_bytes": gpu.recompute["none"].working_bytes,
+            # a split backward on the device: I's time, and what waits for W (the CPU's is exact)
+            "cuda_input_ms": gpu.input_ms,
+            "cuda_pending_bytes": gpu.recompute["none"].pending_bytes,
+            "cpu_pending_bytes": cpu.recompute["none"].pending_bytes,
         }
         rows.append(row)
         if not gpu.forward_ms > 0 or not gpu.backward_ms > 0:
@@ -80,6 +84,8 @@ def check_layers() -> tuple[list[dict], list[str]]:
             problems.append(f"{gpu.name}: parameter bytes differ ({gpu.parameter_bytes} on cuda, {cpu.parameter_bytes})")
         if gpu.is_body and not 0.5 < row["cuda_activation_bytes"] / row["cpu_activation_bytes"] < 1.5:
             problems.append(f"{gpu.name}: activation bytes far from the CPU's")
+        if gpu.is_body and not 0.5 < row["cuda_pending_bytes"] / max(row["cpu_pending_bytes"], 1) < 1.5:
+            problems.append(f"{gpu.name}: a split backward's pending bytes far from the CPU's")
     return rows, problems
 
 
