@@ -154,6 +154,18 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
     return spec.receive_buffers and schedule_kind(spec.schedule).splits_backward
 
 
+def torch_split_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
+    """Per virtual stage, what torch's split (`torch_splits_backward`) adds to the layers' retained and
+    pending bytes: the input's gradient, kept from I to the step's end on every stage but the first;
+    less the logits, which the last stage drops at its I. Zeros where torch does not split."""
+    schedule = spec.pipeline_schedule
+    retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
+    if torch_splits_backward(spec):
+        retained[1:] = [profile.stage_output_bytes] * (schedule.num_stages - 1)
+        pending[-1] = -profile.model_output_bytes
+    return retained, pending
+
+
 def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
     """Per virtual stage, what the engine keeps of the tensors stages pass (`profile.stage_output_bytes`
     each): per micro-batch in flight, the output it sent, until the output's gradient comes back; for
@@ -187,6 +199,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
+    torch_retained, torch_pending = torch_split_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
@@ -207,9 +220,9 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
             + kept_in_flight[virtual],
             retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers)
-            + (profile.stage_output_bytes if torch_split and virtual > 0 else 0.0),
+            + torch_retained[virtual],
             pending_bytes=(0.0 if whole else sum(layer.recompute[mode].pending_bytes for layer, mode in layers))
-            - (profile.model_output_bytes if torch_split and virtual == schedule.num_stages - 1 else 0.0),
+            + torch_pending[virtual],
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
                 for layer, _ in layers

@@ -33,7 +33,7 @@ from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
-from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_splits_backward
+from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_split_bytes, torch_splits_backward
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
@@ -109,6 +109,12 @@ class _Linear:
     def add(self, variable: int, coefficient: float) -> None:
         if coefficient:
             self.terms[variable] = self.terms.get(variable, 0.0) + coefficient
+
+    def add_expression(self, other: _Linear, scale: float = 1.0) -> None:
+        """Add `scale` x `other`."""
+        self.constant += scale * other.constant
+        for variable, coefficient in other.terms.items():
+            self.add(variable, scale * coefficient)
 
     def value(self, values: list[float]) -> float:
         return self.constant + _dot(self.terms, values)
@@ -549,13 +555,13 @@ class _Formulation:
             lambda g, m: g.retained_mib[m],
             lambda g, m: g.pending_mib[m],
         ))
-        if torch_splits_backward(spec):  # as plan.pipeline_costs states it
+        if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as plan.pipeline_costs states it
             weight[0] = self._cell_sum(lambda g, m: g.backward_ms)[0]
             input_grad[0] = self._cell_sum(lambda g, m: g.extra_ms[m])[0]
             pending[0] = _Linear()
-            for cell in range(1, cells):
-                retained[cell].constant += profile.stage_output_bytes / MIB
-            pending[cells - 1].constant -= profile.model_output_bytes / MIB
+        for cell, (torch_retained, torch_pending) in enumerate(zip(*torch_split_bytes(profile, spec))):
+            retained[cell].constant += torch_retained / MIB
+            pending[cell].constant += torch_pending / MIB
         forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
         for cell_sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
                                     (input_grad, backward_overhead - weight_overhead)):
@@ -790,11 +796,9 @@ class _Formulation:
         constant_mib = (self.profile.stage_constant_bytes + self.spec.stage_constant_bytes) / MIB
         retains = any(row.terms or row.constant for row in self.retained)
         pends = any(row.terms or row.constant for row in self.pending)
-        past_input = [_Linear({**a.terms}, a.constant) for a in self.activation]  # activations and pending gradients
+        past_input = [_Linear(dict(a.terms), a.constant) for a in self.activation]  # activations and pending gradients
         for expression, pending in zip(past_input, self.pending):
-            expression.constant += pending.constant
-            for variable, coefficient in pending.terms.items():
-                expression.add(variable, coefficient)
+            expression.add_expression(pending)
         rows = []
         for rank in range(schedule.stages):
             cells = schedule.stages_of(rank)
@@ -825,16 +829,10 @@ class _Formulation:
                     for part, scale in ((self.static[cell], 1), (self.activation[cell], counts[chunk]),
                                         (self.retained[cell], counts[chunks + chunk]),
                                         (past_input[cell], counts[2 * chunks + chunk])):
-                        if not scale:
-                            continue
-                        row.constant += scale * part.constant
-                        for variable, coefficient in part.terms.items():
-                            row.add(variable, scale * coefficient)
+                        if scale:
+                            row.add_expression(part, scale)
                 if working_chunk >= 0:
-                    part = self.working[cells[working_chunk]]
-                    row.constant += part.constant
-                    for variable, coefficient in part.terms.items():
-                        row.add(variable, coefficient)
+                    row.add_expression(self.working[cells[working_chunk]])
                 rows.append((rank, row))
         return rows
 
