@@ -34,6 +34,10 @@ from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
 
+# How torch's schedules name their actions to the profiler: the runtime schedules "PP:<action>",
+# ScheduleGPipe "Forward i" and "Backward i"; Schedule1F1B does not
+ACTION_NAMES = ("PP:", "Forward ", "Backward ")
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -126,7 +130,8 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     holds for the whole step as data; and less the outputs the engine keeps per micro-batch in flight,
     `boundary_bytes`, which autograd does not hold); the peak of all the plan counts but static
     bytes, working bytes included (what an allocator sees above the static bytes); the static bytes;
-    and the part of them that is the engine's receive buffers (`spec.receive_buffers`)."""
+    the part of them that is the engine's receive buffers (`spec.receive_buffers`); and what is held
+    above the static bytes once the last action has run (what the engine keeps to the step's end)."""
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
@@ -151,9 +156,10 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
         return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
 
     static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
+    step_end = [result.memory_curve(rank)[-1][1] - static[rank] for rank in range(schedule.stages)]
     buffers = [sum(kept_whole_run[virtual] for virtual in schedule.stages_of(rank)) for rank in range(schedule.stages)]
     return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static,
-            "receive_buffer_bytes": buffers}
+            "receive_buffer_bytes": buffers, "step_end_bytes": step_end}
 
 
 def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
@@ -225,12 +231,13 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
 
     # one more step, untimed, for what the allocator holds above the step's start: the profiler that
     # counts it slows every allocation
-    allocated = _allocated_peak_bytes(lambda: schedule.step(*((batch,) if first else ()), target=batch if last else None,
-                                                            return_outputs=False))
+    allocated, held_at_end = _allocated_bytes(lambda: schedule.step(*((batch,) if first else ()),
+                                                                    target=batch if last else None, return_outputs=False))
     measured = {
         "rank": rank,
         "step_ms": step_ms,
         "allocated_peak_bytes": allocated,
+        "step_end_bytes": held_at_end,
         "activation_peak_bytes": peaks,
         "parameter_bytes": unique_bytes(parameters),
         "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
@@ -263,20 +270,24 @@ def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
     return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
 
 
-def _allocated_peak_bytes(step: Callable[[], object]) -> int:
-    """The most bytes this process allocates during `step` above what it held when the step began: the
-    running sum of the allocations and frees torch.profiler records (a CPU allocator keeps no peak)."""
+def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
+    """The most bytes this process allocates during `step` above what it held when the step began,
+    and what it holds above that once the schedule's last action has run, before torch waits on its
+    sends (None where the schedule does not name its actions: torch's Schedule1F1B): the running sum
+    of the allocations and frees torch.profiler records (a CPU allocator keeps no peak)."""
     from torch.profiler import ProfilerActivity, profile
 
     with _stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    changes = sorted(((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events()
-                      if event.name() == "[memory]"), key=lambda change: change[0])
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)), default=None)
     live = peak = 0
     for _, nbytes in changes:
         live += nbytes
         peak = max(peak, live)
-    return peak
+    held = None if last_action_end is None else sum(nbytes for time_ns, nbytes in changes if time_ns <= last_action_end)
+    return peak, held
 
 
 @contextlib.contextmanager
@@ -328,6 +339,8 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
             "predicted_peak_bytes": predicted["peak_bytes"][rank],
             "measured_allocated_peak_bytes": row["allocated_peak_bytes"],
             "allocated_error": _error(predicted["peak_bytes"][rank], row["allocated_peak_bytes"]),
+            "predicted_step_end_bytes": predicted["step_end_bytes"][rank],
+            "measured_step_end_bytes": row["step_end_bytes"],
             "predicted_static_bytes": predicted["static_bytes"][rank] - predicted["receive_buffer_bytes"][rank],
             "measured_static_bytes": row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"],
             "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][rank],

@@ -22,8 +22,9 @@ class ChunkCosts:
     `pending_bytes` is held from the I action to the W action (the gradients the weight gradients
     still need, those of each weighted op's output; torch keeps them in its param groups; negative
     where the I action frees more than it holds, down to the whole activation), and
-    `retained_bytes` from the W action to the end of the step (what an engine's W does not free:
-    part of the activations; torch's input gradient, left on its receive buffer).
+    `retained_bytes` from a micro-batch's last backward action (W, or B where the backward is whole)
+    to the end of the step: what the engine does not free with the activations (torch's input
+    gradient, left on its receive buffer; tensors sent to other ranks, whose requests torch keeps).
     """
 
     forward_ms: float
@@ -63,7 +64,7 @@ class ChunkCosts:
             return self.pending_bytes
         if kind == BACKWARD_WEIGHT:
             return -(self.activation_bytes - self.retained_bytes + self.pending_bytes)
-        return -self.activation_bytes
+        return -(self.activation_bytes - self.retained_bytes)
 
     def split_weight_ms(self) -> float:
         """The weight-gradient part of the backward; half of it where it was not measured."""

@@ -154,15 +154,35 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
     return spec.receive_buffers and schedule_kind(spec.schedule).splits_backward
 
 
-def torch_split_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
-    """Per virtual stage, what torch's split (`torch_splits_backward`) adds to the layers' retained and
-    pending bytes: the input's gradient, kept from I to the step's end on every stage but the first;
-    less the logits, which the last stage drops at its I. Zeros where torch does not split."""
+def torch_keeps_sends(spec: PipelineSpec) -> bool:
+    """Whether torch's engine (`spec.receive_buffers`) keeps every tensor a stage sends to another
+    rank until the step ends: a send request holds its tensor while it lives (measured with gloo),
+    and every schedule torch runs but 1F1B keeps its requests to the step's end
+    (`_PipelineScheduleRuntime` waits on them after its last action, `ScheduleGPipe` keeps them in
+    lists); `Schedule1F1B` drops each at its next exchange."""
+    return spec.receive_buffers and spec.schedule != "1F1B"
+
+
+def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
+    """Per virtual stage, what torch's engine adds to the layers' retained bytes (kept from a
+    micro-batch's last backward action to the step's end) and pending bytes (from I to W). Under its
+    split (`torch_splits_backward`): the input's gradient, retained on every stage but the first,
+    less the logits, which the last stage drops at I. Where it keeps its sends (`torch_keeps_sends`):
+    the output each stage sends to another rank, and, where the backward is whole, the input
+    gradient it sends back (split, that is the gradient above: one tensor). Zeros elsewhere."""
     schedule = spec.pipeline_schedule
+    last = schedule.num_stages - 1
     retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
-    if torch_splits_backward(spec):
-        retained[1:] = [profile.stage_output_bytes] * (schedule.num_stages - 1)
+    split = torch_splits_backward(spec)
+    if split:
+        retained[1:] = [profile.stage_output_bytes] * last
         pending[-1] = -profile.model_output_bytes
+    if torch_keeps_sends(spec):
+        for virtual in range(schedule.num_stages):
+            rank = schedule.rank_of(virtual)
+            sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
+            sends_gradient = not split and virtual > 0 and schedule.rank_of(virtual - 1) != rank
+            retained[virtual] += (sends_output + sends_gradient) * profile.stage_output_bytes
     return retained, pending
 
 
@@ -195,11 +215,12 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
 def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:
     """The simulator's per-(stage, chunk) costs of a split: sums over each chunk's layers, its
     working set the largest of theirs, each stage's constant memory on its first chunk, and what the
-    engine keeps of the tensors stages pass (`boundary_bytes`)."""
+    engine keeps of the tensors stages pass (`boundary_bytes`) and of their backwards
+    (`torch_engine_bytes`). The layers' retained bytes count where the backward is split only."""
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
-    torch_retained, torch_pending = torch_split_bytes(profile, spec)
+    torch_retained, torch_pending = torch_engine_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
@@ -219,7 +240,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
             + kept_in_flight[virtual],
-            retained_bytes=sum(layer.recompute[mode].retained_bytes for layer, mode in layers)
+            retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else sum(layer.recompute[mode].pending_bytes for layer, mode in layers))
             + torch_pending[virtual],

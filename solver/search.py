@@ -33,7 +33,7 @@ from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
-from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_split_bytes, torch_splits_backward
+from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_engine_bytes, torch_splits_backward
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
@@ -545,6 +545,7 @@ class _Formulation:
                 if not pinned:
                     milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
 
+        splits = schedule_kind(spec.schedule).splits_backward  # the layers' retained bytes count only then
         forward, backward, weight, input_grad, activation, static, retained, pending = (self._cell_sum(f) for f in (
             lambda g, m: g.forward_ms,
             lambda g, m: g.backward_ms + g.extra_ms[m],
@@ -552,14 +553,14 @@ class _Formulation:
             lambda g, m: g.input_ms + g.extra_ms[m],
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
-            lambda g, m: g.retained_mib[m],
+            lambda g, m: g.retained_mib[m] if splits else 0.0,
             lambda g, m: g.pending_mib[m],
         ))
         if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as plan.pipeline_costs states it
             weight[0] = self._cell_sum(lambda g, m: g.backward_ms)[0]
             input_grad[0] = self._cell_sum(lambda g, m: g.extra_ms[m])[0]
             pending[0] = _Linear()
-        for cell, (torch_retained, torch_pending) in enumerate(zip(*torch_split_bytes(profile, spec))):
+        for cell, (torch_retained, torch_pending) in enumerate(zip(*torch_engine_bytes(profile, spec))):
             retained[cell].constant += torch_retained / MIB
             pending[cell].constant += torch_pending / MIB
         forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
@@ -804,7 +805,7 @@ class _Formulation:
             cells = schedule.stages_of(rank)
             # per chunk, how many micro-batches are past their forward and before their backward; past
             # I and before W (apart only where something is pending there: fewer distinct points);
-            # past W (only where something is retained)
+            # past their last backward action, B or W (only where something is retained)
             chunks = schedule.chunks
             held = [0] * (3 * chunks)
             points: set[tuple[tuple[int, ...], int]] = set()
@@ -821,7 +822,7 @@ class _Formulation:
                         held[2 * chunks + chunk] += 1
                     continue
                 held[2 * chunks + chunk if kind == BACKWARD_WEIGHT and pends else chunk] -= 1
-                if kind == BACKWARD_WEIGHT and retains:
+                if retains:
                     held[chunks + chunk] += 1
             for counts, working_chunk in _undominated(points):
                 row = _Linear(constant=constant_mib)

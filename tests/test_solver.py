@@ -590,6 +590,45 @@ def test_a_start_highs_cannot_complete_is_dropped_not_fatal():
                                                    + 3 * (1.6 + 3 * forward + 1.3585305598601316))
 
 
+# Per virtual stage of 2 ranks, the stage outputs' worth torch's engine keeps after each micro-batch's
+# backward: the output a stage sent to another rank (every schedule but 1F1B keeps its send
+# requests to the step's end), the input gradient it sent back where the backward is whole, and
+# where it is split the input gradient left on the receive buffer (the same tensor it sends).
+TORCH_RETAINED_OUTPUTS = {
+    ("GPipe", 1): [1, 1],  # the first stage's output; the last's input gradient
+    ("1F1B", 1): [0, 0],  # each request dropped at the next exchange
+    ("Interleaved1F1B", 2): [1, 2, 2, 1],  # the middle stages send both ways, all to the other rank
+    ("ZBH1", 1): [1, 1],
+    ("ZBVZeroBubble", 2): [1, 1, 2, 1],  # stage 1 hands its output to stage 2 on its own rank: no send
+    ("DualPipeV", 2): [1, 1, 2, 1],
+}
+
+
+@pytest.mark.parametrize("schedule, chunks", list(TORCH_RETAINED_OUTPUTS))
+def test_torch_keeps_what_its_stages_send_until_the_step_ends(schedule, chunks):
+    """Under torch's engine a stage's sends hold their tensors until the step ends (outputs sent to
+    another rank; input gradients too where the backward is whole): retained after each micro-batch's
+    last backward action, by the simulator and the program alike. Other engines keep none."""
+    profile = dataclasses.replace(small_profile(6), stage_output_bytes=3 * MIB)
+    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=True)
+    unlimited = solve(profile, loose, time_limit_s=20)
+    schedule_of = loose.pipeline_schedule
+    retained = [unlimited.simulation.costs.chunk_costs[schedule_of.rank_of(v)][schedule_of.chunk_of(v)].retained_bytes
+                for v in range(schedule_of.num_stages)]
+    assert retained == [outputs * 3 * MIB for outputs in TORCH_RETAINED_OUTPUTS[schedule, chunks]]
+    kept = TORCH_RETAINED_OUTPUTS[schedule, chunks]
+    for rank in range(2):  # by the step's end every micro-batch's are held
+        held_at_end = unlimited.simulation.memory_curve(rank)[-1][1]
+        static = sum(costs.static_bytes for costs in unlimited.simulation.costs.chunk_costs[rank])
+        assert held_at_end == pytest.approx(static + 4 * 3 * MIB * sum(
+            kept[v] for v in range(schedule_of.num_stages) if schedule_of.rank_of(v) == rank))
+    other_engine = evaluate_plan(profile, dataclasses.replace(loose, receive_buffers=False),
+                                 unlimited.stage_layer_counts, unlimited.layer_modes)
+    assert all(costs.retained_bytes == 0 for row in other_engine.simulation.costs.chunk_costs for costs in row)
+    if any(kept):
+        _solved_under_a_binding_budget(profile, loose, unlimited)
+
+
 @pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("1F1B", 1)])
 def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     """Where the backward is split, torch.distributed.pipelining's first stage, whose input takes no
@@ -604,17 +643,18 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     torch_costs = unlimited.simulation.costs.chunk_costs
     plain = evaluate_plan(pending, plain_spec, unlimited.stage_layer_counts, unlimited.layer_modes).simulation.costs
     splits = schedule != "1F1B"
+    kept = [outputs * 3 * MIB for outputs in TORCH_RETAINED_OUTPUTS[schedule, chunks]]  # the gradient among them
     first, before = torch_costs[0][0], plain.chunk_costs[0][0]
     assert (first.weight_ms == first.backward_ms) == splits and (first.pending_bytes == 0) == splits
     assert before.weight_ms < before.backward_ms and before.pending_bytes > 0
-    assert first.retained_bytes == before.retained_bytes == 0
+    assert first.retained_bytes == kept[0] and before.retained_bytes == 0
     schedule_of = loose.pipeline_schedule
     last = schedule_of.num_stages - 1
     for virtual in range(1, schedule_of.num_stages):
         rank, chunk = schedule_of.rank_of(virtual), schedule_of.chunk_of(virtual)
         cost, other = torch_costs[rank][chunk], plain.chunk_costs[rank][chunk]
         assert cost.weight_ms == other.weight_ms
-        assert cost.retained_bytes == other.retained_bytes + (3 * MIB if splits else 0)
+        assert cost.retained_bytes == other.retained_bytes + kept[virtual]
         # the logits, which torch's engine keeps from the last stage's forward, go at its I
         assert cost.pending_bytes == other.pending_bytes - (5 * MIB if splits and virtual == last else 0)
     _solved_under_a_binding_budget(pending, loose, unlimited)
