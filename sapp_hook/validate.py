@@ -3,7 +3,7 @@ one thread each), next to what the simulator said of it from a profile taken bef
 
 Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
 holds for backward over a step (saved-tensor hooks in the real run), the most bytes allocated during
-a step above its start (torch.profiler's memory events, in one more step), the parameter, gradient and
+a step above its start (torch.profiler's memory events, in two more steps), the parameter, gradient and
 optimizer bytes, and the bytes of torch's receive buffers; beside each, the prediction.
 """
 
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # How torch's schedules name their actions to the profiler: the runtime schedules "PP:<action>",
 # ScheduleGPipe "Forward i" and "Backward i"; Schedule1F1B does not
 ACTION_NAMES = ("PP:", "Forward ", "Backward ")
+MEASURED_STEP = "sapp-hook: measured step"
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
             peaks.append(held.peak_bytes)
         losses.append([loss.item() for loss in step_losses])
 
-    # one more step, untimed, for what the allocator holds above the step's start: the profiler that
+    # two more steps, untimed, for what the allocator holds above a step's lowest point: the profiler that
     # counts it slows every allocation
     allocated, held_at_end = _allocated_bytes(lambda: schedule.step(*((batch,) if first else ()),
                                                                     target=batch if last else None, return_outputs=False))
@@ -274,20 +275,33 @@ def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
     """The most bytes this process allocates during `step` above what it held when the step began,
     and what it holds above that once the schedule's last action has run, before torch waits on its
     sends (None where the schedule does not name its actions: torch's Schedule1F1B): the running sum
-    of the allocations and frees torch.profiler records (a CPU allocator keeps no peak)."""
-    from torch.profiler import ProfilerActivity, profile
+    of the allocations and frees torch.profiler records (a CPU allocator keeps no peak). The profiler
+    records no free of a block allocated before it started (what the step before left, which this
+    one replaces: the V schedules' hand-offs on one rank), so it watches that step too and
+    measures the second."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with _stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+        with record_function(MEASURED_STEP):
+            step()
     events = prof.profiler.kineto_results.events()
+    measured_start = next(event.start_ns() for event in events if event.name() == MEASURED_STEP)
     changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
-    last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)), default=None)
-    live = peak = 0
-    for _, nbytes in changes:
+    last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)
+                           and event.start_ns() >= measured_start), default=None)
+    live = floor = peak = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
+    held = None
+    for time_ns, nbytes in changes:
+        if time_ns < measured_start:
+            continue
+        if last_action_end is not None and held is None and time_ns > last_action_end:
+            held = live
         live += nbytes
-        peak = max(peak, live)
-    held = None if last_action_end is None else sum(nbytes for time_ns, nbytes in changes if time_ns <= last_action_end)
-    return peak, held
+        floor, peak = min(floor, live), max(peak, live)
+    if last_action_end is not None and held is None:
+        held = live
+    return peak - floor, None if held is None else held - floor
 
 
 @contextlib.contextmanager

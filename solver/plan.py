@@ -166,23 +166,28 @@ def torch_keeps_sends(spec: PipelineSpec) -> bool:
 def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[float], list[float]]:
     """Per virtual stage, what torch's engine adds to the layers' retained bytes (kept from a
     micro-batch's last backward action to the step's end) and pending bytes (from I to W). Under its
-    split (`torch_splits_backward`): the input's gradient, retained on every stage but the first,
-    less the logits, which the last stage drops at I. Where it keeps its sends (`torch_keeps_sends`):
-    the output each stage sends to another rank, and, where the backward is whole, the input
-    gradient it sends back (split, that is the gradient above: one tensor). Zeros elsewhere."""
+    split (`torch_splits_backward`): the input's gradient, kept on the input, where the input came
+    from another rank; where it was handed over on the rank, the gradient I computes (which the
+    profile counts as pending) goes into the previous stage's output-gradient buffer in place of
+    what the buffer held (counted with the buffers): less pending; and less the logits, which the
+    last stage drops at I. Where it keeps its sends (`torch_keeps_sends`): the output each stage
+    sends to another rank, and, where the backward is whole, the input gradient it sends back
+    (split, that is the gradient above: one tensor). Zeros elsewhere."""
     schedule = spec.pipeline_schedule
     last = schedule.num_stages - 1
     retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
-    split = torch_splits_backward(spec)
+    split, keeps_sends = torch_splits_backward(spec), torch_keeps_sends(spec)
+    for virtual in range(schedule.num_stages):
+        rank = schedule.rank_of(virtual)
+        receives = virtual > 0 and schedule.rank_of(virtual - 1) != rank
+        sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
+        kept = receives and (split or keeps_sends)  # on its buffer's .grad, or in its send request
+        kept_sent = sends_output and keeps_sends
+        retained[virtual] = (kept + kept_sent) * profile.stage_output_bytes
+        if split and virtual > 0 and not receives:
+            pending[virtual] -= profile.stage_output_bytes
     if split:
-        retained[1:] = [profile.stage_output_bytes] * last
-        pending[-1] = -profile.model_output_bytes
-    if torch_keeps_sends(spec):
-        for virtual in range(schedule.num_stages):
-            rank = schedule.rank_of(virtual)
-            sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
-            sends_gradient = not split and virtual > 0 and schedule.rank_of(virtual - 1) != rank
-            retained[virtual] += (sends_output + sends_gradient) * profile.stage_output_bytes
+        pending[-1] -= profile.model_output_bytes
     return retained, pending
 
 

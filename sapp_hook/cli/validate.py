@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Profile the model in one process, plan (the solver's plan, the even split, or a plan JSON), run "
             "the plan with torch.distributed.pipelining on one gloo process per stage, and print per rank the "
             "predicted and measured step time, peak activation bytes (saved-tensor hooks in the real run) and "
-            "peak bytes allocated during a step (torch.profiler's memory events, in one more step)."
+            "peak bytes allocated during a step (torch.profiler's memory events, in two more steps)."
         ),
     )
     parser.add_argument("--model", required=True, metavar="NAME", help="a built-in model or a transformers config.json")
