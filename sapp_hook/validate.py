@@ -3,8 +3,9 @@ one thread each), next to what the simulator said of it from a profile taken bef
 
 Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
 holds for backward over a step (saved-tensor hooks in the real run), the most bytes allocated during
-a step above its start (torch.profiler's memory events, in two more steps), the parameter, gradient and
-optimizer bytes, and the bytes of torch's receive buffers; beside each, the prediction.
+a step above its lowest point and what is held at its end (torch.profiler's memory events, in two
+more steps), the parameter, gradient and optimizer bytes, and the bytes of torch's receive buffers;
+beside each, the prediction.
 """
 
 from __future__ import annotations
@@ -272,12 +273,12 @@ def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
 
 
 def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
-    """The most bytes this process allocates during `step` above what it held when the step began,
-    and what it holds above that once the schedule's last action has run, before torch waits on its
-    sends (None where the schedule does not name its actions: torch's Schedule1F1B): the running sum
-    of the allocations and frees torch.profiler records (a CPU allocator keeps no peak). The profiler
-    records no free of a block allocated before it started (what the step before left, which this
-    one replaces: the V schedules' hand-offs on one rank), so it watches that step too and
+    """The most bytes this process holds during `step` above the step's lowest point (where what the
+    step before kept has been freed), and what it holds above that once the schedule's last action
+    has run, before torch waits on its sends (None where the schedule does not name its actions:
+    torch's Schedule1F1B): the running sum of the allocations and frees torch.profiler records (a
+    CPU allocator keeps no peak). The profiler records no free of a block allocated before it
+    started, such as what the step before kept and this one frees, so it watches that step too and
     measures the second."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -290,17 +291,16 @@ def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
     changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
     last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)
                            and event.start_ns() >= measured_start), default=None)
-    live = floor = peak = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
-    held = None
+    start = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
+    live = floor = peak = start
+    held = None if last_action_end is None else start
     for time_ns, nbytes in changes:
         if time_ns < measured_start:
             continue
-        if last_action_end is not None and held is None and time_ns > last_action_end:
-            held = live
         live += nbytes
         floor, peak = min(floor, live), max(peak, live)
-    if last_action_end is not None and held is None:
-        held = live
+        if held is not None and time_ns <= last_action_end:
+            held = live
     return peak - floor, None if held is None else held - floor
 
 

@@ -181,9 +181,9 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
         rank = schedule.rank_of(virtual)
         receives = virtual > 0 and schedule.rank_of(virtual - 1) != rank
         sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
-        kept = receives and (split or keeps_sends)  # on its buffer's .grad, or in its send request
-        kept_sent = sends_output and keeps_sends
-        retained[virtual] = (kept + kept_sent) * profile.stage_output_bytes
+        keeps_input_gradient = receives and (split or keeps_sends)  # on the input's .grad, or in its send
+        keeps_output = sends_output and keeps_sends
+        retained[virtual] = (keeps_input_gradient + keeps_output) * profile.stage_output_bytes
         if split and virtual > 0 and not receives:
             pending[virtual] -= profile.stage_output_bytes
     if split:
