@@ -98,5 +98,5 @@ def validation_report(report: dict) -> str:
             f"{format_bytes(row['measured_allocated_peak_bytes']):>10} {row['allocated_error']:>6.1%}"
         )
     lines.append("(activations: what autograd holds for backward; allocator: every byte allocated during a step "
-                 "above its start, working sets and the outputs the engine keeps included)")
+                 "above its lowest point, working sets and what the engine keeps included)")
     return "\n".join(lines)
