@@ -156,7 +156,8 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
 
 def torch_keeps_sends(spec: PipelineSpec) -> bool:
     """Whether torch's engine (`spec.receive_buffers`) keeps every tensor a stage sends to another
-    rank until the step ends: a send request holds its tensor while it lives (measured with gloo),
+    rank until the step ends: a send request holds its tensor while it lives (measured with gloo;
+    NCCL's until its wait where it avoids record streams, else less: on the safe side),
     and every schedule torch runs but 1F1B keeps its requests to the step's end
     (`_PipelineScheduleRuntime` waits on them after its last action, `ScheduleGPipe` keeps them in
     lists); `Schedule1F1B` drops each at its next exchange."""
