@@ -58,6 +58,12 @@ class CpuMemory(TorchDispatchMode):
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor`'s storage, if counted: what is held for the whole step from now on
+        (a parameter's new gradient, which plans count with the static bytes)."""
+        key, size = storage_key(tensor)
+        self._release(key, size)
+
     def _release(self, key: int, size: int) -> None:
         if self._live.pop(key, None) is not None:
             self.live_bytes -= size

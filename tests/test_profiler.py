@@ -202,6 +202,42 @@ def test_on_the_cpu_working_sets_are_counted_op_by_op_in_untimed_steps():
             assert len(profiler.samples[index].backward_peak_bytes[mode]) == 1
 
 
+class PairsOfLinears(torch.nn.Module):
+    """Blocks of two bias-free Linears each: the second's weight gradient is made before the first's
+    backward allocates, so whether it stays (a new .grad) or goes (added in place) shows in the peak."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
+            for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("to_none", [True, False])
+def test_a_new_gradient_is_not_counted_in_the_working_set(to_none):
+    """Whether the loop zeroes gradients to None (the backward creates them) or in place (it adds into
+    them), a layer's working set is the same, one Linear's input and weight gradients: the gradients
+    themselves are static bytes. Counted as they stay, the second Linear's new weight gradient read
+    2 KiB where the in-place run reads 1.5."""
+    rows, width = 8, 16
+    torch.manual_seed(0)
+    model = PairsOfLinears(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LayerProfiler(model, optimizer, steps=1, modes=("none",)) as profiler:
+        while not profiler.done:
+            model(torch.randn(rows, width)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=to_none)
+            profiler.step()
+    for layer in profiler.profile().layers[1:]:  # block 0's input needs no gradient: no hook ends it
+        assert layer.recompute["none"].working_bytes == (rows * width + width * width) * FP32
+
+
 def test_the_tail_and_head_working_sets_hold_their_gradients(llama_run):
     """The loss and LM head's backward allocates the logits' gradient (what it frees on the way, the
     log-softmax it saved, makes the peak less than the sum of all it allocates); the embedding's, its
