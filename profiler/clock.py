@@ -59,6 +59,10 @@ class DeviceMemory:
     def peak(self) -> int:
         return torch.accelerator.max_memory_allocated(self.device)
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Nothing: the allocator's counters cannot leave one tensor out (`CpuMemory.forget` does), so a
+        parameter's new gradient stays in the working set here, on the safe side."""
+
 
 def device_of(model: torch.nn.Module) -> torch.device:
     for tensor in model.parameters():

@@ -526,6 +526,9 @@ class FakeDeviceMemory:
     def allocated(self) -> int:
         return self.current
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Nothing, as an accelerator's counters (`clock.DeviceMemory.forget`)."""
+
     def reset_peak(self) -> None:
         if self.resets:
             self.current -= 2 * 2**20
