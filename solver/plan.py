@@ -148,8 +148,9 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
     it differs from the split the profile states in two ways. Virtual stage 0, whose input takes no
     gradient, runs its whole backward at its W, its I doing nothing (so nothing waits between them:
     `_PipelineStageBase.backward_weight_one_chunk`). Every other stage's I leaves its input's
-    gradient on the receive buffer (`stage_backward_input` sets the input's `.grad`), where it stays
-    until the next step clears it: part of what the profile measures as pending until W, kept after.
+    gradient on the input (`stage_backward_input` sets its `.grad`), where it stays until the next
+    step clears it: part of what the profile measures as pending until W, kept after where the input
+    came from another rank (`torch_engine_bytes`).
     The last stage's I drops the model's output (the logits), which the engine kept from its forward."""
     return spec.receive_buffers and schedule_kind(spec.schedule).splits_backward
 
@@ -181,11 +182,12 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
     for virtual in range(schedule.num_stages):
         rank = schedule.rank_of(virtual)
         receives = virtual > 0 and schedule.rank_of(virtual - 1) != rank
+        handed_over = virtual > 0 and not receives  # the input is the previous stage's output, on this rank
         sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
         keeps_input_gradient = receives and (split or keeps_sends)  # on the input's .grad, or in its send
         keeps_output = sends_output and keeps_sends
         retained[virtual] = (keeps_input_gradient + keeps_output) * profile.stage_output_bytes
-        if split and virtual > 0 and not receives:
+        if split and handed_over:
             pending[virtual] -= profile.stage_output_bytes
     if split:
         pending[-1] -= profile.model_output_bytes
