@@ -76,6 +76,9 @@ def check_layers() -> tuple[list[dict], list[str]]:
             "cuda_input_ms": gpu.input_ms,
             "cuda_pending_bytes": gpu.recompute["none"].pending_bytes,
             "cpu_pending_bytes": cpu.recompute["none"].pending_bytes,
+            # what each half holds at its peak (the CPU's counted op by op)
+            **{f"{device}_{half}": getattr(layer.recompute["none"], half) for device, layer in (("cuda", gpu), ("cpu", cpu))
+               for half in ("input_working_bytes", "weight_working_bytes")},
         }
         rows.append(row)
         if not gpu.forward_ms > 0 or not gpu.backward_ms > 0:

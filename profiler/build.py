@@ -77,9 +77,14 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         # holds from I to W is measured per body kind; none for the head, whose input takes no gradient
         # (torch runs the first stage's whole backward at its W), nor for the tail: its I holds the
         # logits' gradient for the LM head's weight gradient but frees what the loss saved, about as
-        # much (tiny-llama's tail, re-run alone: 0.25 MiB held net of a 4 MiB gradient)
+        # much (tiny-llama's tail, re-run alone: 0.25 MiB held net of a 4 MiB gradient). What each half
+        # holds while it runs is measured without recompute; with it, the whole backward's working set
+        # (which holds what it rebuilds) stands for both.
+        halves = split is not None and mode == NONE
         recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
-                                        pending_bytes=split.pending_bytes if split is not None else 0.0)
+                                        pending_bytes=split.pending_bytes if split is not None else 0.0,
+                                        input_working_bytes=split.input_working_bytes if halves else None,
+                                        weight_working_bytes=split.weight_working_bytes if halves else None)
     input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +96,10 @@ def _same_module(planned: str, found: str) -> bool:
     return planned == found or planned.endswith("." + found) or found.endswith("." + planned)
 
 
-def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int) -> list[tuple[int, PipelineStageModule]]:
-    """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order."""
+def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int,
+          on_kept: Callable[[torch.Tensor], None] | None = None) -> list[tuple[int, PipelineStageModule]]:
+    """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order.
+    `on_kept` sees each tensor selective recompute keeps in its own cache (`set_recompute`)."""
     layout = as_layout(plan)
     parts = _parts(model)
     found = find_blocks(model)
@@ -133,7 +135,7 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
                 raise InputError("plan", f"{layer.name}: torch has no {layer.recompute!r} recompute; use none, selective or full")
             block = block_of[id(layer)]
             if layer.recompute != NONE:
-                set_recompute(block, layer.recompute)
+                set_recompute(block, layer.recompute, on_kept)
             chosen.append(block)
         first = stage_index == 0
         last = stage_index == layout.num_virtual_stages - 1

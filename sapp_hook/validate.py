@@ -30,7 +30,7 @@ from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
 from solver.fields import Fields
-from solver.plan import boundary_bytes
+from solver.plan import boundary_bytes, torch_1f1b_held_bytes
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,9 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     backward (less `input_bytes` per micro-batch on the first stage: the token ids, which the engine
     holds for the whole step as data; and less the outputs the engine keeps per micro-batch in flight,
     `boundary_bytes`, which autograd does not hold); the peak of all the plan counts but static
-    bytes, working bytes included (what an allocator sees above the static bytes); the static bytes;
+    bytes, working bytes included (what an allocator sees above the static bytes; the sends
+    `Schedule1F1B` holds, which the plan counts with the static bytes, come after a step starts:
+    counted in); the static bytes (without those sends);
     the part of them that is the engine's receive buffers (`spec.receive_buffers`); and what is held
     above the static bytes once the last action has run (what the engine keeps to the step's end)."""
     result = plan.simulation
@@ -139,16 +141,18 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
     kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec)
+    held_sends = torch_1f1b_held_bytes(profile, plan.spec)  # counted with the static bytes, not there at a step's start
 
     def peaks(autograd_only: bool) -> list[float]:
         def bare(rank: int, chunk: int, costs_of: ChunkCosts) -> ChunkCosts:
             virtual = schedule.stage_index(rank, chunk)
             ids = input_bytes if virtual == 0 else 0.0
             if not autograd_only:
-                return dataclasses.replace(costs_of, static_bytes=0.0, activation_bytes=costs_of.activation_bytes - ids)
+                return dataclasses.replace(costs_of, static_bytes=held_sends[virtual],
+                                           activation_bytes=costs_of.activation_bytes - ids)
             # gradients (working sets, a split backward's pending and retained ones) are not what it saved
-            return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, pending_bytes=0.0,
-                                       retained_bytes=0.0,
+            return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, input_working_bytes=None,
+                                       weight_working_bytes=None, pending_bytes=0.0, retained_bytes=0.0,
                                        activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual])
 
         bare_costs = PipelineCosts(
@@ -157,7 +161,8 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
         )
         return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
 
-    static = [sum(c.static_bytes for c in row) for row in costs.chunk_costs]
+    static = [sum(c.static_bytes for c in row) - sum(held_sends[virtual] for virtual in schedule.stages_of(rank))
+              for rank, row in enumerate(costs.chunk_costs)]
     step_end = [result.memory_curve(rank)[-1][1] - static[rank] for rank in range(schedule.stages)]
     buffers = [sum(kept_whole_run[virtual] for virtual in schedule.stages_of(rank)) for rank in range(schedule.stages)]
     return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static,
@@ -195,7 +200,13 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
     config = load_config(setup.model)
     model = build_model(config)
     logging.getLogger("sapp_hook.stages").setLevel(logging.ERROR)  # its tied-weight warning: TiedGradients below
-    modules = apply(model, plan_data, rank)
+    step_held: list[HeldActivations] = []  # the step's counter: selective recompute's own cache reports to it too
+
+    def kept_by_checkpointing(tensor: torch.Tensor) -> None:
+        if step_held:
+            step_held[0].keep(tensor)
+
+    modules = apply(model, plan_data, rank, on_kept=kept_by_checkpointing)
     tied = TiedGradients(model, plan_data, rank)
     num_stages = setup.stages * len(modules)
     stages = [PipelineStage(module, index, num_stages, torch.device("cpu")) for index, module in modules]
@@ -218,11 +229,13 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
         dist.barrier()
         # the token ids are data the schedule holds for the whole step, in one storage: not activations
         with HeldActivations([*model.parameters(), *model.buffers(), batch]) as held:
+            step_held[:] = [held]
             started = time.perf_counter()
             # return_outputs=False: else torch keeps every micro-batch's logits on the last rank to the end
             schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses,
                           return_outputs=False)
             elapsed = (time.perf_counter() - started) * 1e3
+        step_held.clear()
         tied()  # outside the timed step, like the optimizer: the simulator does not model it
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)

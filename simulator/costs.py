@@ -25,6 +25,8 @@ class ChunkCosts:
     `retained_bytes` from a micro-batch's last backward action (W, or B where the backward is whole)
     to the end of the step: what the engine does not free with the activations (torch's input
     gradient, left on its receive buffer; tensors sent to other ranks, whose requests torch keeps).
+    `input_working_bytes` and `weight_working_bytes` take the place of `working_bytes` while an I
+    and a W action runs (None: `working_bytes`): what each holds above what was held when it began.
     """
 
     forward_ms: float
@@ -37,6 +39,8 @@ class ChunkCosts:
     retained_bytes: float = 0.0
     pending_bytes: float = 0.0
     input_ms: float | None = None
+    input_working_bytes: float | None = None
+    weight_working_bytes: float | None = None
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
@@ -45,8 +49,9 @@ class ChunkCosts:
             check_non_negative(getattr(self, name), f"{where} {name}")
         # the I action may free part of the activations (torch's last stage drops the model's output there)
         check_non_negative(self.pending_bytes + self.activation_bytes, f"{where} pending_bytes + activation_bytes")
-        if self.input_ms is not None:
-            check_non_negative(self.input_ms, f"{where} input_ms")
+        for name in ("input_ms", "input_working_bytes", "weight_working_bytes"):
+            if getattr(self, name) is not None:
+                check_non_negative(getattr(self, name), f"{where} {name}")
         if self.weight_ms is not None:
             check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
@@ -65,6 +70,14 @@ class ChunkCosts:
         if kind == BACKWARD_WEIGHT:
             return -(self.activation_bytes - self.retained_bytes + self.pending_bytes)
         return -(self.activation_bytes - self.retained_bytes)
+
+    def working_bytes_during(self, kind: str) -> float:
+        """What a backward action of `kind` holds while it runs, above what was held when it began."""
+        if kind == BACKWARD_INPUT and self.input_working_bytes is not None:
+            return self.input_working_bytes
+        if kind == BACKWARD_WEIGHT and self.weight_working_bytes is not None:
+            return self.weight_working_bytes
+        return self.working_bytes
 
     def split_weight_ms(self) -> float:
         """The weight-gradient part of the backward; half of it where it was not measured."""

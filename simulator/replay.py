@@ -5,7 +5,7 @@ time when that action ran on another rank). Sends are asynchronous: they never h
 Memory of a rank: its static bytes, plus the activation of every (chunk, micro-batch) whose
 forward has ended and whose backward (B, or W when split) has not, plus, where the backward is
 split, the pending gradients of every one whose I has run and W has not, plus the chunk's working
-set while one of its backward actions runs.
+set while one of its backward actions runs (each half of a split backward may have its own).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _rank_memory(program: Program, costs: PipelineCosts, rank: int) -> tuple[flo
             held += 1
             peak_held = max(peak_held, held)
         else:
-            peak = max(peak, memory + chunk.working_bytes)
+            peak = max(peak, memory + chunk.working_bytes_during(kind))
             if kind != BACKWARD_INPUT:
                 held -= 1
         memory += chunk.held_change_bytes(kind)

@@ -95,7 +95,7 @@ class SimulationResult:
             chunk = row[timed.chunk]
             kind = timed.action.kind
             if kind != FORWARD:
-                points.append((timed.start_ms, memory + chunk.working_bytes))
+                points.append((timed.start_ms, memory + chunk.working_bytes_during(kind)))
             memory += chunk.held_change_bytes(kind)
             points.append((timed.end_ms, memory))
         points.append((self.iteration_time_ms, memory))

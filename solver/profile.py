@@ -34,7 +34,11 @@ class RecomputeCost:
     activation_bytes a split backward (an input-gradient then a weight-gradient action) keeps
     after the weight gradients, until the step ends. pending_bytes: what a split backward holds
     from the layer's input gradients to its weight gradients, per micro-batch: the gradients of
-    its weighted ops' outputs, which the weight gradients still need.
+    its weighted ops' outputs, which the weight gradients still need. input_working_bytes,
+    weight_working_bytes: what each half of a split backward holds at its peak above what was held
+    when it began: the input-gradient half's (the pending gradients it forms included) and the
+    weight-gradient half's (the pending gradients were there before it; its weight gradients
+    accumulate in place); None where not measured: working_bytes stands for both.
     """
 
     extra_ms: float
@@ -42,6 +46,14 @@ class RecomputeCost:
     working_bytes: float = 0.0
     retained_bytes: float = 0.0
     pending_bytes: float = 0.0
+    input_working_bytes: float | None = None
+    weight_working_bytes: float | None = None
+
+    def split_input_working_bytes(self) -> float:
+        return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
+
+    def split_weight_working_bytes(self) -> float:
+        return self.working_bytes if self.weight_working_bytes is None else self.weight_working_bytes
 
 
 @dataclass(frozen=True)
@@ -267,13 +279,20 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
         "gradient_bytes": layer.gradient_bytes,
         "optimizer_bytes": layer.optimizer_bytes,
         "recompute": {
-            mode: {"extra_ms": c.extra_ms, "activation_bytes": c.activation_bytes, "working_bytes": c.working_bytes,
-                   "retained_bytes": c.retained_bytes, "pending_bytes": c.pending_bytes}
-            for mode, c in layer.recompute.items()
+            mode: _cost_to_dict(c) for mode, c in layer.recompute.items()
         },
     }
     if layer.spread:
         data["spread"] = dict(layer.spread)
+    return data
+
+
+def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
+    data = {"extra_ms": cost.extra_ms, "activation_bytes": cost.activation_bytes, "working_bytes": cost.working_bytes,
+            "retained_bytes": cost.retained_bytes, "pending_bytes": cost.pending_bytes}
+    for name in ("input_working_bytes", "weight_working_bytes"):
+        if getattr(cost, name) is not None:
+            data[name] = getattr(cost, name)
     return data
 
 
@@ -291,6 +310,8 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             working_bytes=cost.number("working_bytes", 0.0),
             retained_bytes=cost.number("retained_bytes", 0.0),
             pending_bytes=cost.number("pending_bytes", 0.0),
+            input_working_bytes=cost.number("input_working_bytes"),
+            weight_working_bytes=cost.number("weight_working_bytes"),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -368,8 +389,10 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         if mode not in RECOMPUTE_MODES:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
-        for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes"):
-            check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
+        for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
+                     "weight_working_bytes"):
+            if getattr(cost, name) is not None:
+                check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")

@@ -33,7 +33,15 @@ from simulator.schedules import schedule_kind
 from simulator.units import MIB, format_bytes, format_ms
 from solver.errors import InfeasibleError
 from solver.milp import INF, Milp, MilpResult
-from solver.plan import Plan, boundary_bytes, evaluate_plan, ordered_modes, torch_engine_bytes, torch_splits_backward
+from solver.plan import (
+    Plan,
+    boundary_bytes,
+    evaluate_plan,
+    ordered_modes,
+    torch_1f1b_held_bytes,
+    torch_engine_bytes,
+    torch_splits_backward,
+)
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 from solver.start import balanced_plan, improved_by_moves
@@ -96,6 +104,8 @@ class _Group:
     extra_ms: dict[str, float]
     activation_mib: dict[str, float]
     working_mib: dict[str, float]
+    input_working_mib: dict[str, float]  # where the backward is split: its I half's, and its W half's
+    weight_working_mib: dict[str, float]
     retained_mib: dict[str, float]
     pending_mib: dict[str, float]
     pinned_cell: int | None = None  # heads and tails do not move
@@ -465,6 +475,8 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 extra_ms={m: layer.recompute[m].extra_ms for m in modes},
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
                 working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
+                input_working_mib={m: layer.recompute[m].split_input_working_bytes() / MIB for m in modes},
+                weight_working_mib={m: layer.recompute[m].split_weight_working_bytes() / MIB for m in modes},
                 retained_mib={m: layer.recompute[m].retained_bytes / MIB for m in modes},
                 pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
@@ -475,7 +487,8 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
 
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
     """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
-    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes)
+    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes,
+                 c.split_input_working_bytes(), c.split_weight_working_bytes())
              for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
@@ -568,9 +581,10 @@ class _Formulation:
                                     (input_grad, backward_overhead - weight_overhead)):
             for expression in cell_sums:
                 expression.constant += overhead
-        for cell, (in_flight, whole_run) in enumerate(zip(*boundary_bytes(profile, spec))):
+        for cell, (in_flight, whole_run, held) in enumerate(zip(*boundary_bytes(profile, spec),
+                                                                torch_1f1b_held_bytes(profile, spec))):
             activation[cell].constant += in_flight / MIB
-            static[cell].constant += whole_run / MIB
+            static[cell].constant += (whole_run + held) / MIB
         self.recompute_terms: dict[int, float] = {}
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:
@@ -741,54 +755,99 @@ class _Formulation:
                     self.milp.row({self.count[g, c, SELECTIVE]: 1.0, comm_side: group.size}, upper=group.size)
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
-    def _working_sets(self, cells: int) -> list[_Linear]:
-        """Per virtual stage, the largest working set of the layers it holds, where one backward runs
-        the whole chunk less what the layers whose backward ran before have freed (as
-        `plan.pipeline_costs` counts it): the tail's activations, before any other layer's; the head's
-        less every other layer's activations there too (a linear row in the counts)."""
+    def _working_sets(self, cells: int) -> list[dict[str, _Linear]]:
+        """Per virtual stage and kind of backward action, the most its layers hold while it runs (as
+        `plan.pipeline_costs` counts it). Where one backward runs the whole chunk: the largest working
+        set less what the layers whose backward ran before have freed, the tail's activations, before
+        any other layer's; the head's less every other layer's activations there too (a linear row in
+        the counts). Where it is split: I, the tail's (its I runs first), or the chunk's pending
+        gradients plus the most any other layer's I holds above its own; W, the most any layer's W
+        holds."""
         splits = schedule_kind(self.spec.schedule).splits_backward
         one_backward = [not splits or (c == 0 and torch_splits_backward(self.spec)) for c in range(cells)]
         freed = [0.0] * cells
         for group in self.groups:
             if group.kind == TAIL and one_backward[group.pinned_cell]:
                 freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
-        pinned = [0.0] * cells
-        head = [-INF] * cells  # the head's working set less the tail's activations, before the body's are taken off
-        for group in self.groups:
-            c = group.pinned_cell
-            if group.kind == TAIL:
-                pinned[c] = max(pinned[c], group.working_mib[NONE])
-            elif group.kind == HEAD and one_backward[c]:
-                head[c] = max(head[c], group.working_mib[NONE] - freed[c])
-            elif group.kind == HEAD:  # a split backward frees nothing before the head's
-                pinned[c] = max(pinned[c], group.working_mib[NONE])
-        # cell -> (its working-set variable, least value, (count variable, working set) of each layer that
-        # may raise it, (the head's working set, activation per count variable) or None)
-        self.working_choices: dict[int, tuple[int, float, list[tuple[int, float]], tuple[float, dict[int, float]] | None]] = {}
+        # cell -> its working-set variables, each set after those before it: (the variable, least value,
+        # (count variable, working set) of each layer that may raise it, rows (constant, terms) it is at least)
+        self.working_choices: dict[int, list[tuple[int, float, list[tuple[int, float]], list[tuple[float, dict[int, float]]]]]] = {}
+        self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
+        self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
+        pending = self._cell_sum(lambda g, m: g.pending_mib[m])  # the layers' own: what I forms and W starts with
+        handed = self.profile.stage_output_bytes / MIB
+        # halves that hold what the whole backward does need no rows of their own (SAPP's files)
+        halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
+                            or any(g.pending_mib.values()) for g in self.groups)
         working = []
         for c in range(cells):
-            choices = [(g, count, self.groups[g].working_mib[mode] - freed[c])
-                       for (g, cell, mode), count in self.count.items() if cell == c]
-            choices = [(g, count, size) for g, count, size in choices if size > pinned[c]]
-            head_row = None
-            if head[c] > pinned[c]:
-                head_row = (head[c], {count: self.groups[g].activation_mib[mode]
-                                      for (g, cell, mode), count in self.count.items() if cell == c})
-            if not choices and head_row is None:  # no layer here can hold more than its head or tail does
-                working.append(_Linear(constant=pinned[c]))
+            pinned_groups = [g for g in self.groups if g.pinned_cell == c]
+            if one_backward[c]:
+                # the tail's backward hands the layer before it the gradient of its input, a stage
+                # output's size, which that layer's working set does not count
+                tail_here = any(g.kind == TAIL for g in pinned_groups)
+                after_tail = freed[c] - (handed if tail_here else 0.0)
+                pinned = max([g.working_mib[NONE] for g in pinned_groups if g.kind == TAIL], default=0.0)
+                head = max([g.working_mib[NONE] - after_tail for g in pinned_groups if g.kind == HEAD], default=-INF)
+                handed_to_head = 0.0 if tail_here else handed  # where the cell holds a body layer
+                head_rows = []
+                if head + handed_to_head > pinned:  # the head's backward runs last, after every other layer here has freed
+                    terms = {count: -self.groups[g].activation_mib[mode]
+                             for (g, cell, mode), count in self.count.items() if cell == c}
+                    if handed_to_head:
+                        body_here = self._largest(c, 0.0, lambda g, m: 1.0)  # 1 where it does
+                        terms.update({variable: handed_to_head for variable in body_here.terms})
+                    head_rows = [(head, terms)]
+                whole = self._largest(c, pinned, lambda g, m, shift=after_tail: g.working_mib[m] - shift, head_rows)
+                working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
                 continue
-            variable = self.milp.variable(pinned[c])
-            self.working_choices[c] = (variable, pinned[c], [(count, size) for _, count, size in choices], head_row)
-            for g, count, size in choices:
-                present = count  # a group of one layer: its count says whether it is there
-                if self.groups[g].size > 1:
-                    present = self.milp.variable(0, 1, integer=True)
-                    self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
-                self.milp.row({variable: 1.0, present: -size}, lower=0.0)
-            if head_row is not None:  # the head's backward runs last, after every other layer here has freed
-                self.milp.row({variable: 1.0, **head_row[1]}, lower=head_row[0])
-            working.append(_Linear({variable: 1.0}))
+            # a split backward frees nothing before the head's
+            whole = self._largest(c, max([g.working_mib[NONE] for g in pinned_groups], default=0.0),
+                                  lambda g, m: g.working_mib[m])
+            if not halves_differ:
+                working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
+                continue
+            above_pending = self._largest(
+                c, max([0.0] + [g.input_working_mib[NONE] - g.pending_mib[NONE] for g in pinned_groups if g.kind == HEAD]),
+                lambda g, m: g.input_working_mib[m] - g.pending_mib[m])
+            above_pending.add_expression(pending[c])
+            tails = [g.input_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
+            if tails:  # the larger of the tail's and the rest's
+                above_pending = self._largest(c, max(tails), None, [(above_pending.constant, above_pending.terms)])
+            weight = self._largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups], default=0.0),
+                                   lambda g, m: g.weight_working_mib[m])
+            working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_pending, BACKWARD_WEIGHT: weight})
         return working
+
+    def _largest(self, cell: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> _Linear:
+        """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the cell
+        holds (none where `size` is None), and at least each row (constant, terms) of `rows`, as an
+        expression; a constant where nothing can raise it above `pinned`."""
+        choices = [] if size is None else [
+            (count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == cell]
+        choices = [(count, value) for count, value in choices if value > pinned]
+        rows = [(constant, terms) for constant, terms in rows if terms or constant > pinned]
+        if not choices and not rows:
+            return _Linear(constant=pinned)
+        variable = self.milp.variable(pinned)
+        self.working_choices.setdefault(cell, []).append((variable, pinned, choices, rows))
+        for count, value in choices:
+            self.milp.row({variable: 1.0, self._present(count): -value}, lower=0.0)
+        for constant, terms in rows:
+            self.milp.row({variable: 1.0, **{v: -coefficient for v, coefficient in terms.items()}}, lower=constant)
+        return _Linear({variable: 1.0})
+
+    def _present(self, count: int) -> int:
+        """A variable that is 1 where the count variable `count` is not 0 (the count itself for a group
+        of one layer)."""
+        if count not in self._presence:
+            g = self._group_of_count[count]
+            present = count
+            if self.groups[g].size > 1:
+                present = self.milp.variable(0, 1, integer=True)
+                self.milp.row({count: 1.0, present: -self.groups[g].size}, upper=0.0)
+            self._presence[count] = present
+        return self._presence[count]
 
     def _memory_rows(self) -> list[tuple[int, _Linear]]:
         """(rank, memory in MiB) at each point of each rank's action list that no other point bounds."""
@@ -808,14 +867,16 @@ class _Formulation:
             # past their last backward action, B or W (only where something is retained)
             chunks = schedule.chunks
             held = [0] * (3 * chunks)
-            points: set[tuple[tuple[int, ...], int]] = set()
+            points: set[tuple[tuple[int, ...], tuple[int, str] | None]] = set()  # (held, working (chunk, kind))
             for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
                 chunk, kind = program.chunk[i], program.kind[i]
                 if kind == FORWARD:
                     held[chunk] += 1
-                    points.add((tuple(held), -1))
+                    points.add((tuple(held), None))
                     continue
-                points.add((tuple(held), chunk))
+                # the working sets of a chunk's actions, one where they are the same (a whole backward)
+                same = self.working[cells[chunk]][kind] is self.working[cells[chunk]][FULL_BACKWARD]
+                points.add((tuple(held), (chunk, FULL_BACKWARD if same else kind)))
                 if kind == BACKWARD_INPUT:
                     if pends:
                         held[chunk] -= 1
@@ -824,7 +885,7 @@ class _Formulation:
                 held[2 * chunks + chunk if kind == BACKWARD_WEIGHT and pends else chunk] -= 1
                 if retains:
                     held[chunks + chunk] += 1
-            for counts, working_chunk in _undominated(points):
+            for counts, working in _undominated(points):
                 row = _Linear(constant=constant_mib)
                 for chunk, cell in enumerate(cells):
                     for part, scale in ((self.static[cell], 1), (self.activation[cell], counts[chunk]),
@@ -832,8 +893,9 @@ class _Formulation:
                                         (past_input[cell], counts[2 * chunks + chunk])):
                         if scale:
                             row.add_expression(part, scale)
-                if working_chunk >= 0:
-                    row.add_expression(self.working[cells[working_chunk]])
+                if working is not None:
+                    working_chunk, kind = working
+                    row.add_expression(self.working[cells[working_chunk]][kind])
                 rows.append((rank, row))
         return rows
 
@@ -852,12 +914,10 @@ class _Formulation:
         return values
 
     def update_working_set(self, values: list[float], cell: int) -> None:
-        """Set the working-set variable of virtual stage `cell` from the layer counts in `values`."""
-        if cell in self.working_choices:
-            variable, least, choices, head_row = self.working_choices[cell]
+        """Set the working-set variables of virtual stage `cell` from the layer counts in `values`."""
+        for variable, least, choices, rows in self.working_choices.get(cell, []):
             sizes = [least] + [size for count, size in choices if values[count] > 0.5]
-            if head_row is not None:
-                sizes.append(head_row[0] - _dot(head_row[1], values))
+            sizes += [constant + _dot(terms, values) for constant, terms in rows]
             values[variable] = max(sizes)
 
     def add_peak_variable(self) -> int:
@@ -900,13 +960,13 @@ class _Formulation:
         return tuple(modes)
 
 
-def _undominated(points: set[tuple[tuple[int, ...], int]]) -> list[tuple[tuple[int, ...], int]]:
+def _undominated(points: set[tuple[tuple[int, ...], tuple[int, str] | None]]) -> list[tuple[tuple[int, ...], tuple[int, str] | None]]:
     """Drop memory points another point of the rank bounds from above (more held, same working set)."""
-    ordered = sorted(points, key=lambda p: (-sum(p[0]), p))
-    kept: list[tuple[tuple[int, ...], int]] = []
+    ordered = sorted(points, key=lambda p: (-sum(p[0]), p[0], p[1] or (-1, "")))
+    kept: list[tuple[tuple[int, ...], tuple[int, str] | None]] = []
     for held, working in ordered:
         if not any(
-            all(a <= b for a, b in zip(held, other)) and (working < 0 or working == other_working)
+            all(a <= b for a, b in zip(held, other)) and (working is None or working == other_working)
             for other, other_working in kept
         ):
             kept.append((held, working))

@@ -89,7 +89,8 @@ def test_simulate_refuses_flags_a_plan_json_contradicts(capsys, tmp_path):
 
 def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
     """--receive-buffers (torch's engine): each rank holds a buffer of stage_output_bytes per micro-batch
-    for its input or its output gradient; a plan JSON states it, and a replay may not say otherwise."""
+    for its input or its output gradient, and under 1F1B one send more; a plan JSON states it, and a
+    replay may not say otherwise."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(dataclasses.replace(small_profile(6), stage_output_bytes=2**20).to_dict()))
     solve = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B",
@@ -98,7 +99,8 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
     for flags in ([], ["--receive-buffers"]):
         assert main([*solve, *flags, "--plan-out", str(tmp_path / f"plan{len(flags)}.json")]) == 0
         peaks.append(json.loads(capsys.readouterr().out)["stage_peak_memory_bytes"])
-    assert [with_buffers - without for without, with_buffers in zip(*peaks)] == [4 * 2**20, 4 * 2**20]
+    # and the one send Schedule1F1B holds past its micro-batch on each rank (`torch_1f1b_held_bytes`)
+    assert [with_buffers - without for without, with_buffers in zip(*peaks)] == [(4 + 1) * 2**20, (4 + 1) * 2**20]
     with pytest.raises(SystemExit):
         main(["simulate", "--profile", str(profile), "--plan", str(tmp_path / "plan0.json"), "--receive-buffers"])
     assert "--receive-buffers: true differs from the plan's spec.receive_buffers (false)" in capsys.readouterr().err

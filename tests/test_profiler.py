@@ -279,6 +279,33 @@ def test_selective_kept_bytes_are_counted_where_the_policy_sees_no_output(monkey
         assert layer.recompute["selective"].activation_bytes == selective_block_bytes()
 
 
+def test_what_selective_recompute_keeps_in_its_cache_is_counted_as_held(llama_run):
+    """Saved-tensor hooks do not see selective checkpointing's own cache: `HeldActivations.keep`, handed
+    each tensor it keeps (as validate's run does through `set_recompute`), counts it until it is freed.
+    (validate read a tiny-moe rank whose plan recomputed one MoE block selectively 31% low without it.)"""
+    from profiler.held import HeldActivations
+    from profiler.recompute import set_recompute
+
+    model, _, _ = llama_run
+    block = model.model.layers[0]
+    hidden = torch.randn(BATCH, SEQ, LLAMA["hidden_size"], requires_grad=True)
+    positions = torch.arange(SEQ)[None]
+    tables = model.model.rotary_emb(hidden, positions)
+    held = HeldActivations([*block.parameters(), hidden, *tables])
+    undo = set_recompute(block, "selective", on_kept=held.keep)
+    try:
+        with held:
+            out = block(hidden.clone(), position_embeddings=tables, position_ids=positions)
+            out = out[0] if isinstance(out, tuple) else out
+            assert held.live_bytes == selective_block_bytes()
+            out.sum().backward()
+            del out
+            assert held.live_bytes == 0
+    finally:
+        undo()
+        block.zero_grad(set_to_none=True)
+
+
 def test_layer_times_add_up_to_the_step(llama_run):
     """Per step, the layers' forward and backward times cover the whole forward and backward."""
     model, _, _ = llama_run
@@ -316,6 +343,10 @@ def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     assert body[0].weight_ms == min(body[0].backward_ms * split.weight_share, body[0].backward_ms)
     assert body[0].input_ms == body[0].backward_ms * split.input_share
     assert all(layer.recompute[mode].pending_bytes == split.pending_bytes for layer in body for mode in layer.modes)
+    # what each half holds while it runs, measured without recompute; with it, the whole backward's stands
+    assert all((layer.recompute[mode].input_working_bytes, layer.recompute[mode].weight_working_bytes)
+               == ((split.input_working_bytes, split.weight_working_bytes) if mode == "none" else (None, None))
+               for layer in body for mode in layer.modes)
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
     assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
 
@@ -578,6 +609,11 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     # the first layer's output gradient, which its weight gradient needs (the second's is the gradient
     # handed in), and the input's, which torch leaves on the input
     assert split.pending_bytes == (5 * 12 + 5 * 8) * 4
+    # I holds nothing more than what it leaves pending; W adds each weight gradient in place (12 x 8,
+    # then 6 x 12 floats), holding the first's until it ends, and frees the first layer's output
+    # gradient (5 x 12) once that weight gradient is made
+    assert split.input_working_bytes == split.pending_bytes
+    assert split.weight_working_bytes == (12 * 8 + 6 * 12 - 5 * 12) * 4
     assert split.input_share >= 0 and split.weight_share >= 0  # timed: a loaded machine can time 0
     assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
     assert block[1].weight.grad is None and inputs[0].grad is None

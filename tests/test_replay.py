@@ -105,6 +105,22 @@ def test_split_backward_frees_activations_after_w():
     assert [bytes_ for _, bytes_ in result.memory_curve(0)] == [0, 8, 11, 8, 11, 0, 0]
 
 
+def test_each_half_of_a_split_backward_holds_its_own_working_set():
+    """Where given, I holds `input_working_bytes` above what was held when it began, and W
+    `weight_working_bytes`; a whole backward, and a half not given, hold `working_bytes`."""
+    cost = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=0.5, activation_bytes=8, working_bytes=3,
+                      pending_bytes=2, input_working_bytes=5, weight_working_bytes=1)
+    split = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((cost,),)))
+    assert [bytes_ for _, bytes_ in split.memory_curve(0)] == [0, 8, 8 + 5, 10, 10 + 1, 0, 0]
+    assert split.stage_peak_memory_bytes == (13,)
+    only_input = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((dataclasses.replace(cost, weight_working_bytes=None),),)))
+    assert [bytes_ for _, bytes_ in only_input.memory_curve(0)] == [0, 8, 13, 10, 10 + 3, 0, 0]
+    whole = simulate(build_schedule("1F1B", 1, 1), PipelineCosts(((cost,),)))
+    assert [bytes_ for _, bytes_ in whole.memory_curve(0)] == [0, 8, 8 + 3, 0, 0]
+    with pytest.raises(InputError, match="weight_working_bytes"):
+        PipelineCosts(((dataclasses.replace(cost, weight_working_bytes=-1.0),),))
+
+
 def test_a_measured_input_half_times_the_i_action():
     """torch's two halves of a split backward cost more than one backward: I takes `input_ms` (plus
     recompute) where given, whatever backward_ms - weight_ms says; B keeps backward_ms."""

@@ -13,6 +13,7 @@ from solver_cases import MIB, SAPP, all_plans, brute_force, layer, small_profile
 from simulator import InputError, simulate
 from solver import (
     InfeasibleError,
+    LayerProfile,
     ModelProfile,
     PipelineSpec,
     Plan,
@@ -22,7 +23,7 @@ from solver import (
     plan_from_mindformers,
     solve,
 )
-from solver.plan import pipeline_costs
+from solver.plan import pipeline_costs, torch_1f1b_held_bytes
 
 CASES = [
     ("1F1B", 4, 1, 6),
@@ -452,12 +453,28 @@ def test_the_heads_working_set_comes_after_the_chunk_has_freed_the_rest(schedule
     assert plan.simulation.costs.chunk_costs[0][0].working_bytes == first_working_mib * MIB
 
 
+@pytest.mark.parametrize(("counts", "first_working_mib", "last_working_mib"), [
+    ([4, 4], 100 - 3 * 5 + 2, 30 - 30 + 2),
+    ([1, 7], 100, 30 - 30 + 2),  # alone, the head's gradient comes into the engine's buffer: counted there
+])
+def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(counts, first_working_mib,
+                                                                             last_working_mib):
+    """A layer's working set is measured from when the gradient of its output arrives: where the
+    layers whose backward ran before it have freed all they held (the head's, and the last block's
+    before a tail), that gradient (a stage output's size, 2 MiB here) is what they leave it."""
+    profile = dataclasses.replace(heavy_head_profile(100), stage_output_bytes=2 * MIB)
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
+    first, last = (row[0] for row in plan.simulation.costs.chunk_costs)
+    assert (first.working_bytes, last.working_bytes) == (first_working_mib * MIB, last_working_mib * MIB)
+
+
 @pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches"), [
     ("1F1B", 2, 1, 4), ("GPipe", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBH1", 2, 1, 4)])
 def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(name, stages, chunks, micro_batches):
     """At 1.05x the least budget that fits, where the head's working set decides how much the first
     stage must recompute."""
-    profile = heavy_head_profile(150)
+    profile = dataclasses.replace(heavy_head_profile(150), stage_output_bytes=2 * MIB)  # handed to the head
     with pytest.raises(InfeasibleError) as caught:
         solve(profile, spec_for(name, stages, chunks, micro_batches, 1))
     budget_mib = 1.05 * caught.value.smallest_budget_bytes / MIB
@@ -528,6 +545,51 @@ def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, hel
     assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == raises_peak
 
 
+def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = None) -> ModelProfile:
+    """`profile` with every body layer's split backward measured: 10 MiB pending from I to W, I holding
+    14 MiB at its peak and W 60 MiB (more than the whole backward's 4 MiB without recompute); with
+    `tail_input_mib`, the tail's I holding that much and its W 1 MiB."""
+    def halves(layer: LayerProfile) -> LayerProfile:
+        if layer.kind == "tail" and tail_input_mib is not None:
+            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": 1 * MIB}
+        elif layer.is_body:
+            sizes = {"pending_bytes": 10 * MIB, "input_working_bytes": 14 * MIB, "weight_working_bytes": 60 * MIB}
+        else:
+            return layer
+        return dataclasses.replace(layer, recompute={m: dataclasses.replace(c, **sizes) for m, c in layer.recompute.items()})
+    return dataclasses.replace(profile, layers=tuple(halves(layer) for layer in profile.layers))
+
+
+@pytest.mark.parametrize(("tail_input_mib", "last_input_mib"), [
+    (None, 3 * 10 + (14 - 10)),  # no tail's I measured: its whole backward's (none) stands
+    (20, 3 * 10 + (14 - 10)),  # the tail's I runs first, with nothing pending: the body's is larger
+    (50, 50),
+])
+def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_mib, last_input_mib):
+    """I runs the layers last to first, their pending gradients piling up: the chunk's pending bytes
+    plus the most any layer's I holds above its own, or the tail's I, which runs first; W starts with
+    them all held: the most any layer's W holds. A whole backward (1F1B) holds its working set."""
+    profile = _with_split_halves(small_profile(6), tail_input_mib=tail_input_mib)
+    modes = ["none"] * 8
+    split = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], modes)
+    first, last = (row[0] for row in split.simulation.costs.chunk_costs)
+    assert (first.input_working_bytes, first.weight_working_bytes) == (34 * MIB, 60 * MIB)  # head: 0 either way
+    assert (last.input_working_bytes, last.weight_working_bytes) == (last_input_mib * MIB, 60 * MIB)
+    whole = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), [4, 4], modes)
+    assert whole.simulation.costs.chunk_costs[0][0].input_working_bytes is None
+
+
+@pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_each_half_of_a_split_backward_is_planned_for_as_simulated(schedule, chunks):
+    """The solver's memory rows hold each half's working set as the simulator does: its plan under a
+    binding budget fits and matches brute force, and the halves raise a peak."""
+    profile = _with_split_halves(small_profile(6), tail_input_mib=50)
+    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    plan = _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
+    unmeasured = evaluate_plan(small_profile(6), plan.spec, plan.stage_layer_counts, plan.layer_modes)
+    assert sum(unmeasured.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)
+
+
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
 def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     """The engine keeps each virtual stage's output but the last's until its gradient comes back: the
@@ -545,13 +607,28 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     _solved_under_a_binding_budget(keeping, loose, unlimited)
 
 
+@pytest.mark.parametrize(("schedule", "micro_batches", "held"), [
+    ("1F1B", 4, [1, 2, 1]),  # the warm-up's last send on stages 0 and 1 (3 and 2 forwards), a gradient on 1 and 2
+    ("1F1B", 2, [1, 2, 1]),
+    ("1F1B", 1, [0, 0, 0]),  # one forward, one backward: nothing outlives its micro-batch
+    ("GPipe", 4, [0, 0, 0]),  # keeps every send to the step's end instead (`torch_keeps_sends`)
+])
+def test_torch_1f1b_holds_a_send_past_its_micro_batch(schedule, micro_batches, held):
+    """Schedule1F1B keeps the request of its warm-up's last send until the cool-down, and the last input
+    gradient it sent back until the next backward has run: one stage output each, for most of the step."""
+    profile = dataclasses.replace(small_profile(6), stage_output_bytes=3 * MIB)
+    spec = PipelineSpec(stages=3, micro_batches=micro_batches, schedule=schedule, receive_buffers=True)
+    assert torch_1f1b_held_bytes(profile, spec) == [count * 3 * MIB for count in held]
+    assert torch_1f1b_held_bytes(profile, dataclasses.replace(spec, receive_buffers=False)) == [0.0] * 3
+
+
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("DualPipeV", 2)])
 def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
     """torch.distributed.pipelining holds, for the whole run, a buffer per micro-batch for each virtual
     stage's input (all but the first) and output gradient (all but the last); where the next virtual
     stage is on the same rank (a V's turn), its input buffers hold the outputs themselves, not copies;
     and the last stage keeps the model's output (the logits) per micro-batch in flight, where other
-    engines keep none."""
+    engines keep none. Schedule1F1B holds one more stage output on each rank (`torch_1f1b_held_bytes`)."""
     keeping = dataclasses.replace(small_profile(6), stage_output_bytes=24 * MIB, model_output_bytes=40 * MIB)
     plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     loose = dataclasses.replace(plain_spec, receive_buffers=True)
@@ -563,7 +640,8 @@ def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
         rank, chunk = schedule_of.rank_of(virtual), schedule_of.chunk_of(virtual)
         cost, before = unlimited.simulation.costs.chunk_costs[rank][chunk], plain.chunk_costs[rank][chunk]
         buffers = (virtual > 0) + (virtual < last)
-        assert cost.static_bytes == before.static_bytes + buffers * 4 * 24 * MIB
+        held = 24 * MIB if schedule == "1F1B" else 0
+        assert cost.static_bytes == before.static_bytes + buffers * 4 * 24 * MIB + held
         turns = virtual < last and schedule_of.rank_of(virtual + 1) == rank
         logits = 40 * MIB if virtual == last else 0
         assert cost.activation_bytes == before.activation_bytes - (24 * MIB if turns else 0) + logits

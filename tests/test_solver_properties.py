@@ -39,12 +39,15 @@ def problems(draw):
                      modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
                             "full": (forward, keep * 0.1, keep)})
         # where the backward is split: I's own time (torch's two halves cost more than one backward),
-        # what is kept after W, and held from I to W
+        # what is kept after W, held from I to W, and what each half holds while it runs
         made = dataclasses.replace(made, input_ms=draw(st.sampled_from([None, 1.3 * (backward - weight)])))
         retained, pending_mib = draw(st.sampled_from([0.0, 0.5, 1.0])), draw(st.sampled_from([0.0, 0.6 * keep]))
+        halves = draw(st.sampled_from([None, (pending_mib + 0.5, 3.0), (pending_mib + 4.0, 0.5)]))
         return dataclasses.replace(made, recompute={
             mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
-                                      pending_bytes=pending_mib * MIB)
+                                      pending_bytes=pending_mib * MIB,
+                                      input_working_bytes=None if halves is None else halves[0] * MIB,
+                                      weight_working_bytes=None if halves is None else halves[1] * MIB)
             for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
@@ -52,8 +55,12 @@ def problems(draw):
     layers = [layer("head", "head", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
                     modes={"none": (0.0, 0.0, draw(st.floats(0, 80)))})]
     layers += [body(i, kind) for i, kind in enumerate(kinds)]
-    layers += [layer("tail", "tail", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
-                     modes={"none": (0.0, draw(st.floats(0, 30)), draw(st.floats(0, 80)))})]
+    tail = layer("tail", "tail", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
+                 modes={"none": (0.0, draw(st.floats(0, 30)), draw(st.floats(0, 80)))})
+    if draw(st.booleans()):  # its I holding far more than its W (the loss's gradient, then the LM head's weights')
+        tail = dataclasses.replace(tail, recompute={"none": dataclasses.replace(
+            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB, weight_working_bytes=0.5 * MIB)})
+    layers.append(tail)
     spec = PipelineSpec(
         stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
         memory_budget_bytes=draw(st.floats(30, 600)) * MIB, p2p_ms=draw(st.sampled_from([0.0, 0.3])),
