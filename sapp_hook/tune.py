@@ -17,6 +17,7 @@ the stage it holds, rank 0 solves and writes, and every rank gets the plan.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -191,6 +192,8 @@ class AutoTuner:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(next(self.model.parameters()).dtype),
             "modes": list(self.profiler.modes),
+            # another release may measure or plan differently (its memory model gains what runs showed)
+            "sapp_hook": _installed_version(),
         }
         self._key = cache_key(self._key_parts)
         entry = None if self.force or _rank() else self.cache.load(self._key)
@@ -303,6 +306,14 @@ def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _installed_version() -> str:
+    """sapp-hook's version as installed ("unknown" when run from a tree that is not)."""
+    try:
+        return importlib.metadata.version("sapp-hook")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _rank() -> int:

@@ -69,6 +69,17 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
     assert not forced.result.from_cache
 
 
+def test_a_plan_another_release_cached_is_planned_again(tmp_path, monkeypatch):
+    """Another release may count memory another way: its plans are not reused."""
+    from sapp_hook import tune
+
+    first = train(llama(), PROFILING + 1, cache_dir=tmp_path)
+    assert train(llama(), 3, cache_dir=tmp_path).result.from_cache
+    monkeypatch.setattr(tune, "_installed_version", lambda: "99.0")
+    again = train(llama(), PROFILING + 1, cache_dir=tmp_path)
+    assert not again.result.from_cache and again.profiler.steps_done == first.profiler.steps_done
+
+
 @pytest.mark.parametrize("damage", ["layers", "stages"])
 def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage):
     first = train(llama(), PROFILING + 1, cache_dir=tmp_path)
