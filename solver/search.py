@@ -87,6 +87,12 @@ POLISH_SHARE = 0.1
 # at its true times. SAPP's fixtures (540 ms) and measured profiles (1-100 ms) are searched as they are.
 LEAST_SEARCH_MS, MOST_SEARCH_MS = 1.0, 1e4
 
+# A memory point's working set: (chunk, kind) of the backward action running there, None for none.
+WorkingAt = tuple[int, str] | None
+# A working-set variable: (the variable, its least value, (count variable, working set) of each layer
+# that may raise it, rows (constant, terms) it is at least).
+WorkingChoice = tuple[int, float, list[tuple[int, float]], list[tuple[float, dict[int, float]]]]
+
 
 @dataclass
 class _Group:
@@ -769,9 +775,7 @@ class _Formulation:
         for group in self.groups:
             if group.kind == TAIL and one_backward[group.pinned_cell]:
                 freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
-        # cell -> its working-set variables, each set after those before it: (the variable, least value,
-        # (count variable, working set) of each layer that may raise it, rows (constant, terms) it is at least)
-        self.working_choices: dict[int, list[tuple[int, float, list[tuple[int, float]], list[tuple[float, dict[int, float]]]]]] = {}
+        self.working_choices: dict[int, list[WorkingChoice]] = {}  # per cell, each set after those before it
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
         pending = self._cell_sum(lambda g, m: g.pending_mib[m])  # the layers' own: what I forms and W starts with
@@ -791,7 +795,8 @@ class _Formulation:
                 head = max([g.working_mib[NONE] - after_tail for g in pinned_groups if g.kind == HEAD], default=-INF)
                 handed_to_head = 0.0 if tail_here else handed  # where the cell holds a body layer
                 head_rows = []
-                if head + handed_to_head > pinned:  # the head's backward runs last, after every other layer here has freed
+                # the head's backward runs last, after every other layer here has freed
+                if head + handed_to_head > pinned:
                     terms = {count: -self.groups[g].activation_mib[mode]
                              for (g, cell, mode), count in self.count.items() if cell == c}
                     if handed_to_head:
@@ -867,7 +872,7 @@ class _Formulation:
             # past their last backward action, B or W (only where something is retained)
             chunks = schedule.chunks
             held = [0] * (3 * chunks)
-            points: set[tuple[tuple[int, ...], tuple[int, str] | None]] = set()  # (held, working (chunk, kind))
+            points: set[tuple[tuple[int, ...], WorkingAt]] = set()
             for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
                 chunk, kind = program.chunk[i], program.kind[i]
                 if kind == FORWARD:
@@ -960,10 +965,10 @@ class _Formulation:
         return tuple(modes)
 
 
-def _undominated(points: set[tuple[tuple[int, ...], tuple[int, str] | None]]) -> list[tuple[tuple[int, ...], tuple[int, str] | None]]:
+def _undominated(points: set[tuple[tuple[int, ...], WorkingAt]]) -> list[tuple[tuple[int, ...], WorkingAt]]:
     """Drop memory points another point of the rank bounds from above (more held, same working set)."""
     ordered = sorted(points, key=lambda p: (-sum(p[0]), p[0], p[1] or (-1, "")))
-    kept: list[tuple[tuple[int, ...], tuple[int, str] | None]] = []
+    kept: list[tuple[tuple[int, ...], WorkingAt]] = []
     for held, working in ordered:
         if not any(
             all(a <= b for a, b in zip(held, other)) and (working is None or working == other_working)
