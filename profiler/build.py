@@ -74,17 +74,24 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         else:
             working = 0.0
         # torch's split backward frees everything a layer saved at its W: no retained_bytes. What it
-        # holds from I to W is measured per body kind; none for the head, whose input takes no gradient
-        # (torch runs the first stage's whole backward at its W), nor for the tail: its I holds the
-        # logits' gradient for the LM head's weight gradient but frees what the loss saved, about as
-        # much (tiny-llama's tail, re-run alone: 0.25 MiB held net of a 4 MiB gradient). What each half
-        # holds while it runs is measured without recompute; with it, the whole backward's working set
-        # (which holds what it rebuilds) stands for both.
+        # holds from I to W is measured per body kind, and for the tail where the profiler was given
+        # it as a module (its I holds the logits' gradient for the LM head's weight gradient but frees
+        # what the loss saved, about as much: tiny-llama's and tiny-moe's tails 0.5 MiB net of an
+        # 8 MiB gradient); none for the head, whose input takes no gradient (torch runs the first
+        # stage's whole backward at its W). What each half holds while it runs is measured without
+        # recompute; with it, the whole backward's working set (which holds what it rebuilds) stands
+        # for both. What the tail's I holds until its stage's I ends is more than it leaves pending:
+        # torch frees what the loss saved (its log-softmax, the size of the logits in fp32) only then,
+        # so every other layer's I there runs on top of it (tiny-moe's first rank under ZBVZeroBubble
+        # was 0.7 MiB under before this, the logits' gradient in a pipeline run's trace). A block's
+        # own graph is not held that way: in the same trace the blocks before the last held their
+        # pending bytes or less (what a block frees standalone when its output is detached).
         halves = split is not None and mode == NONE
         recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
                                         pending_bytes=split.pending_bytes if split is not None else 0.0,
                                         input_working_bytes=split.input_working_bytes if halves else None,
-                                        weight_working_bytes=split.weight_working_bytes if halves else None)
+                                        weight_working_bytes=split.weight_working_bytes if halves else None,
+                                        input_held_bytes=split.input_held_bytes if halves and kind == TAIL else None)
     input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients

@@ -33,7 +33,7 @@ from profiler.clock import clock_for, device_of, memory_for
 from profiler.cpu_memory import CpuMemory
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
-from profiler.recorder import Recorder
+from profiler.recorder import TAIL, Recorder
 from profiler.samples import LayerSamples
 from profiler.split import SplitBackward, measure_split_backward
 from simulator.errors import InputError
@@ -56,6 +56,7 @@ class LayerProfiler:
         layers: Sequence[str] | None = None,
         pool: bool = True,
         split_backward: bool = True,
+        tail: nn.Module | None = None,
         count_memory: bool = True,
         model_name: str = "",
         micro_batch: Mapping[str, int] | None = None,
@@ -65,6 +66,9 @@ class LayerProfiler:
         (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
         `split_backward`: time each body kind's backward split in two as torch's stages split it, once,
         alone, and count what is held between the halves.
+        `tail`: the model's tail as a module from the last block's output to the loss (its final norm,
+        LM head and loss), to split its backward too, on a copy of that output; None: the tail's
+        backward is split in half by assumption and nothing is held between its halves.
         `count_memory`: count what autograd saves (off: times only, for the least overhead).
         `on_step(done, total, mode)`: progress after each step."""
         _check_count(steps, "steps", 1)
@@ -76,7 +80,7 @@ class LayerProfiler:
         self.optimizer = optimizer
         self.blocks = find_blocks(model, layers)
         self.steps, self.warmup_steps, self.modes = steps, warmup_steps, modes
-        self.pool, self.split_backward = pool, split_backward
+        self.pool, self.split_backward, self.tail = pool, split_backward, tail
         self.model_name = model_name or type(model).__name__
         self.micro_batch = dict(micro_batch) if micro_batch else None
         self.on_step = on_step
@@ -188,6 +192,7 @@ class LayerProfiler:
             for index, block in enumerate(self.blocks):
                 first_of_kind.setdefault(block.kind, index)
             recorder.capture_for = set(first_of_kind.values())
+            recorder.capture_tail = self.tail is not None
 
     def _collect(self, mode: str) -> None:
         elapsed = self.recorder.clock.elapsed_ms
@@ -223,10 +228,16 @@ class LayerProfiler:
             if measured is not None:
                 self._backward_splits[block.kind] = measured
         self.recorder.captured_inputs.clear()
+        hidden = self.recorder.captured_tail_input
+        if self.tail is not None and hidden is not None:
+            measured = measure_split_backward(self.tail, (hidden,), {}, self.device)
+            if measured is not None:
+                self._backward_splits[TAIL] = measured
+        self.recorder.captured_tail_input = None
 
     @property
     def backward_splits(self) -> dict[str, SplitBackward]:
-        """Per body kind: its backward split in two, measured alone."""
+        """Per body kind, and the tail where it was given: its backward split in two, measured alone."""
         return dict(self._backward_splits)
 
 

@@ -113,6 +113,8 @@ class Recorder:
         self.optimizer_bytes: dict[int, int] = {}  # id(param) -> bytes of its optimizer state
         self.captured_inputs: dict[int, tuple[tuple, dict]] = {}  # body index -> (args, kwargs), for split_backward
         self.capture_for: set[int] = set()
+        self.captured_tail_input: torch.Tensor | None = None  # the last block's output, for the tail's split_backward
+        self.capture_tail = False
         self.input_shape: tuple[int, ...] | None = None  # of the model's first tensor input (token ids)
         self.output_bytes: list[int] = []  # per recorded forward: what the model returns that has a gradient
 
@@ -264,6 +266,8 @@ class Recorder:
                 self._add_passes({TAIL: tail})
             block_output = _output_tensor(output)
             if block_output is not None:
+                if tail is not None and self.capture_tail and self.captured_tail_input is None:
+                    self.captured_tail_input = _detached(block_output)
                 block_output.register_hook(self._output_grad(step, index, tail))
 
         return hook
@@ -462,7 +466,7 @@ def _without_cache(kwargs: dict) -> dict:
 
 
 def _detached(values: object) -> object:
-    """A copy of a block's inputs for re-running it alone: tensors detached and cloned."""
+    """A copy of a block's inputs (or the tail's) for re-running it alone: tensors detached and cloned."""
 
     def copy(value: object) -> object:
         if isinstance(value, torch.Tensor):

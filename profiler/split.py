@@ -29,6 +29,8 @@ class SplitBackward:
     pending_bytes: what the first half leaves held for the second (`RecomputeCost.pending_bytes`).
     input_working_bytes, weight_working_bytes: what each half holds at its peak above what was held
     when it began (`RecomputeCost.input_working_bytes`, `weight_working_bytes`).
+    input_held_bytes: what the first half holds as it ends, when the input's gradient is formed,
+    before torch detaches the output and frees the graph on its side (for a loss, what it saved).
     """
 
     input_share: float
@@ -36,6 +38,7 @@ class SplitBackward:
     pending_bytes: int
     input_working_bytes: int
     weight_working_bytes: int
+    input_held_bytes: int
 
 
 def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device: torch.device,
@@ -77,18 +80,19 @@ def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device:
             p.grad = gradient
     if not shares or held is None:
         return None
-    pending, input_peak, weight_peak = held
+    pending, input_peak, weight_peak, input_held = held
     return SplitBackward(input_share=float(statistics.median(share for share, _ in shares)),
                          weight_share=float(statistics.median(share for _, share in shares)), pending_bytes=pending,
-                         input_working_bytes=input_peak, weight_working_bytes=weight_peak)
+                         input_working_bytes=input_peak, weight_working_bytes=weight_peak, input_held_bytes=input_held)
 
 
 def _held_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch.Tensor],
-                params: list[nn.Parameter], device: torch.device) -> tuple[int, int, int] | None:
+                params: list[nn.Parameter], device: torch.device) -> tuple[int, int, int, int] | None:
     """As the allocator counts it: what the input-gradient half leaves held for the weight-gradient
     half (the gradients of the weighted ops' outputs, which the weight gradients need, and the
     input's, which torch leaves on the input; less what the first half frees of the graph the second
-    does not use), and what each half holds at its peak above what was held when it began. The
+    does not use), what each half holds at its peak above what was held when it began, and what the
+    first holds as the input's gradient is formed, before it frees that graph. The
     weight gradients accumulate in place, as into the gradients a step's earlier micro-batches left:
     only their transients count (a tiny-moe MoE block's W: 4.75 MiB, where the profile's working set
     of its whole backward is 3.6 MiB; a pipeline run's W held 4.75)."""
@@ -103,7 +107,13 @@ def _held_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch
         grad = torch.ones_like(output)
         memory.reset_peak()
         before = memory.allocated()
-        input_grads, param_groups = stage_backward_input([output], [grad], inputs, iter(params))
+        at_input_gradient: list[int] = []
+        hooks = [tensor.register_hook(lambda _: at_input_gradient.append(memory.allocated())) for tensor in inputs]
+        try:
+            input_grads, param_groups = stage_backward_input([output], [grad], inputs, iter(params))
+        finally:
+            for hook in hooks:
+                hook.remove()
         input_peak = memory.peak() - before
         del input_grads  # sent on by the engine
         held = memory.allocated() - before
@@ -112,7 +122,8 @@ def _held_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch
         stage_backward_weight(iter(params), param_groups)
         weight_peak = memory.peak() - weight_start
         _clear_gradients(inputs, params)
-    return max(held, 0), max(input_peak, 0), max(weight_peak, 0)
+    held = max(held, 0)
+    return held, max(input_peak, 0), max(weight_peak, 0), max([held] + [at - before for at in at_input_gradient])
 
 
 def _clear_gradients(inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:

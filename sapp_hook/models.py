@@ -175,6 +175,7 @@ def profile_example(
 
     from profiler import LayerProfiler
     from profiler.recompute import TORCH_MODES
+    from sapp_hook.stages import loss_tail
 
     if micro_batch_size < 1 or seq_len < 1:
         field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)
@@ -184,6 +185,7 @@ def profile_example(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
         model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,
+        tail=loss_tail(model),
         model_name=model_name or config.model_type,
         on_step=None if on_step is None else lambda done, total, mode: on_step(done, total, profiler.describe_step(done - 1)),
         micro_batch={"size": micro_batch_size, "sequence": seq_len},

@@ -90,6 +90,31 @@ class PipelineStageModule(nn.Module):
         return hidden
 
 
+class LossTail(nn.Module):
+    """A model's tail with its loss, from the last block's output to the loss: the final norm, the LM
+    head and transformers' causal-LM loss on random labels (what it costs does not depend on them).
+    The profiler re-runs it to split its backward as a zero-bubble schedule's last stage does."""
+
+    def __init__(self, model: nn.Module, parts: _Parts) -> None:
+        super().__init__()
+        self.norm, self.head = parts.norm, parts.head
+        self.loss_function = model.loss_function
+        self.vocab_size = model.config.get_text_config().vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        labels = torch.randint(self.vocab_size, hidden.shape[:-1], device=hidden.device)
+        return self.loss_function(logits=self.head(self.norm(hidden)), labels=labels, vocab_size=self.vocab_size)
+
+
+def loss_tail(model: nn.Module) -> LossTail | None:
+    """`model`'s tail and loss as one module, for `LayerProfiler(tail=...)`; None where `apply` does not
+    know the model's parts (the profiler then assumes the tail's split)."""
+    try:
+        return LossTail(model, _parts(model))
+    except InputError:
+        return None
+
+
 def _same_module(planned: str, found: str) -> bool:
     """Whether two qualified module names are one module, up to a wrapper's prefix (`module.` of
     DistributedDataParallel, `model.` where a profile was taken of the inner model)."""

@@ -38,6 +38,7 @@ from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
+from sapp_hook.stages import loss_tail
 from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
 from simulator.errors import InputError, check_seconds
@@ -122,7 +123,7 @@ class AutoTuner:
             modes = (NONE,)
             log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
         self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
-                                      layers=layers, on_step=self._progress)
+                                      layers=layers, tail=loss_tail(model), on_step=self._progress)
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
             blocks = len(self.profiler.blocks)

@@ -312,15 +312,16 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
 def _split_working_bytes(layers: list[tuple[LayerProfile, str]]) -> dict[str, float]:
     """What each half of a chunk's split backward holds above what was held when it began. The I
     half runs the layers last to first, each forming its pending gradients, which stay for W: the
-    tail's first, with nothing pending yet; then the chunk's pending bytes plus the most any other
-    layer's I holds above its own (exact where that layer comes first in the chunk, more otherwise).
-    The W half starts with them all held: the most any layer's W holds."""
-    pending = sum(layer.recompute[mode].pending_bytes for layer, mode in layers)
+    tail's first, with nothing pending yet; then what every layer's I leaves held until the chunk's
+    I ends (its pending bytes; the tail's, what its loss saved too) plus the most any other layer's I
+    holds above that (exact where that layer comes first in the chunk, more otherwise). The W half
+    starts with the pending gradients held: the most any layer's W holds."""
+    held = sum(layer.recompute[mode].split_input_held_bytes() for layer, mode in layers)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
-    others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].pending_bytes
+    others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
               for layer, mode in layers if layer.kind != TAIL]
     return {
-        "input_working_bytes": max(tail + ([pending + max(0.0, *others)] if others else []), default=0.0),
+        "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0),
         "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes() for layer, mode in layers],
                                     default=0.0),
     }

@@ -39,6 +39,9 @@ class RecomputeCost:
     when it began: the input-gradient half's (the pending gradients it forms included) and the
     weight-gradient half's (the pending gradients were there before it; its weight gradients
     accumulate in place); None where not measured: working_bytes stands for both.
+    input_held_bytes: what the input-gradient half leaves held while the rest of its stage's runs,
+    where that is more than pending_bytes: the tail's, since torch frees what the loss saved only
+    when the stage's input gradients are done; None: pending_bytes.
     """
 
     extra_ms: float
@@ -48,12 +51,16 @@ class RecomputeCost:
     pending_bytes: float = 0.0
     input_working_bytes: float | None = None
     weight_working_bytes: float | None = None
+    input_held_bytes: float | None = None
 
     def split_input_working_bytes(self) -> float:
         return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
 
     def split_weight_working_bytes(self) -> float:
         return self.working_bytes if self.weight_working_bytes is None else self.weight_working_bytes
+
+    def split_input_held_bytes(self) -> float:
+        return self.pending_bytes if self.input_held_bytes is None else self.input_held_bytes
 
 
 @dataclass(frozen=True)
@@ -290,7 +297,7 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
 def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
     data = {"extra_ms": cost.extra_ms, "activation_bytes": cost.activation_bytes, "working_bytes": cost.working_bytes,
             "retained_bytes": cost.retained_bytes, "pending_bytes": cost.pending_bytes}
-    for name in ("input_working_bytes", "weight_working_bytes"):
+    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes"):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
     return data
@@ -312,6 +319,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             pending_bytes=cost.number("pending_bytes", 0.0),
             input_working_bytes=cost.number("input_working_bytes"),
             weight_working_bytes=cost.number("weight_working_bytes"),
+            input_held_bytes=cost.number("input_held_bytes"),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -390,9 +398,12 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
         for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
-                     "weight_working_bytes"):
+                     "weight_working_bytes", "input_held_bytes"):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
+        if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:
+            raise InputError(f"{where}.recompute.{mode}.input_held_bytes",
+                             f"expected at least pending_bytes ({cost.pending_bytes:,.0f}), got {cost.input_held_bytes:,.0f}")
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")

@@ -114,6 +114,7 @@ class _Group:
     weight_working_mib: dict[str, float]
     retained_mib: dict[str, float]
     pending_mib: dict[str, float]
+    input_held_mib: dict[str, float]  # what its I leaves held until its stage's I ends
     pinned_cell: int | None = None  # heads and tails do not move
 
 
@@ -485,6 +486,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 weight_working_mib={m: layer.recompute[m].split_weight_working_bytes() / MIB for m in modes},
                 retained_mib={m: layer.recompute[m].retained_bytes / MIB for m in modes},
                 pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
+                input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -494,7 +496,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
     """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
     costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes,
-                 c.split_input_working_bytes(), c.split_weight_working_bytes())
+                 c.split_input_working_bytes(), c.split_weight_working_bytes(), c.split_input_held_bytes())
              for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
@@ -766,9 +768,9 @@ class _Formulation:
         `plan.pipeline_costs` counts it). Where one backward runs the whole chunk: the largest working
         set less what the layers whose backward ran before have freed, the tail's activations, before
         any other layer's; the head's less every other layer's activations there too (a linear row in
-        the counts). Where it is split: I, the tail's (its I runs first), or the chunk's pending
-        gradients plus the most any other layer's I holds above its own; W, the most any layer's W
-        holds."""
+        the counts). Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
+        I leave held until it ends (`input_held_mib`) plus the most any other layer's I holds above
+        that; W, the most any layer's W holds."""
         splits = schedule_kind(self.spec.schedule).splits_backward
         one_backward = [not splits or (c == 0 and torch_splits_backward(self.spec)) for c in range(cells)]
         freed = [0.0] * cells
@@ -778,11 +780,11 @@ class _Formulation:
         self.working_choices: dict[int, list[WorkingChoice]] = {}  # per cell, each set after those before it
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
-        pending = self._cell_sum(lambda g, m: g.pending_mib[m])  # the layers' own: what I forms and W starts with
+        held = self._cell_sum(lambda g, m: g.input_held_mib[m])  # the layers' own: what I forms and keeps to its end
         handed = self.profile.stage_output_bytes / MIB
         # halves that hold what the whole backward does need no rows of their own (SAPP's files)
         halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
-                            or any(g.pending_mib.values()) for g in self.groups)
+                            or any(g.input_held_mib.values()) for g in self.groups)
         working = []
         for c in range(cells):
             pinned_groups = [g for g in self.groups if g.pinned_cell == c]
@@ -812,16 +814,16 @@ class _Formulation:
             if not halves_differ:
                 working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
                 continue
-            above_pending = self._largest(
-                c, max([0.0] + [g.input_working_mib[NONE] - g.pending_mib[NONE] for g in pinned_groups if g.kind == HEAD]),
-                lambda g, m: g.input_working_mib[m] - g.pending_mib[m])
-            above_pending.add_expression(pending[c])
+            above_held = self._largest(
+                c, max([0.0] + [g.input_working_mib[NONE] - g.input_held_mib[NONE] for g in pinned_groups if g.kind == HEAD]),
+                lambda g, m: g.input_working_mib[m] - g.input_held_mib[m])
+            above_held.add_expression(held[c])
             tails = [g.input_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
             if tails:  # the larger of the tail's and the rest's
-                above_pending = self._largest(c, max(tails), None, [(above_pending.constant, above_pending.terms)])
+                above_held = self._largest(c, max(tails), None, [(above_held.constant, above_held.terms)])
             weight = self._largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups], default=0.0),
                                    lambda g, m: g.weight_working_mib[m])
-            working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_pending, BACKWARD_WEIGHT: weight})
+            working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_held, BACKWARD_WEIGHT: weight})
         return working
 
     def _largest(self, cell: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> _Linear:

@@ -192,6 +192,7 @@ def test_the_model_trains_the_same_under_autotune(tmp_path):
             tuner.step()
     assert got == expected
     assert batch(0).shape == (2, 32)
+    assert "tail" in tuner.profiler.backward_splits  # a transformers model: its tail's backward is split too
 
 
 def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from profiler_cases import BATCH, GPT2, LLAMA, SEQ, batch, gpt2, llama, moe, profiled, train_step
 
 from profiler import LayerProfiler, find_blocks
+from sapp_hook.stages import loss_tail
 from simulator import InputError
 from solver import PipelineSpec, solve
 from solver.profile import ModelProfile
@@ -347,6 +348,8 @@ def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     assert all((layer.recompute[mode].input_working_bytes, layer.recompute[mode].weight_working_bytes)
                == ((split.input_working_bytes, split.weight_working_bytes) if mode == "none" else (None, None))
                for layer in body for mode in layer.modes)
+    # a block's I holds its pending bytes until the stage's I ends; only the tail's holds more
+    assert all(layer.recompute[mode].input_held_bytes is None for layer in body for mode in layer.modes)
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
     assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
 
@@ -384,13 +387,13 @@ def test_losses_and_weights_are_bit_identical_with_and_without_the_profiler(make
     watched_losses = []
     # 1 warm-up + none, selective, full, timed + the three counting memory, then the split backward's
     # measurements, alone
-    with LayerProfiler(watched, watched_optimizer, steps=1) as profiler:
+    with LayerProfiler(watched, watched_optimizer, steps=1, tail=loss_tail(watched)) as profiler:
         assert profiler.total_steps == 7
         for step in range(9):  # two more steps after the profiler let go
             watched_losses.append(train_step(watched, watched_optimizer, step))
             if not profiler.done:
                 profiler.step()
-    assert profiler.done and profiler.backward_splits
+    assert profiler.done and "tail" in profiler.backward_splits
     assert watched_losses == plain_losses
     for a, b in zip(plain.parameters(), watched.parameters()):
         assert torch.equal(a, b)
@@ -613,12 +616,43 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     # then 6 x 12 floats), holding the first's until it ends, and frees the first layer's output
     # gradient (5 x 12) once that weight gradient is made
     assert split.input_working_bytes == split.pending_bytes
+    assert split.input_held_bytes == split.pending_bytes  # the output's side of the graph saved nothing I alone needs
     assert split.weight_working_bytes == (12 * 8 + 6 * 12 - 5 * 12) * 4
     assert split.input_share >= 0 and split.weight_share >= 0  # timed: a loaded machine can time 0
     assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
     assert block[1].weight.grad is None and inputs[0].grad is None
     assert torch.equal(torch.random.get_rng_state(), state)
     assert measure_split_backward(block, (torch.randn(5, 8),), {}, torch.device("cpu")) is None  # no input gradient
+
+
+def test_the_tail_given_as_a_module_has_its_backward_split_too():
+    """The last block's output, copied in a plain step, runs through the tail and its loss alone
+    (`sapp_hook.stages.loss_tail`): the tail gets its halves' times and what its I holds for W."""
+    from profiler.split import measure_split_backward
+
+    model = llama()
+    tail = loss_tail(model)
+    profiler = profiled(model, steps=1, modes=("none",), tail=tail)
+    split = profiler.backward_splits["tail"]
+    layer = profiler.profile().layers[-1]
+    assert layer.kind == "tail"
+    assert layer.input_ms == layer.backward_ms * split.input_share
+    assert layer.weight_ms == min(layer.backward_ms * split.weight_share, layer.backward_ms)
+    def held(c):  # a SplitBackward or a RecomputeCost
+        return c.pending_bytes, c.input_working_bytes, c.weight_working_bytes, c.input_held_bytes
+
+    assert held(layer.recompute["none"]) == held(split)
+    # bytes do not depend on the values: the copy had the last block's output's shape
+    hidden = torch.randn(BATCH, SEQ, LLAMA["hidden_size"], requires_grad=True)
+    assert held(measure_split_backward(tail, (hidden,), {}, torch.device("cpu"))) == held(split)
+    # I forms the logits' gradient (for the LM head's weight gradient), the final norm's output
+    # gradient (for its weight's) and the input's, which torch leaves on the input; then it frees
+    # the loss's graph: its log-softmax (the logits' size), the labels (int64) and nll_loss's
+    # total weight (one float)
+    tokens, logits_bytes = BATCH * SEQ, BATCH * SEQ * LLAMA["vocab_size"] * 4
+    assert split.input_held_bytes == logits_bytes + 2 * tokens * LLAMA["hidden_size"] * 4
+    assert split.pending_bytes == split.input_held_bytes - (logits_bytes + 8 * tokens + 4)
+    assert profiler.recorder.captured_tail_input is None  # dropped once measured
 
 
 def test_torch_split_backward_keeps_nothing_after_w(llama_run):

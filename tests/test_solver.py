@@ -545,13 +545,16 @@ def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, hel
     assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == raises_peak
 
 
-def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = None) -> ModelProfile:
+def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = None,
+                       tail_held_mib: float | None = None) -> ModelProfile:
     """`profile` with every body layer's split backward measured: 10 MiB pending from I to W, I holding
     14 MiB at its peak and W 60 MiB (more than the whole backward's 4 MiB without recompute); with
-    `tail_input_mib`, the tail's I holding that much and its W 1 MiB."""
+    `tail_input_mib`, the tail's I holding that much and its W 1 MiB, and with `tail_held_mib`, its I
+    leaving that much held until the chunk's I ends."""
     def halves(layer: LayerProfile) -> LayerProfile:
         if layer.kind == "tail" and tail_input_mib is not None:
-            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": 1 * MIB}
+            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": 1 * MIB,
+                     "input_held_bytes": None if tail_held_mib is None else tail_held_mib * MIB}
         elif layer.is_body:
             sizes = {"pending_bytes": 10 * MIB, "input_working_bytes": 14 * MIB, "weight_working_bytes": 60 * MIB}
         else:
@@ -560,16 +563,18 @@ def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = 
     return dataclasses.replace(profile, layers=tuple(halves(layer) for layer in profile.layers))
 
 
-@pytest.mark.parametrize(("tail_input_mib", "last_input_mib"), [
-    (None, 3 * 10 + (14 - 10)),  # no tail's I measured: its whole backward's (none) stands
-    (20, 3 * 10 + (14 - 10)),  # the tail's I runs first, with nothing pending: the body's is larger
-    (50, 50),
+@pytest.mark.parametrize(("tail_input_mib", "tail_held_mib", "last_input_mib"), [
+    (None, None, 3 * 10 + (14 - 10)),  # no tail's I measured: its whole backward's (none) stands
+    (20, None, 3 * 10 + (14 - 10)),  # the tail's I runs first, with nothing pending: the body's is larger
+    (50, None, 50),
+    (20, 5, 5 + 3 * 10 + (14 - 10)),  # what the tail's I holds to the chunk's I's end lies under the body's
 ])
-def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_mib, last_input_mib):
-    """I runs the layers last to first, their pending gradients piling up: the chunk's pending bytes
-    plus the most any layer's I holds above its own, or the tail's I, which runs first; W starts with
-    them all held: the most any layer's W holds. A whole backward (1F1B) holds its working set."""
-    profile = _with_split_halves(small_profile(6), tail_input_mib=tail_input_mib)
+def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_mib, tail_held_mib, last_input_mib):
+    """I runs the layers last to first, their pending gradients piling up: what the chunk's layers
+    hold until its I ends (their pending bytes; the tail's loss more) plus the most any layer's I
+    holds above that, or the tail's I, which runs first; W starts with the pending gradients held:
+    the most any layer's W holds. A whole backward (1F1B) holds its working set."""
+    profile = _with_split_halves(small_profile(6), tail_input_mib=tail_input_mib, tail_held_mib=tail_held_mib)
     modes = ["none"] * 8
     split = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], modes)
     first, last = (row[0] for row in split.simulation.costs.chunk_costs)
@@ -583,7 +588,7 @@ def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_
 def test_each_half_of_a_split_backward_is_planned_for_as_simulated(schedule, chunks):
     """The solver's memory rows hold each half's working set as the simulator does: its plan under a
     binding budget fits and matches brute force, and the halves raise a peak."""
-    profile = _with_split_halves(small_profile(6), tail_input_mib=50)
+    profile = _with_split_halves(small_profile(6), tail_input_mib=50, tail_held_mib=30)
     loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     plan = _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
     unmeasured = evaluate_plan(small_profile(6), plan.spec, plan.stage_layer_counts, plan.layer_modes)

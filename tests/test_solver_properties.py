@@ -57,9 +57,12 @@ def problems(draw):
     layers += [body(i, kind) for i, kind in enumerate(kinds)]
     tail = layer("tail", "tail", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
                  modes={"none": (0.0, draw(st.floats(0, 30)), draw(st.floats(0, 80)))})
-    if draw(st.booleans()):  # its I holding far more than its W (the loss's gradient, then the LM head's weights')
+    if draw(st.booleans()):  # its I holding far more than its W (the loss's gradient, then the LM head's weights'),
+        # and the logits' gradient held until the chunk's I ends, under every other layer's I there
+        held_mib = draw(st.one_of(st.none(), st.floats(0, 40)))
         tail = dataclasses.replace(tail, recompute={"none": dataclasses.replace(
-            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB, weight_working_bytes=0.5 * MIB)})
+            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB, weight_working_bytes=0.5 * MIB,
+            input_held_bytes=None if held_mib is None else held_mib * MIB)})
     layers.append(tail)
     spec = PipelineSpec(
         stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,

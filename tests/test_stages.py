@@ -8,6 +8,7 @@ from profiler_cases import batch, gpt2, llama
 
 from profiler.layers import find_blocks
 from sapp_hook import TiedGradients, apply, schedule_class
+from sapp_hook.stages import loss_tail
 from sapp_hook.writeback import Layout, layout_from_dict
 from simulator import InputError
 
@@ -41,6 +42,28 @@ def test_the_stages_in_order_compute_what_the_model_computes(make, counts, sched
             hidden = stages[index](hidden)
         expected = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+def test_the_loss_tail_computes_the_models_loss_from_the_last_blocks_output(make):
+    """What the profiler splits the tail's backward on (`LayerProfiler(tail=...)`)."""
+    model = make().eval()
+    outputs = []
+    last_block = find_blocks(model)[-1].module
+    handle = last_block.register_forward_hook(
+        lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    ids = batch(0)
+    tail = loss_tail(model)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        labels = torch.randint(model.config.vocab_size, ids.shape)
+        expected = model(input_ids=ids, labels=labels, use_cache=False).loss
+        torch.manual_seed(3)  # the tail draws the same labels
+        got = tail(outputs[0])
+    handle.remove()
+    torch.testing.assert_close(got, expected)
+    assert tail.head is model.lm_head
+    assert loss_tail(torch.nn.Linear(2, 2)) is None  # not a transformers causal LM: the profiler assumes the split
 
 
 def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
