@@ -151,7 +151,8 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
     gradient on the input (`stage_backward_input` sets its `.grad`), where it stays until the next
     step clears it: part of what the profile measures as pending until W, kept after where the input
     came from another rank (`torch_engine_bytes`).
-    The last stage's I drops the model's output (the logits), which the engine kept from its forward."""
+    The last stage's I drops the model's output (the logits), which the engine kept from its forward.
+    Its W runs the layers in model order, each freeing its pending gradients: the tail's last."""
     return spec.receive_buffers and schedule_kind(spec.schedule).splits_backward
 
 
@@ -280,7 +281,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + kept_whole_run[virtual]
             + held_sends[virtual],
             working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes),
-            **(_split_working_bytes(layers) if splits and not whole else {}),
+            **(_split_working_bytes(layers, tail_weight_last=torch_split) if splits and not whole else {}),
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
 
@@ -309,21 +310,24 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
                default=0.0)
 
 
-def _split_working_bytes(layers: list[tuple[LayerProfile, str]]) -> dict[str, float]:
+def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool) -> dict[str, float]:
     """What each half of a chunk's split backward holds above what was held when it began. The I
     half runs the layers last to first, each forming its pending gradients, which stay for W: the
     tail's first, with nothing pending yet; then what every layer's I leaves held until the chunk's
     I ends (its pending bytes; the tail's, what its loss saved too) plus the most any other layer's I
     holds above that (exact where that layer comes first in the chunk, more otherwise). The W half
-    starts with the pending gradients held: the most any layer's W holds."""
+    starts with the pending gradients held: the most any layer's W holds, but the tail's less every
+    other layer's pending gradients where its W runs last (`tail_weight_last`: torch's engine)."""
     held = sum(layer.recompute[mode].split_input_held_bytes() for layer, mode in layers)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
     others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
               for layer, mode in layers if layer.kind != TAIL]
+    others_pending = sum(layer.recompute[mode].pending_bytes for layer, mode in layers if layer.kind != TAIL)
     return {
         "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0),
-        "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes() for layer, mode in layers],
-                                    default=0.0),
+        "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes()
+                                     - (others_pending if layer.kind == TAIL and tail_weight_last else 0.0)
+                                     for layer, mode in layers], default=0.0),
     }
 
 

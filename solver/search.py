@@ -770,7 +770,8 @@ class _Formulation:
         any other layer's; the head's less every other layer's activations there too (a linear row in
         the counts). Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
         I leave held until it ends (`input_held_mib`) plus the most any other layer's I holds above
-        that; W, the most any layer's W holds."""
+        that; W, the most any layer's W holds, the tail's less every other layer's pending gradients
+        where torch's engine runs its W last."""
         splits = schedule_kind(self.spec.schedule).splits_backward
         one_backward = [not splits or (c == 0 and torch_splits_backward(self.spec)) for c in range(cells)]
         freed = [0.0] * cells
@@ -781,6 +782,8 @@ class _Formulation:
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
         held = self._cell_sum(lambda g, m: g.input_held_mib[m])  # the layers' own: what I forms and keeps to its end
+        pending = self._cell_sum(lambda g, m: g.pending_mib[m])
+        tail_weight_last = torch_splits_backward(self.spec)
         handed = self.profile.stage_output_bytes / MIB
         # halves that hold what the whole backward does need no rows of their own (SAPP's files)
         halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
@@ -821,8 +824,16 @@ class _Formulation:
             tails = [g.input_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
             if tails:  # the larger of the tail's and the rest's
                 above_held = self._largest(c, max(tails), None, [(above_held.constant, above_held.terms)])
-            weight = self._largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups], default=0.0),
-                                   lambda g, m: g.weight_working_mib[m])
+            tail_weights = [g.weight_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
+            weight_rows = []
+            if tail_weights and tail_weight_last:  # after every other layer's W has freed its pending gradients
+                tail_pending = sum(g.size * g.pending_mib[NONE] for g in pinned_groups if g.kind == TAIL)
+                others_pending = pending[c].constant - tail_pending  # and the terms: the body layers'
+                weight_rows = [(max(tail_weights) - others_pending, {v: -k for v, k in pending[c].terms.items()})]
+                tail_weights = []
+            weight = self._largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups if g.kind != TAIL]
+                                          + tail_weights, default=0.0),
+                                   lambda g, m: g.weight_working_mib[m], weight_rows)
             working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_held, BACKWARD_WEIGHT: weight})
         return working
 

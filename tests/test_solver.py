@@ -546,14 +546,14 @@ def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, hel
 
 
 def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = None,
-                       tail_held_mib: float | None = None) -> ModelProfile:
+                       tail_held_mib: float | None = None, tail_weight_mib: float = 1.0) -> ModelProfile:
     """`profile` with every body layer's split backward measured: 10 MiB pending from I to W, I holding
     14 MiB at its peak and W 60 MiB (more than the whole backward's 4 MiB without recompute); with
-    `tail_input_mib`, the tail's I holding that much and its W 1 MiB, and with `tail_held_mib`, its I
-    leaving that much held until the chunk's I ends."""
+    `tail_input_mib`, the tail's I holding that much and its W `tail_weight_mib`, and with
+    `tail_held_mib`, its I leaving that much held until the chunk's I ends."""
     def halves(layer: LayerProfile) -> LayerProfile:
         if layer.kind == "tail" and tail_input_mib is not None:
-            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": 1 * MIB,
+            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": tail_weight_mib * MIB,
                      "input_held_bytes": None if tail_held_mib is None else tail_held_mib * MIB}
         elif layer.is_body:
             sizes = {"pending_bytes": 10 * MIB, "input_working_bytes": 14 * MIB, "weight_working_bytes": 60 * MIB}
@@ -582,6 +582,16 @@ def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_
     assert (last.input_working_bytes, last.weight_working_bytes) == (last_input_mib * MIB, 60 * MIB)
     whole = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), [4, 4], modes)
     assert whole.simulation.costs.chunk_costs[0][0].input_working_bytes is None
+
+
+@pytest.mark.parametrize(("receive_buffers", "last_weight_mib"), [(False, 100), (True, 100 - 3 * 10)])
+def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(receive_buffers, last_weight_mib):
+    """torch's engine runs a stage's W in model order, each layer freeing its pending gradients as it
+    goes: the tail's (the LM head's weight gradient) comes after the three blocks' 10 MiB each."""
+    profile = _with_split_halves(small_profile(6), tail_input_mib=20, tail_weight_mib=100)
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=receive_buffers)
+    last = evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs[1][0]
+    assert last.weight_working_bytes == last_weight_mib * MIB
 
 
 @pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])

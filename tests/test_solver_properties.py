@@ -4,6 +4,7 @@ does (hypothesis, random small profiles)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -61,7 +62,8 @@ def problems(draw):
         # and the logits' gradient held until the chunk's I ends, under every other layer's I there
         held_mib = draw(st.one_of(st.none(), st.floats(0, 40)))
         tail = dataclasses.replace(tail, recompute={"none": dataclasses.replace(
-            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB, weight_working_bytes=0.5 * MIB,
+            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB,
+            weight_working_bytes=draw(st.sampled_from([0.5, 60.0])) * MIB,  # the LM head's weight gradient
             input_held_bytes=None if held_mib is None else held_mib * MIB)})
     layers.append(tail)
     spec = PipelineSpec(
@@ -159,8 +161,23 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
         assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
 
 
+def _tail_weight_case() -> tuple[ModelProfile, PipelineSpec]:
+    """Under torch's engine, a last stage whose tail's W (the LM head's weight gradient) holds the most:
+    torch runs it after the blocks' W have freed their pending gradients."""
+    def split(made, pending_mib: float, input_mib: float, weight_mib: float):
+        return dataclasses.replace(made, recompute={"none": dataclasses.replace(
+            made.recompute["none"], pending_bytes=pending_mib * MIB, input_working_bytes=input_mib * MIB,
+            weight_working_bytes=weight_mib * MIB)})
+    blocks = [split(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 20.0, 2.0)}), 10.0, 12.0, 3.0)
+              for i in range(4)]
+    tail = split(layer("tail", "tail", 1.0, 2.0, 1.0, modes={"none": (0.0, 8.0, 9.0)}), 0.0, 9.0, 60.0)
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=True)
+    return ModelProfile(layers=(layer("head", "head", 1.0, 2.0), *blocks, tail)), spec
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.randoms(use_true_random=False))
+@example(problem=_tail_weight_case(), rng=random.Random(0))
 def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, rng):
     """Per rank, the largest of the program's memory rows at a plan's layer counts is the peak the
     simulator replays for that plan: what the search may not exceed is what a plan will hold."""
@@ -190,8 +207,11 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
     program_mib = [max((row.value(values) for r, row in model.memory_rows if r == rank), default=0.0)
                    for rank in range(schedule.stages)]
     assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
-    for cell in range(cells):  # and its durations are the simulator's
+    for cell in range(cells):  # and its working sets and durations are the simulator's
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
+        for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            assert model.working[cell][kind].value(values) == pytest.approx(
+                costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6), (cell, kind)
         assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
         assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
         assert values[model.duration[cell, BACKWARD_INPUT]] == pytest.approx(costs.split_input_ms() + costs.recompute_ms)
