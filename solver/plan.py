@@ -271,7 +271,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + kept_in_flight[virtual],
             retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
-            pending_bytes=(0.0 if whole else sum(layer.recompute[mode].pending_bytes for layer, mode in layers))
+            pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
             + torch_pending[virtual],
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
@@ -282,6 +282,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + held_sends[virtual],
             working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes),
             **(_split_working_bytes(layers, tail_weight_last=torch_split) if splits and not whole else {}),
+            **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
 
@@ -310,15 +311,37 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
                default=0.0)
 
 
+def last_layer_bytes(layer: LayerProfile) -> tuple[float, float]:
+    """Where `layer` comes last in its stage (model order) under a split backward: the least it would
+    keep beyond its pending bytes were another layer to follow it (`RecomputeCost.inner_extra_bytes`),
+    which it does not keep, and the most it frees of the gradient handed to it, which no layer after
+    it hands back; over its recompute modes, as the search's program counts them."""
+    costs = layer.recompute.values()
+    return min(cost.inner_extra_bytes() for cost in costs), max(cost.output_gradient_freed_bytes for cost in costs)
+
+
+def _pending_bytes(layers: list[tuple[LayerProfile, str]], splits: bool) -> float:
+    """What a chunk's split backward holds from its I to its W: every layer's pending bytes, and the
+    extra each but the last keeps where another follows it."""
+    pending = sum(layer.recompute[mode].pending_bytes for layer, mode in layers)
+    if not splits or not layers:
+        return pending
+    extra = sum(layer.recompute[mode].inner_extra_bytes() for layer, mode in layers)
+    return pending + extra - last_layer_bytes(layers[-1][0])[0]
+
+
 def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool) -> dict[str, float]:
     """What each half of a chunk's split backward holds above what was held when it began. The I
     half runs the layers last to first, each forming its pending gradients, which stay for W: the
     tail's first, with nothing pending yet; then what every layer's I leaves held until the chunk's
-    I ends (its pending bytes; the tail's, what its loss saved too) plus the most any other layer's I
-    holds above that (exact where that layer comes first in the chunk, more otherwise). The W half
-    starts with the pending gradients held: the most any layer's W holds, but the tail's less every
-    other layer's pending gradients where its W runs last (`tail_weight_last`: torch's engine)."""
-    held = sum(layer.recompute[mode].split_input_held_bytes() for layer, mode in layers)
+    I ends (its `input_held_bytes`, less what the layer before it frees of the gradient it hands that
+    layer: the sum takes each layer's own freed bytes but the last's, to which no layer hands one,
+    `last_layer_bytes`) plus the most any other layer's I holds above its own (exact where that layer
+    comes first in the chunk, more otherwise). The W half starts with the pending gradients held:
+    the most any layer's W holds, but the tail's less every other layer's pending gradients where
+    its W runs last (`tail_weight_last`: torch's engine)."""
+    held = sum(layer.recompute[mode].split_input_held_bytes() - layer.recompute[mode].output_gradient_freed_bytes
+               for layer, mode in layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
     others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
               for layer, mode in layers if layer.kind != TAIL]

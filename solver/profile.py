@@ -40,8 +40,12 @@ class RecomputeCost:
     weight-gradient half's (the pending gradients were there before it; its weight gradients
     accumulate in place); None where not measured: working_bytes stands for both.
     input_held_bytes: what the input-gradient half leaves held while the rest of its stage's runs,
-    where that is more than pending_bytes: the tail's, since torch frees what the loss saved only
-    when the stage's input gradients are done; None: pending_bytes.
+    where that is more than pending_bytes: torch frees the graph on the side of the stage's output
+    (for the tail, what the loss saved) only when the stage's input gradients are done, and keeps
+    it past that in every layer but the stage's last; None: pending_bytes.
+    output_gradient_freed_bytes: what of the gradient handed to the layer (its output's) its
+    input-gradient half frees, its weight gradients not needing it: then the layer before it in a
+    stage does not keep that gradient, which its own pending bytes count (on its input).
     """
 
     extra_ms: float
@@ -52,6 +56,7 @@ class RecomputeCost:
     input_working_bytes: float | None = None
     weight_working_bytes: float | None = None
     input_held_bytes: float | None = None
+    output_gradient_freed_bytes: float = 0.0
 
     def split_input_working_bytes(self) -> float:
         return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
@@ -61,6 +66,11 @@ class RecomputeCost:
 
     def split_input_held_bytes(self) -> float:
         return self.pending_bytes if self.input_held_bytes is None else self.input_held_bytes
+
+    def inner_extra_bytes(self) -> float:
+        """What the layer leaves held for W beyond its pending bytes where another layer follows it in
+        its stage: the graph on its output's side, less the gradient handed to it that it frees."""
+        return self.split_input_held_bytes() - self.pending_bytes - self.output_gradient_freed_bytes
 
 
 @dataclass(frozen=True)
@@ -300,6 +310,8 @@ def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
     for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes"):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
+    if cost.output_gradient_freed_bytes:
+        data["output_gradient_freed_bytes"] = cost.output_gradient_freed_bytes
     return data
 
 
@@ -320,6 +332,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             input_working_bytes=cost.number("input_working_bytes"),
             weight_working_bytes=cost.number("weight_working_bytes"),
             input_held_bytes=cost.number("input_held_bytes"),
+            output_gradient_freed_bytes=cost.number("output_gradient_freed_bytes", 0.0),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -398,7 +411,7 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
         for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
-                     "weight_working_bytes", "input_held_bytes"):
+                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes"):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:

@@ -37,6 +37,7 @@ from solver.plan import (
     Plan,
     boundary_bytes,
     evaluate_plan,
+    last_layer_bytes,
     ordered_modes,
     torch_1f1b_held_bytes,
     torch_engine_bytes,
@@ -115,6 +116,8 @@ class _Group:
     retained_mib: dict[str, float]
     pending_mib: dict[str, float]
     input_held_mib: dict[str, float]  # what its I leaves held until its stage's I ends
+    output_gradient_freed_mib: dict[str, float]  # what its I frees of the gradient handed to it
+    inner_extra_mib: dict[str, float]  # what it keeps for W beyond its pending bytes where a layer follows it
     pinned_cell: int | None = None  # heads and tails do not move
 
 
@@ -487,6 +490,8 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 retained_mib={m: layer.recompute[m].retained_bytes / MIB for m in modes},
                 pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
                 input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
+                output_gradient_freed_mib={m: layer.recompute[m].output_gradient_freed_bytes / MIB for m in modes},
+                inner_extra_mib={m: layer.recompute[m].inner_extra_bytes() / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -496,7 +501,8 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
     """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
     costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes,
-                 c.split_input_working_bytes(), c.split_weight_working_bytes(), c.split_input_held_bytes())
+                 c.split_input_working_bytes(), c.split_weight_working_bytes(), c.split_input_held_bytes(),
+                 c.inner_extra_bytes(), -c.output_gradient_freed_bytes)
              for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
@@ -575,8 +581,14 @@ class _Formulation:
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
             lambda g, m: g.retained_mib[m] if splits else 0.0,
-            lambda g, m: g.pending_mib[m],
+            lambda g, m: g.pending_mib[m] + (g.inner_extra_mib[m] if splits else 0.0),
         ))
+        self._group_presence: dict[tuple[int, int], int] = {}  # (group, cell) -> 1 where the cell holds the group
+        self._last_group: list[tuple[int, int, int | None]] = []  # (is last, present, next group present)
+        self.last_layer = self._last_layers(cells) if splits else None
+        if self.last_layer is not None:  # all but the chunk's last layer keep their inner extra (plan._pending_bytes)
+            for expression, (last_extra, _) in zip(pending, self.last_layer):
+                expression.add_expression(last_extra, -1.0)
         if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as plan.pipeline_costs states it
             weight[0] = self._cell_sum(lambda g, m: g.backward_ms)[0]
             input_grad[0] = self._cell_sum(lambda g, m: g.extra_ms[m])[0]
@@ -711,6 +723,54 @@ class _Formulation:
             sums[c].add(variable, value(self.groups[g], mode))
         return sums
 
+    def _last_layers(self, cells: int) -> list[tuple[_Linear, _Linear]]:
+        """Per virtual stage, `plan.last_layer_bytes` of its last layer in model order, in MiB: the
+        tail's where it holds the tail; else the last body group's there, told apart by binaries where
+        the groups differ (group g is last where it is present and the next group is not: model order
+        leaves no later one there), or the head's where it holds no body layer."""
+        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+        values = [last_layer_bytes(self.profile.layers[group.first]) for group in self.groups]
+        last_layers = []
+        for c in range(cells):
+            if c == 0 and torch_splits_backward(self.spec):  # its whole backward runs at W: nothing pends
+                last_layers.append((_Linear(), _Linear()))
+                continue
+            pinned = [g for g, group in enumerate(self.groups) if group.pinned_cell == c]
+            tails = [g for g in pinned if self.groups[g].kind == TAIL]
+            fallback = values[tails[-1] if tails else pinned[-1]] if pinned else (0.0, 0.0)
+            distinct = {values[g] for g in body}
+            surely_body = not pinned and not self.spec.allow_empty_chunks
+            if tails or not body or distinct == {fallback} or (len(distinct) == 1 and surely_body):
+                extra, freed = fallback if tails or not body else next(iter(distinct))
+                last_layers.append((_Linear(constant=extra / MIB), _Linear(constant=freed / MIB)))
+                continue
+            extra, freed = _Linear(constant=fallback[0] / MIB), _Linear(constant=fallback[1] / MIB)
+            for g, following in zip(body, body[1:] + [None]):
+                last, present = self.milp.variable(0, 1, integer=True), self._group_present(g, c)
+                self.milp.row({last: 1.0, present: -1.0}, upper=0.0)
+                if following is None:
+                    self.milp.row({last: 1.0, present: -1.0}, lower=0.0)
+                    self._last_group.append((last, present, None))
+                else:
+                    after = self._group_present(following, c)
+                    self.milp.row({last: 1.0, after: 1.0}, upper=1.0)
+                    self.milp.row({last: 1.0, present: -1.0, after: 1.0}, lower=0.0)
+                    self._last_group.append((last, present, after))
+                extra.add(last, (values[g][0] - fallback[0]) / MIB)
+                freed.add(last, (values[g][1] - fallback[1]) / MIB)
+            last_layers.append((extra, freed))
+        return last_layers
+
+    def _group_present(self, g: int, cell: int) -> int:
+        """A binary that is 1 where virtual stage `cell` holds a layer of group `g`."""
+        if (g, cell) not in self._group_presence:
+            present = self.milp.variable(0, 1, integer=True)
+            counts = {self.count[g, cell, m]: 1.0 for m in self.groups[g].modes}
+            self.milp.row({**counts, present: -1.0}, lower=0.0)
+            self.milp.row({**counts, present: -float(self.groups[g].size)}, upper=0.0)
+            self._group_presence[g, cell] = present
+        return self._group_presence[g, cell]
+
     def _defined(self, expression: _Linear) -> int:
         """A variable equal to `expression`."""
         variable = self.milp.variable()
@@ -781,13 +841,18 @@ class _Formulation:
         self.working_choices: dict[int, list[WorkingChoice]] = {}  # per cell, each set after those before it
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
-        held = self._cell_sum(lambda g, m: g.input_held_mib[m])  # the layers' own: what I forms and keeps to its end
+        # the layers' own: what I forms and keeps to its end, less what the layer before each frees of
+        # the gradient handed to it (the last layer's, bounded: plan._split_working_bytes)
+        held = self._cell_sum(lambda g, m: g.input_held_mib[m] - g.output_gradient_freed_mib[m])
+        for expression, (_, last_freed) in zip(held, self.last_layer or []):
+            expression.add_expression(last_freed)
         pending = self._cell_sum(lambda g, m: g.pending_mib[m])
         tail_weight_last = torch_splits_backward(self.spec)
         handed = self.profile.stage_output_bytes / MIB
         # halves that hold what the whole backward does need no rows of their own (SAPP's files)
         halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
-                            or any(g.input_held_mib.values()) for g in self.groups)
+                            or any(g.input_held_mib.values()) or any(g.output_gradient_freed_mib.values())
+                            for g in self.groups)
         working = []
         for c in range(cells):
             pinned_groups = [g for g in self.groups if g.pinned_cell == c]
@@ -810,6 +875,8 @@ class _Formulation:
                     head_rows = [(head, terms)]
                 whole = self._largest(c, pinned, lambda g, m, shift=after_tail: g.working_mib[m] - shift, head_rows)
                 working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
+                if splits:  # torch's first stage: its I does nothing, its W runs the whole backward
+                    working[-1][BACKWARD_INPUT] = _Linear()
                 continue
             # a split backward frees nothing before the head's
             whole = self._largest(c, max([g.working_mib[NONE] for g in pinned_groups], default=0.0),
@@ -924,6 +991,10 @@ class _Formulation:
         values = [0.0] * self.milp.num_variables
         for variable, number in counts.items():
             values[variable] = number
+        for (g, cell), present in self._group_presence.items():
+            values[present] = float(any(values[self.count[g, cell, m]] > 0.5 for m in self.groups[g].modes))
+        for last, present, after in self._last_group:
+            values[last] = values[present] * (1.0 - (values[after] if after is not None else 0.0))
         for cell in self.working_choices:
             self.update_working_set(values, cell)
         for variable, expression in self.duration_expression.items():

@@ -348,8 +348,10 @@ def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     assert all((layer.recompute[mode].input_working_bytes, layer.recompute[mode].weight_working_bytes)
                == ((split.input_working_bytes, split.weight_working_bytes) if mode == "none" else (None, None))
                for layer in body for mode in layer.modes)
-    # a block's I holds its pending bytes until the stage's I ends; only the tail's holds more
-    assert all(layer.recompute[mode].input_held_bytes is None for layer in body for mode in layer.modes)
+    # what a block's I holds until the stage's I ends and what it frees of the gradient handed to it,
+    # measured without recompute like its pending bytes and applied to every mode alike
+    assert all((layer.recompute[mode].input_held_bytes, layer.recompute[mode].output_gradient_freed_bytes)
+               == (split.input_held_bytes, split.output_gradient_freed_bytes) for layer in body for mode in layer.modes)
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
     assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
 
@@ -617,6 +619,7 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     # gradient (5 x 12) once that weight gradient is made
     assert split.input_working_bytes == split.pending_bytes
     assert split.input_held_bytes == split.pending_bytes  # the output's side of the graph saved nothing I alone needs
+    assert split.output_gradient_freed_bytes == 0  # the second Linear's weight gradient needs it
     assert split.weight_working_bytes == (12 * 8 + 6 * 12 - 5 * 12) * 4
     assert split.input_share >= 0 and split.weight_share >= 0  # timed: a loaded machine can time 0
     assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
@@ -639,7 +642,8 @@ def test_the_tail_given_as_a_module_has_its_backward_split_too():
     assert layer.input_ms == layer.backward_ms * split.input_share
     assert layer.weight_ms == min(layer.backward_ms * split.weight_share, layer.backward_ms)
     def held(c):  # a SplitBackward or a RecomputeCost
-        return c.pending_bytes, c.input_working_bytes, c.weight_working_bytes, c.input_held_bytes
+        return (c.pending_bytes, c.input_working_bytes, c.weight_working_bytes, c.input_held_bytes,
+                c.output_gradient_freed_bytes)
 
     assert held(layer.recompute["none"]) == held(split)
     # bytes do not depend on the values: the copy had the last block's output's shape
@@ -652,7 +656,27 @@ def test_the_tail_given_as_a_module_has_its_backward_split_too():
     tokens, logits_bytes = BATCH * SEQ, BATCH * SEQ * LLAMA["vocab_size"] * 4
     assert split.input_held_bytes == logits_bytes + 2 * tokens * LLAMA["hidden_size"] * 4
     assert split.pending_bytes == split.input_held_bytes - (logits_bytes + 8 * tokens + 4)
+    assert split.output_gradient_freed_bytes == 4  # the loss's gradient, one float: nothing keeps it
     assert profiler.recorder.captured_tail_input is None  # dropped once measured
+
+
+def test_a_block_whose_weight_gradients_do_not_need_its_output_gradient_frees_it():
+    """A Linear scaled after: its weight gradient needs the scaled gradient, not the one handed in,
+    which I frees (so a block before it in a stage does not keep what it hands back)."""
+    from profiler.split import measure_split_backward
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 12, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * self.linear(x)
+
+    split = measure_split_backward(Scaled(), (torch.randn(5, 8, requires_grad=True),), {}, torch.device("cpu"))
+    assert split.output_gradient_freed_bytes == 5 * 12 * 4
+    assert split.pending_bytes == (5 * 12 + 5 * 8) * 4  # the scaled gradient and the input's
+    assert split.input_held_bytes == split.pending_bytes
 
 
 def test_torch_split_backward_keeps_nothing_after_w(llama_run):

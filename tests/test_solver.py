@@ -584,6 +584,42 @@ def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_
     assert whole.simulation.costs.chunk_costs[0][0].input_working_bytes is None
 
 
+def test_the_layers_of_a_stage_hold_more_together_than_alone():
+    """In a stage every layer but the last keeps the graph on its output's side until W (its input
+    held bytes less its pending bytes), less the gradient handed to it that it frees; that gradient,
+    which the layer after it counts on its input, goes. With one body kind the stage's last layer is
+    known: exact."""
+    profile = _with_split_halves(small_profile(6), tail_input_mib=20, tail_held_mib=5)
+    together = dataclasses.replace(profile, layers=tuple(
+        dataclasses.replace(layer, recompute={m: dataclasses.replace(
+            c, input_working_bytes=18 * MIB, input_held_bytes=15 * MIB, output_gradient_freed_bytes=3 * MIB)
+            for m, c in layer.recompute.items()}) if layer.is_body else layer
+        for layer in profile.layers))
+    plan = evaluate_plan(together, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], ["none"] * 8)
+    last = plan.simulation.costs.chunk_costs[1][0]  # three blocks (10 MiB pending each), then the tail (none)
+    assert last.pending_bytes == (3 * 10 + 3 * (15 - 10 - 3)) * MIB
+    # I: the first block's 18 on top of what the others and the tail hold, each less what the layer
+    # before it frees of the gradient it hands back (the tail's 5 MiB, its loss's graph, included)
+    assert last.input_working_bytes == (18 + (15 - 3) + (15 - 3) + (5 - 3)) * MIB
+
+
+@pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2)])
+def test_which_kind_comes_last_in_a_stage_is_planned_for_as_simulated(schedule, chunks):
+    """A dense block keeps 30 MiB more until W where a layer follows it in its stage, an MoE block
+    none: the program tells which kind a stage ends with (binaries), so its plan under a binding
+    budget fits and matches brute force."""
+    def keeping(layer: LayerProfile) -> LayerProfile:
+        if not layer.is_body:
+            return layer
+        extra = 30 if layer.kind == "body:decoder" else 0
+        return dataclasses.replace(layer, recompute={m: dataclasses.replace(
+            c, pending_bytes=10 * MIB, input_held_bytes=(10 + extra) * MIB) for m, c in layer.recompute.items()})
+    two_kinds = small_profile(6, two_kinds=True)
+    profile = dataclasses.replace(two_kinds, layers=tuple(keeping(layer) for layer in two_kinds.layers))
+    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
+
+
 @pytest.mark.parametrize(("receive_buffers", "last_weight_mib"), [(False, 100), (True, 100 - 3 * 10)])
 def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(receive_buffers, last_weight_mib):
     """torch's engine runs a stage's W in model order, each layer freeing its pending gradients as it

@@ -19,7 +19,7 @@ def test_profile_json_round_trip(tmp_path):
     profile = small_profile(4, two_kinds=True)
     # a split backward's halves measured on one layer: written where given, absent (None) elsewhere
     halves = dataclasses.replace(profile.layers[1].recompute["none"], input_working_bytes=3.0 * MIB,
-                                 weight_working_bytes=0.0, input_held_bytes=2.5 * MIB)
+                                 weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB)
     profile = dataclasses.replace(profile, layers=(profile.layers[0], dataclasses.replace(
         profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}), *profile.layers[2:]))
     path = tmp_path / "profile.json"
@@ -29,6 +29,7 @@ def test_profile_json_round_trip(tmp_path):
     assert written[1]["recompute"]["none"]["weight_working_bytes"] == 0.0
     assert "input_working_bytes" not in written[2]["recompute"]["none"]
     assert "input_held_bytes" not in written[2]["recompute"]["none"]
+    assert "output_gradient_freed_bytes" not in written[2]["recompute"]["none"]  # 0: nothing to say
 
 
 def test_a_profile_limited_to_some_recompute_modes():
@@ -133,6 +134,8 @@ def profile_dict():
         (lambda d: d["layers"][1]["recompute"]["none"].update(working_bytes=2**70), "working_bytes: expected at most 2..50 bytes .1 PiB."),
         (lambda d: d["layers"][1]["recompute"]["none"].update(weight_working_bytes=-1), "layers[1].recompute.none.weight_working_bytes"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(input_working_bytes="lots"), "input_working_bytes: expected a finite number"),
+        (lambda d: d["layers"][1]["recompute"]["none"].update(output_gradient_freed_bytes=-1),
+         "layers[1].recompute.none.output_gradient_freed_bytes: expected a finite number >= 0"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
          "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4"),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),

@@ -44,11 +44,16 @@ def problems(draw):
         made = dataclasses.replace(made, input_ms=draw(st.sampled_from([None, 1.3 * (backward - weight)])))
         retained, pending_mib = draw(st.sampled_from([0.0, 0.5, 1.0])), draw(st.sampled_from([0.0, 0.6 * keep]))
         halves = draw(st.sampled_from([None, (pending_mib + 0.5, 3.0), (pending_mib + 4.0, 0.5)]))
+        # in a stage: the graph on its output's side kept until W where a layer follows it, and the
+        # gradient handed to it freed
+        held_extra_mib, freed_mib = draw(st.sampled_from([(0.0, 0.0), (0.4, 0.0), (0.4, 0.3), (0.0, 0.2)]))
         return dataclasses.replace(made, recompute={
             mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
                                       pending_bytes=pending_mib * MIB,
                                       input_working_bytes=None if halves is None else halves[0] * MIB,
-                                      weight_working_bytes=None if halves is None else halves[1] * MIB)
+                                      weight_working_bytes=None if halves is None else halves[1] * MIB,
+                                      input_held_bytes=(pending_mib + held_extra_mib) * MIB if held_extra_mib else None,
+                                      output_gradient_freed_bytes=freed_mib * MIB)
             for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
