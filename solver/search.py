@@ -842,7 +842,7 @@ class _Formulation:
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
         # the layers' own: what I forms and keeps to its end, less what the layer before each frees of
-        # the gradient handed to it (the last layer's, bounded: plan._split_working_bytes)
+        # the gradient handed to it (each layer's own freed bytes, the last's added back: _last_layers)
         held = self._cell_sum(lambda g, m: g.input_held_mib[m] - g.output_gradient_freed_mib[m])
         for expression, (_, last_freed) in zip(held, self.last_layer or []):
             expression.add_expression(last_freed)
