@@ -49,8 +49,20 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         # the hidden state a body block receives is what a stage sends on
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         model_output_bytes=median(recorder.output_bytes),
+        stage_shared_bytes=_shared_bytes(samples, structure.body_order),
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
     )
+
+
+def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) -> float:
+    """Per micro-batch, what the blocks keep of what a stage computes for them all: each storage
+    counts once per forward, for the first block to keep it, so the sum over the blocks' passes
+    over the first block's passes. Without recompute: checkpointing keeps such tensors through its
+    own frame, out of the saved-tensor hook's sight (the allocator holds them all the same)."""
+    if not body_order:
+        return 0.0
+    passes = len(samples[body_order[0]].shared_bytes.get(NONE, []))
+    return sum(sum(samples[index].shared_bytes.get(NONE, [])) for index in body_order) / max(passes, 1)
 
 
 def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, timing: LayerSamples,
@@ -67,6 +79,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             with_mode = median(timing.forward_ms.get(mode, [])) + median(timing.backward_ms.get(mode, []))
             extra_ms = max(0.0, with_mode - forward_ms - backward_ms)
         kept = min(median(memory.kept_bytes.get(mode, [])), kept_none)
+        saved_input = min(median(memory.saved_input_bytes.get(mode, [])), kept)
         if memory.backward_peak_bytes.get(mode):
             working = median(memory.backward_peak_bytes[mode])
         elif kind.startswith("body:"):  # memory not counted: the gradients flowing in and out, and what is rebuilt
@@ -92,7 +105,8 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
                                         input_working_bytes=split.input_working_bytes if halves else None,
                                         weight_working_bytes=split.weight_working_bytes if halves else None,
                                         input_held_bytes=None if split is None else split.input_held_bytes,
-                                        output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes)
+                                        output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
+                                        saved_input_bytes=saved_input)
     input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients

@@ -201,13 +201,18 @@ class LayerProfiler:
                 continue  # a forward without backward (evaluation under no_grad)
             ends = [record.backward_end] if record.backward_end is not None else record.parameter_marks
             backward_ms = max((elapsed(record.backward_start, end) for end in ends), default=0.0)
+            # what a stage computes for all its blocks (the rotary tables) is kept by the first block
+            # to save it: counted per stage (`ModelProfile.stage_shared_bytes`), not as that block's
+            shared = sum(size for key, size in record.kept_bytes.items() if key in record.shared_keys)
             self.samples.setdefault(slot, LayerSamples()).add(
                 mode,
                 forward_ms=elapsed(record.forward_start, record.forward_end),
                 backward_ms=backward_ms,
-                kept_bytes=sum(record.kept_bytes.values()),
+                kept_bytes=sum(record.kept_bytes.values()) - shared,
                 input_bytes=record.input_bytes,
                 backward_peak_bytes=record.backward_peak_bytes,
+                saved_input_bytes=record.kept_bytes.get(record.input_key, 0),
+                shared_bytes=shared,
             )
 
     def _collect_working_sets(self, mode: str) -> None:

@@ -44,6 +44,8 @@ class Pass:
     parameter_marks: list[object] = field(default_factory=list)  # gradients of the slot's parameters accumulated
     kept_bytes: dict[int, int] = field(default_factory=dict)  # storage -> bytes kept for backward
     input_bytes: int = 0  # the activation a block receives (its gradient flows back out of the block)
+    input_key: int | None = None  # the storage of that activation (kept_bytes says whether the layer saved it)
+    shared_keys: frozenset[int] = frozenset()  # storages of the other tensors it is handed (rotary tables)
     backward_base_bytes: int = 0
     backward_peak_bytes: int | None = None  # allocator peak over the backward, above its start (memory steps on the CPU)
 
@@ -244,8 +246,10 @@ class Recorder:
                 self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
             block_input = _input_tensor(args, kwargs)
             if block_input is not None:
-                step.input_bytes = _tensor_bytes(block_input)
+                step.input_key, step.input_bytes = storage_key(block_input)
                 block_input.register_hook(self._input_grad(step, head))
+            step.shared_keys = frozenset(storage_key(t)[0] for t in tree_leaves((args, kwargs))
+                                         if isinstance(t, torch.Tensor) and t is not block_input)
 
         return hook
 
@@ -266,6 +270,8 @@ class Recorder:
                 self._add_passes({TAIL: tail})
             block_output = _output_tensor(output)
             if block_output is not None:
+                if tail is not None:
+                    tail.input_key = storage_key(block_output)[0]
                 if tail is not None and self.capture_tail and self.captured_tail_input is None:
                     self.captured_tail_input = _detached(block_output)
                 block_output.register_hook(self._output_grad(step, index, tail))

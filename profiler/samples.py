@@ -15,13 +15,17 @@ class LayerSamples:
     backward_ms: dict[str, list[float]] = field(default_factory=dict)
     kept_bytes: dict[str, list[int]] = field(default_factory=dict)
     input_bytes: list[int] = field(default_factory=list)
+    saved_input_bytes: dict[str, list[int]] = field(default_factory=dict)  # of kept_bytes, the layer's input
+    shared_bytes: dict[str, list[int]] = field(default_factory=dict)  # kept of what a stage computes for its blocks
     backward_peak_bytes: dict[str, list[int]] = field(default_factory=dict)  # allocator peaks over the backward
 
     def add(self, mode: str, forward_ms: float, backward_ms: float, kept_bytes: int, input_bytes: int,
-            backward_peak_bytes: int | None) -> None:
+            backward_peak_bytes: int | None, saved_input_bytes: int = 0, shared_bytes: int = 0) -> None:
         self.forward_ms.setdefault(mode, []).append(forward_ms)
         self.backward_ms.setdefault(mode, []).append(backward_ms)
         self.kept_bytes.setdefault(mode, []).append(kept_bytes)
+        self.saved_input_bytes.setdefault(mode, []).append(saved_input_bytes)
+        self.shared_bytes.setdefault(mode, []).append(shared_bytes)
         self.input_bytes.append(input_bytes)
         if backward_peak_bytes is not None:
             self.add_working_set(mode, backward_peak_bytes)
@@ -32,7 +36,7 @@ class LayerSamples:
     def merged(self, other: LayerSamples) -> LayerSamples:
         """This layer's samples and another's together (pooling the layers of one kind)."""
         out = LayerSamples()
-        for name in ("forward_ms", "backward_ms", "kept_bytes", "backward_peak_bytes"):
+        for name in ("forward_ms", "backward_ms", "kept_bytes", "saved_input_bytes", "shared_bytes", "backward_peak_bytes"):
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(out, name, {m: mine.get(m, []) + theirs.get(m, []) for m in {*mine, *theirs}})
         out.input_bytes = self.input_bytes + other.input_bytes

@@ -30,7 +30,7 @@ from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
 from solver.fields import Fields
-from solver.plan import boundary_bytes, torch_1f1b_held_bytes
+from solver.plan import boundary_bytes, buffered_input_bytes, torch_1f1b_held_bytes
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
     costs = result.costs
     kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec)
+    in_buffers = buffered_input_bytes(profile, plan.spec, plan.stage_layer_counts)  # autograd holds them too
     held_sends = torch_1f1b_held_bytes(profile, plan.spec)  # counted with the static bytes, not there at a step's start
 
     def peaks(autograd_only: bool) -> list[float]:
@@ -153,7 +154,8 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
             # gradients (working sets, a split backward's pending and retained ones) are not what it saved
             return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, input_working_bytes=None,
                                        weight_working_bytes=None, pending_bytes=0.0, retained_bytes=0.0,
-                                       activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual])
+                                       activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual]
+                                       + in_buffers[virtual])
 
         bare_costs = PipelineCosts(
             tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),

@@ -248,6 +248,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     schedule = spec.pipeline_schedule
     constant = profile.stage_constant_bytes + spec.stage_constant_bytes
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
+    in_buffers = buffered_input_bytes(profile, spec, counts)
     torch_retained, torch_pending = torch_engine_bytes(profile, spec)
     held_sends = torch_1f1b_held_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
@@ -268,7 +269,8 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + backward_overhead - weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
-            + kept_in_flight[virtual],
+            + kept_in_flight[virtual] - in_buffers[virtual]
+            + (profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0),
             retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
@@ -309,6 +311,22 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
     body_freed = freed_by_tail - (handed_bytes if TAIL in kinds else 0.0)
     return max([layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers],
                default=0.0)
+
+
+def buffered_input_bytes(profile: ModelProfile, spec: PipelineSpec, counts: Sequence[int]) -> list[float]:
+    """Per virtual stage, what its first layer keeps of its input where that input is one of torch's
+    receive buffers (`spec.receive_buffers`: every stage but the first, the V's turn on one rank
+    included), which `boundary_bytes` counts for the whole run: the layer keeps that tensor, not a
+    copy (fp32 blocks keep their input, bf16 Llama blocks an fp32 copy of it). Zeros elsewhere."""
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [saved_input_bytes(profile.layers[start]) if spec.receive_buffers and virtual > 0 and count else 0.0
+            for virtual, (start, count) in enumerate(zip(starts, counts))]
+
+
+def saved_input_bytes(layer: LayerProfile) -> float:
+    """What of its input `layer` keeps for its backward, the least over its recompute modes (as the
+    search's program counts a stage's first layer)."""
+    return min(cost.saved_input_bytes for cost in layer.recompute.values())
 
 
 def last_layer_bytes(layer: LayerProfile) -> tuple[float, float]:

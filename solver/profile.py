@@ -46,6 +46,8 @@ class RecomputeCost:
     output_gradient_freed_bytes: what of the gradient handed to the layer (its output's) its
     input-gradient half frees, its weight gradients not needing it: then the layer before it in a
     stage does not keep that gradient, which its own pending bytes count (on its input).
+    saved_input_bytes: of activation_bytes, the layer's input itself (the tensor it is handed),
+    which an engine that keeps that tensor anyway (torch's receive buffers) does not hold twice.
     """
 
     extra_ms: float
@@ -57,6 +59,7 @@ class RecomputeCost:
     weight_working_bytes: float | None = None
     input_held_bytes: float | None = None
     output_gradient_freed_bytes: float = 0.0
+    saved_input_bytes: float = 0.0
 
     def split_input_working_bytes(self) -> float:
         return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
@@ -137,6 +140,9 @@ class ModelProfile:
     # per micro-batch: what the model's forward returns (the logits), which torch's pipeline engine
     # keeps on the last stage until that micro-batch's backward
     model_output_bytes: float = 0.0
+    # per micro-batch: what every stage computes for its blocks besides their input (the rotary
+    # tables) and they keep; each virtual stage holding a block keeps its own
+    stage_shared_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
 
     def __post_init__(self) -> None:
@@ -193,6 +199,7 @@ class ModelProfile:
             "stage_constant_bytes": self.stage_constant_bytes,
             "stage_output_bytes": self.stage_output_bytes,
             "model_output_bytes": self.model_output_bytes,
+            **({"stage_shared_bytes": self.stage_shared_bytes} if self.stage_shared_bytes else {}),
             "layers": [_layer_to_dict(layer) for layer in self.layers],
             "tied_parameters": [
                 {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
@@ -226,6 +233,7 @@ class ModelProfile:
             fingerprint=fields.text("fingerprint"),
             stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
             stage_output_bytes=fields.number("stage_output_bytes", 0.0),
+            stage_shared_bytes=fields.number("stage_shared_bytes", 0.0),
             model_output_bytes=fields.number("model_output_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
@@ -310,8 +318,9 @@ def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
     for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes"):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
-    if cost.output_gradient_freed_bytes:
-        data["output_gradient_freed_bytes"] = cost.output_gradient_freed_bytes
+    for name in ("output_gradient_freed_bytes", "saved_input_bytes"):
+        if getattr(cost, name):
+            data[name] = getattr(cost, name)
     return data
 
 
@@ -333,6 +342,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             weight_working_bytes=cost.number("weight_working_bytes"),
             input_held_bytes=cost.number("input_held_bytes"),
             output_gradient_freed_bytes=cost.number("output_gradient_freed_bytes", 0.0),
+            saved_input_bytes=cost.number("saved_input_bytes", 0.0),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -362,6 +372,7 @@ def _check_profile(profile: ModelProfile) -> None:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
     check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
     check_bytes(profile.stage_output_bytes, "stage_output_bytes")
+    check_bytes(profile.stage_shared_bytes, "stage_shared_bytes")
     check_bytes(profile.model_output_bytes, "model_output_bytes")
     layers = profile.layers
     check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
@@ -411,12 +422,15 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
         for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
-                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes"):
+                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes", "saved_input_bytes"):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:
             raise InputError(f"{where}.recompute.{mode}.input_held_bytes",
                              f"expected at least pending_bytes ({cost.pending_bytes:,.0f}), got {cost.input_held_bytes:,.0f}")
+        if cost.saved_input_bytes > cost.activation_bytes:
+            raise InputError(f"{where}.recompute.{mode}.saved_input_bytes",
+                             f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.saved_input_bytes:,.0f}")
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")

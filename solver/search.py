@@ -39,6 +39,7 @@ from solver.plan import (
     evaluate_plan,
     last_layer_bytes,
     ordered_modes,
+    saved_input_bytes,
     torch_1f1b_held_bytes,
     torch_engine_bytes,
     torch_splits_backward,
@@ -584,8 +585,13 @@ class _Formulation:
             lambda g, m: g.pending_mib[m] + (g.inner_extra_mib[m] if splits else 0.0),
         ))
         self._group_presence: dict[tuple[int, int], int] = {}  # (group, cell) -> 1 where the cell holds the group
-        self._last_group: list[tuple[int, int, int | None]] = []  # (is last, present, next group present)
+        self._end_indicators: dict[tuple[int, int | None, int], int] = {}  # see _end_indicator
+        self._end_terms: list[tuple[int, int, int | None]] = []  # (indicator, group present, neighbour present)
         self.last_layer = self._last_layers(cells) if splits else None
+        if spec.receive_buffers:  # a stage's input is one of torch's buffers: its first layer keeps that
+            saved = [saved_input_bytes(self.profile.layers[group.first]) / MIB for group in groups]
+            for cell in range(1, cells):  # plan.buffered_input_bytes
+                activation[cell].add_expression(self._at_end(cell, saved, first=True), -1.0)
         if self.last_layer is not None:  # all but the chunk's last layer keep their inner extra (plan._pending_bytes)
             for expression, (last_extra, _) in zip(pending, self.last_layer):
                 expression.add_expression(last_extra, -1.0)
@@ -611,6 +617,10 @@ class _Formulation:
                 self.recompute_terms[variable] = groups[g].extra_ms[mode]
         self.activation, self.static, self.retained, self.pending = activation, static, retained, pending
         self.working = self._working_sets(cells)
+        if profile.stage_shared_bytes:  # what each stage computes for its blocks, where it holds one
+            for cell in range(cells):
+                holds_body = self._largest(cell, 0.0, lambda g, m: 1.0)
+                self.activation[cell].add_expression(holds_body, profile.stage_shared_bytes / MIB)
 
         # Durations of each kind of action on each virtual stage, as variables.
         self.duration: dict[tuple[int, str], int] = {}
@@ -724,42 +734,55 @@ class _Formulation:
         return sums
 
     def _last_layers(self, cells: int) -> list[tuple[_Linear, _Linear]]:
-        """Per virtual stage, `plan.last_layer_bytes` of its last layer in model order, in MiB: the
-        tail's where it holds the tail; else the last body group's there, told apart by binaries where
-        the groups differ (group g is last where it is present and the next group is not: model order
-        leaves no later one there), or the head's where it holds no body layer."""
-        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+        """Per virtual stage, `plan.last_layer_bytes` of its last layer in model order, in MiB."""
         values = [last_layer_bytes(self.profile.layers[group.first]) for group in self.groups]
         last_layers = []
         for c in range(cells):
             if c == 0 and torch_splits_backward(self.spec):  # its whole backward runs at W: nothing pends
                 last_layers.append((_Linear(), _Linear()))
                 continue
-            pinned = [g for g, group in enumerate(self.groups) if group.pinned_cell == c]
-            tails = [g for g in pinned if self.groups[g].kind == TAIL]
-            fallback = values[tails[-1] if tails else pinned[-1]] if pinned else (0.0, 0.0)
-            distinct = {values[g] for g in body}
-            surely_body = not pinned and not self.spec.allow_empty_chunks
-            if tails or not body or distinct == {fallback} or (len(distinct) == 1 and surely_body):
-                extra, freed = fallback if tails or not body else next(iter(distinct))
-                last_layers.append((_Linear(constant=extra / MIB), _Linear(constant=freed / MIB)))
-                continue
-            extra, freed = _Linear(constant=fallback[0] / MIB), _Linear(constant=fallback[1] / MIB)
-            for g, following in zip(body, body[1:] + [None]):
-                last, present = self.milp.variable(0, 1, integer=True), self._group_present(g, c)
-                self.milp.row({last: 1.0, present: -1.0}, upper=0.0)
-                if following is None:
-                    self.milp.row({last: 1.0, present: -1.0}, lower=0.0)
-                    self._last_group.append((last, present, None))
-                else:
-                    after = self._group_present(following, c)
-                    self.milp.row({last: 1.0, after: 1.0}, upper=1.0)
-                    self.milp.row({last: 1.0, present: -1.0, after: 1.0}, lower=0.0)
-                    self._last_group.append((last, present, after))
-                extra.add(last, (values[g][0] - fallback[0]) / MIB)
-                freed.add(last, (values[g][1] - fallback[1]) / MIB)
-            last_layers.append((extra, freed))
+            last_layers.append((self._at_end(c, [extra / MIB for extra, _ in values], first=False),
+                                self._at_end(c, [freed / MIB for _, freed in values], first=False)))
         return last_layers
+
+    def _at_end(self, cell: int, values: list[float], *, first: bool) -> _Linear:
+        """`values[g]` of the group whose layer comes first (or last) in virtual stage `cell` in model
+        order: the head (the tail) where the cell holds it; else the first (last) body group there,
+        told apart by binaries where the groups' values differ (a group is first where it is present
+        and the one before it is not: model order leaves no earlier one there); else the other
+        pinned layer, or 0 where the cell may hold nothing."""
+        pinned = [g for g, group in enumerate(self.groups) if group.pinned_cell == cell]
+        at_end = [g for g in pinned if self.groups[g].kind == (HEAD if first else TAIL)]
+        if at_end:
+            return _Linear(constant=values[at_end[0] if first else at_end[-1]])
+        fallback = values[pinned[0] if first else pinned[-1]] if pinned else 0.0
+        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+        distinct = {values[g] for g in body}
+        surely_body = not pinned and not self.spec.allow_empty_chunks
+        if not body or distinct == {fallback} or (len(distinct) == 1 and surely_body):
+            return _Linear(constant=next(iter(distinct)) if body and distinct != {fallback} else fallback)
+        order = body[::-1] if first else body  # each group with the one it must not be followed (preceded) by
+        expression = _Linear(constant=fallback)
+        for g, neighbour in zip(order, order[1:] + [None]):
+            expression.add(self._end_indicator(g, neighbour, cell), values[g] - fallback)
+        return expression
+
+    def _end_indicator(self, g: int, neighbour: int | None, cell: int) -> int:
+        """A binary that is 1 where `cell` holds group `g` and not group `neighbour` (none: always)."""
+        key = (g, neighbour, cell)
+        if key not in self._end_indicators:
+            indicator, present = self.milp.variable(0, 1, integer=True), self._group_present(g, cell)
+            self.milp.row({indicator: 1.0, present: -1.0}, upper=0.0)
+            if neighbour is None:
+                self.milp.row({indicator: 1.0, present: -1.0}, lower=0.0)
+                after = None
+            else:
+                after = self._group_present(neighbour, cell)
+                self.milp.row({indicator: 1.0, after: 1.0}, upper=1.0)
+                self.milp.row({indicator: 1.0, present: -1.0, after: 1.0}, lower=0.0)
+            self._end_indicators[key] = indicator
+            self._end_terms.append((indicator, present, after))
+        return self._end_indicators[key]
 
     def _group_present(self, g: int, cell: int) -> int:
         """A binary that is 1 where virtual stage `cell` holds a layer of group `g`."""
@@ -970,6 +993,9 @@ class _Formulation:
                 held[2 * chunks + chunk if kind == BACKWARD_WEIGHT and pends else chunk] -= 1
                 if retains:
                     held[chunks + chunk] += 1
+            # the step's end: what is retained can outweigh the activations it was part of (torch
+            # keeps a stage's input gradient and its sends to the end)
+            points.add((tuple(held), None))
             for counts, working in _undominated(points):
                 row = _Linear(constant=constant_mib)
                 for chunk, cell in enumerate(cells):
@@ -993,8 +1019,8 @@ class _Formulation:
             values[variable] = number
         for (g, cell), present in self._group_presence.items():
             values[present] = float(any(values[self.count[g, cell, m]] > 0.5 for m in self.groups[g].modes))
-        for last, present, after in self._last_group:
-            values[last] = values[present] * (1.0 - (values[after] if after is not None else 0.0))
+        for indicator, present, after in self._end_terms:
+            values[indicator] = values[present] * (1.0 - (values[after] if after is not None else 0.0))
         for cell in self.working_choices:
             self.update_working_set(values, cell)
         for variable, expression in self.duration_expression.items():

@@ -123,7 +123,7 @@ def test_tied_embedding_and_lm_head_are_found_and_counted_by_both(gpt2_run):
     assert counted - tied.bytes == unique_parameter_bytes(model)
 
 
-def llama_block_bytes(first: bool) -> int:
+def llama_block_bytes() -> int:
     """A hand count of what transformers' Llama block (SDPA, fp32, on the CPU) saves for backward."""
     b, s, h, f = BATCH, SEQ, LLAMA["hidden_size"], LLAMA["intermediate_size"]
     heads, kv_heads = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"]
@@ -138,16 +138,18 @@ def llama_block_bytes(first: bool) -> int:
         + 4 * b * s * f  # gate, up, silu(gate) and silu(gate) * up
     )
     logsumexp = b * heads * s  # kept in fp32 by the attention kernel
-    rotary = 2 * s * d if first else 0  # cos and sin, computed once before the blocks
-    return (elements + logsumexp + rotary) * FP32
+    return (elements + logsumexp) * FP32
 
 
 def test_activation_bytes_of_a_plain_block_match_a_hand_count(llama_run):
     _, _, profile = llama_run
-    body = [layer for layer in profile.layers if layer.is_body]
-    assert body[0].recompute["none"].activation_bytes == llama_block_bytes(first=True)
-    for layer in body[1:]:
-        assert layer.recompute["none"].activation_bytes == llama_block_bytes(first=False)
+    for layer in profile.layers:
+        if layer.is_body:
+            assert layer.recompute["none"].activation_bytes == llama_block_bytes()
+            # the block's input is the tensor it is handed (which torch's receive buffers hold)
+            assert all(cost.saved_input_bytes == profile.stage_output_bytes for cost in layer.recompute.values())
+    # cos and sin, computed once before the blocks and kept by the first: each stage keeps its own
+    assert profile.stage_shared_bytes == 2 * SEQ * (LLAMA["hidden_size"] // LLAMA["num_attention_heads"]) * FP32
 
 
 def test_the_models_output_is_the_logits_and_the_loss(llama_run):

@@ -584,6 +584,25 @@ def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_
     assert whole.simulation.costs.chunk_costs[0][0].input_working_bytes is None
 
 
+def test_a_stages_received_input_and_what_it_computes_for_its_blocks_are_counted_once():
+    """Under torch's engine a stage's input is one of its receive buffers, counted for the whole run,
+    and its first block keeps that very tensor: not counted again. What every stage computes for its
+    blocks (the rotary tables) is kept once per stage that holds a block."""
+    base = small_profile(6)
+    keeping = dataclasses.replace(base, stage_shared_bytes=2 * MIB, layers=tuple(
+        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, saved_input_bytes=3 * MIB)
+                                              for m, c in layer.recompute.items()}) if layer.is_body else layer
+        for layer in base.layers))
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True)
+    plain, kept = (evaluate_plan(p, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs for p in (base, keeping))
+    assert kept[0][0].activation_bytes - plain[0][0].activation_bytes == 2 * MIB  # the first stage receives nothing
+    assert kept[1][0].activation_bytes - plain[1][0].activation_bytes == (2 - 3) * MIB
+    without_buffers = dataclasses.replace(spec, receive_buffers=False)
+    kept = evaluate_plan(keeping, without_buffers, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
+    plain = evaluate_plan(base, without_buffers, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
+    assert kept[1][0].activation_bytes - plain[1][0].activation_bytes == 2 * MIB
+
+
 def test_the_layers_of_a_stage_hold_more_together_than_alone():
     """In a stage every layer but the last keeps the graph on its output's side until W (its input
     held bytes less its pending bytes), less the gradient handed to it that it frees; that gradient,

@@ -19,8 +19,9 @@ def test_profile_json_round_trip(tmp_path):
     profile = small_profile(4, two_kinds=True)
     # a split backward's halves measured on one layer: written where given, absent (None) elsewhere
     halves = dataclasses.replace(profile.layers[1].recompute["none"], input_working_bytes=3.0 * MIB,
-                                 weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB)
-    profile = dataclasses.replace(profile, layers=(profile.layers[0], dataclasses.replace(
+                                 weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB,
+                                 saved_input_bytes=MIB)
+    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, layers=(profile.layers[0], dataclasses.replace(
         profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}), *profile.layers[2:]))
     path = tmp_path / "profile.json"
     profile.save(path)
@@ -30,6 +31,7 @@ def test_profile_json_round_trip(tmp_path):
     assert "input_working_bytes" not in written[2]["recompute"]["none"]
     assert "input_held_bytes" not in written[2]["recompute"]["none"]
     assert "output_gradient_freed_bytes" not in written[2]["recompute"]["none"]  # 0: nothing to say
+    assert "saved_input_bytes" not in written[2]["recompute"]["none"]
 
 
 def test_a_profile_limited_to_some_recompute_modes():
@@ -46,7 +48,7 @@ def test_a_profile_with_its_times_scaled_keeps_every_size():
     profile = small_profile(4)
     body = profile.layers[1]
     retained = dataclasses.replace(body.recompute["none"], retained_bytes=body.recompute["none"].activation_bytes / 2)
-    profile = dataclasses.replace(profile, layers=(profile.layers[0], dataclasses.replace(body, recompute={
+    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, layers=(profile.layers[0], dataclasses.replace(body, recompute={
         **body.recompute, "none": retained}), *profile.layers[2:]))
     scaled = profile.with_times_scaled(4.0)
     for before, after in zip(profile.layers, scaled.layers):
@@ -136,6 +138,9 @@ def profile_dict():
         (lambda d: d["layers"][1]["recompute"]["none"].update(input_working_bytes="lots"), "input_working_bytes: expected a finite number"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(output_gradient_freed_bytes=-1),
          "layers[1].recompute.none.output_gradient_freed_bytes: expected a finite number >= 0"),
+        (lambda d: d["layers"][1]["recompute"]["none"].update(saved_input_bytes=1e12),
+         "layers[1] (block.0).recompute.none.saved_input_bytes: expected at most activation_bytes"),
+        (lambda d: d.update(stage_shared_bytes=-1), "stage_shared_bytes: expected a finite number >= 0"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
          "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4"),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),

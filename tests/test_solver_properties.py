@@ -47,13 +47,15 @@ def problems(draw):
         # in a stage: the graph on its output's side kept until W where a layer follows it, and the
         # gradient handed to it freed
         held_extra_mib, freed_mib = draw(st.sampled_from([(0.0, 0.0), (0.4, 0.0), (0.4, 0.3), (0.0, 0.2)]))
+        saved_input_mib = draw(st.sampled_from([0.0, 0.4]))  # its input, which torch's receive buffers hold
         return dataclasses.replace(made, recompute={
             mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
                                       pending_bytes=pending_mib * MIB,
                                       input_working_bytes=None if halves is None else halves[0] * MIB,
                                       weight_working_bytes=None if halves is None else halves[1] * MIB,
                                       input_held_bytes=(pending_mib + held_extra_mib) * MIB if held_extra_mib else None,
-                                      output_gradient_freed_bytes=freed_mib * MIB)
+                                      output_gradient_freed_bytes=freed_mib * MIB,
+                                      saved_input_bytes=saved_input_mib * MIB)
             for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
@@ -78,7 +80,9 @@ def problems(draw):
     )
     output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
     logits = draw(st.sampled_from([0.0, 7.0])) * MIB  # the model's, which torch's engine keeps on the last stage
-    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits), spec
+    shared = draw(st.sampled_from([0.0, 0.7])) * MIB  # what each stage computes for its blocks (rotary tables)
+    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits,
+                        stage_shared_bytes=shared), spec
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,6 +170,15 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
         assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
 
 
+def _retained_case() -> tuple[ModelProfile, PipelineSpec]:
+    """Under torch's engine, a last stage whose layers keep less for backward than torch keeps to the
+    step's end (its input's gradient, its sends): its peak is the step's end."""
+    layers = [layer("head", "head", 1.0, 2.0), *(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 1.0, 0.5)})
+                                                 for i in range(4)), layer("tail", "tail", 1.0, 2.0, 1.0)]
+    spec = PipelineSpec(stages=3, micro_batches=1, schedule="ZBH1", receive_buffers=True)
+    return ModelProfile(layers=tuple(layers), stage_output_bytes=3 * MIB), spec
+
+
 def _tail_weight_case() -> tuple[ModelProfile, PipelineSpec]:
     """Under torch's engine, a last stage whose tail's W (the LM head's weight gradient) holds the most:
     torch runs it after the blocks' W have freed their pending gradients."""
@@ -182,7 +195,7 @@ def _tail_weight_case() -> tuple[ModelProfile, PipelineSpec]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.randoms(use_true_random=False))
-@example(problem=_tail_weight_case(), rng=random.Random(0))
+@example(problem=_retained_case(), rng=random.Random(0))
 def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, rng):
     """Per rank, the largest of the program's memory rows at a plan's layer counts is the peak the
     simulator replays for that plan: what the search may not exceed is what a plan will hold."""
@@ -211,6 +224,7 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
     plan = search._plan_of(model, values)
     program_mib = [max((row.value(values) for r, row in model.memory_rows if r == rank), default=0.0)
                    for rank in range(schedule.stages)]
+
     assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
     for cell in range(cells):  # and its working sets and durations are the simulator's
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
