@@ -176,7 +176,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         matmul_flops = 2 * tokens * (attention_elements + 3 * s.hidden_size * active_ffn)
         attention_flops = 2 * tokens * s.sequence // s.context_parallel * q_width  # causal: half of 4*b*s^2*h
         forward_ms = seconds_ms(matmul_flops + attention_flops)
-        kept = _block_activation_bytes(tokens, s, head_dim, p, first=index == 0, moe=moe)
+        kept = _block_activation_bytes(tokens, s, head_dim, p, moe=moe)
         pending = _block_pending_bytes(tokens, s, head_dim, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
         layers.append(LayerProfile(
@@ -212,6 +212,8 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
         stage_output_bytes=tokens * s.hidden_size * p / tp,
         model_output_bytes=tokens * s.vocab_size * p / tp,  # the logits, split over the vocabulary
+        # cos and sin, computed by every stage for its blocks
+        stage_shared_bytes=2 * (s.sequence // s.context_parallel) * head_dim * p,
     )
 
 
@@ -231,14 +233,13 @@ def _block_pending_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int
     return tokens * (attention + 2 * s.hidden_size + mlp) * p  # the two norms
 
 
-def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, first: bool,
+def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *,
                             moe: bool) -> dict[str, float]:
     """What a block keeps for backward, per recompute mode (a hand count of transformers' blocks)."""
     h = s.hidden_size
     kv_heads = s.num_kv_heads or s.num_heads
     q_width, kv_width = s.num_heads * head_dim, kv_heads * head_dim
     logsumexp = 4 * tokens * s.num_heads  # fp32, from the attention kernel
-    rotary = 2 * (s.sequence // s.context_parallel) * head_dim * p if first else 0
     # Attention: the norms, q, k and v, and what SDPA keeps; selective keeps the block's input, the
     # projections' outputs and the attention output.
     none = 2 * _norm_bytes(tokens, h, p) + p * tokens * (2 * q_width + 2 * kv_width)
@@ -263,7 +264,7 @@ def _block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: 
         none += 4 * p * tokens * s.ffn_size
         selective += p * tokens * (2 * s.ffn_size + h)
     return {
-        NONE: none + logsumexp + rotary,
+        NONE: none + logsumexp,
         SELECTIVE: selective + logsumexp,
         FULL: float(p * tokens * h),
     }
