@@ -340,12 +340,18 @@ def last_layer_bytes(layer: LayerProfile) -> tuple[float, float]:
 
 def _pending_bytes(layers: list[tuple[LayerProfile, str]], splits: bool) -> float:
     """What a chunk's split backward holds from its I to its W: every layer's pending bytes, and the
-    extra each but the last keeps where another follows it."""
-    pending = sum(layer.recompute[mode].pending_bytes for layer, mode in layers)
+    extra each but the last keeps where another follows it (pending and extra together: all its I
+    holds but what it frees)."""
     if not splits or not layers:
-        return pending
-    extra = sum(layer.recompute[mode].inner_extra_bytes() for layer, mode in layers)
-    return pending + extra - last_layer_bytes(layers[-1][0])[0]
+        return sum(layer.recompute[mode].pending_bytes for layer, mode in layers)
+    return _kept_by_inputs(layers) - last_layer_bytes(layers[-1][0])[0]
+
+
+def _kept_by_inputs(layers: list[tuple[LayerProfile, str]]) -> float:
+    """The sum over a chunk's layers of what each one's I holds less what it frees of the gradient
+    handed to it."""
+    return sum(layer.recompute[mode].split_input_held_bytes() - layer.recompute[mode].output_gradient_freed_bytes
+               for layer, mode in layers)
 
 
 def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool) -> dict[str, float]:
@@ -358,8 +364,7 @@ def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_
     comes first in the chunk, more otherwise). The W half starts with the pending gradients held:
     the most any layer's W holds, but the tail's less every other layer's pending gradients where
     its W runs last (`tail_weight_last`: torch's engine)."""
-    held = sum(layer.recompute[mode].split_input_held_bytes() - layer.recompute[mode].output_gradient_freed_bytes
-               for layer, mode in layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
+    held = _kept_by_inputs(layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
     others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
               for layer, mode in layers if layer.kind != TAIL]

@@ -118,8 +118,12 @@ class _Group:
     pending_mib: dict[str, float]
     input_held_mib: dict[str, float]  # what its I leaves held until its stage's I ends
     output_gradient_freed_mib: dict[str, float]  # what its I frees of the gradient handed to it
-    inner_extra_mib: dict[str, float]  # what it keeps for W beyond its pending bytes where a layer follows it
     pinned_cell: int | None = None  # heads and tails do not move
+
+    def kept_by_input_mib(self, mode: str) -> float:
+        """What its I holds less what it frees of the gradient handed to it: where a layer follows it
+        in its chunk, what it keeps until W (its pending bytes and its inner extra)."""
+        return self.input_held_mib[mode] - self.output_gradient_freed_mib[mode]
 
 
 @dataclass
@@ -492,7 +496,6 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
                 input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
                 output_gradient_freed_mib={m: layer.recompute[m].output_gradient_freed_bytes / MIB for m in modes},
-                inner_extra_mib={m: layer.recompute[m].inner_extra_bytes() / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -582,7 +585,7 @@ class _Formulation:
             lambda g, m: g.activation_mib[m],
             lambda g, m: g.static_mib,
             lambda g, m: g.retained_mib[m] if splits else 0.0,
-            lambda g, m: g.pending_mib[m] + (g.inner_extra_mib[m] if splits else 0.0),
+            lambda g, m: g.kept_by_input_mib(m) if splits else g.pending_mib[m],
         ))
         self._group_presence: dict[tuple[int, int], int] = {}  # (group, cell) -> 1 where the cell holds the group
         self._end_indicators: dict[tuple[int, int | None, int], int] = {}  # see _end_indicator
@@ -619,8 +622,7 @@ class _Formulation:
         self.working = self._working_sets(cells)
         if profile.stage_shared_bytes:  # what each stage computes for its blocks, where it holds one
             for cell in range(cells):
-                holds_body = self._largest(cell, 0.0, lambda g, m: 1.0)
-                self.activation[cell].add_expression(holds_body, profile.stage_shared_bytes / MIB)
+                self.activation[cell].add_expression(self._holds_body(cell), profile.stage_shared_bytes / MIB)
 
         # Durations of each kind of action on each virtual stage, as variables.
         self.duration: dict[tuple[int, str], int] = {}
@@ -864,9 +866,10 @@ class _Formulation:
         self.working_choices: dict[int, list[WorkingChoice]] = {}  # per cell, each set after those before it
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
+        self._body_held: dict[int, _Linear] = {}  # see _holds_body
         # the layers' own: what I forms and keeps to its end, less what the layer before each frees of
         # the gradient handed to it (each layer's own freed bytes, the last's added back: _last_layers)
-        held = self._cell_sum(lambda g, m: g.input_held_mib[m] - g.output_gradient_freed_mib[m])
+        held = self._cell_sum(lambda g, m: g.kept_by_input_mib(m))
         for expression, (_, last_freed) in zip(held, self.last_layer or []):
             expression.add_expression(last_freed)
         pending = self._cell_sum(lambda g, m: g.pending_mib[m])
@@ -893,8 +896,7 @@ class _Formulation:
                     terms = {count: -self.groups[g].activation_mib[mode]
                              for (g, cell, mode), count in self.count.items() if cell == c}
                     if handed_to_head:
-                        body_here = self._largest(c, 0.0, lambda g, m: 1.0)  # 1 where it does
-                        terms.update({variable: handed_to_head for variable in body_here.terms})
+                        terms.update({variable: handed_to_head for variable in self._holds_body(c).terms})
                     head_rows = [(head, terms)]
                 whole = self._largest(c, pinned, lambda g, m, shift=after_tail: g.working_mib[m] - shift, head_rows)
                 working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
@@ -944,6 +946,12 @@ class _Formulation:
         for constant, terms in rows:
             self.milp.row({variable: 1.0, **{v: -coefficient for v, coefficient in terms.items()}}, lower=constant)
         return _Linear({variable: 1.0})
+
+    def _holds_body(self, cell: int) -> _Linear:
+        """1 where virtual stage `cell` holds a body layer (a constant where nothing can be there)."""
+        if cell not in self._body_held:
+            self._body_held[cell] = self._largest(cell, 0.0, lambda g, m: 1.0)
+        return self._body_held[cell]
 
     def _present(self, count: int) -> int:
         """A variable that is 1 where the count variable `count` is not 0 (the count itself for a group
