@@ -5,6 +5,7 @@ Profiles travel as JSON in byte tensors (no pickling), so this works over any ba
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -44,18 +45,15 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
             for stage, profile in zip(indices, ordered)
             for layer in profile.layers
         ]
-    first = ordered[0]
-    return ModelProfile(
+    # every field the stages agree on is the first stage's; those that differ are joined below
+    return dataclasses.replace(
+        ordered[0],
         layers=tuple(layers),
-        model=first.model,
-        source=first.source,
-        device=first.device,
-        dtype=first.dtype,
-        micro_batch=first.micro_batch,
         fingerprint=hashlib.sha256("".join(p.fingerprint for p in ordered).encode()).hexdigest()[:16],
         stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
         stage_output_bytes=max(p.stage_output_bytes for p in ordered),
         model_output_bytes=ordered[-1].model_output_bytes,
+        stage_shared_bytes=max(p.stage_shared_bytes for p in ordered),  # each stage computes its own
         tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),
     )
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from profiler_cases import BATCH, SEQ, batch, llama
+from profiler_cases import BATCH, LLAMA, SEQ, batch, llama
+from solver_cases import layer as layer_profile
 
 from profiler import LayerProfiler
-from profiler.distributed import gather_profiles
+from profiler.distributed import gather_profiles, join_profiles
 from sapp_hook.gloo import gloo_group
 from simulator import InputError
 from solver.profile import ModelProfile
@@ -85,6 +87,22 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
     model = llama()
     assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
     assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 for layer in profile.layers[1:5])
+    head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    assert profile.stage_shared_bytes == 2 * SEQ * head_dim * 4  # the rotary tables each stage computes
+
+
+def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not():
+    first = ModelProfile(layers=(layer_profile("embed", "head", 1, 2), layer_profile("block.0", "body:b", 3, 6)), model="m",
+                         dtype="bf16", micro_batch={"size": 1}, fingerprint="a", stage_constant_bytes=5,
+                         stage_output_bytes=8, model_output_bytes=0, stage_shared_bytes=16)
+    last = dataclasses.replace(first, layers=(layer_profile("block.0", "body:b", 3, 6), layer_profile("lm_head", "tail", 2, 4)),
+                               fingerprint="b", stage_constant_bytes=7, model_output_bytes=64)
+    joined = join_profiles([(1, last), (0, first)])
+    assert [each.name for each in joined.layers] == ["embed", "stage0.block.0", "stage1.block.0", "lm_head"]
+    assert (joined.model, joined.dtype, joined.micro_batch) == ("m", "bf16", {"size": 1})
+    assert (joined.stage_constant_bytes, joined.stage_output_bytes) == (7, 8)
+    assert (joined.model_output_bytes, joined.stage_shared_bytes) == (64, 16)
+    assert joined.fingerprint not in ("a", "b")
 
 
 def refused_rank(rank: int, store: str, config: str) -> None:
