@@ -4,7 +4,6 @@ recompute; the plan is written into an example config for every target, with a c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 from importlib import resources
@@ -12,8 +11,7 @@ from pathlib import Path
 
 from sapp_hook.writeback import TARGETS, write_config
 from simulator.units import format_bytes
-from solver import InfeasibleError, ModelProfile, PipelineSpec, solve
-from solver.profile import NONE
+from solver import InfeasibleError, PipelineSpec, solve
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +80,7 @@ def demo_budget(config: object) -> float:
 
     shape = shape_from_config(config.to_dict(), sequence=SEQ_LEN, micro_batch_size=MICRO_BATCH_SIZE, dtype="float32")
     estimate = analytic_profile(shape)
-    without_recompute = ModelProfile(
-        layers=tuple(dataclasses.replace(layer, recompute={NONE: layer.recompute[NONE]}) for layer in estimate.layers)
-    )
+    without_recompute = estimate.with_modes(())
     spec = PipelineSpec(stages=STAGES, micro_batches=MICRO_BATCHES, schedule=SCHEDULE, memory_budget_bytes=1)
     solver_log = logging.getLogger("solver")
     level = solver_log.level
