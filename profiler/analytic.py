@@ -151,6 +151,10 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
 
     layers = []
     vocab_elements = s.vocab_size * s.hidden_size
+    hidden_bytes = tokens * s.hidden_size * p / tp  # a block's input, the hidden state a stage receives
+    # what a block keeps of its input's own storage (plan.saved_input_bytes): the first RMSNorm keeps
+    # its input in fp32, the input itself only where the model computes in fp32; a checkpoint keeps it
+    normed_input = hidden_bytes if p == 4 else 0.0
     layers.append(LayerProfile(
         name="head", kind="head", forward_ms=seconds_ms(0, tokens * s.hidden_size * p),
         backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
@@ -184,13 +188,14 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
             forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,
             weight_ms=seconds_ms(matmul_flops),
             recompute={
-                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * tokens * s.hidden_size * p / tp, pending_bytes=pending),
+                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * hidden_bytes, pending_bytes=pending,
+                                    saved_input_bytes=normed_input),
                 SELECTIVE: RecomputeCost(elementwise_ms, kept[SELECTIVE] / tp,
-                                         (2 * tokens * s.hidden_size * p + kept[NONE] - kept[SELECTIVE]) / tp,
-                                         pending_bytes=pending),
+                                         2 * hidden_bytes + (kept[NONE] - kept[SELECTIVE]) / tp,
+                                         pending_bytes=pending, saved_input_bytes=hidden_bytes),
                 FULL: RecomputeCost(forward_ms + elementwise_ms, kept[FULL] / tp,
-                                    (2 * tokens * s.hidden_size * p + kept[NONE] - kept[FULL]) / tp,
-                                    pending_bytes=pending),
+                                    2 * hidden_bytes + (kept[NONE] - kept[FULL]) / tp,
+                                    pending_bytes=pending, saved_input_bytes=hidden_bytes),
             },
             parameter_bytes=elements * p / tp, gradient_bytes=elements * p / tp,
             optimizer_bytes=optimizer_bytes(elements, tensors),
@@ -203,14 +208,15 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
         weight_ms=seconds_ms(logits_flops),
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
-        recompute={NONE: RecomputeCost(0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4)},
+        recompute={NONE: RecomputeCost(0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4,
+                                       saved_input_bytes=normed_input)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
         optimizer_bytes=optimizer_bytes(tail_elements, 2),
     ))
     return ModelProfile(
         layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
-        stage_output_bytes=tokens * s.hidden_size * p / tp,
+        stage_output_bytes=hidden_bytes,
         model_output_bytes=tokens * s.vocab_size * p / tp,  # the logits, split over the vocabulary
         # cos and sin, computed by every stage for its blocks
         stage_shared_bytes=2 * (s.sequence // s.context_parallel) * head_dim * p,

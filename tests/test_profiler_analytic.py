@@ -71,6 +71,7 @@ def assert_same_memory(measured, estimated):
             want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
         for mode, cost in want.recompute.items():
             assert got.recompute[mode].activation_bytes == cost.activation_bytes, (got.name, mode)
+            assert got.recompute[mode].saved_input_bytes == cost.saved_input_bytes, (got.name, mode)
             # a split backward's pending gradients: exact for dense blocks; an upper bound for MoE blocks,
             # whose input gradients free part of what the routing saved (measured: 9-19% less held)
             if got.kind == "body:moe":
