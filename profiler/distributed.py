@@ -41,7 +41,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
     names = [layer.name for layer in layers]
     if len(set(names)) != len(names):  # stage modules that name their layers from 0 each
         layers = [
-            LayerProfile(**{**layer.__dict__, "name": f"stage{stage}.{layer.name}"}) if layer.is_body else layer
+            dataclasses.replace(layer, name=f"stage{stage}.{layer.name}") if layer.is_body else layer
             for stage, profile in zip(indices, ordered)
             for layer in profile.layers
         ]
