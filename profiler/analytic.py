@@ -152,8 +152,9 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     layers = []
     vocab_elements = s.vocab_size * s.hidden_size
     hidden_bytes = tokens * s.hidden_size * p / tp  # a block's input, the hidden state a stage receives
-    # what a block keeps of its input's own storage (plan.saved_input_bytes): the first RMSNorm keeps
-    # its input in fp32, the input itself only where the model computes in fp32; a checkpoint keeps it
+    # what a block keeps of its input's own storage (plan.saved_input_bytes): its first RMSNorm saves
+    # the input cast to fp32, which is the input itself only in an fp32 model; a checkpoint keeps the
+    # input whatever its dtype
     normed_input = hidden_bytes if p == 4 else 0.0
     layers.append(LayerProfile(
         name="head", kind="head", forward_ms=seconds_ms(0, tokens * s.hidden_size * p),
@@ -208,8 +209,9 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
         weight_ms=seconds_ms(logits_flops),
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
-        recompute={NONE: RecomputeCost(0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4,
-                                       saved_input_bytes=normed_input)},
+        recompute={NONE: RecomputeCost(
+            0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4,
+            saved_input_bytes=normed_input)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
         optimizer_bytes=optimizer_bytes(tail_elements, 2),
     ))

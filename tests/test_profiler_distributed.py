@@ -92,11 +92,12 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
 
 
 def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not():
-    first = ModelProfile(layers=(layer_profile("embed", "head", 1, 2), layer_profile("block.0", "body:b", 3, 6)), model="m",
-                         dtype="bf16", micro_batch={"size": 1}, fingerprint="a", stage_constant_bytes=5,
-                         stage_output_bytes=8, model_output_bytes=0, stage_shared_bytes=16)
-    last = dataclasses.replace(first, layers=(layer_profile("block.0", "body:b", 3, 6), layer_profile("lm_head", "tail", 2, 4)),
-                               fingerprint="b", stage_constant_bytes=7, model_output_bytes=64)
+    block = layer_profile("block.0", "body:b", 3, 6)
+    first = ModelProfile(layers=(layer_profile("embed", "head", 1, 2), block), model="m", dtype="bf16",
+                         micro_batch={"size": 1}, fingerprint="a", stage_constant_bytes=5, stage_output_bytes=8,
+                         stage_shared_bytes=16)
+    last = dataclasses.replace(first, layers=(block, layer_profile("lm_head", "tail", 2, 4)), fingerprint="b",
+                               stage_constant_bytes=7, model_output_bytes=64)
     joined = join_profiles([(1, last), (0, first)])
     assert [each.name for each in joined.layers] == ["embed", "stage0.block.0", "stage1.block.0", "lm_head"]
     assert (joined.model, joined.dtype, joined.micro_batch) == ("m", "bf16", {"size": 1})
