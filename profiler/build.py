@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from profiler.recompute import checkpoint_state_bytes
 from profiler.recorder import HEAD, TAIL, Recorder, unique_bytes
 from profiler.samples import LayerSamples, median, spread
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
@@ -50,6 +51,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         model_output_bytes=median(recorder.output_bytes),
         stage_shared_bytes=_shared_bytes(samples, structure.body_order),
+        checkpoint_state_bytes=checkpoint_state_bytes(profiler.device),
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
     )
 
@@ -78,7 +80,9 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
         if mode != NONE:  # what the mode adds to the whole layer, its slower forward included
             with_mode = median(timing.forward_ms.get(mode, [])) + median(timing.backward_ms.get(mode, []))
             extra_ms = max(0.0, with_mode - forward_ms - backward_ms)
-        kept = min(median(memory.kept_bytes.get(mode, [])), kept_none)
+        # what checkpointing keeps beside the saved tensors (out of their hooks' sight) counts as kept
+        state = 0 if mode == NONE else checkpoint_state_bytes(profiler.device)
+        kept = min(median(memory.kept_bytes.get(mode, [])) + state, kept_none)
         saved_input = min(median(memory.saved_input_bytes.get(mode, [])), kept)
         if memory.backward_peak_bytes.get(mode):
             working = median(memory.backward_peak_bytes[mode])

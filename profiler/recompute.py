@@ -1,6 +1,7 @@
 """The recompute modes a torch block can run under, as the profiler measures them and a plan applies them.
 
-`full`: the block under non-reentrant `torch.utils.checkpoint`; only its inputs are kept.
+`full`: the block under non-reentrant `torch.utils.checkpoint`; only its inputs are kept (and, on the
+CPU, the random generator's state: `checkpoint_state_bytes`).
 `selective`: selective activation checkpointing that keeps matmul and attention outputs and recomputes
 the cheap elementwise work (norms, activations, rotary) in backward.
 """
@@ -100,6 +101,14 @@ def _counting_contexts(on_kept: Callable[[torch.Tensor], None]) -> tuple[context
             yield
 
     return forward(), cached
+
+
+def checkpoint_state_bytes(device: torch.device) -> int:
+    """What each checkpointed call holds on `device` until its backward besides the tensors it saves:
+    the CPU generator's state, which `torch.utils.checkpoint` keeps to recompute with the same random
+    numbers (5,056 bytes in torch 2.13; a CPU tensor, so nothing on an accelerator, whose own states
+    it keeps as CPU tensors too)."""
+    return torch.get_rng_state().nbytes if device.type == "cpu" else 0
 
 
 def checkpoint_function(mode: str, on_kept: Callable[[torch.Tensor], None] | None = None) -> Callable[..., object]:

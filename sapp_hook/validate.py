@@ -145,13 +145,14 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     in_buffers = buffered_input_bytes(profile, plan.spec, plan.stage_layer_counts)  # autograd holds them too
     # checkpointing keeps what a stage computes for its blocks (the rotary tables) through its own
     # frame, out of the saved-tensor hook's sight: not in the autograd view where every block of the
-    # stage is fully recomputed (the allocator holds them all the same)
+    # stage is fully recomputed (the allocator holds them all the same); nor is each checkpoint's state
     starts = list(itertools.accumulate(plan.stage_layer_counts, initial=0))
-    unseen_shared = []
+    unseen = []
     for start, count in zip(starts, plan.stage_layer_counts):
         modes = [mode for layer, mode in zip(profile.layers[start:start + count], plan.layer_modes[start:start + count])
                  if layer.is_body]
-        unseen_shared.append(profile.stage_shared_bytes if modes and all(mode == FULL for mode in modes) else 0.0)
+        shared = profile.stage_shared_bytes if modes and all(mode == FULL for mode in modes) else 0.0
+        unseen.append(shared + profile.checkpoint_state_bytes * sum(mode != NONE for mode in modes))
     held_sends = torch_1f1b_held_bytes(profile, plan.spec)  # counted with the static bytes, not there at a step's start
 
     def peaks(autograd_only: bool) -> list[float]:
@@ -165,7 +166,7 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
             return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, input_working_bytes=None,
                                        weight_working_bytes=None, pending_bytes=0.0, retained_bytes=0.0,
                                        activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual]
-                                       + in_buffers[virtual] - unseen_shared[virtual])
+                                       + in_buffers[virtual] - unseen[virtual])
 
         bare_costs = PipelineCosts(
             tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),

@@ -143,6 +143,9 @@ class ModelProfile:
     # per micro-batch: what every stage computes for its blocks besides their input (the rotary
     # tables) and they keep; each virtual stage holding a block keeps its own
     stage_shared_bytes: float = 0.0
+    # per micro-batch: what each recomputed layer's checkpoint holds besides the tensors it saves (the
+    # CPU generator's state, on the CPU), counted in the recompute modes' activation_bytes
+    checkpoint_state_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
 
     def __post_init__(self) -> None:
@@ -200,6 +203,7 @@ class ModelProfile:
             "stage_output_bytes": self.stage_output_bytes,
             "model_output_bytes": self.model_output_bytes,
             **({"stage_shared_bytes": self.stage_shared_bytes} if self.stage_shared_bytes else {}),
+            **({"checkpoint_state_bytes": self.checkpoint_state_bytes} if self.checkpoint_state_bytes else {}),
             "layers": [_layer_to_dict(layer) for layer in self.layers],
             "tied_parameters": [
                 {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
@@ -234,6 +238,7 @@ class ModelProfile:
             stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
             stage_output_bytes=fields.number("stage_output_bytes", 0.0),
             stage_shared_bytes=fields.number("stage_shared_bytes", 0.0),
+            checkpoint_state_bytes=fields.number("checkpoint_state_bytes", 0.0),
             model_output_bytes=fields.number("model_output_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
@@ -373,6 +378,7 @@ def _check_profile(profile: ModelProfile) -> None:
     check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
     check_bytes(profile.stage_output_bytes, "stage_output_bytes")
     check_bytes(profile.stage_shared_bytes, "stage_shared_bytes")
+    check_bytes(profile.checkpoint_state_bytes, "checkpoint_state_bytes")
     check_bytes(profile.model_output_bytes, "model_output_bytes")
     layers = profile.layers
     check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])

@@ -9,12 +9,15 @@ import torch
 from profiler_cases import BATCH, GPT2, LLAMA, SEQ, batch, gpt2, llama, moe, profiled, train_step
 
 from profiler import LayerProfiler, find_blocks
+from profiler.recompute import checkpoint_state_bytes
 from sapp_hook.stages import loss_tail
 from simulator import InputError
 from solver import PipelineSpec, solve
 from solver.profile import ModelProfile
 
 FP32 = 4
+# what every checkpointed call keeps beside its saved tensors on the CPU (5,056 bytes in torch 2.13)
+CHECKPOINT_STATE = checkpoint_state_bytes(torch.device("cpu"))
 
 
 def unique_parameter_bytes(model: torch.nn.Module) -> int:
@@ -163,8 +166,28 @@ def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):
         hidden = BATCH * SEQ * 64 * FP32
         assert profile.stage_output_bytes == hidden  # what a stage sends on, and the engine keeps
         for layer in profile.layers:
-            if layer.is_body:
-                assert layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * FP32 == hidden
+            if layer.is_body:  # and the checkpoint's copy of the CPU generator's state
+                assert layer.recompute["full"].activation_bytes == hidden + CHECKPOINT_STATE
+        assert profile.checkpoint_state_bytes == CHECKPOINT_STATE
+
+
+def test_a_checkpoint_holds_the_cpu_generators_state_until_its_backward():
+    """What the allocator holds after a checkpointed forward, beside its output, with the state kept and
+    without: the bytes `checkpoint_state_bytes` adds to every recomputed layer's activations."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.checkpoint import checkpoint
+
+    linear, x = torch.nn.Linear(64, 64), torch.randn(8, 64, requires_grad=True)
+
+    def held_after_forward(preserve_rng_state: bool) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = checkpoint(lambda t: linear(t).sin(), x, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        held = sum(event.cpu_memory_usage for event in prof.events() if event.name == "[memory]")
+        out.sum().backward()
+        return held
+
+    assert held_after_forward(True) - held_after_forward(False) == CHECKPOINT_STATE
+    assert checkpoint_state_bytes(torch.device("meta")) == 0  # a CPU tensor: not on an accelerator
 
 
 class Linears(torch.nn.Module):
@@ -262,7 +285,7 @@ def selective_block_bytes() -> int:
 def test_selective_keeps_the_input_and_matmul_and_attention_outputs(llama_run):
     _, _, profile = llama_run
     for layer in profile.layers[1:-1]:
-        assert layer.recompute["selective"].activation_bytes == selective_block_bytes()
+        assert layer.recompute["selective"].activation_bytes == selective_block_bytes() + CHECKPOINT_STATE
         assert layer.recompute["full"].extra_ms >= 0 and layer.recompute["selective"].extra_ms >= 0
 
 
@@ -279,7 +302,7 @@ def test_selective_kept_bytes_are_counted_where_the_policy_sees_no_output(monkey
     monkeypatch.setattr(recompute, "POLICY_SEES_OUTPUT", False)
     profile = profiled(llama(), steps=1, modes=("none", "selective")).profile()
     for layer in profile.layers[1:-1]:
-        assert layer.recompute["selective"].activation_bytes == selective_block_bytes()
+        assert layer.recompute["selective"].activation_bytes == selective_block_bytes() + CHECKPOINT_STATE
 
 
 def test_what_selective_recompute_keeps_in_its_cache_is_counted_as_held(llama_run):

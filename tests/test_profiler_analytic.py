@@ -66,11 +66,14 @@ def test_memory_estimate_equals_the_measurement_across_attention_shapes_and_dtyp
 def assert_same_memory(measured, estimated):
     assert [layer.kind.split(":")[0] for layer in estimated.layers] == [layer.kind.split(":")[0] for layer in measured.layers]
     assert estimated.stage_shared_bytes == measured.stage_shared_bytes  # the rotary tables
+    assert estimated.checkpoint_state_bytes == 0 < measured.checkpoint_state_bytes  # the CPU's
     for got, want in zip(estimated.layers, measured.layers):
         assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
             want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
         for mode, cost in want.recompute.items():
-            assert got.recompute[mode].activation_bytes == cost.activation_bytes, (got.name, mode)
+            # an estimate is for an accelerator, where checkpointing keeps nothing beside the saved tensors
+            state = 0 if mode == "none" else measured.checkpoint_state_bytes
+            assert got.recompute[mode].activation_bytes == cost.activation_bytes - state, (got.name, mode)
             assert got.recompute[mode].saved_input_bytes == cost.saved_input_bytes, (got.name, mode)
             # a split backward's pending gradients: exact for dense blocks; an upper bound for MoE blocks,
             # whose input gradients free part of what the routing saved (measured: 9-19% less held)

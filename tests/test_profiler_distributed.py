@@ -13,6 +13,7 @@ from solver_cases import layer as layer_profile
 
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles, join_profiles
+from profiler.recompute import checkpoint_state_bytes
 from sapp_hook.gloo import gloo_group
 from simulator import InputError
 from solver.profile import ModelProfile
@@ -86,7 +87,8 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
         "head", "stage0.layers.0", "stage0.layers.1", "stage1.layers.0", "stage1.layers.1", "tail"]
     model = llama()
     assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
-    assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 for layer in profile.layers[1:5])
+    state = checkpoint_state_bytes(torch.device("cpu"))
+    assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 + state for layer in profile.layers[1:5])
     head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
     assert profile.stage_shared_bytes == 2 * SEQ * head_dim * 4  # the rotary tables each stage computes
 
@@ -95,14 +97,14 @@ def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not()
     block = layer_profile("block.0", "body:b", 3, 6)
     first = ModelProfile(layers=(layer_profile("embed", "head", 1, 2), block), model="m", dtype="bf16",
                          micro_batch={"size": 1}, fingerprint="a", stage_constant_bytes=5, stage_output_bytes=8,
-                         stage_shared_bytes=16)
+                         stage_shared_bytes=16, checkpoint_state_bytes=4)
     last = dataclasses.replace(first, layers=(block, layer_profile("lm_head", "tail", 2, 4)), fingerprint="b",
                                stage_constant_bytes=7, model_output_bytes=64)
     joined = join_profiles([(1, last), (0, first)])
     assert [each.name for each in joined.layers] == ["embed", "stage0.block.0", "stage1.block.0", "lm_head"]
     assert (joined.model, joined.dtype, joined.micro_batch) == ("m", "bf16", {"size": 1})
     assert (joined.stage_constant_bytes, joined.stage_output_bytes) == (7, 8)
-    assert (joined.model_output_bytes, joined.stage_shared_bytes) == (64, 16)
+    assert (joined.model_output_bytes, joined.stage_shared_bytes, joined.checkpoint_state_bytes) == (64, 16, 4)
     assert joined.fingerprint not in ("a", "b")
 
 
