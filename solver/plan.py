@@ -282,14 +282,16 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual]
             + held_sends[virtual],
-            working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes),
+            working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes,
+                                         shared_bytes=profile.stage_shared_bytes),
             **(_split_working_bytes(layers, tail_weight_last=torch_split) if splits and not whole else {}),
             **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
 
 
-def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool, handed_bytes: float) -> float:
+def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool, handed_bytes: float,
+                   shared_bytes: float) -> float:
     """What a chunk holds above its activations while its backward runs: the largest working set of
     its layers. Where one backward runs the whole chunk (`one_backward`: not a split backward, which
     keeps the graph for the weight gradients) each layer's backward frees what it saved, so the tail
@@ -301,12 +303,16 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
     by up to 32% without this, within 7% with it). What went before them leaves them the gradient of
     their output (`handed_bytes`, as large as a stage's output), which their working sets, measured
     from its arrival, do not hold (the first rank of tiny-llama's fully recomputed 1F1B, 3.3% under
-    without it). Body layers are counted less the tail's activations only, as the search states them."""
+    without it); the blocks have freed what the stage computed for them too (`shared_bytes`, the
+    rotary tables: the first rank 32 KiB over without it). Body layers are counted less the tail's
+    activations only, as the search states them."""
     if not one_backward:
         return max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0)
     kinds = {layer.kind for layer, _ in layers}
     freed_by_tail = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind == TAIL)
     freed_before_head = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD)
+    if any(layer.is_body for layer, _ in layers):
+        freed_before_head += shared_bytes
     freed = {TAIL: 0.0, HEAD: freed_before_head - (handed_bytes if kinds - {HEAD} else 0.0)}
     body_freed = freed_by_tail - (handed_bytes if TAIL in kinds else 0.0)
     return max([layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers],

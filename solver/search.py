@@ -895,8 +895,13 @@ class _Formulation:
                 if head + handed_to_head > pinned:
                     terms = {count: -self.groups[g].activation_mib[mode]
                              for (g, cell, mode), count in self.count.items() if cell == c}
-                    if handed_to_head:
-                        terms.update({variable: handed_to_head for variable in self._holds_body(c).terms})
+                    # where the cell holds a body layer: the gradient handed to the head, less the
+                    # tables the blocks freed (plan._working_bytes). Negative where the tables are the
+                    # larger, yet never a way to a smaller peak: the micro-batch's activations, held
+                    # while the head's backward runs, count the same variable with the tables' size.
+                    body_coefficient = handed_to_head - self.profile.stage_shared_bytes / MIB
+                    if body_coefficient:
+                        terms.update({variable: body_coefficient for variable in self._holds_body(c).terms})
                     head_rows = [(head, terms)]
                 whole = self._largest(c, pinned, lambda g, m, shift=after_tail: g.working_mib[m] - shift, head_rows)
                 working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
@@ -948,7 +953,8 @@ class _Formulation:
         return _Linear({variable: 1.0})
 
     def _holds_body(self, cell: int) -> _Linear:
-        """1 where virtual stage `cell` holds a body layer (a constant where nothing can be there)."""
+        """At least 1 where virtual stage `cell` holds a body layer (a constant where nothing can be
+        there); only the rows push it down."""
         if cell not in self._body_held:
             self._body_held[cell] = self._largest(cell, 0.0, lambda g, m: 1.0)
         return self._body_held[cell]

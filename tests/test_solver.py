@@ -453,28 +453,34 @@ def test_the_heads_working_set_comes_after_the_chunk_has_freed_the_rest(schedule
     assert plan.simulation.costs.chunk_costs[0][0].working_bytes == first_working_mib * MIB
 
 
-@pytest.mark.parametrize(("counts", "first_working_mib", "last_working_mib"), [
-    ([4, 4], 100 - 3 * 5 + 2, 30 - 30 + 2),
-    ([1, 7], 100, 30 - 30 + 2),  # alone, the head's gradient comes into the engine's buffer: counted there
+@pytest.mark.parametrize(("counts", "shared_mib", "first_working_mib", "last_working_mib"), [
+    ([4, 4], 0, 100 - 3 * 5 + 2, 30 - 30 + 2),
+    ([1, 7], 0, 100, 30 - 30 + 2),  # alone, the head's gradient comes into the engine's buffer: counted there
+    ([4, 4], 1, 100 - 3 * 5 - 1 + 2, 30 - 30 + 2),  # the blocks have freed the stage's tables too
+    ([1, 7], 1, 100, 30 - 30 + 2),  # a stage without blocks computes none
 ])
-def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(counts, first_working_mib,
+def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(counts, shared_mib, first_working_mib,
                                                                              last_working_mib):
     """A layer's working set is measured from when the gradient of its output arrives: where the
     layers whose backward ran before it have freed all they held (the head's, and the last block's
-    before a tail), that gradient (a stage output's size, 2 MiB here) is what they leave it."""
-    profile = dataclasses.replace(heavy_head_profile(100), stage_output_bytes=2 * MIB)
+    before a tail), that gradient (a stage output's size, 2 MiB here) is what they leave it. Before
+    the head's, the blocks have also freed what the stage computed for them (the rotary tables)."""
+    profile = dataclasses.replace(heavy_head_profile(100), stage_output_bytes=2 * MIB, stage_shared_bytes=shared_mib * MIB)
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
     first, last = (row[0] for row in plan.simulation.costs.chunk_costs)
     assert (first.working_bytes, last.working_bytes) == (first_working_mib * MIB, last_working_mib * MIB)
 
 
+@pytest.mark.parametrize("shared_mib", [0, 3])  # 3: the tables freed outweigh the gradient handed to the head
 @pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches"), [
     ("1F1B", 2, 1, 4), ("GPipe", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBH1", 2, 1, 4)])
-def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(name, stages, chunks, micro_batches):
+def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(name, stages, chunks, micro_batches,
+                                                                            shared_mib):
     """At 1.05x the least budget that fits, where the head's working set decides how much the first
     stage must recompute."""
-    profile = dataclasses.replace(heavy_head_profile(150), stage_output_bytes=2 * MIB)  # handed to the head
+    profile = dataclasses.replace(heavy_head_profile(150), stage_output_bytes=2 * MIB,  # handed to the head
+                                  stage_shared_bytes=shared_mib * MIB)
     with pytest.raises(InfeasibleError) as caught:
         solve(profile, spec_for(name, stages, chunks, micro_batches, 1))
     budget_mib = 1.05 * caught.value.smallest_budget_bytes / MIB
