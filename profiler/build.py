@@ -50,6 +50,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         # the hidden state a body block receives is what a stage sends on
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         model_output_bytes=median(recorder.output_bytes),
+        loss_bytes=median(recorder.loss_bytes),
         stage_shared_bytes=_shared_bytes(samples, structure.body_order),
         checkpoint_state_bytes=checkpoint_state_bytes(profiler.device),
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),

@@ -53,6 +53,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
         stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
         stage_output_bytes=max(p.stage_output_bytes for p in ordered),
         model_output_bytes=ordered[-1].model_output_bytes,
+        loss_bytes=ordered[-1].loss_bytes,
         stage_shared_bytes=max(p.stage_shared_bytes for p in ordered),  # each stage computes its own
         checkpoint_state_bytes=max(p.checkpoint_state_bytes for p in ordered),
         tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),

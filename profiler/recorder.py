@@ -119,6 +119,7 @@ class Recorder:
         self.capture_tail = False
         self.input_shape: tuple[int, ...] | None = None  # of the model's first tensor input (token ids)
         self.output_bytes: list[int] = []  # per recorded forward: what the model returns that has a gradient
+        self.loss_bytes: list[int] = []  # per recorded forward: of those, the scalars (its loss)
 
     # -- installing and removing ------------------------------------------------------------------
 
@@ -291,6 +292,7 @@ class Recorder:
                 returned.append(tensor)
         if self.recording:
             self.output_bytes.append(unique_bytes(returned))
+            self.loss_bytes.append(unique_bytes([tensor for tensor in returned if tensor.dim() == 0]))
 
     def _owner_pre(self, module: nn.Module) -> Callable:
         def hook(mod: nn.Module, args: tuple) -> None:

@@ -194,7 +194,8 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
     what the buffer held (counted with the buffers): less pending; and less the logits, which the
     last stage drops at I. Where it keeps its sends (`torch_keeps_sends`): the output each stage
     sends to another rank, and, where the backward is whole, the input gradient it sends back
-    (split, that is the gradient above: one tensor). Zeros elsewhere."""
+    (split, that is the gradient above: one tensor). And the last stage's loss (`profile.loss_bytes`),
+    which the engine keeps for the step's losses. Zeros elsewhere."""
     schedule = spec.pipeline_schedule
     last = schedule.num_stages - 1
     retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
@@ -210,7 +211,9 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
         if split and handed_over:
             pending[virtual] -= profile.stage_output_bytes
     if split:
-        pending[-1] -= profile.model_output_bytes
+        pending[-1] -= profile.model_output_bytes - profile.loss_bytes
+    if spec.receive_buffers:
+        retained[-1] += profile.loss_bytes
     return retained, pending
 
 

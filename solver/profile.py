@@ -140,6 +140,8 @@ class ModelProfile:
     # per micro-batch: what the model's forward returns (the logits), which torch's pipeline engine
     # keeps on the last stage until that micro-batch's backward
     model_output_bytes: float = 0.0
+    # per micro-batch: of that, the loss, which torch's pipeline engine keeps to the step's end
+    loss_bytes: float = 0.0
     # per micro-batch: what every stage computes for its blocks besides their input (the rotary
     # tables) and they keep; each virtual stage holding a block keeps its own
     stage_shared_bytes: float = 0.0
@@ -202,6 +204,7 @@ class ModelProfile:
             "stage_constant_bytes": self.stage_constant_bytes,
             "stage_output_bytes": self.stage_output_bytes,
             "model_output_bytes": self.model_output_bytes,
+            **({"loss_bytes": self.loss_bytes} if self.loss_bytes else {}),
             **({"stage_shared_bytes": self.stage_shared_bytes} if self.stage_shared_bytes else {}),
             **({"checkpoint_state_bytes": self.checkpoint_state_bytes} if self.checkpoint_state_bytes else {}),
             "layers": [_layer_to_dict(layer) for layer in self.layers],
@@ -240,6 +243,7 @@ class ModelProfile:
             stage_shared_bytes=fields.number("stage_shared_bytes", 0.0),
             checkpoint_state_bytes=fields.number("checkpoint_state_bytes", 0.0),
             model_output_bytes=fields.number("model_output_bytes", 0.0),
+            loss_bytes=fields.number("loss_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
         )
         fields.done()
@@ -380,6 +384,10 @@ def _check_profile(profile: ModelProfile) -> None:
     check_bytes(profile.stage_shared_bytes, "stage_shared_bytes")
     check_bytes(profile.checkpoint_state_bytes, "checkpoint_state_bytes")
     check_bytes(profile.model_output_bytes, "model_output_bytes")
+    check_bytes(profile.loss_bytes, "loss_bytes")
+    if profile.loss_bytes > profile.model_output_bytes:
+        raise InputError("loss_bytes", f"expected at most model_output_bytes ({profile.model_output_bytes:,.0f}), "
+                                       f"got {profile.loss_bytes:,.0f}")
     layers = profile.layers
     check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
     for index, layer in enumerate(layers):

@@ -159,6 +159,7 @@ def test_the_models_output_is_the_logits_and_the_loss(llama_run):
     """What torch's pipeline engine keeps on the last stage per micro-batch in flight."""
     _, _, profile = llama_run
     assert profile.model_output_bytes == (BATCH * SEQ * LLAMA["vocab_size"] + 1) * FP32
+    assert profile.loss_bytes == FP32  # of which the loss, which torch's engine keeps to the step's end
 
 
 def test_full_recompute_keeps_only_the_block_input(llama_run, gpt2_run):

@@ -21,7 +21,8 @@ def test_profile_json_round_trip(tmp_path):
     halves = dataclasses.replace(profile.layers[1].recompute["none"], input_working_bytes=3.0 * MIB,
                                  weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB,
                                  saved_input_bytes=MIB)
-    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, checkpoint_state_bytes=5056.0, layers=(
+    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, checkpoint_state_bytes=5056.0,
+                                  model_output_bytes=MIB, loss_bytes=4.0, layers=(
         profile.layers[0], dataclasses.replace(profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}),
         *profile.layers[2:]))
     path = tmp_path / "profile.json"
@@ -143,6 +144,7 @@ def profile_dict():
          "layers[1] (block.0).recompute.none.saved_input_bytes: expected at most activation_bytes"),
         (lambda d: d.update(stage_shared_bytes=-1), "stage_shared_bytes: expected a finite number >= 0"),
         (lambda d: d.update(checkpoint_state_bytes=-1), "checkpoint_state_bytes: expected a finite number >= 0"),
+        (lambda d: d.update(model_output_bytes=8, loss_bytes=12), "loss_bytes: expected at most model_output_bytes (8), got 12"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
          "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4"),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),

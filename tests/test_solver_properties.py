@@ -81,7 +81,8 @@ def problems(draw):
     output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
     logits = draw(st.sampled_from([0.0, 7.0])) * MIB  # the model's, which torch's engine keeps on the last stage
     shared = draw(st.sampled_from([0.0, 0.7])) * MIB  # what each stage computes for its blocks (rotary tables)
-    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits,
+    loss = min(draw(st.sampled_from([0.0, 0.2])) * MIB, logits)  # of the model's output, kept to the step's end
+    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits, loss_bytes=loss,
                         stage_shared_bytes=shared), spec
 
 
