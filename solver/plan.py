@@ -263,6 +263,8 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         start += count
         stage, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
         whole = torch_split and virtual == 0
+        # what the stage computes for its blocks (the rotary tables), where it holds one
+        shared = profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0
         grid[stage][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
@@ -272,8 +274,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + backward_overhead - weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
-            + kept_in_flight[virtual] - in_buffers[virtual]
-            + (profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0),
+            + kept_in_flight[virtual] - in_buffers[virtual] + shared,
             retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
@@ -286,7 +287,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + kept_whole_run[virtual]
             + held_sends[virtual],
             working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes,
-                                         shared_bytes=profile.stage_shared_bytes),
+                                         shared_bytes=shared),
             **(_split_working_bytes(layers, tail_weight_last=torch_split) if splits and not whole else {}),
             **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
         )
@@ -307,15 +308,14 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
     their output (`handed_bytes`, as large as a stage's output), which their working sets, measured
     from its arrival, do not hold (the first rank of tiny-llama's fully recomputed 1F1B, 3.3% under
     without it); the blocks have freed what the stage computed for them too (`shared_bytes`, the
-    rotary tables: the first rank 32 KiB over without it). Body layers are counted less the tail's
-    activations only, as the search states them."""
+    rotary tables, 0 where the chunk holds no block: the first rank 32 KiB over without it). Body
+    layers are counted less the tail's activations only, as the search states them."""
     if not one_backward:
         return max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0)
     kinds = {layer.kind for layer, _ in layers}
     freed_by_tail = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind == TAIL)
-    freed_before_head = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD)
-    if any(layer.is_body for layer, _ in layers):
-        freed_before_head += shared_bytes
+    freed_before_head = shared_bytes + sum(
+        layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD)
     freed = {TAIL: 0.0, HEAD: freed_before_head - (handed_bytes if kinds - {HEAD} else 0.0)}
     body_freed = freed_by_tail - (handed_bytes if TAIL in kinds else 0.0)
     return max([layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers],
