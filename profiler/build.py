@@ -31,6 +31,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
             kind = profiler.blocks[index].kind
             by_kind[kind] = by_kind[kind].merged(samples[index]) if kind in by_kind else samples[index]
         timing.update({index: by_kind[profiler.blocks[index].kind] for index in structure.body_order})
+    state = checkpoint_state_bytes(profiler.device)  # in every recompute mode's activations, and stated
     layers = []
     for slot in slots:
         params = structure.slot_parameters.get(slot, [])
@@ -38,7 +39,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
             name, kind, modes = str(slot), str(slot), (NONE,)
         else:
             name, kind, modes = profiler.blocks[slot].name, profiler.blocks[slot].kind, profiler.modes
-        layers.append(_layer(name, kind, modes, samples[slot], timing[slot], params, recorder, profiler))
+        layers.append(_layer(name, kind, modes, samples[slot], timing[slot], params, recorder, profiler, state))
     return ModelProfile(
         layers=tuple(layers),
         model=profiler.model_name,
@@ -52,7 +53,7 @@ def build_profile(profiler: LayerProfiler) -> ModelProfile:
         model_output_bytes=median(recorder.output_bytes),
         loss_bytes=median(recorder.loss_bytes),
         stage_shared_bytes=_shared_bytes(samples, structure.body_order),
-        checkpoint_state_bytes=checkpoint_state_bytes(profiler.device),
+        checkpoint_state_bytes=state,
         tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
     )
 
@@ -69,7 +70,9 @@ def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) ->
 
 
 def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, timing: LayerSamples,
-           params: list[nn.Parameter], recorder: Recorder, profiler: LayerProfiler) -> LayerProfile:
+           params: list[nn.Parameter], recorder: Recorder, profiler: LayerProfiler,
+           checkpoint_state: int) -> LayerProfile:
+    """`checkpoint_state`: what each checkpointed call keeps beside its saved tensors (`checkpoint_state_bytes`)."""
     forward_ms = median(timing.forward_ms.get(NONE, []))
     backward_ms = median(timing.backward_ms.get(NONE, []))
     kept_none = median(memory.kept_bytes.get(NONE, []))
@@ -82,8 +85,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             with_mode = median(timing.forward_ms.get(mode, [])) + median(timing.backward_ms.get(mode, []))
             extra_ms = max(0.0, with_mode - forward_ms - backward_ms)
         # what checkpointing keeps beside the saved tensors (out of their hooks' sight) counts as kept
-        state = 0 if mode == NONE else checkpoint_state_bytes(profiler.device)
-        kept = min(median(memory.kept_bytes.get(mode, [])) + state, kept_none)
+        kept = min(median(memory.kept_bytes.get(mode, [])) + (0 if mode == NONE else checkpoint_state), kept_none)
         saved_input = min(median(memory.saved_input_bytes.get(mode, [])), kept)
         if memory.backward_peak_bytes.get(mode):
             working = median(memory.backward_peak_bytes[mode])
