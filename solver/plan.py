@@ -166,6 +166,25 @@ def torch_keeps_sends(spec: PipelineSpec) -> bool:
     return spec.receive_buffers and spec.schedule != "1F1B"
 
 
+def torch_hands_gradient_over(spec: PipelineSpec) -> list[bool]:
+    """Per virtual stage, whether torch's split backward (`torch_splits_backward`) puts the gradient
+    its I computes for the stage's input into the previous stage's output-gradient buffer, in place of
+    what the buffer held (counted with the buffers, `boundary_bytes`): where the input was handed
+    over on the rank (a V schedule's turn), not received from another."""
+    schedule = spec.pipeline_schedule
+    split = torch_splits_backward(spec)
+    return [split and virtual > 0 and schedule.rank_of(virtual - 1) == schedule.rank_of(virtual)
+            for virtual in range(schedule.num_stages)]
+
+
+def handed_gradient_bytes(layer: LayerProfile, stage_output_bytes: float) -> float:
+    """What a stage's first layer pends less where torch hands its input's gradient over on the rank
+    (`torch_hands_gradient_over`): the gradient, a stage output's size, which its pending bytes count
+    (measured profiles do), at most what it pends (the least over its modes, as the search's program
+    counts a stage's first layer)."""
+    return min(stage_output_bytes, min(cost.pending_bytes for cost in layer.recompute.values()))
+
+
 def torch_1f1b_held_bytes(profile: ModelProfile, spec: PipelineSpec) -> list[float]:
     """Per stage, what torch's `Schedule1F1B` (`spec.receive_buffers`) holds of the tensors a stage sends
     past their micro-batch, counted for the whole step (exact from the backward after the first, where
@@ -189,13 +208,11 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
     """Per virtual stage, what torch's engine adds to the layers' retained bytes (kept from a
     micro-batch's last backward action to the step's end) and pending bytes (from I to W). Under its
     split (`torch_splits_backward`): the input's gradient, kept on the input, where the input came
-    from another rank; where it was handed over on the rank, the gradient I computes (which the
-    profile counts as pending) goes into the previous stage's output-gradient buffer in place of
-    what the buffer held (counted with the buffers): less pending; and less the logits, which the
-    last stage drops at I. Where it keeps its sends (`torch_keeps_sends`): the output each stage
-    sends to another rank, and, where the backward is whole, the input gradient it sends back
-    (split, that is the gradient above: one tensor). And the last stage's loss (`profile.loss_bytes`),
-    which the engine keeps for the step's losses. Zeros elsewhere."""
+    from another rank (where it was handed over on the rank: `handed_gradient_bytes`); and less the
+    logits, which the last stage drops at I. Where it keeps its sends (`torch_keeps_sends`): the
+    output each stage sends to another rank, and, where the backward is whole, the input gradient it
+    sends back (split, that is the gradient above: one tensor). And the last stage's loss
+    (`profile.loss_bytes`), which the engine keeps for the step's losses. Zeros elsewhere."""
     schedule = spec.pipeline_schedule
     last = schedule.num_stages - 1
     retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
@@ -203,13 +220,10 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
     for virtual in range(schedule.num_stages):
         rank = schedule.rank_of(virtual)
         receives = virtual > 0 and schedule.rank_of(virtual - 1) != rank
-        handed_over = virtual > 0 and not receives  # the input is the previous stage's output, on this rank
         sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
         keeps_input_gradient = receives and (split or keeps_sends)  # on the input's .grad, or in its send
         keeps_output = sends_output and keeps_sends
         retained[virtual] = (keeps_input_gradient + keeps_output) * profile.stage_output_bytes
-        if split and handed_over:
-            pending[virtual] -= profile.stage_output_bytes
     if split:
         pending[-1] -= profile.model_output_bytes - profile.loss_bytes
     if spec.receive_buffers:
@@ -253,6 +267,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
     in_buffers = buffered_input_bytes(profile, spec, counts)
     torch_retained, torch_pending = torch_engine_bytes(profile, spec)
+    hands_over = torch_hands_gradient_over(spec)
     held_sends = torch_1f1b_held_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
@@ -265,6 +280,8 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         whole = torch_split and virtual == 0
         # what the stage computes for its blocks (the rotary tables), where it holds one
         shared = profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0
+        handed_gradient = (handed_gradient_bytes(layers[0][0], profile.stage_output_bytes)
+                           if hands_over[virtual] and layers else 0.0)
         grid[stage][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
@@ -278,7 +295,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
-            + torch_pending[virtual],
+            + torch_pending[virtual] - handed_gradient,
             static_bytes=sum(
                 spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
                 for layer, _ in layers

@@ -37,11 +37,13 @@ from solver.plan import (
     Plan,
     boundary_bytes,
     evaluate_plan,
+    handed_gradient_bytes,
     last_layer_bytes,
     ordered_modes,
     saved_input_bytes,
     torch_1f1b_held_bytes,
     torch_engine_bytes,
+    torch_hands_gradient_over,
     torch_splits_backward,
 )
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, LayerProfile, ModelProfile
@@ -605,6 +607,11 @@ class _Formulation:
         for cell, (torch_retained, torch_pending) in enumerate(zip(*torch_engine_bytes(profile, spec))):
             retained[cell].constant += torch_retained / MIB
             pending[cell].constant += torch_pending / MIB
+        handed = [handed_gradient_bytes(self.profile.layers[group.first], profile.stage_output_bytes) / MIB
+                  for group in groups]
+        for cell, hands_over in enumerate(torch_hands_gradient_over(spec)):  # plan.pipeline_costs
+            if hands_over:
+                pending[cell].add_expression(self._at_end(cell, handed, first=True), -1.0)
         forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
         for cell_sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
                                     (input_grad, backward_overhead - weight_overhead)):
