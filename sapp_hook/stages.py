@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from profiler.distributed import all_gather_bytes
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES, set_recompute
-from sapp_hook.torch_engine import check_no_recompute
+from sapp_hook.torch_engine import TORCH_SCHEDULES, check_no_recompute, check_torch_runs
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
 from simulator.schedule import rank_chunk_to_stage, stage_to_rank
@@ -31,16 +31,6 @@ from solver import Plan
 from solver.profile import NONE
 
 log = logging.getLogger(__name__)
-
-# sapp-hook's schedule names as torch.distributed.pipelining's classes.
-TORCH_SCHEDULES = {
-    "GPipe": "ScheduleGPipe",
-    "1F1B": "Schedule1F1B",
-    "Interleaved1F1B": "ScheduleInterleaved1F1B",
-    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-    "DualPipeV": "ScheduleDualPipeV",
-}
-
 
 @dataclass
 class _Parts:
@@ -204,8 +194,7 @@ def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
     import torch.distributed.pipelining as pipelining
 
     layout = as_layout(plan)
-    if layout.schedule not in TORCH_SCHEDULES:
-        raise InputError("plan", f"torch.distributed.pipelining has no {layout.schedule}; it runs {', '.join(TORCH_SCHEDULES)}")
+    check_torch_runs(layout.schedule, "plan")
     return getattr(pipelining, TORCH_SCHEDULES[layout.schedule])
 
 

@@ -8,6 +8,24 @@ from simulator.errors import InputError
 from simulator.schedules import schedule_kind
 from solver.profile import NONE
 
+# sapp-hook's schedule names as torch.distributed.pipelining's classes; its get_schedule_class (which
+# TorchTitan's pipeline_parallel_schedule goes through) takes the keys.
+TORCH_SCHEDULES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def check_torch_runs(schedule: str, field: str, runner: str = "it") -> None:
+    """One InputError naming `field` where torch.distributed.pipelining has no class for `schedule`
+    (`runner`: who runs torch, for the message)."""
+    if schedule not in TORCH_SCHEDULES:
+        raise InputError(field, f"torch.distributed.pipelining has no {schedule}; {runner} runs "
+                                f"{', '.join(TORCH_SCHEDULES)}")
+
 
 def recompute_runs_under(schedule: str) -> bool:
     """Whether torch runs recomputed (checkpointed) blocks as planned under `schedule`: not where the

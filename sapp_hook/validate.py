@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sapp_hook.torch_engine import check_no_recompute, no_recompute_reason, recompute_runs_under
+from sapp_hook.torch_engine import check_no_recompute, check_torch_runs, no_recompute_reason, recompute_runs_under
 from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
@@ -100,6 +100,7 @@ def _check(setup: Setup) -> None:
         value = getattr(setup, name)
         if not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    check_torch_runs(setup.schedule, "--schedule")
     if setup.plan == "even-full" and not recompute_runs_under(setup.schedule):
         raise InputError("--even-full", no_recompute_reason(setup.schedule))
 
@@ -279,10 +280,13 @@ def _measure_rank(rank: int, setup: Setup, plan_data: dict[str, Any], folder: st
 
 
 def _p2p_ms(rank: int, shape: tuple[int, ...], repeats: int = 20) -> float:
-    """One activation's trip between ranks 0 and 1: half the median round trip (0 on other ranks)."""
+    """One activation's trip between ranks 0 and 1: half the median round trip (0 on other ranks, and
+    where one rank runs every stage: nothing crosses ranks)."""
     import torch
     import torch.distributed as dist
 
+    if dist.get_world_size() < 2:
+        return 0.0
     tensor = torch.zeros(shape)
     trips = []
     for _ in range(repeats + 2):

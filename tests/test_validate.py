@@ -25,12 +25,16 @@ def gpt2_config(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(("schedule", "chunks", "plan"), [("1F1B", None, "solve"), ("Interleaved1F1B", 2, "even-full"),
-                                                            ("DualPipeV", None, "even"), ("ZBVZeroBubble", None, "solve")])
-def test_a_plan_runs_as_predicted(gpt2_config, schedule, chunks, plan):
-    setup = Setup(model=gpt2_config, stages=2, chunks=chunks, schedule=schedule, micro_batches=4, steps=2,
+@pytest.mark.parametrize(("schedule", "stages", "chunks", "plan"), [
+    ("1F1B", 2, None, "solve"), ("Interleaved1F1B", 2, 2, "even-full"), ("DualPipeV", 2, None, "even"),
+    ("ZBVZeroBubble", 2, None, "solve"),
+    ("DualPipeV", 1, None, "even"),  # one rank runs both legs of the V (its P2P timing once waited on a second rank)
+])
+def test_a_plan_runs_as_predicted(gpt2_config, schedule, stages, chunks, plan):
+    setup = Setup(model=gpt2_config, stages=stages, chunks=chunks, schedule=schedule, micro_batches=4, steps=2,
                   micro_batch_size=2, seq_len=32, plan=plan, profile_steps=1)
     report = validate(setup)
+    assert len(report["ranks"]) == stages and (report["p2p_ms"] == 0) == (stages == 1)
     held = [name for row in report["ranks"] for name in row["layers"]]
     assert sorted(held) == [f"transformer.h.{i}" for i in range(4)]  # each block on exactly one rank
     for row in report["ranks"]:
@@ -95,6 +99,9 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
     (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
     (["--stages", "64"], "--stages: 64 x 1 (stages x chunks) make 64 virtual stages"),
+    # refused before the profiling, where the run once crashed after it
+    (["--schedule", "ZBH1"], "--schedule: torch.distributed.pipelining has no ZBH1; it runs GPipe, 1F1B, "
+                             "Interleaved1F1B, ZBVZeroBubble, DualPipeV"),
 ])
 def test_cli_bad_input_names_the_flag(capsys, flags, message):
     from sapp_hook.cli import main

@@ -17,7 +17,7 @@ from pathlib import Path
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from sapp_hook.torch_engine import check_no_recompute
+from sapp_hook.torch_engine import check_no_recompute, check_torch_runs
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout, as_layout
 from simulator.errors import InputError
@@ -25,9 +25,6 @@ from solver import Plan
 from solver.profile import FULL, NONE, SELECTIVE
 
 HEAD_MODULES, TAIL_MODULES = ["tok_embeddings"], ["norm", "output"]
-# sapp-hook's schedule names as torch.distributed.pipelining's get_schedule_class knows them.
-SCHEDULES = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "Interleaved1F1B",
-             "ZBVZeroBubble": "ZBVZeroBubble", "DualPipeV": "DualPipeV"}
 # Other ways of saying the split, which module_fqns_per_model_part replaces.
 SPLIT_KEYS = ("pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
               "pipeline_parallel_last_stage_less_layers")
@@ -58,8 +55,7 @@ def module_names(layout: Layout) -> list[list[str]]:
 
 
 def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
-    if layout.schedule not in SCHEDULES:
-        raise InputError("--plan", f"torch.distributed.pipelining has no {layout.schedule}; TorchTitan runs {', '.join(SCHEDULES)}")
+    check_torch_runs(layout.schedule, "--plan", runner="TorchTitan")
     check_no_recompute(layout.schedule, layout.body_modes(), "--plan", runner="TorchTitan runs torch.distributed.pipelining: ")
     old = read_config(path)
     if path.suffix == ".py":
@@ -76,7 +72,7 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has pipeline_parallel_degree {degree}")
     result = WriteBack(path=path, diff="")
     parallelism["pipeline_parallel_degree"] = layout.stages
-    parallelism["pipeline_parallel_schedule"] = SCHEDULES[layout.schedule]
+    parallelism["pipeline_parallel_schedule"] = layout.schedule
     _set_micro_batches(document, parallelism, layout, path)
     for key in SPLIT_KEYS:
         parallelism.pop(key, None)
@@ -111,7 +107,7 @@ def _python_config(path: Path, layout: Layout) -> str:
     return (
         f"{path} is Python: sapp-hook rewrites TorchTitan's TOML configs; in a Python config (Trainer.Config) set "
         f"parallelism.pipeline_parallel_degree = {layout.stages}, pipeline_parallel_schedule = "
-        f"{SCHEDULES[layout.schedule]!r}, num_pp_microbatches = {layout.micro_batches}, "
+        f"{layout.schedule!r}, num_pp_microbatches = {layout.micro_batches}, "
         f"pipeline_parallel_module_fqns_per_model_part = sapp_hook.torchtitan_module_names(plan) (the plan JSON, "
         f"as `--target plan` or `solve --plan-out` writes it) and activation_checkpoint = {checkpoint} (one for "
         f"every block: the heaviest mode the plan uses)"
