@@ -113,6 +113,8 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
                                         weight_working_bytes=split.weight_working_bytes if halves else None,
                                         input_held_bytes=None if split is None else split.input_held_bytes,
                                         output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
+                                        weight_freed_bytes=min(split.weight_freed_bytes, split.pending_bytes + kept)
+                                        if halves else None,
                                         saved_input_bytes=saved_input)
     input_ms = weight_ms = None
     if kind == HEAD:

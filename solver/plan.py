@@ -388,17 +388,18 @@ def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_
     layer: the sum takes each layer's own freed bytes but the last's, to which no layer hands one,
     `last_layer_bytes`) plus the most any other layer's I holds above its own (exact where that layer
     comes first in the chunk, more otherwise). The W half starts with the pending gradients held:
-    the most any layer's W holds, but the tail's less every other layer's pending gradients where
-    its W runs last (`tail_weight_last`: torch's engine)."""
+    the most any layer's W holds, but the tail's less what every other layer's W has freed where
+    its W runs last (`tail_weight_last`: torch's engine; `RecomputeCost.weight_freed_bytes`)."""
     held = _kept_by_inputs(layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
     others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
               for layer, mode in layers if layer.kind != TAIL]
-    others_pending = sum(layer.recompute[mode].pending_bytes for layer, mode in layers if layer.kind != TAIL)
+    freed_by_others = sum(layer.recompute[mode].split_weight_freed_bytes() for layer, mode in layers
+                          if layer.kind != TAIL)
     return {
         "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0),
         "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes()
-                                     - (others_pending if layer.kind == TAIL and tail_weight_last else 0.0)
+                                     - (freed_by_others if layer.kind == TAIL and tail_weight_last else 0.0)
                                      for layer, mode in layers], default=0.0),
     }
 

@@ -48,6 +48,10 @@ class RecomputeCost:
     stage does not keep that gradient, which its own pending bytes count (on its input).
     saved_input_bytes: of activation_bytes, the layer's input itself (the tensor it is handed),
     which an engine that keeps that tensor anyway (torch's receive buffers) does not hold twice.
+    weight_freed_bytes: what the weight-gradient half frees as it runs where a layer after it in its
+    stage keeps the stage's graph alive (torch runs a stage's W layer by layer in model order and
+    frees the rest of the graph when the last is done): its pending bytes and the saved tensors only
+    its weight gradients use; None: pending_bytes.
     """
 
     extra_ms: float
@@ -60,6 +64,7 @@ class RecomputeCost:
     input_held_bytes: float | None = None
     output_gradient_freed_bytes: float = 0.0
     saved_input_bytes: float = 0.0
+    weight_freed_bytes: float | None = None
 
     def split_input_working_bytes(self) -> float:
         return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
@@ -69,6 +74,9 @@ class RecomputeCost:
 
     def split_input_held_bytes(self) -> float:
         return self.pending_bytes if self.input_held_bytes is None else self.input_held_bytes
+
+    def split_weight_freed_bytes(self) -> float:
+        return self.pending_bytes if self.weight_freed_bytes is None else self.weight_freed_bytes
 
     def inner_extra_bytes(self) -> float:
         """What the layer leaves held for W beyond its pending bytes where another layer follows it in
@@ -324,7 +332,7 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
 def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
     data = {"extra_ms": cost.extra_ms, "activation_bytes": cost.activation_bytes, "working_bytes": cost.working_bytes,
             "retained_bytes": cost.retained_bytes, "pending_bytes": cost.pending_bytes}
-    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes"):
+    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes", "weight_freed_bytes"):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
     for name in ("output_gradient_freed_bytes", "saved_input_bytes"):
@@ -352,6 +360,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             input_held_bytes=cost.number("input_held_bytes"),
             output_gradient_freed_bytes=cost.number("output_gradient_freed_bytes", 0.0),
             saved_input_bytes=cost.number("saved_input_bytes", 0.0),
+            weight_freed_bytes=cost.number("weight_freed_bytes"),
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -436,12 +445,18 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
         for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
-                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes", "saved_input_bytes"):
+                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes", "saved_input_bytes",
+                     "weight_freed_bytes"):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:
             raise InputError(f"{where}.recompute.{mode}.input_held_bytes",
                              f"expected at least pending_bytes ({cost.pending_bytes:,.0f}), got {cost.input_held_bytes:,.0f}")
+        freed_most = cost.pending_bytes + cost.activation_bytes
+        if cost.weight_freed_bytes is not None and not cost.pending_bytes <= cost.weight_freed_bytes <= freed_most:
+            raise InputError(f"{where}.recompute.{mode}.weight_freed_bytes",
+                             f"expected pending_bytes ({cost.pending_bytes:,.0f}) to pending_bytes + activation_bytes "
+                             f"({freed_most:,.0f}), got {cost.weight_freed_bytes:,.0f}")
         if cost.saved_input_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.saved_input_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.saved_input_bytes:,.0f}")

@@ -120,6 +120,7 @@ class _Group:
     pending_mib: dict[str, float]
     input_held_mib: dict[str, float]  # what its I leaves held until its stage's I ends
     output_gradient_freed_mib: dict[str, float]  # what its I frees of the gradient handed to it
+    weight_freed_mib: dict[str, float]  # what its W frees before its stage's W ends
     pinned_cell: int | None = None  # heads and tails do not move
 
     def kept_by_input_mib(self, mode: str) -> float:
@@ -498,6 +499,7 @@ def _groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[_
                 pending_mib={m: layer.recompute[m].pending_bytes / MIB for m in modes},
                 input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
                 output_gradient_freed_mib={m: layer.recompute[m].output_gradient_freed_bytes / MIB for m in modes},
+                weight_freed_mib={m: layer.recompute[m].split_weight_freed_bytes() / MIB for m in modes},
                 pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
             )
         )
@@ -508,7 +510,7 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
     """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
     costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes,
                  c.split_input_working_bytes(), c.split_weight_working_bytes(), c.split_input_held_bytes(),
-                 c.inner_extra_bytes(), -c.output_gradient_freed_bytes)
+                 c.inner_extra_bytes(), -c.output_gradient_freed_bytes, -c.split_weight_freed_bytes())
              for m, c in layer.recompute.items()}
     kept = []
     for mode in layer.modes:
@@ -879,13 +881,13 @@ class _Formulation:
         held = self._cell_sum(lambda g, m: g.kept_by_input_mib(m))
         for expression, (_, last_freed) in zip(held, self.last_layer or []):
             expression.add_expression(last_freed)
-        pending = self._cell_sum(lambda g, m: g.pending_mib[m])
+        freed_by_weights = self._cell_sum(lambda g, m: g.weight_freed_mib[m])
         tail_weight_last = torch_splits_backward(self.spec)
         handed = self.profile.stage_output_bytes / MIB
         # halves that hold what the whole backward does need no rows of their own (SAPP's files)
         halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
                             or any(g.input_held_mib.values()) or any(g.output_gradient_freed_mib.values())
-                            for g in self.groups)
+                            or any(g.weight_freed_mib.values()) for g in self.groups)
         working = []
         for c in range(cells):
             pinned_groups = [g for g in self.groups if g.pinned_cell == c]
@@ -930,10 +932,11 @@ class _Formulation:
                 above_held = self._largest(c, max(tails), None, [(above_held.constant, above_held.terms)])
             tail_weights = [g.weight_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
             weight_rows = []
-            if tail_weights and tail_weight_last:  # after every other layer's W has freed its pending gradients
-                tail_pending = sum(g.size * g.pending_mib[NONE] for g in pinned_groups if g.kind == TAIL)
-                others_pending = pending[c].constant - tail_pending  # and the terms: the body layers'
-                weight_rows = [(max(tail_weights) - others_pending, {v: -k for v, k in pending[c].terms.items()})]
+            if tail_weights and tail_weight_last:  # after every other layer's W has freed (plan._split_working_bytes)
+                tail_freed = sum(g.size * g.weight_freed_mib[NONE] for g in pinned_groups if g.kind == TAIL)
+                freed_by_others = freed_by_weights[c].constant - tail_freed  # and the terms: the body layers'
+                weight_rows = [(max(tail_weights) - freed_by_others,
+                                {v: -k for v, k in freed_by_weights[c].terms.items()})]
                 tail_weights = []
             weight = self._largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups if g.kind != TAIL]
                                           + tail_weights, default=0.0),

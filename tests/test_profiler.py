@@ -378,6 +378,10 @@ def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     # measured without recompute like its pending bytes and applied to every mode alike
     assert all((layer.recompute[mode].input_held_bytes, layer.recompute[mode].output_gradient_freed_bytes)
                == (split.input_held_bytes, split.output_gradient_freed_bytes) for layer in body for mode in layer.modes)
+    # what its W frees before its stage's W ends: measured without recompute; with it, its pending bytes
+    assert all(layer.recompute[mode].weight_freed_bytes == (split.weight_freed_bytes if mode == "none" else None)
+               for layer in body for mode in layer.modes)
+    assert split.weight_freed_bytes > split.pending_bytes  # and part of what it saved
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
     assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
 
@@ -647,6 +651,10 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     assert split.input_held_bytes == split.pending_bytes  # the output's side of the graph saved nothing I alone needs
     assert split.output_gradient_freed_bytes == 0  # the second Linear's weight gradient needs it
     assert split.weight_working_bytes == (12 * 8 + 6 * 12 - 5 * 12) * 4
+    # where a layer after it keeps the graph alive, W frees that output gradient, the first Linear's
+    # output (which only the second's weight gradient uses) and the gradient handed in (which it
+    # needs too); the input's gradient stays on the input
+    assert split.weight_freed_bytes == (5 * 12 + 5 * 12 + 5 * 6) * 4
     assert split.input_share >= 0 and split.weight_share >= 0  # timed: a loaded machine can time 0
     assert first.grad is accumulated and torch.equal(accumulated, torch.ones_like(first))
     assert block[1].weight.grad is None and inputs[0].grad is None

@@ -645,11 +645,19 @@ def test_which_kind_comes_last_in_a_stage_is_planned_for_as_simulated(schedule, 
     _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
 
 
-@pytest.mark.parametrize(("receive_buffers", "last_weight_mib"), [(False, 100), (True, 100 - 3 * 10)])
-def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(receive_buffers, last_weight_mib):
-    """torch's engine runs a stage's W in model order, each layer freeing its pending gradients as it
-    goes: the tail's (the LM head's weight gradient) comes after the three blocks' 10 MiB each."""
+@pytest.mark.parametrize(("receive_buffers", "weight_freed_mib", "last_weight_mib"),
+                         [(False, None, 100), (True, None, 100 - 3 * 10), (True, 12.5, 100 - 3 * 12.5)])
+def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(receive_buffers, weight_freed_mib,
+                                                                                  last_weight_mib):
+    """torch's engine runs a stage's W in model order, each layer freeing what its W frees as it
+    goes (its pending gradients, 10 MiB, unless measured: with part of what it saved, 12.5 MiB): the
+    tail's (the LM head's weight gradient) comes after the three blocks'."""
     profile = _with_split_halves(small_profile(6), tail_input_mib=20, tail_weight_mib=100)
+    if weight_freed_mib is not None:
+        profile = dataclasses.replace(profile, layers=tuple(
+            dataclasses.replace(layer, recompute={m: dataclasses.replace(c, weight_freed_bytes=weight_freed_mib * MIB)
+                                                  for m, c in layer.recompute.items()}) if layer.is_body else layer
+            for layer in profile.layers))
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=receive_buffers)
     last = evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs[1][0]
     assert last.weight_working_bytes == last_weight_mib * MIB

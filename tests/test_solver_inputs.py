@@ -20,7 +20,7 @@ def test_profile_json_round_trip(tmp_path):
     # a split backward's halves measured on one layer: written where given, absent (None) elsewhere
     halves = dataclasses.replace(profile.layers[1].recompute["none"], input_working_bytes=3.0 * MIB,
                                  weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB,
-                                 saved_input_bytes=MIB)
+                                 saved_input_bytes=MIB, weight_freed_bytes=1.5 * MIB)
     profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, checkpoint_state_bytes=5056.0,
                                   model_output_bytes=MIB, loss_bytes=4.0, layers=(
         profile.layers[0], dataclasses.replace(profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}),
@@ -34,6 +34,7 @@ def test_profile_json_round_trip(tmp_path):
     assert "input_held_bytes" not in written[2]["recompute"]["none"]
     assert "output_gradient_freed_bytes" not in written[2]["recompute"]["none"]  # 0: nothing to say
     assert "saved_input_bytes" not in written[2]["recompute"]["none"]
+    assert "weight_freed_bytes" not in written[2]["recompute"]["none"]  # None: its pending bytes
 
 
 def test_a_profile_limited_to_some_recompute_modes():
@@ -147,6 +148,9 @@ def profile_dict():
         (lambda d: d.update(model_output_bytes=8, loss_bytes=12), "loss_bytes: expected at most model_output_bytes (8), got 12"),
         (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
          "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4"),
+        (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, weight_freed_bytes=4),
+         "layers[1] (block.0).recompute.none.weight_freed_bytes: expected pending_bytes (8) to pending_bytes"),
+        (lambda d: d["layers"][1]["recompute"]["none"].update(weight_freed_bytes=1e12), "weight_freed_bytes: expected pending"),
         (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),
         (lambda d: d.update(tied_parameters=[{"names": ["w"], "layers": ["nowhere"], "bytes": 4}]), "tied_parameters[0].layers: 'nowhere' is not a layer"),
         (lambda d: d.update(tied_parameters=[{"names": "w", "layers": [], "bytes": 4}]), "tied_parameters[0].names: expected a list of strings"),

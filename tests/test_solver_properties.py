@@ -48,6 +48,8 @@ def problems(draw):
         # gradient handed to it freed
         held_extra_mib, freed_mib = draw(st.sampled_from([(0.0, 0.0), (0.4, 0.0), (0.4, 0.3), (0.0, 0.2)]))
         saved_input_mib = draw(st.sampled_from([0.0, 0.4]))  # its input, which torch's receive buffers hold
+        # what its W frees before its stage's W ends: its pending gradients, or part of what it saved too
+        weight_freed_mib = draw(st.sampled_from([None, 0.0, 0.3 * keep]))
         return dataclasses.replace(made, recompute={
             mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
                                       pending_bytes=pending_mib * MIB,
@@ -55,7 +57,9 @@ def problems(draw):
                                       weight_working_bytes=None if halves is None else halves[1] * MIB,
                                       input_held_bytes=(pending_mib + held_extra_mib) * MIB if held_extra_mib else None,
                                       output_gradient_freed_bytes=freed_mib * MIB,
-                                      saved_input_bytes=saved_input_mib * MIB)
+                                      saved_input_bytes=saved_input_mib * MIB,
+                                      weight_freed_bytes=None if weight_freed_mib is None
+                                      else (pending_mib + min(weight_freed_mib, cost.activation_bytes / MIB)) * MIB)
             for mode, cost in made.recompute.items()})
 
     # head and tail working sets up to above any body layer's: the program once dropped the body

@@ -42,7 +42,9 @@ def test_a_plan_runs_as_predicted(gpt2_config, schedule, stages, chunks, plan):
         assert row["measured_static_bytes"] == row["predicted_static_bytes"]
         # torch's stages keep a receive buffer per micro-batch for the inputs and output gradients
         assert row["measured_receive_buffer_bytes"] == row["predicted_receive_buffer_bytes"] > 0
-        assert row["measured_allocated_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
+        # the allocator's peak as predicted, but for a few scalars this GPT-2 allocates that no profile
+        # counts (measured 28-192 bytes under; not traced)
+        assert 0 <= row["measured_allocated_peak_bytes"] - row["predicted_peak_bytes"] <= 256, row
     # What torch keeps to the step's end (plan.torch_engine_bytes): the tensors its stages sent, whose
     # requests it waits on last, where the backward is split the input gradients, and the losses
     # (4 bytes each) on the last stage. Schedule1F1B names no actions to the profiler.
@@ -57,6 +59,17 @@ def test_a_plan_runs_as_predicted(gpt2_config, schedule, stages, chunks, plan):
     with torch.no_grad():
         expected = [model(input_ids=chunk, labels=chunk).loss.item() for chunk in batch.chunk(4)]
     assert report["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_rank_whose_peak_is_the_lm_heads_weight_gradient_is_predicted_to_the_byte():
+    """tiny-llama's first rank under ZBVZeroBubble at 64 tokens peaks in its last stage's W, at the LM
+    head's weight gradient, after the blocks' W have freed their pending gradients and what only their
+    weight gradients used (`RecomputeCost.weight_freed_bytes`; counting the pending gradients alone
+    put that peak 876,544 bytes over)."""
+    setup = Setup(model="tiny-llama", stages=2, schedule="ZBVZeroBubble", micro_batches=4, steps=1,
+                  micro_batch_size=1, seq_len=64, plan="even", profile_steps=1)
+    report = validate(setup)
+    assert [row["measured_allocated_peak_bytes"] - row["predicted_peak_bytes"] for row in report["ranks"]] == [0, 0]
 
 
 def test_the_cli_loop_validate_then_calibrate(gpt2_config, tmp_path, capsys):
