@@ -81,6 +81,15 @@ def assert_same_memory(measured, estimated):
                 assert cost.pending_bytes <= got.recompute[mode].pending_bytes <= 1.25 * cost.pending_bytes, got.name
             else:
                 assert got.recompute[mode].pending_bytes == cost.pending_bytes, (got.name, mode)
+            # what its W frees beyond its pending bytes while its stage's graph lives on (measured without
+            # recompute): exact for dense blocks; for MoE blocks less than measured (the experts' left out)
+            freed, measured_freed = got.recompute[mode].weight_freed_bytes, cost.weight_freed_bytes
+            if mode != "none" or got.kind == "tail":
+                assert freed is None and (measured_freed is None or got.kind == "tail"), (got.name, mode)
+            elif got.kind == "body:moe":
+                assert freed - got.recompute[mode].pending_bytes < measured_freed - cost.pending_bytes, got.name
+            else:
+                assert freed == measured_freed, got.name
     assert estimated.stage_output_bytes == measured.stage_output_bytes  # the hidden state a stage sends
 
 
