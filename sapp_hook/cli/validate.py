@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def validation_report(report: dict) -> str:
     lines = [
-        f"{report['model']}: {report['schedule']}, {report['stages']} stages x {report['chunks']} chunks, "
+        f"{report['model']}: {report['schedule']}, {report['stages']} x {report['chunks']} (stages x chunks), "
         f"{report['micro_batches']} micro-batches, plan {report['plan']} (layers per virtual stage "
         f"{report['stage_layer_counts']})",
         f"iteration       predicted {report['predicted_iteration_ms']:.1f} ms, measured "
