@@ -282,6 +282,10 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         shared = profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0
         handed_gradient = (handed_gradient_bytes(layers[0][0], profile.stage_output_bytes)
                            if hands_over[virtual] and layers else 0.0)
+        # the loss's gradient (a scalar's), which the last stage's backward starts from and holds to
+        # its end (its I's where split): no layer's working set counts it, as none counts the
+        # gradient handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)
+        seed = profile.loss_bytes if virtual == schedule.num_stages - 1 else 0.0
         grid[stage][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
@@ -304,8 +308,9 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + kept_whole_run[virtual]
             + held_sends[virtual],
             working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes,
-                                         shared_bytes=shared),
-            **(_split_working_bytes(layers, tail_weight_last=torch_split) if splits and not whole else {}),
+                                         shared_bytes=shared) + seed,
+            **(_split_working_bytes(layers, tail_weight_last=torch_split, seed_bytes=seed)
+               if splits and not whole else {}),
             **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
         )
     return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
@@ -380,7 +385,8 @@ def _kept_by_inputs(layers: list[tuple[LayerProfile, str]]) -> float:
                for layer, mode in layers)
 
 
-def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool) -> dict[str, float]:
+def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool,
+                         seed_bytes: float = 0.0) -> dict[str, float]:
     """What each half of a chunk's split backward holds above what was held when it began. The I
     half runs the layers last to first, each forming its pending gradients, which stay for W: the
     tail's first, with nothing pending yet; then what every layer's I leaves held until the chunk's
@@ -389,7 +395,8 @@ def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_
     `last_layer_bytes`) plus the most any other layer's I holds above its own (exact where that layer
     comes first in the chunk, more otherwise). The W half starts with the pending gradients held:
     the most any layer's W holds, but the tail's less what every other layer's W has freed where
-    its W runs last (`tail_weight_last`: torch's engine; `RecomputeCost.weight_freed_bytes`)."""
+    its W runs last (`tail_weight_last`: torch's engine; `RecomputeCost.weight_freed_bytes`). I holds
+    `seed_bytes` besides (the loss's gradient, on the last stage)."""
     held = _kept_by_inputs(layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
     others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
@@ -397,7 +404,7 @@ def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_
     freed_by_others = sum(layer.recompute[mode].split_weight_freed_bytes() for layer, mode in layers
                           if layer.kind != TAIL)
     return {
-        "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0),
+        "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0) + seed_bytes,
         "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes()
                                      - (freed_by_others if layer.kind == TAIL and tail_weight_last else 0.0)
                                      for layer, mode in layers], default=0.0),

@@ -864,8 +864,9 @@ class _Formulation:
         any other layer's; the head's less every other layer's activations there too (a linear row in
         the counts). Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
         I leave held until it ends (`input_held_mib`) plus the most any other layer's I holds above
-        that; W, the most any layer's W holds, the tail's less every other layer's pending gradients
-        where torch's engine runs its W last."""
+        that; W, the most any layer's W holds, the tail's less what every other layer's W freed where
+        torch's engine runs its W last. The last stage's backward (its I where split) holds the loss's
+        gradient besides."""
         splits = schedule_kind(self.spec.schedule).splits_backward
         one_backward = [not splits or (c == 0 and torch_splits_backward(self.spec)) for c in range(cells)]
         freed = [0.0] * cells
@@ -942,6 +943,13 @@ class _Formulation:
                                           + tail_weights, default=0.0),
                                    lambda g, m: g.weight_working_mib[m], weight_rows)
             working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_held, BACKWARD_WEIGHT: weight})
+        seed = self.profile.loss_bytes / MIB  # plan.pipeline_costs: the loss's gradient, on the last stage
+        if seed:  # held by its whole backward, or by its I where split (torch's first stage: none at I)
+            holding = {FULL_BACKWARD} | ({BACKWARD_WEIGHT} if one_backward[-1] else {BACKWARD_INPUT})
+            if not splits:
+                holding.add(BACKWARD_INPUT)
+            working[-1] = {kind: _Linear(dict(e.terms), e.constant + seed) if kind in holding else e
+                           for kind, e in working[-1].items()}
         return working
 
     def _largest(self, cell: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> _Linear:

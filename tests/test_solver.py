@@ -663,6 +663,23 @@ def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_their
     assert last.weight_working_bytes == last_weight_mib * MIB
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_the_last_stages_backward_holds_the_losss_gradient(schedule):
+    """The last stage's backward starts from the loss's gradient (a scalar: `loss_bytes`) and holds it
+    to its end, its I's where split: no layer's working set counts it, as none counts the gradient
+    handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)."""
+    base = dataclasses.replace(_with_split_halves(small_profile(6), tail_input_mib=20), model_output_bytes=MIB)
+    spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
+    with_loss, without = (evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
+                          for profile in (dataclasses.replace(base, loss_bytes=MIB / 4), base))
+    assert with_loss[0] == without[0]  # the first stage's
+    last, before = with_loss[1][0], without[1][0]
+    assert last.working_bytes == before.working_bytes + MIB / 4
+    if schedule == "ZBH1":
+        assert last.input_working_bytes == before.input_working_bytes + MIB / 4
+        assert last.weight_working_bytes == before.weight_working_bytes
+
+
 @pytest.mark.parametrize("schedule, chunks", [("ZBH1", 1), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
 def test_each_half_of_a_split_backward_is_planned_for_as_simulated(schedule, chunks):
     """The solver's memory rows hold each half's working set as the simulator does: its plan under a
