@@ -52,11 +52,6 @@ from solver.start import balanced_plan, improved_by_moves
 
 log = logging.getLogger("solver")
 TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
-# Tie-breaks stop after this many branch-and-bound nodes (a node count, unlike a time, keeps the
-# answer deterministic). Measured on SAPP's fixtures: they find their plan within it and prove it
-# (1-136 nodes) or spend the rest of the time limit on the bound of a min-max peak, up to 40 s on
-# 8 x 2 x 16 schedules, which no user waits for.
-TIE_BREAK_NODES = 200
 # The most a stopped search spends after its limit on a bound of its own (measured 0.1-0.7 s, up to
 # 65,536 actions).
 BOUND_LIMIT_S = 5.0
@@ -68,6 +63,14 @@ BOUND_LIMIT_S = 5.0
 # START_TIMES stops at 60 s with a 14% gap; with two or more chunks the integer solutions keep
 # finding paths the rows miss, and START_TIMES is faster.
 START_TIMES, PATHS = "start-times", "paths"
+# Tie-breaks stop after this many branch-and-bound nodes, by how the program states the iteration
+# time (a node count, unlike a time, keeps the answer deterministic). Measured on SAPP's fixtures:
+# they find their plan within it and prove it (1-136 nodes) or spend the rest of the time limit on
+# the bound of a min-max peak, up to 40 s on 8 x 2 x 16 schedules, which no user waits for. With one
+# chunk (PATHS) 50 nodes found the same peaks as 200 on 34 searches (1F1B, ZBH1 and GPipe at 4-32
+# stages), the peak's tie-break 0.11-0.30 s instead of 0.27-0.58 s where the cap stops it; with two
+# chunks 50 left DualPipeV 8 x 2 x 16 1% higher (69,900 MiB against 69,165).
+TIE_BREAK_NODES = {START_TIMES: 200, PATHS: 50}
 # PATHS timing also adds, for the relaxation's solution and for each solution found to miss a
 # path, the critical path with each virtual stage in turn this much slower: integer plans near a
 # solution differ from it most in which stage is heavier, and these are the paths they run along.
@@ -315,7 +318,8 @@ def _plan_of(model: _Formulation, values: list[float]) -> Plan:
 def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> MilpResult:
     """Among plans as fast as the fastest: least recompute time (unless it has none) for the fastest
     plan's layer split, then least peak memory over every split. Each solve gets part of the time left
-    and at most TIE_BREAK_NODES branch-and-bound nodes; one cut short keeps the best plan it found.
+    and at most TIE_BREAK_NODES[model.timing] branch-and-bound nodes; one cut short keeps the best plan
+    it found.
     They start from the plan in hand, so HiGHS's root heuristics, which look for a first plan, are
     skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
     best = fastest
@@ -334,7 +338,7 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
         split_rows = range(first, model.milp.num_rows)  # critical paths met in this solve come after them
         least_recompute = _minimize(
             model, model.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False,
-            node_limit=TIE_BREAK_NODES,
+            node_limit=TIE_BREAK_NODES[model.timing],
         )
         model.milp.remove_rows(split_rows)
         if least_recompute.values is None:
@@ -346,7 +350,8 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
         model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = model.add_peak_variable()
     hint = best.values + [max(row.value(best.values) for _, row in model.memory_rows)]
-    least_memory = _minimize(model, {peak: 1.0}, deadline, hint=hint, heuristics=False, node_limit=TIE_BREAK_NODES)
+    least_memory = _minimize(model, {peak: 1.0}, deadline, hint=hint, heuristics=False,
+                             node_limit=TIE_BREAK_NODES[model.timing])
     if least_memory.values is not None:
         _log_tie_break("least peak memory", least_memory)
         best = least_memory

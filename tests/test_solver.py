@@ -104,7 +104,7 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
     from solver import search
 
     if tie_break_nodes is not None:
-        monkeypatch.setattr(search, "TIE_BREAK_NODES", tie_break_nodes)
+        monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((search.START_TIMES, search.PATHS), tie_break_nodes))
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for(schedule, stages, chunks, 2 * stages, budget_mib)
     first, second = solve(profile, spec), solve(profile, spec)
@@ -131,15 +131,23 @@ def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
     # x <= 1 gone (else x = 1, y = 2.5); x - y <= 1 kept (else x = 4, y = 0)
     assert program.minimize(cost, time_limit_s=10).values == pytest.approx([2.0, 1.5])
 
-def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(caplog, monkeypatch):
+
+@pytest.mark.parametrize("schedule, stages, chunks, micro_batches, budget_mib", [
+    ("Interleaved1F1B", 4, 2, 8, 53000),  # start times
+    ("1F1B", 8, 1, 16, 26000),  # critical paths, which have a cap of their own
+])
+def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(
+    schedule, stages, chunks, micro_batches, budget_mib, caplog, monkeypatch
+):
     import logging
 
     from solver import search
 
     profile = load_profile(SAPP / "test.json")
-    spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
+    spec = spec_for(schedule, stages, chunks, micro_batches, budget_mib)
     full = solve(profile, spec)
-    monkeypatch.setattr(search, "TIE_BREAK_NODES", 1)
+    timing = search._timing_for(spec.pipeline_schedule)
+    monkeypatch.setitem(search.TIE_BREAK_NODES, timing, 1)
     with caplog.at_level(logging.INFO, logger="solver"):
         capped = solve(profile, spec)
     assert capped.status == "optimal" and capped.fits
