@@ -319,9 +319,8 @@ def _break_ties(model: _Formulation, fastest: MilpResult, deadline: float) -> Mi
     """Among plans as fast as the fastest: least recompute time (unless it has none) for the fastest
     plan's layer split, then least peak memory over every split. Each solve gets part of the time left
     and at most TIE_BREAK_NODES[model.timing] branch-and-bound nodes; one cut short keeps the best plan
-    it found.
-    They start from the plan in hand, so HiGHS's root heuristics, which look for a first plan, are
-    skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
+    it found. They start from the plan in hand, so HiGHS's root heuristics, which look for a first
+    plan, are skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
     best = fastest
     model.time_cap = fastest.objective * (1 + TIME_SLACK)
     model.milp.row({model.iteration: 1.0}, upper=model.time_cap)
