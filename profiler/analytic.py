@@ -185,18 +185,22 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         pending = _block_pending_bytes(tokens, s, head_dim, p, moe=moe) / tp
         weight_freed = pending + _block_weight_only_bytes(tokens, s, q_width, kv_width, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
+        # its backward's working set: the gradients of the MLP's gate and up projections, alive together
+        # (exact for dense blocks, measured; for MoE blocks the hidden size stands for them, which runs
+        # under the measurement), plus what a recompute mode rebuilds
+        gradients = 2 * tokens * (s.hidden_size if moe else max(s.hidden_size, s.ffn_size)) * p / tp
         layers.append(LayerProfile(
             name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
             forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,
             weight_ms=seconds_ms(matmul_flops),
             recompute={
-                NONE: RecomputeCost(0.0, kept[NONE] / tp, 2 * hidden_bytes, pending_bytes=pending,
+                NONE: RecomputeCost(0.0, kept[NONE] / tp, gradients, pending_bytes=pending,
                                     saved_input_bytes=normed_input, weight_freed_bytes=weight_freed),
                 SELECTIVE: RecomputeCost(elementwise_ms, kept[SELECTIVE] / tp,
-                                         2 * hidden_bytes + (kept[NONE] - kept[SELECTIVE]) / tp,
+                                         gradients + (kept[NONE] - kept[SELECTIVE]) / tp,
                                          pending_bytes=pending, saved_input_bytes=hidden_bytes),
                 FULL: RecomputeCost(forward_ms + elementwise_ms, kept[FULL] / tp,
-                                    2 * hidden_bytes + (kept[NONE] - kept[FULL]) / tp,
+                                    gradients + (kept[NONE] - kept[FULL]) / tp,
                                     pending_bytes=pending, saved_input_bytes=hidden_bytes),
             },
             parameter_bytes=elements * p / tp, gradient_bytes=elements * p / tp,
@@ -205,13 +209,20 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     tail_elements = s.hidden_size + vocab_elements
     logits_flops = 2 * tokens * vocab_elements
     loss_bytes = tokens * s.vocab_size * 4  # log-softmax output, fp32
+    labels_bytes = 8 * tokens + 4  # int64 labels, and the fp32 loss
+    # Its backward's working set: the gradients of the log-probabilities and of the logits, both fp32
+    # (the loss upcasts), less the labels and the loss, which it frees (measured on the CPU, fp32 and
+    # bf16, and on an H200 to the allocator's 512-byte rounding); or, with few tokens for the hidden
+    # size, the LM head's weight gradient (until it joins .grad) and its input's gradient (measured on
+    # the CPU at 64 and 128 tokens: 8 bytes a token less, the labels).
+    tail_working = max(2 * loss_bytes / tp - labels_bytes, vocab_elements * p / tp + hidden_bytes)
     layers.append(LayerProfile(
         name="tail", kind="tail",
         forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
         weight_ms=seconds_ms(logits_flops),
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
         recompute={NONE: RecomputeCost(
-            0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + 8 * tokens + 4,
+            0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + labels_bytes, tail_working,
             saved_input_bytes=normed_input)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
         optimizer_bytes=optimizer_bytes(tail_elements, 2),
