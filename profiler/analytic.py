@@ -185,10 +185,17 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         pending = _block_pending_bytes(tokens, s, head_dim, p, moe=moe) / tp
         weight_freed = pending + _block_weight_only_bytes(tokens, s, q_width, kv_width, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
-        # its backward's working set: the gradients of the MLP's gate and up projections, alive together
-        # (exact for dense blocks, measured; for MoE blocks the hidden size stands for them, which runs
-        # under the measurement), plus what a recompute mode rebuilds
-        gradients = 2 * tokens * (s.hidden_size if moe else max(s.hidden_size, s.ffn_size)) * p / tp
+        # its backward's working set, plus what a recompute mode rebuilds: a dense block's, the gradients
+        # of its MLP's gate and up projections, alive together; an MoE block's, three hidden-sized or
+        # three expert-sized gradients for each token's each expert, and one hidden-sized more for a
+        # shared expert (transformers' blocks on the CPU: exact for dense blocks, MoE blocks up to 8
+        # bytes a token and expert over)
+        if moe:
+            per_token = s.experts_per_token * 3 * max(s.hidden_size, s.moe_ffn_size)
+            per_token += s.hidden_size if s.shared_expert_ffn_size else 0
+        else:
+            per_token = 2 * max(s.hidden_size, s.ffn_size)
+        gradients = tokens * per_token * p / tp
         layers.append(LayerProfile(
             name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
             forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,

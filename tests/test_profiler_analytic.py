@@ -86,17 +86,18 @@ def assert_same_memory(measured, estimated):
             # what its W frees beyond its pending bytes while its stage's graph lives on (measured without
             # recompute): exact for dense blocks; for MoE blocks less than measured (the experts' left out)
             # what its backward holds while it runs: exact for the tail (the loss's and the logits'
-            # gradients) and for dense blocks without recompute; a recomputing dense block rebuilds up
-            # to one hidden-sized fp32 tensor more than counted; MoE blocks' routing runs above the
-            # estimate. The head's CPU figure is its weight gradient, which an accelerator's
-            # allocator does not show there (docs/gpu): estimated 0.
+            # gradients) and for dense blocks without recompute, MoE blocks a few bytes a token over;
+            # a recomputing block rebuilds up to one hidden-sized fp32 tensor more than counted. The
+            # head's CPU figure is its weight gradient, which an accelerator's allocator does not
+            # show there (docs/gpu): estimated 0.
             working, measured_working = got.recompute[mode].working_bytes, cost.working_bytes
             if got.kind == "tail" or (got.kind == "body:dense" and mode == "none"):
                 assert working == measured_working, (got.name, mode)
             elif got.kind == "body:dense":
                 assert 0 <= measured_working - working <= hidden_fp32_bytes, (got.name, mode)
             elif got.kind == "body:moe":
-                assert working < measured_working, (got.name, mode)
+                assert -hidden_fp32_bytes <= working - measured_working < hidden_fp32_bytes, (got.name, mode)
+                assert mode != "none" or working >= measured_working, got.name
             freed, measured_freed = got.recompute[mode].weight_freed_bytes, cost.weight_freed_bytes
             if mode != "none" or got.kind == "tail":
                 assert freed is None and (measured_freed is None or got.kind == "tail"), (got.name, mode)
