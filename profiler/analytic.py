@@ -186,10 +186,10 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         weight_freed = pending + _block_weight_only_bytes(tokens, s, q_width, kv_width, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
         # its backward's working set, plus what a recompute mode rebuilds: a dense block's, the gradients
-        # of its MLP's gate and up projections, alive together; an MoE block's, three hidden-sized or
-        # three expert-sized gradients for each token's each expert, and one hidden-sized more for a
-        # shared expert (transformers' blocks on the CPU: exact for dense blocks, MoE blocks up to 8
-        # bytes a token and expert over)
+        # of its MLP's gate and up projections, alive together; an MoE block's, three gradients of the
+        # hidden or the expert width (the wider) for each token and each of its experts, and one of the
+        # hidden width more for a shared expert (transformers' blocks on the CPU: exact for dense
+        # blocks, MoE blocks up to 8 bytes a token and expert over)
         if moe:
             per_token = s.experts_per_token * 3 * max(s.hidden_size, s.moe_ffn_size)
             per_token += s.hidden_size if s.shared_expert_ffn_size else 0
@@ -221,7 +221,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     # (the loss upcasts), less the labels and the loss, which it frees (measured on the CPU, fp32 and
     # bf16, and on an H200 to the allocator's 512-byte rounding); or, with few tokens for the hidden
     # size, the LM head's weight gradient (until it joins .grad) and its input's gradient (measured on
-    # the CPU at 64 and 128 tokens: 8 bytes a token less, the labels).
+    # the CPU at 64 and 128 tokens, where this counts 8 bytes a token more: the labels).
     tail_working = max(2 * loss_bytes / tp - labels_bytes, vocab_elements * p / tp + hidden_bytes)
     layers.append(LayerProfile(
         name="tail", kind="tail",

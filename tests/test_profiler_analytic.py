@@ -83,8 +83,6 @@ def assert_same_memory(measured, estimated):
                 assert cost.pending_bytes <= got.recompute[mode].pending_bytes <= 1.25 * cost.pending_bytes, got.name
             else:
                 assert got.recompute[mode].pending_bytes == cost.pending_bytes, (got.name, mode)
-            # what its W frees beyond its pending bytes while its stage's graph lives on (measured without
-            # recompute): exact for dense blocks; for MoE blocks less than measured (the experts' left out)
             # what its backward holds while it runs: exact for the tail (the loss's and the logits'
             # gradients) and for dense blocks without recompute, MoE blocks a few bytes a token over;
             # a recomputing block rebuilds up to one hidden-sized fp32 tensor more than counted. The
@@ -98,6 +96,8 @@ def assert_same_memory(measured, estimated):
             elif got.kind == "body:moe":
                 assert -hidden_fp32_bytes <= working - measured_working < hidden_fp32_bytes, (got.name, mode)
                 assert mode != "none" or working >= measured_working, got.name
+            # what its W frees beyond its pending bytes while its stage's graph lives on (measured without
+            # recompute): exact for dense blocks; for MoE blocks less than measured (the experts' left out)
             freed, measured_freed = got.recompute[mode].weight_freed_bytes, cost.weight_freed_bytes
             if mode != "none" or got.kind == "tail":
                 assert freed is None and (measured_freed is None or got.kind == "tail"), (got.name, mode)
