@@ -159,7 +159,10 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     layers.append(LayerProfile(
         name="head", kind="head", forward_ms=seconds_ms(0, tokens * s.hidden_size * p),
         backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
-        recompute={NONE: RecomputeCost(0.0, 8.0 * tokens)},  # the token ids
+        # keeps the token ids; its backward forms the embedding's dense weight gradient, which a
+        # micro-batch after the first adds into .grad and frees (measured on the CPU, as a pipeline
+        # accumulating over micro-batches holds it)
+        recompute={NONE: RecomputeCost(0.0, 8.0 * tokens, vocab_elements * p / tp)},
         parameter_bytes=vocab_elements * p / tp, gradient_bytes=vocab_elements * p / tp,
         optimizer_bytes=optimizer_bytes(vocab_elements, 1),
     ))

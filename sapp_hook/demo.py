@@ -75,8 +75,8 @@ def run_demo(out: str | Path) -> dict[str, object]:
 
 def demo_budget(config: object) -> float:
     """A budget no split fits without recompute: BUDGET_SHARE of the least peak any split reaches without
-    recompute, from the analytic profile (what the CPU measures for transformers' Llama, but for the
-    embedding's backward working set: 0, as an accelerator measures it)."""
+    recompute, from the analytic profile (what the CPU measures for transformers' Llama, less the
+    checkpoints' generator states)."""
     from profiler.analytic import analytic_profile, shape_from_config
 
     shape = shape_from_config(config.to_dict(), sequence=SEQ_LEN, micro_batch_size=MICRO_BATCH_SIZE, dtype="float32")
