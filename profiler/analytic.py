@@ -241,7 +241,8 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
         stage_output_bytes=hidden_bytes,
-        model_output_bytes=tokens * s.vocab_size * p / tp,  # the logits, split over the vocabulary
+        # what the model returns: the logits, split over the vocabulary, and the loss (fp32)
+        model_output_bytes=tokens * s.vocab_size * p / tp + 4, loss_bytes=4.0,
         # cos and sin, computed by every stage for its blocks
         stage_shared_bytes=2 * (s.sequence // s.context_parallel) * head_dim * p,
     )
