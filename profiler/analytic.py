@@ -218,21 +218,23 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         ))
     tail_elements = s.hidden_size + vocab_elements
     logits_flops = 2 * tokens * vocab_elements
-    loss_bytes = tokens * s.vocab_size * 4  # log-softmax output, fp32
-    labels_bytes = 8 * tokens + 4  # int64 labels, and the fp32 loss
+    log_probs_bytes = tokens * s.vocab_size * 4  # log-softmax output, fp32
+    loss_bytes = 4  # the loss, an fp32 scalar
+    labels_bytes = 8 * tokens + loss_bytes  # int64 labels, and the loss
     # Its backward's working set: the gradients of the log-probabilities and of the logits, both fp32
     # (the loss upcasts), less the labels and the loss, which it frees (measured on the CPU, fp32 and
     # bf16, and on an H200 to the allocator's 512-byte rounding); or, with few tokens for the hidden
     # size, the LM head's weight gradient (until it joins .grad) and its input's gradient (measured on
     # the CPU at 64 and 128 tokens, where this counts 8 bytes a token more: the labels).
-    tail_working = max(2 * loss_bytes / tp - labels_bytes, vocab_elements * p / tp + hidden_bytes)
+    tail_working = max(2 * log_probs_bytes / tp - labels_bytes, vocab_elements * p / tp + hidden_bytes)
     layers.append(LayerProfile(
         name="tail", kind="tail",
-        forward_ms=seconds_ms(logits_flops, 2 * loss_bytes), backward_ms=seconds_ms(2 * logits_flops, 2 * loss_bytes),
+        forward_ms=seconds_ms(logits_flops, 2 * log_probs_bytes),
+        backward_ms=seconds_ms(2 * logits_flops, 2 * log_probs_bytes),
         weight_ms=seconds_ms(logits_flops),
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
         recompute={NONE: RecomputeCost(
-            0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + loss_bytes / tp + labels_bytes, tail_working,
+            0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + log_probs_bytes / tp + labels_bytes, tail_working,
             saved_input_bytes=normed_input)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
         optimizer_bytes=optimizer_bytes(tail_elements, 2),
@@ -242,7 +244,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
         stage_output_bytes=hidden_bytes,
         # what the model returns: the logits, split over the vocabulary, and the loss (fp32)
-        model_output_bytes=tokens * s.vocab_size * p / tp + 4, loss_bytes=4.0,
+        model_output_bytes=tokens * s.vocab_size * p / tp + loss_bytes, loss_bytes=loss_bytes,
         # cos and sin, computed by every stage for its blocks
         stage_shared_bytes=2 * (s.sequence // s.context_parallel) * head_dim * p,
     )
