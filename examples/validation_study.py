@@ -4,7 +4,7 @@ recompute; then a calibration fitted on the even-split runs, judged on the solve
 
     python examples/validation_study.py --out validation      # about 10 minutes on 2 cores
 
-Writes results.json, summary.md and errors.png into the folder. The README's figures come from it.
+Writes results.json, summary.md and errors.png into the folder. docs/results/validation.md's figures come from it.
 """
 
 from __future__ import annotations

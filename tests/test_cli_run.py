@@ -71,7 +71,7 @@ def test_run_refuses_a_config_it_could_not_write_before_launching(capsys, tmp_pa
 TRAIN_ON_TWO_RANKS = textwrap.dedent('''
     import json, sys
     import torch
-    import torch.distributed.nn.functional  # before the group is made: see the README on gloo
+    import torch.distributed.nn.functional  # before the group is made: see docs/api.md on gloo
     import torch.distributed as dist
     from profiler_cases import llama
     from test_profiler_distributed import FirstStage, LastStage, train_stage

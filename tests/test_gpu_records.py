@@ -1,5 +1,5 @@
 """The H200 runs kept in docs/gpu/ (examples/gpu_check.py), predicted again by the current memory
-model: the README's GPU tables are these figures, and a change to the model that moves them shows here."""
+model: docs/results/gpu.md's tables are these figures, and a change to the model that moves them shows here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from solver import PipelineSpec, evaluate_plan, load_profile
 
 RECORDS = Path(__file__).parents[1] / "docs" / "gpu"
 REPLAY_TOKENS = 2 * 1024  # examples/gpu_check.py: micro-batches of 2 x 1,024 tokens
-# (predicted allocator peak above static) / (measured) - 1, in %, ranks 0-3, as the README gives them
+# (predicted allocator peak above static) / (measured) - 1, in %, ranks 0-3, as docs/results/gpu.md gives them
 EXPECTED = {
     "": {
         "even-none": [+0.6, +1.4, +2.0, +0.7],
@@ -31,7 +31,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("dtype", list(EXPECTED))
-def test_the_stored_gpu_runs_are_predicted_as_the_readme_says(dtype):
+def test_the_stored_gpu_runs_are_predicted_as_the_results_page_says(dtype):
     record = json.loads((RECORDS / f"h200_gpu_check{dtype}.json").read_text())
     profile = load_profile(RECORDS / f"h200_llama-1024{dtype}.profile.json")
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
