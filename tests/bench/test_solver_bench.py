@@ -1,5 +1,5 @@
 """Solver speed on SAPP's fixtures (pytest-benchmark; `make bench`). Each case reports its status and
-proven gap in extra_info: SAPP's own interleaved solves stop at 60-600 s with 5-28% gaps on a proxy."""
+proven gap in extra_info: SAPP's own interleaved solves stop at 60-600 s with 5-21% gaps on a proxy."""
 
 from __future__ import annotations
 
