@@ -106,13 +106,20 @@ class Sites:
         return sites
 
     def values(self, section: str) -> dict[str, object]:
-        """The literal values the function leaves in `section`'s fields (Code for what is not a literal)."""
+        """The literal values the function leaves in `section`'s fields (Code for what is not a literal);
+        a whole section replaced by something else than its config class (`X.parallelism = make()`)
+        leaves nothing known."""
         said: dict[str, object] = {}
-        events = [(call, None) for call in self.calls.get(section, [])]
+        calls = self.calls.get(section, [])
+        events: list[tuple[ast.AST, str | None]] = [(call, None) for call in calls]
+        events += [(node, "") for node in self.wholes.get(section, [])
+                   if not isinstance(node, ast.Name) and all(node is not call for call in calls)]
         events += [(node, name) for (where, name), node in self.fields.items() if where == section]
         for node, name in sorted(events, key=lambda event: (event[0].lineno, event[0].col_offset)):
             if name is None:
                 said = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg}
+            elif not name:
+                said = {}
             else:
                 said[name] = _literal(node.value)
         return said

@@ -47,7 +47,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     if not isinstance(table, dict):
         raise InputError("--config", f"{path} has no [{dialect.table}] table: is it a TorchTitan config?")
     where = f"{path}: {dialect.table}"
-    degree = check_degree(table.get("pipeline_parallel_degree"), f"{where}.pipeline_parallel_degree")
+    degree = check_degree(_plain(table.get("pipeline_parallel_degree")), f"{where}.pipeline_parallel_degree")
     csv = table.get("pipeline_parallel_schedule_csv")
     if csv:
         raise InputError("--config", f"{where}.pipeline_parallel_schedule_csv is {str(csv)!r}: TorchTitan runs that "
@@ -107,6 +107,7 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
     if local is None:
         raise InputError("--config", f"{path} has no training.{key}, which TorchTitan splits into the plan's "
                                      f"{layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}")
+    local = _plain(local)
     if isinstance(local, bool) or not isinstance(local, int):
         kind = f"the string {str(local)!r}" if isinstance(local, str) else repr(local)
         raise InputError("--config", f"{path}: training.{key} is {kind}; TorchTitan expects a whole number")
@@ -114,6 +115,11 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
         raise InputError("--plan", f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
                                    f"{local}, which does not split into {layout.micro_batches}")
     return local // layout.micro_batches
+
+
+def _plain(value: object) -> object:
+    """A TOML value as Python's own type (tomlkit's items are subclasses: Float, String)."""
+    return value.unwrap() if isinstance(value, tomlkit.items.Item) else value
 
 
 def _like(current: object, value: object) -> object:
