@@ -13,10 +13,10 @@ import json
 import os
 import shutil
 import stat
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from solver_cases import small_profile
 
 from sapp_hook.cli import main
@@ -295,8 +295,8 @@ def test_the_pipeline_degree_and_schedule_are_set_with_notes(tmp_path):
     path = copy(tmp_path, "qwen3_pp_fqns.toml")
     notes = write_config("torchtitan", path, layout_of(plan())).notes
     assert notes[:2] == [
-        "parallelism.pipeline_parallel_degree was 2; set to the plan's 4: the job runs 4 pipeline ranks for every rank "
-        "of its other degrees (check data_parallel_shard_degree and the launcher's rank count)",
+        ("parallelism.pipeline_parallel_degree was 2; set to the plan's 4: the job runs 4 pipeline ranks for every rank "
+         "of its other degrees (check data_parallel_shard_degree and the launcher's rank count)"),
         "parallelism.pipeline_parallel_schedule was 'GPipe'; set to the plan's '1F1B'"]
     assert "pipeline_parallel_degree = 4  # two nodes\n" in path.read_text()
 
@@ -414,8 +414,8 @@ def test_a_toml_config_takes_the_keys_of_the_torchtitan_beside_it(tmp_path):
      "sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that file's action order"),
     ("llama3_config_registry_2026_03.py:llama3_405b", ("", ""),
      "is for 8 micro-batches; .* llama3_405b has training.local_batch_size 2, which does not split into 8"),
-    ("qwen3_config_registry_main.py:qwen3_debugmodel_long", ("    return config", "    config.parallelism = "
-                                                             "make_parallelism()\n    return config"),
+    ("qwen3_config_registry_main.py:qwen3_debugmodel_long",
+     ("    return config", "    config.parallelism = make_parallelism()\n    return config"),
      "qwen3_debugmodel_long would not set .* as written; it was left as it was"),
 ])
 def test_configs_that_cannot_take_the_plan_are_refused_and_left_byte_identical(tmp_path, name, edit, message):
