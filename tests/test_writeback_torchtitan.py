@@ -468,3 +468,35 @@ def test_a_failure_between_write_and_rename_leaves_the_config_byte_identical(tmp
         write_config("torchtitan", f"{path}:{function}" if function else path, layout_of(plan()))
     assert path.read_bytes() == before
     assert read_config(path) == before.decode("utf-8")
+
+
+def test_a_2024_config_without_pipeline_keys_gets_them_where_2024_read_them(tmp_path):
+    """TorchTitan's 2024 configs had no [parallelism]: the degrees sat in [training], the pipeline keys
+    in [experimental] (torchtitan/config_manager.py, --experimental.pipeline_parallel_degree)."""
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text("[training]\nbatch_size = 8\ndata_parallel_degree = -1\ntensor_parallel_degree = 1\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    assert tomllib.loads(path.read_text())["experimental"] == {
+        "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatches": 8,
+        "pipeline_parallel_split_points": POINTS}
+
+
+def test_python_that_cannot_be_read_is_one_error(tmp_path):
+    path = tmp_path / "config_registry.py"
+    for text, said in [("def f(:\n", "is not valid Python: "), ("def f():\n    return 1\x00\n", "is not ")]:
+        path.write_text(text)
+        with pytest.raises(InputError, match=said) as caught:
+            write_config("torchtitan", path, layout_of(plan()))
+        assert caught.value.field == "--config" and path.read_text() == text
+
+
+def test_the_local_batch_may_sit_in_a_batch_config(tmp_path):
+    """TrainingConfig's batch fields moved to BatchConfig in 2026-07 (pytorch/torchtitan#3926)."""
+    path = tmp_path / "config_registry.py"
+    path.write_text("def qwen3_debugmodel():\n    return Trainer.Config(\n        batch=BatchConfig(local_batch_size=16),\n"
+                    "        parallelism=ParallelismConfig(pipeline_parallel_microbatch_size=1),\n"
+                    "        activation_checkpoint=SelectiveAC.Config(),\n    )\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    parallelism, checkpoint = settings(path, "qwen3_debugmodel")
+    assert parallelism["pipeline_parallel_microbatch_size"] == 2 and checkpoint == {"expr": "None"}
+    assert parallelism["pipeline_parallel_module_fqns_per_model_part"] == PARTS_LM_HEAD

@@ -55,6 +55,8 @@ _HEAD_FILES = ("torchtitan/distributed/pipeline_parallel.py", "torchtitan/distri
 _LM_HEAD = re.compile(r"""self\.lm_head\s*=|["']norm["'],\s*["']lm_head["']""")
 _OUTPUT = re.compile(r"""self\.output\s*=|["']norm["'],\s*["']output["']""")
 _ARGPARSE_KEY = re.compile(r"""["']--(\w+)\.(\w+)["']""")
+_DEGREES_2024 = ("data_parallel_degree", "data_parallel_shard_degree", "data_parallel_replicate_degree",
+                 "tensor_parallel_degree")
 _SOURCE_LIMIT_BYTES = 4 << 20  # a config class file is tens of kB; anything larger is not one
 
 
@@ -169,11 +171,13 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
     experimental = document.get("experimental")
     in_experimental = isinstance(experimental, Mapping) and any(
         str(key).startswith("pipeline_parallel_") for key in experimental)
-    table = "experimental" if in_experimental else "parallelism"
-    keys = document.get(table)
-    keys = keys if isinstance(keys, Mapping) else {}
     training = document.get("training")
     training = training if isinstance(training, Mapping) else {}
+    # 2024: no [parallelism] yet; the degrees sat in [training], the pipeline keys in [experimental]
+    in_2024 = "parallelism" not in document and any(key in training for key in _DEGREES_2024)
+    table = "experimental" if in_experimental or in_2024 else "parallelism"
+    keys = document.get(table)
+    keys = keys if isinstance(keys, Mapping) else {}
     model = document.get("model")
     model = model if isinstance(model, Mapping) else {}
     assumed: list[str] = []

@@ -81,11 +81,11 @@ class Sites:
             if isinstance(node, ast.Call):
                 name = _dotted(node.func)
                 for section, config in (("parallelism", "ParallelismConfig"), ("training", "TrainingConfig"),
-                                        ("activation_checkpoint", "ActivationCheckpointConfig")):
+                                        ("batch", "BatchConfig"), ("activation_checkpoint", "ActivationCheckpointConfig")):
                     if name is not None and name.split(".")[-1] == config:
                         sites.calls.setdefault(section, []).append(node)
                 for kw in node.keywords:
-                    if kw.arg in ("parallelism", "activation_checkpoint", "training"):
+                    if kw.arg in ("parallelism", "activation_checkpoint", "training", "batch"):
                         sites.wholes.setdefault(kw.arg, []).append(kw.value)
             elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute):
                 path = (_dotted(node.targets[0]) or "").split(".")
@@ -141,6 +141,8 @@ def write_python(path: Path, function: str | None, old: str, layout: Layout, *, 
         tree = ast.parse(old)
     except SyntaxError as exc:
         raise InputError("--config", f"{path} is not valid Python: {exc.msg} (line {exc.lineno})") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting deeper than the parser goes
+        raise InputError("--config", f"{path} is not Python sapp-hook can read: {exc}") from None
     chosen = _config_function(tree, function, path)
     dialect = python_dialect(tree, find_source(path))
     where = f"{path}: {chosen.name}"
@@ -160,7 +162,9 @@ def write_python(path: Path, function: str | None, old: str, layout: Layout, *, 
     result = WriteBack(path=path, diff="")
     change_notes(result, f"{chosen.name}: parallelism", degree, parallelism.get("pipeline_parallel_schedule"), layout)
     wanted = {"pipeline_parallel_degree": layout.stages, "pipeline_parallel_schedule": layout.schedule,
-              dialect.micro_key: _micro_batches(inherited(tree, sites, "training"), dialect, layout, where),
+              # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
+              dialect.micro_key: _micro_batches({**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")},
+                                                dialect, layout, where),
               dialect.split_key: module_names(layout, dialect.head)}
     drop = {FQNS, FQNS_PREFIXED, *MICRO_KEYS, *SHAPING_KEYS} - set(wanted)
     change = Change(text, tree, sites, where)

@@ -43,6 +43,8 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     except TOMLKitError as exc:
         raise InputError("--config", f"{path} is not valid TOML: {exc}") from None
     dialect = toml_dialect(document, find_source(path))
+    if dialect.table == "experimental" and "experimental" not in document:
+        document["experimental"] = tomlkit.table()  # where 2024's TorchTitan reads the pipeline keys
     table = document.get(dialect.table)
     if not isinstance(table, dict):
         raise InputError("--config", f"{path} has no [{dialect.table}] table: is it a TorchTitan config?")
