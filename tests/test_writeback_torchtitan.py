@@ -500,3 +500,18 @@ def test_the_local_batch_may_sit_in_a_batch_config(tmp_path):
     parallelism, checkpoint = settings(path, "qwen3_debugmodel")
     assert parallelism["pipeline_parallel_microbatch_size"] == 2 and checkpoint == {"expr": "None"}
     assert parallelism["pipeline_parallel_module_fqns_per_model_part"] == PARTS_LM_HEAD
+
+
+def test_a_parallelism_changed_through_a_variable_is_written_where_it_is_changed(tmp_path):
+    """`p = ParallelismConfig(...)`, then `p.pipeline_parallel_degree = 2`: that assignment runs last."""
+    path = tmp_path / "config_registry.py"
+    path.write_text("def llama3_pp():\n    p = ParallelismConfig(num_pp_microbatches=4)\n    p.pipeline_parallel_degree = 2\n"
+                    "    return Trainer.Config(parallelism=p, activation_checkpoint=None)\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    text = path.read_text()
+    assert "    p.pipeline_parallel_degree = 4\n" in text
+    call = next(node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "ParallelismConfig")
+    assert {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords} == {
+        "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}

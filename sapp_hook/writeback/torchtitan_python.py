@@ -59,6 +59,8 @@ from simulator.errors import InputError
 CONFIG_MODULE = "torchtitan.config"
 AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 AC_CLASSES = {"none": None, "full": "FullAC", "selective": "SelectiveAC"}
+SECTIONS = {"parallelism": "ParallelismConfig", "training": "TrainingConfig", "batch": "BatchConfig",
+            "activation_checkpoint": "ActivationCheckpointConfig"}
 
 
 @dataclass
@@ -77,19 +79,23 @@ class Sites:
     @classmethod
     def of(cls, function: ast.FunctionDef) -> Sites:
         sites = cls(function)
+        local: dict[str, str] = {}  # a variable holding a section's config: `p = ParallelismConfig(...)`
         for node in _in_order(function):
             if isinstance(node, ast.Call):
-                name = _dotted(node.func)
-                for section, config in (("parallelism", "ParallelismConfig"), ("training", "TrainingConfig"),
-                                        ("batch", "BatchConfig"), ("activation_checkpoint", "ActivationCheckpointConfig")):
-                    if name is not None and name.split(".")[-1] == config:
-                        sites.calls.setdefault(section, []).append(node)
+                section = _section(node)
+                if section is not None:
+                    sites.calls.setdefault(section, []).append(node)
                 for kw in node.keywords:
-                    if kw.arg in ("parallelism", "activation_checkpoint", "training", "batch"):
+                    if kw.arg in SECTIONS:
                         sites.wholes.setdefault(kw.arg, []).append(kw.value)
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute):
-                path = (_dotted(node.targets[0]) or "").split(".")
-                if len(path) >= 3:
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and isinstance(node.value, ast.Call) and _section(node.value):
+                    local[target.id] = _section(node.value)
+                path = (_dotted(target) or "").split(".") if isinstance(target, ast.Attribute) else []
+                if len(path) == 2 and path[0] in local:
+                    sites.fields[(local[path[0]], path[1])] = node
+                elif len(path) >= 3:
                     sites.fields[(path[-2], path[-1])] = node
                 if len(path) >= 2:
                     sites.wholes.setdefault(path[-1], []).append(node.value)
@@ -396,6 +402,12 @@ def _ac_class(node: ast.AST) -> str | None:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Config":
         return _dotted(node.func.value)
     return None
+
+
+def _section(call: ast.Call) -> str | None:
+    """The section a call builds the config of (`ParallelismConfig(...)`: parallelism)."""
+    name = (_dotted(call.func) or "").split(".")[-1]
+    return next((section for section, config in SECTIONS.items() if config == name), None)
 
 
 def _literal(node: ast.AST) -> object:
