@@ -515,3 +515,26 @@ def test_a_parallelism_changed_through_a_variable_is_written_where_it_is_changed
     assert {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords} == {
         "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
         "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+
+
+def test_a_config_for_an_older_torchtitan_gets_the_names_of_the_one_it_runs_on(tmp_path):
+    """A config of 2026-03 (module_fqns_per_model_part, ActivationCheckpointConfig, filter_fqns=["output"])
+    inside a checkout of main: main's names, the old ones taken out, the new class imported."""
+    root = tmp_path / "titan"
+    _checkout(root, "lm_head", ["pipeline_parallel_degree", "pipeline_parallel_module_fqns_per_model_part",
+                                "num_pp_microbatches", "pipeline_parallel_schedule"])
+    (root / "torchtitan" / "distributed" / "activation_checkpoint.py").write_text("class FullAC:\n    pass\n")
+    path = root / "torchtitan" / "models" / "llama3" / "config_registry.py"
+    path.parent.mkdir(parents=True)
+    shutil.copy(FIXTURES / "llama3_config_registry_2026_03.py", path)
+    text = path.read_text().replace("    return config\n", "    config.parallelism.module_fqns_per_model_part = None\n"
+                                                          "    return config\n", 1)
+    path.write_text(text)
+    write_config("torchtitan", f"{path}:llama3_debugmodel_float8", layout_of(plan(EVERY_SECOND)))
+    parallelism, checkpoint = settings(path, "llama3_debugmodel_float8")
+    assert parallelism == {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
+                           "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+    assert checkpoint == {"expr": "FullAC.Config()"}
+    after = path.read_text()
+    assert "module_fqns_per_model_part = None" not in after
+    assert "\nfrom torchtitan.distributed.activation_checkpoint import FullAC\n" in after

@@ -17,9 +17,10 @@ run. The names by version:
   `lm_head` from 2026-04 (#2937), `output` before; later `pipeline_parallel_module_fqns_per_model_part`,
   `num_pp_microbatches` (a count) and `FullAC.Config()` / `SelectiveAC.Config()` / `None` (#3674).
 
-What decides, in order: the names the config already uses; the TorchTitan source it runs on (a checkout
-above the config, or the installed package), whose config classes list the fields; then the config's
-other keys, which date it. What was assumed is said in a note.
+What decides, in order: the TorchTitan source the config runs on (a checkout above the config, or the
+installed package), whose config classes list the fields (so a config written for an older TorchTitan
+gets the names of the one it runs on); then the names the config already uses; then its other keys,
+which date it. What was assumed is said in a note.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
     model = document.get("model")
     model = model if isinstance(model, Mapping) else {}
     assumed: list[str] = []
-    split = next((key for key in SPLIT_KEYS if key in keys), None) or _first_known(source, table, (FQNS, CHUNK_NAMES, SPLIT_POINTS))
-    micro = next((key for key in MICRO_KEYS if key in keys), None) or _first_known(source, table, MICRO_KEYS)
+    split = _first_known(source, table, (FQNS, CHUNK_NAMES, SPLIT_POINTS)) or next((key for key in SPLIT_KEYS if key in keys), None)
+    micro = _first_known(source, table, MICRO_KEYS) or next((key for key in MICRO_KEYS if key in keys), None)
     if split is None:
         if table == "experimental" or micro == MICRO_COUNT_2024 or "batch_size" in training:
             split = SPLIT_POINTS  # before #1416 (2025-07): also before local_batch_size
@@ -192,12 +193,8 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
             split = FQNS
             assumed.append(f"{FQNS} (TorchTitan from 2025-07 on; before, {SPLIT_POINTS})")
     if micro is None:
-        if table == "experimental":
-            micro = MICRO_COUNT_2024
-        elif split != SPLIT_POINTS or "local_batch_size" in training:
-            micro = MICRO_SIZE
-        else:
-            micro = MICRO_SIZE
+        micro = MICRO_COUNT_2024 if table == "experimental" else MICRO_SIZE
+        if table != "experimental" and split == SPLIT_POINTS and "local_batch_size" not in training:
             assumed.append(f"{MICRO_SIZE} (TorchTitan from 2025-04 on; before, {MICRO_COUNT_2024})")
     batch_key = "batch_size" if "batch_size" in training and "local_batch_size" not in training else "local_batch_size"
     if source is not None and source.knows("training", "local_batch_size") is False and source.knows("training", "batch_size"):
@@ -219,28 +216,26 @@ def python_dialect(tree: ast.Module, source: Source | None) -> Dialect:
     newer = any(name in names for name in _PYTHON_NEW)
     older = any(name in names for name in _PYTHON_OLD) and not newer
     assumed: list[str] = []
-    split = next((key for key in (FQNS_PREFIXED, FQNS) if key in names), None) or _first_known(
-        source, "parallelism", (FQNS_PREFIXED, FQNS))
+    split = _first_known(source, "parallelism", (FQNS_PREFIXED, FQNS)) or next(
+        (key for key in (FQNS_PREFIXED, FQNS) if key in names), None)
     if split is None:
         split = FQNS if older else FQNS_PREFIXED
         if not older and not newer:
             assumed.append(f"{FQNS_PREFIXED} (TorchTitan main; before, {FQNS})")
-    micro = next((key for key in (MICRO_COUNT, MICRO_SIZE) if key in names), None) or _first_known(
-        source, "parallelism", (MICRO_COUNT, MICRO_SIZE))
+    micro = _first_known(source, "parallelism", (MICRO_COUNT, MICRO_SIZE)) or next(
+        (key for key in (MICRO_COUNT, MICRO_SIZE) if key in names), None)
     if micro is None:
         micro = MICRO_SIZE if older else MICRO_COUNT
         if not older and not newer:
             assumed.append(f"{MICRO_COUNT} (TorchTitan main; before, {MICRO_SIZE})")
-    if "FullAC" in names or "SelectiveAC" in names or "MemoryBudgetAC" in names:
-        ac_classes = True
-    elif "ActivationCheckpointConfig" in names:
-        ac_classes = False
-    elif source is not None and (source.ac_classes or "activation_checkpoint" in source.fields):
+    if source is not None and (source.ac_classes or "activation_checkpoint" in source.fields):
         ac_classes = source.ac_classes
+    elif "FullAC" in names or "SelectiveAC" in names or "MemoryBudgetAC" in names:
+        ac_classes = True
     else:
-        ac_classes = not older
-    layer_checkpointing = "selective_ac_option" in names or bool(
-        source is not None and source.knows("activation_checkpoint", "selective_ac_option"))
+        ac_classes = not older and "ActivationCheckpointConfig" not in names
+    known = None if source is None else source.knows("activation_checkpoint", "selective_ac_option")
+    layer_checkpointing = ("selective_ac_option" in names) if known is None else known
     # the prefixed name came after `lm_head` (2026-04): a TorchTitan that takes it names its head so
     head = python_head(tree, source) or ("lm_head" if split == FQNS_PREFIXED else "")
     return Dialect(table="parallelism", split_key=split, micro_key=micro, head=head,
@@ -249,15 +244,15 @@ def python_dialect(tree: ast.Module, source: Source | None) -> Dialect:
 
 
 def python_head(tree: ast.Module, source: Source | None) -> str:
-    """`lm_head` or `output`: as the config's own lists of module names say it, else as its TorchTitan
-    source does; "" where neither says."""
+    """`lm_head` or `output`: as the TorchTitan source the config runs on names it, else as the config's
+    own lists of module names do; "" where neither says."""
+    if source is not None and source.head is not None:
+        return source.head
     listed = {item.value for node in ast.walk(tree) if isinstance(node, (ast.List, ast.Tuple, ast.Set))
               for item in node.elts if isinstance(item, ast.Constant) and isinstance(item.value, str)}
     if "lm_head" in listed:  # module names are listed: ["norm", "lm_head"], filter_fqns=["output"]
         return "lm_head"
-    if "output" in listed:
-        return "output"
-    return source.head if source is not None and source.head is not None else ""
+    return "output" if "output" in listed else ""
 
 
 def _names_in(tree: ast.Module) -> set[str]:

@@ -52,6 +52,7 @@ from sapp_hook.writeback.torchtitan_source import (
     keyword_edits,
     render,
     statement_edit,
+    statement_removal,
     value_edit,
 )
 from simulator.errors import InputError
@@ -320,6 +321,9 @@ def _set_parallelism(change: Change, wanted: dict[str, object], drop: set[str]) 
         else:
             change.statement(f"{sites.returned}.parallelism.{name}", value)
     stale = "pipeline_parallel_layers_per_stage"  # TorchTitan refuses it beside a module list
+    for name in drop - {stale}:  # names this TorchTitan does not take, or other ways of saying the split
+        if ("parallelism", name) in sites.fields:
+            change.edits.append(statement_removal(text, sites.fields[("parallelism", name)]))
     if ("parallelism", stale) in sites.fields:
         change.edits += value_edit(text, sites.fields[("parallelism", stale)].value, None)
     elif call is None and sites.returned is not None and stale in ast.dump(change.tree):

@@ -208,6 +208,15 @@ def _remove(text: Text, kw: ast.keyword) -> Edit:
     return (before.start() if before else start), end, ""
 
 
+def statement_removal(text: Text, statement: ast.stmt) -> Edit:
+    """A statement out: its lines where it has them to itself, else `pass` in its place."""
+    start, end = text.span(statement)
+    rest = re.match(r"[ \t]*(#[^\r\n]*)?(\r\n|\r|\n|$)", text.text[end:])
+    if text.starts_line(statement) and rest:
+        return text.line_start(statement.lineno), end + rest.end(), ""
+    return start, end, "pass"
+
+
 def statement_edit(text: Text, before: ast.stmt, statements: list[str]) -> Edit:
     """Statements on lines of their own just before the statement `before`, at its indentation."""
     indent = text.indent(before.lineno)
