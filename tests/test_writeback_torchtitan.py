@@ -538,3 +538,12 @@ def test_a_config_for_an_older_torchtitan_gets_the_names_of_the_one_it_runs_on(t
     after = path.read_text()
     assert "module_fqns_per_model_part = None" not in after
     assert "\nfrom torchtitan.distributed.activation_checkpoint import FullAC\n" in after
+
+
+def test_an_inline_parallelism_table_stays_on_one_line(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text('parallelism = { pipeline_parallel_degree = 1 }\n[training]\nlocal_batch_size = 8\n')
+    write_config("torchtitan", path, layout_of(plan()))
+    data = tomllib.loads(path.read_text())
+    assert data["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT
+    assert path.read_text().startswith("parallelism = { pipeline_parallel_degree = 4, ")

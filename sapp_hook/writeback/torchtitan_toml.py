@@ -66,8 +66,10 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     for key in (*SPLIT_KEYS, *MICRO_KEYS, *SHAPING_KEYS):
         if key not in written:
             table.pop(key, None)
+    one_line = isinstance(table, tomlkit.items.InlineTable)  # `parallelism = {...}` holds no line break
     for key, value in written.items():
-        table[key] = _multiline(value) if key == dialect.split_key and key != SPLIT_POINTS else _like(table.get(key), value)
+        lists_parts = key == dialect.split_key and key != SPLIT_POINTS and not one_line
+        table[key] = _multiline(value) if lists_parts else _like(table.get(key), value)
     choice = checkpointing(layout, dialect)
     section = document.get("activation_checkpoint")
     if not isinstance(section, dict):
