@@ -15,7 +15,7 @@ from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, la
 from sapp_hook.writeback.megatron import write_megatron
 from sapp_hook.writeback.mindformers import write_mindformers
 from sapp_hook.writeback.plain import write_plan
-from sapp_hook.writeback.torchtitan import write_torchtitan
+from sapp_hook.writeback.torchtitan import config_path, write_torchtitan
 from simulator.errors import InputError
 from solver import PipelineSpec
 
@@ -43,7 +43,8 @@ def check_destination(target: str, path: str | Path, *, target_field: str, confi
     file, the `plan` target, may be new)."""
     check_target(target, target_field)
     if target != "plan":
-        read_config(Path(path), config_field)
+        # a TorchTitan Python config may name its config function: FILE.py:FUNCTION
+        read_config(config_path(path)[0] if target == "torchtitan" else Path(path), config_field)
 
 
 def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: int, *, config_field: str) -> None:

@@ -1,0 +1,549 @@
+"""TorchTitan write-back on configs modelled on what its users have (tests/fixtures/torchtitan, each
+naming the upstream file it imitates): TOML configs of every version up to v0.2.2 and Python config
+functions of main. Every fixture is written through `write_config` and through `sapp-hook apply`, and
+read back as TorchTitan reads it (`tomllib`; `ast` for the Python configs), value by value."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import tomllib
+from solver_cases import small_profile
+
+from sapp_hook.cli import main
+from sapp_hook.writeback import check_destination, layout_of, write_config
+from sapp_hook.writeback.files import read_config
+from sapp_hook.writeback.torchtitan_plan import every_kth_block
+from simulator import InputError
+from solver import PipelineSpec, evaluate_plan
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
+# head, 8 blocks, tail over 4 virtual stages: blocks [2, 2, 3, 1]
+PARTS_OUTPUT = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"],
+                ["layers.4", "layers.5", "layers.6"], ["layers.7", "norm", "output"]]
+PARTS_LM_HEAD = [*PARTS_OUTPUT[:3], ["layers.7", "norm", "lm_head"]]
+POINTS = ["layers.2", "layers.4", "layers.7"]
+EVERY_SECOND = {2: "full", 4: "full", 6: "full"}  # blocks 1, 3, 5: the second of ranks 0, 1 and 2
+
+
+@pytest.fixture(autouse=True)
+def no_installed_torchtitan(monkeypatch):
+    """The tests say where a TorchTitan source is; one installed where they run would answer for it."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "torchtitan" else real(name, *args))
+
+
+def plan(modes: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B",
+         counts: list[int] | None = None, micro_batches: int = 8):
+    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
+    layers = ["none"] * 10
+    for index, mode in (modes or {}).items():
+        layers[index] = mode
+    return evaluate_plan(small_profile(8), spec, counts or [3, 2, 3, 2], layers)
+
+
+def copy(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    shutil.copy(FIXTURES / name, path)
+    return path
+
+
+def apply(path: Path, function: str | None, chosen, via: str, capsys) -> list[str]:
+    """Write `chosen` into `path` (through the API or the CLI); the notes."""
+    target = f"{path}:{function}" if function else str(path)
+    if via == "api":
+        return write_config("torchtitan", target, layout_of(chosen)).notes
+    plan_file = path.with_name("plan.json")
+    plan_file.write_text(json.dumps(chosen.to_dict()))
+    assert main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", target, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["notes"]
+
+
+def settings(path: Path, function: str) -> tuple[dict[str, object], dict[str, object]]:
+    """What a Python config function leaves in its parallelism and activation checkpointing, read with
+    `ast` alone: the config call's keywords, then the assignments after it, in source order."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    body = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == function)
+    parallelism: dict[str, object] = {}
+    checkpoint: dict[str, object] = {}
+    nodes = sorted((node for node in ast.walk(body) if hasattr(node, "lineno")), key=lambda n: (n.lineno, n.col_offset))
+    for node in nodes:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "ParallelismConfig":
+            parallelism = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        elif isinstance(node, ast.keyword) and node.arg == "activation_checkpoint":
+            checkpoint = {"expr": ast.unparse(node.value)}
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+            target = ast.unparse(node.targets[0]).split(".")
+            if target[-2] == "parallelism":
+                parallelism[target[-1]] = ast.literal_eval(node.value)
+            elif target[-1] == "activation_checkpoint":
+                checkpoint = {"expr": ast.unparse(node.value)}
+            elif target[-2] == "activation_checkpoint":
+                checkpoint[target[-1]] = ast.literal_eval(node.value)
+    return parallelism, checkpoint
+
+
+def removed_lines(before: str, after: str) -> list[str]:
+    return [line[2:] for line in difflib.ndiff(before.splitlines(), after.splitlines()) if line.startswith("- ")]
+
+
+# fixture, function, the pipeline keys read back, the checkpointing read back, keys that must be gone
+TOML_CASES = [
+    ("debug_model_v0_2.toml", "parallelism",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"}, ()),
+    ("llama3_405b_2025_02.toml", "parallelism",  # training.batch_size 16 in 8 micro-batches
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 2,
+      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
+    ("llama3_8b_2025_01_split_points.toml", "parallelism",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatches": 8,
+      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
+    ("llama3_8b_2024_experimental.toml", "experimental",  # the 2024 spelling of the schedule kept
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1f1b", "pipeline_parallel_microbatches": 8,
+      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
+    ("deepseek_v3_16b_crlf.toml", "parallelism",  # local_batch_size 32 in 8
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 4,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"},
+     ("pipeline_parallel_layers_per_stage",)),
+    ("qwen3_pp_fqns.toml", "parallelism",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"},
+     ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")),
+]
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+@pytest.mark.parametrize(("name", "table", "keys", "checkpoint", "gone"), TOML_CASES, ids=[case[0] for case in TOML_CASES])
+def test_every_toml_fixture_takes_the_plan(tmp_path, capsys, via, name, table, keys, checkpoint, gone):
+    path = copy(tmp_path, name)
+    os.chmod(path, 0o640)
+    before = path.read_bytes()
+    notes = apply(path, None, plan(EVERY_SECOND), via, capsys)
+    after = path.read_bytes()
+    data = tomllib.loads(after.decode("utf-8"))  # as TorchTitan reads it
+    assert {key: data[table][key] for key in keys} == keys
+    assert {key: data["activation_checkpoint"][key] for key in checkpoint} == checkpoint
+    assert not set(gone) & set(data[table])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert Path(f"{path}.sapp-hook.bak").read_bytes() == before
+    assert not Path(f"{path}.sapp-hook.json").exists()  # every second block of a rank: said exactly
+    # only lines holding keys the plan sets or removes changed; every comment elsewhere is kept
+    text, old = after.decode("utf-8"), before.decode("utf-8")
+    for line in removed_lines(old, text):
+        assert any(key in line for key in ("pipeline_parallel", "module_fqns", "mode", "selective_ac_option",
+                                           '["', "]")), line
+    for line in old.splitlines():
+        if line.lstrip().startswith("#"):
+            assert line in text.splitlines()
+    if b"\r\n" in before:  # the file's own line endings, not mixed
+        assert after.count(b"\n") == after.count(b"\r\n") and "训练任务说明" in text
+    assert notes == [note for note in notes if "pipeline_parallel_" in note or "which TorchTitan" in note]
+
+
+# fixture, function, ParallelismConfig fields read back, checkpointing read back, fields that must be gone, side file
+PYTHON_CASES = [
+    ("llama3_config_registry_2026_03.py", "llama3_debugmodel",  # the head named in the file: filter_fqns=["output"]
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": "ActivationCheckpointConfig(mode='full')"}, (), True),
+    ("llama3_config_registry_2026_03.py", "llama3_8b",  # no ParallelismConfig: one added; 16 in 8
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 2,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": "ActivationCheckpointConfig(mode='full')"}, (), True),
+    ("llama3_config_registry_2026_03.py", "llama3_debugmodel_float8",  # changes llama3_debugmodel's config
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "full"}, (), True),
+    ("qwen3_config_registry_main.py", "qwen3_debugmodel",
+     {"data_parallel_shard_degree": -1, "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B",
+      "num_pp_microbatches": 8, "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD},
+     {"expr": "FullAC.Config()"}, ("pipeline_parallel_layers_per_stage",), True),
+    ("qwen3_config_registry_main.py", "qwen3_debugmodel_long",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
+      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD, "pipeline_parallel_layers_per_stage": None},
+     {"expr": "FullAC.Config()"}, (), True),
+    ("qwen3_config_registry_main.py", "qwen3_14b",
+     {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B",
+      "num_pp_microbatches": 8, "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD},
+     {"expr": "FullAC.Config()"}, (), True),
+    ("deepseek_v3_user_registry_crlf.py", "deepseek_v3_16b_pp",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
+      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
+    ("deepseek_v3_user_registry_crlf.py", "deepseek_v3_small",
+     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
+      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
+    ("my_llama_job.py", None,  # the file's only function
+     {"pipeline_parallel_degree": 4, "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
+      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
+]
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+@pytest.mark.parametrize(("name", "function", "fields", "checkpoint", "gone", "side_file"), PYTHON_CASES,
+                         ids=[f"{case[0]}:{case[1]}" for case in PYTHON_CASES])
+def test_every_python_fixture_takes_the_plan(tmp_path, capsys, via, name, function, fields, checkpoint, gone, side_file):
+    path = copy(tmp_path, name)
+    before = path.read_bytes()
+    notes = apply(path, function, plan(EVERY_SECOND), via, capsys)
+    after = path.read_bytes()
+    text = after.decode("utf-8")
+    compile(text, str(path), "exec")  # it parses as Python
+    chosen = function or "llama3_pp"
+    parallelism, said = settings(path, chosen)
+    assert {key: parallelism.get(key) for key in fields} == fields
+    assert not set(gone) & set(parallelism)
+    assert said == checkpoint
+    assert Path(f"{path}.sapp-hook.json").exists() == side_file
+    if side_file:  # main's FullAC checkpoints every block; the plan only every second one of a rank
+        assert any("checkpoints every block alike" in note for note in notes)
+    # every other function is as it was
+    functions = [{node.name: ast.dump(node) for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+                 for source in (before.decode("utf-8"), text)]
+    assert {name: dump for name, dump in functions[0].items() if name != chosen} == {
+        name: dump for name, dump in functions[1].items() if name != chosen}
+    for line in before.decode("utf-8").splitlines():
+        if line.lstrip().startswith("#"):
+            assert line in text.splitlines()
+    if b"\r\n" in before:
+        assert after.count(b"\n") == after.count(b"\r\n") and "パイプライン並列" in text
+
+
+def test_the_crlf_fixtures_have_crlf_endings():
+    """(Else the tests above would not test what they say.)"""
+    for name in ("deepseek_v3_16b_crlf.toml", "deepseek_v3_user_registry_crlf.py"):
+        data = (FIXTURES / name).read_bytes()
+        assert data.count(b"\n") == data.count(b"\r\n") > 10
+
+
+def test_a_python_edit_is_minimal(tmp_path):
+    """The keywords the plan sets change, nothing around them: a comment inside the call, the other
+    fields and the other functions stay."""
+    path = copy(tmp_path, "qwen3_config_registry_main.py")
+    before = path.read_text()
+    write_config("torchtitan", f"{path}:qwen3_debugmodel", layout_of(plan()))
+    after = path.read_text()
+    assert removed_lines(before, after) == [
+        "            pipeline_parallel_degree=2,  # one node per stage",
+        "            pipeline_parallel_layers_per_stage=4,",
+        "            num_pp_microbatches=4,",
+        "        activation_checkpoint=SelectiveAC.Config(),",
+    ]
+    assert "            pipeline_parallel_degree=4,  # one node per stage\n" in after
+    assert "            # an even split, by layer count\n" in after
+    assert "        activation_checkpoint=None,\n" in after  # the plan recomputes nothing
+
+
+@pytest.mark.parametrize(("modes", "chunks", "every"), [
+    (EVERY_SECOND, 1, 2),
+    ({2: "full", 4: "full"}, 1, None),  # rank 2's second block (5) is not recomputed
+    ({index: "full" for index in range(1, 9)}, 1, None),  # all of them: mode "full", not this
+    # interleaved: rank 0 holds blocks 0, 1, 4, 5, 6 and rank 1 holds 2, 3, 7, each counted on its rank
+    ({2: "full", 6: "full", 4: "full"}, 2, 2),
+    ({2: "full", 4: "full", 6: "full", 8: "full"}, 2, None),  # every second block in model order is not
+])
+def test_every_kth_block_counts_on_each_rank(modes, chunks, every):
+    stages = 4 // chunks
+    chosen = plan(modes, stages=stages, chunks=chunks, schedule="Interleaved1F1B" if chunks > 1 else "1F1B")
+    assert every_kth_block(layout_of(chosen)) == every
+
+
+def test_a_plan_torchtitan_cannot_say_per_layer_gets_the_heaviest_mode_and_a_side_file(tmp_path):
+    path = copy(tmp_path, "debug_model_v0_2.toml")
+    chosen = plan({2: "full", 4: "selective"})
+    result = write_config("torchtitan", path, layout_of(chosen))
+    checkpoint = tomllib.loads(path.read_text())["activation_checkpoint"]
+    assert checkpoint == {"mode": "full", "selective_ac_option": "2"}  # the option is unused under "full"
+    side = Path(f"{path}.sapp-hook.json")
+    assert json.loads(side.read_text()) == chosen.to_dict() and str(side) in result.written
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('pipeline_parallel_degree = "4"', "the string '4'"),  # not "is for 4 pipeline stages; ... has 4"
+    ("pipeline_parallel_degree = 4.0", "float 4.0"),
+    ("pipeline_parallel_degree = true", "bool True"),
+])
+def test_a_degree_that_is_not_a_number_is_one_error_saying_so(tmp_path, capsys, text, said):
+    path = copy(tmp_path, "debug_model_v0_2.toml")
+    path.write_text(path.read_text().replace("pipeline_parallel_degree = 1", text))
+    before = path.read_bytes()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan().to_dict()))
+    with pytest.raises(SystemExit) as caught:
+        main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", str(path)])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == (f"sapp-hook apply: error: --config: {path}: parallelism.pipeline_parallel_degree "
+                                       f"is {said}; TorchTitan expects a whole number of pipeline ranks\n")
+    assert path.read_bytes() == before
+
+
+def test_a_python_degree_that_is_a_string_is_refused(tmp_path):
+    path = copy(tmp_path, "my_llama_job.py")
+    path.write_text(path.read_text().replace("pipeline_parallel_degree=4", 'pipeline_parallel_degree="4"'))
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=r"llama3_pp: parallelism.pipeline_parallel_degree is the string '4'") as caught:
+        write_config("torchtitan", path, layout_of(plan()))
+    assert caught.value.field == "--config" and path.read_bytes() == before
+
+
+def test_the_pipeline_degree_and_schedule_are_set_with_notes(tmp_path):
+    path = copy(tmp_path, "qwen3_pp_fqns.toml")
+    notes = write_config("torchtitan", path, layout_of(plan())).notes
+    assert notes[:2] == [
+        ("parallelism.pipeline_parallel_degree was 2; set to the plan's 4: the job runs 4 pipeline ranks for every rank "
+         "of its other degrees (check data_parallel_shard_degree and the launcher's rank count)"),
+        "parallelism.pipeline_parallel_schedule was 'GPipe'; set to the plan's '1F1B'"]
+    assert "pipeline_parallel_degree = 4  # two nodes\n" in path.read_text()
+
+
+def test_a_python_config_with_several_functions_needs_one_named(tmp_path, capsys):
+    path = copy(tmp_path, "qwen3_config_registry_main.py")
+    before = path.read_bytes()
+    with pytest.raises(InputError) as caught:
+        write_config("torchtitan", path, layout_of(plan()))
+    assert caught.value.field == "--config"
+    assert caught.value.detail == (f"{path} defines 3 config functions (qwen3_debugmodel, qwen3_debugmodel_long, "
+                                   f"qwen3_14b): name the one the job runs as {path}:FUNCTION (TorchTitan's --config "
+                                   "FUNCTION)")
+    with pytest.raises(InputError, match=r"has no config function 'qwen3_8b'; it defines qwen3_debugmodel, "):
+        write_config("torchtitan", f"{path}:qwen3_8b", layout_of(plan()))
+    with pytest.raises(InputError, match=r"does not exist or is not a file"):
+        check_destination("torchtitan", f"{tmp_path / 'missing.py'}:qwen3_14b", target_field="--target",
+                          config_field="--config")
+    check_destination("torchtitan", f"{path}:qwen3_14b", target_field="--target", config_field="--config")
+    assert path.read_bytes() == before
+
+
+def test_apply_dry_run_shows_the_python_diff_and_writes_nothing(tmp_path, capsys):
+    path = copy(tmp_path, "llama3_config_registry_2026_03.py")
+    before = path.read_bytes()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan().to_dict()))
+    assert main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", f"{path}:llama3_8b",
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"--- {path} (before)\n+++ {path} (sapp-hook)\n")
+    assert "+        parallelism=ParallelismConfig(\n" in out and '+                ["layers.7", "norm", "output"],\n' in out
+    assert path.read_bytes() == before and not Path(f"{path}.sapp-hook.bak").exists()
+
+
+def _checkout(root: Path, head: str, fields: list[str]) -> None:
+    """A TorchTitan source tree, as much of it as sapp-hook reads: its parallelism config class and
+    its pipeline code."""
+    (root / "torchtitan" / "distributed").mkdir(parents=True)
+    (root / "torchtitan" / "config").mkdir()
+    (root / "torchtitan" / "distributed" / "pipeline_parallel.py").write_text(
+        f'def generate_llm_fqn_per_model_part():\n    return [["tok_embeddings"], ["norm", "{head}"]]\n')
+    (root / "torchtitan" / "config" / "configs.py").write_text(
+        "class ParallelismConfig:\n" + "".join(f"    {name}: int = 1\n" for name in fields))
+
+
+@pytest.mark.parametrize("head", ["output", "lm_head"])
+def test_an_old_python_config_takes_the_head_name_of_the_torchtitan_it_runs_on(tmp_path, head):
+    """A config of 2026-02..06 (ActivationCheckpointConfig, local_batch_size) that names no module does
+    not say whether its head is `output` or `lm_head` (renamed 2026-04): the checkout above it does."""
+    source = "from torchtitan.config import ActivationCheckpointConfig, TrainingConfig\n\n\n" \
+             "def llama3_8b() -> Trainer.Config:\n    return Trainer.Config(\n" \
+             "        training=TrainingConfig(local_batch_size=8),\n" \
+             '        activation_checkpoint=ActivationCheckpointConfig(mode="selective"),\n    )\n'
+    alone = tmp_path / "alone" / "config_registry.py"
+    alone.parent.mkdir()
+    alone.write_text(source)
+    with pytest.raises(InputError, match="cannot tell whether its TorchTitan names the output projection 'lm_head'"):
+        write_config("torchtitan", alone, layout_of(plan()))
+    assert alone.read_text() == source
+    _checkout(tmp_path / "titan", head, ["pipeline_parallel_degree", "module_fqns_per_model_part",
+                                         "pipeline_parallel_microbatch_size"])
+    inside = tmp_path / "titan" / "torchtitan" / "models" / "llama3" / "config_registry.py"
+    inside.parent.mkdir(parents=True)
+    inside.write_text(source)
+    write_config("torchtitan", inside, layout_of(plan()))
+    parallelism, checkpoint = settings(inside, "llama3_8b")
+    assert parallelism["module_fqns_per_model_part"][-1] == ["layers.7", "norm", head]
+    assert parallelism["pipeline_parallel_microbatch_size"] == 1 and checkpoint == {"expr": "ActivationCheckpointConfig(mode='none')"}
+
+
+def test_an_installed_torchtitan_answers_where_no_checkout_is_above_the_config(tmp_path, monkeypatch):
+    _checkout(tmp_path / "site-packages", "lm_head", ["pipeline_parallel_degree", "module_fqns_per_model_part",
+                                                      "pipeline_parallel_microbatch_size"])
+    init = tmp_path / "site-packages" / "torchtitan" / "__init__.py"
+    init.write_text("")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.machinery.ModuleSpec(
+        name, None, origin=str(init)) if name == "torchtitan" else None)
+    path = tmp_path / "config_registry.py"
+    path.write_text("def llama3_8b():\n    return Trainer.Config(training=TrainingConfig(local_batch_size=16))\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    parallelism, _ = settings(path, "llama3_8b")
+    assert parallelism["module_fqns_per_model_part"] == PARTS_LM_HEAD
+    assert parallelism["pipeline_parallel_microbatch_size"] == 2
+
+
+def test_a_toml_config_takes_the_keys_of_the_torchtitan_beside_it(tmp_path):
+    """Without keys that date it, a TOML config is read as v0.2's (module lists); in a checkout whose
+    config class still has split points, it gets split points."""
+    text = "[training]\nlocal_batch_size = 8\n\n[parallelism]\npipeline_parallel_degree = 1\n"
+    alone = tmp_path / "train.toml"
+    alone.write_text(text)
+    notes = write_config("torchtitan", alone, layout_of(plan())).notes
+    assert tomllib.loads(alone.read_text())["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT
+    assert any("does not say which TorchTitan it is for" in note for note in notes)
+    _checkout(tmp_path / "titan", "output", ["pipeline_parallel_degree", "pipeline_parallel_split_points",
+                                             "pipeline_parallel_microbatch_size"])
+    inside = tmp_path / "titan" / "train_configs" / "train.toml"
+    inside.parent.mkdir()
+    inside.write_text(text)
+    notes = write_config("torchtitan", inside, layout_of(plan())).notes
+    parallelism = tomllib.loads(inside.read_text())["parallelism"]
+    assert parallelism["pipeline_parallel_split_points"] == POINTS and "module_fqns_per_model_part" not in parallelism
+    assert not any("does not say which TorchTitan" in note for note in notes)
+
+
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    ("debug_model_v0_2.toml", ("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 1\npipeline_parallel_schedule_csv = "s.csv"'),
+     "parallelism.pipeline_parallel_schedule_csv is 's.csv': TorchTitan runs that file's action order"),
+    ("debug_model_v0_2.toml", ("local_batch_size = 8", "local_batch_size = 12"),
+     "is for 8 micro-batches; .* has training.local_batch_size 12, which does not split into 8"),
+    ("debug_model_v0_2.toml", ("local_batch_size = 8", 'local_batch_size = "8"'),
+     "training.local_batch_size is the string '8'; TorchTitan expects a whole number"),
+    ("my_llama_job.py", ("num_pp_microbatches=8)", "num_pp_microbatches=8, pipeline_parallel_schedule_csv=\"s.csv\")"),
+     "sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that file's action order"),
+    ("llama3_config_registry_2026_03.py:llama3_405b", ("", ""),
+     "is for 8 micro-batches; .* llama3_405b has training.local_batch_size 2, which does not split into 8"),
+    ("qwen3_config_registry_main.py:qwen3_debugmodel_long",
+     ("    return config", "    config.parallelism = make_parallelism()\n    return config"),
+     "qwen3_debugmodel_long would not set .* as written; it was left as it was"),
+])
+def test_configs_that_cannot_take_the_plan_are_refused_and_left_byte_identical(tmp_path, name, edit, message):
+    file, _, function = name.partition(":")
+    path = copy(tmp_path, file)
+    path.write_bytes(path.read_bytes().replace(edit[0].encode(), edit[1].encode(), 1))
+    before = path.read_bytes()
+    target = f"{path}:{function}" if function else path
+    with pytest.raises(InputError, match=message):
+        write_config("torchtitan", target, layout_of(plan()))
+    assert path.read_bytes() == before and not Path(f"{path}.sapp-hook.bak").exists()
+
+
+def test_the_2024_schedules_are_spelled_as_that_torchtitan_spells_them(tmp_path):
+    path = copy(tmp_path, "llama3_8b_2024_experimental.toml")
+    interleaved = plan(stages=2, chunks=2, schedule="Interleaved1F1B")
+    write_config("torchtitan", path, layout_of(interleaved))
+    assert tomllib.loads(path.read_text())["experimental"]["pipeline_parallel_schedule"] == "interleaved_1f1b"
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=r"--plan: is for ZBVZeroBubble; this TorchTitan \(schedules spelled gpipe, 1f1b, "
+                                         r"interleaved_1f1b\) runs only GPipe, 1F1B, Interleaved1F1B$"):
+        write_config("torchtitan", path, layout_of(plan(stages=2, chunks=2, schedule="ZBVZeroBubble")))
+    assert path.read_bytes() == before
+
+
+def test_split_points_cannot_say_a_stage_without_blocks(tmp_path):
+    path = copy(tmp_path, "llama3_8b_2025_01_split_points.toml")
+    before = path.read_bytes()
+    tail_alone = plan(counts=[3, 3, 3, 1])  # head + 2, 3, 3 blocks, then the tail alone
+    with pytest.raises(InputError, match="gives virtual stage 3 no decoder layer; this TorchTitan splits the model at "
+                                         r"decoder layers \(pipeline_parallel_split_points\)"):
+        write_config("torchtitan", path, layout_of(tail_alone))
+    assert path.read_bytes() == before
+    fqns = copy(tmp_path, "qwen3_pp_fqns.toml")  # module lists can: the last part is the tail
+    write_config("torchtitan", fqns, layout_of(tail_alone))
+    assert tomllib.loads(fqns.read_text())["parallelism"]["module_fqns_per_model_part"][-1] == ["norm", "output"]
+
+
+@pytest.mark.parametrize("name", ["debug_model_v0_2.toml", "llama3_config_registry_2026_03.py:llama3_debugmodel"])
+def test_a_failure_between_write_and_rename_leaves_the_config_byte_identical(tmp_path, monkeypatch, name):
+    file, _, function = name.partition(":")
+    path = copy(tmp_path, file)
+    before = path.read_bytes()
+
+    def full_disk(source, destination):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(InputError, match="left as it was"):
+        write_config("torchtitan", f"{path}:{function}" if function else path, layout_of(plan()))
+    assert path.read_bytes() == before
+    assert read_config(path) == before.decode("utf-8")
+
+
+def test_a_2024_config_without_pipeline_keys_gets_them_where_2024_read_them(tmp_path):
+    """TorchTitan's 2024 configs had no [parallelism]: the degrees sat in [training], the pipeline keys
+    in [experimental] (torchtitan/config_manager.py, --experimental.pipeline_parallel_degree)."""
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text("[training]\nbatch_size = 8\ndata_parallel_degree = -1\ntensor_parallel_degree = 1\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    assert tomllib.loads(path.read_text())["experimental"] == {
+        "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatches": 8,
+        "pipeline_parallel_split_points": POINTS}
+
+
+def test_python_that_cannot_be_read_is_one_error(tmp_path):
+    path = tmp_path / "config_registry.py"
+    for text, said in [("def f(:\n", "is not valid Python: "), ("def f():\n    return 1\x00\n", "is not ")]:
+        path.write_text(text)
+        with pytest.raises(InputError, match=said) as caught:
+            write_config("torchtitan", path, layout_of(plan()))
+        assert caught.value.field == "--config" and path.read_text() == text
+
+
+def test_the_local_batch_may_sit_in_a_batch_config(tmp_path):
+    """TrainingConfig's batch fields moved to BatchConfig in 2026-07 (pytorch/torchtitan#3926)."""
+    path = tmp_path / "config_registry.py"
+    path.write_text("def qwen3_debugmodel():\n    return Trainer.Config(\n        batch=BatchConfig(local_batch_size=16),\n"
+                    "        parallelism=ParallelismConfig(pipeline_parallel_microbatch_size=1),\n"
+                    "        activation_checkpoint=SelectiveAC.Config(),\n    )\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    parallelism, checkpoint = settings(path, "qwen3_debugmodel")
+    assert parallelism["pipeline_parallel_microbatch_size"] == 2 and checkpoint == {"expr": "None"}
+    assert parallelism["pipeline_parallel_module_fqns_per_model_part"] == PARTS_LM_HEAD
+
+
+def test_a_parallelism_changed_through_a_variable_is_written_where_it_is_changed(tmp_path):
+    """`p = ParallelismConfig(...)`, then `p.pipeline_parallel_degree = 2`: that assignment runs last."""
+    path = tmp_path / "config_registry.py"
+    path.write_text("def llama3_pp():\n    p = ParallelismConfig(num_pp_microbatches=4)\n    p.pipeline_parallel_degree = 2\n"
+                    "    return Trainer.Config(parallelism=p, activation_checkpoint=None)\n")
+    write_config("torchtitan", path, layout_of(plan()))
+    text = path.read_text()
+    assert "    p.pipeline_parallel_degree = 4\n" in text
+    call = next(node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "ParallelismConfig")
+    assert {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords} == {
+        "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+
+
+def test_a_config_for_an_older_torchtitan_gets_the_names_of_the_one_it_runs_on(tmp_path):
+    """A config of 2026-03 (module_fqns_per_model_part, ActivationCheckpointConfig, filter_fqns=["output"])
+    inside a checkout of main: main's names, the old ones taken out, the new class imported."""
+    root = tmp_path / "titan"
+    _checkout(root, "lm_head", ["pipeline_parallel_degree", "pipeline_parallel_module_fqns_per_model_part",
+                                "num_pp_microbatches", "pipeline_parallel_schedule"])
+    (root / "torchtitan" / "distributed" / "activation_checkpoint.py").write_text("class FullAC:\n    pass\n")
+    path = root / "torchtitan" / "models" / "llama3" / "config_registry.py"
+    path.parent.mkdir(parents=True)
+    shutil.copy(FIXTURES / "llama3_config_registry_2026_03.py", path)
+    text = path.read_text().replace("    return config\n", "    config.parallelism.module_fqns_per_model_part = None\n"
+                                                          "    return config\n", 1)
+    path.write_text(text)
+    write_config("torchtitan", f"{path}:llama3_debugmodel_float8", layout_of(plan(EVERY_SECOND)))
+    parallelism, checkpoint = settings(path, "llama3_debugmodel_float8")
+    assert parallelism == {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
+                           "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+    assert checkpoint == {"expr": "FullAC.Config()"}
+    after = path.read_text()
+    assert "module_fqns_per_model_part = None" not in after
+    assert "\nfrom torchtitan.distributed.activation_checkpoint import FullAC\n" in after
+
+
+def test_an_inline_parallelism_table_stays_on_one_line(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text('parallelism = { pipeline_parallel_degree = 1 }\n[training]\nlocal_batch_size = 8\n')
+    write_config("torchtitan", path, layout_of(plan()))
+    data = tomllib.loads(path.read_text())
+    assert data["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT
+    assert path.read_text().startswith("parallelism = { pipeline_parallel_degree = 4, ")
