@@ -1,7 +1,7 @@
 """sapp-hook: balance pipeline-parallel training from inside the run.
 
 The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`,
-`torchtitan_module_names` (for TorchTitan's Python configs), and the schedule simulator's names. The
+`torchtitan_module_names` (a plan's module names per model part, as TorchTitan takes them), and the schedule simulator's names. The
 torch parts are imported on first use, so planning and simulation work where torch is not installed.
 """
 
