@@ -282,9 +282,10 @@ def test_an_order_the_plan_was_not_made_for_is_refused_not_overwritten(tmp_path,
     path = tmp_path / "deepseek3_mcore_seqpipe.yaml"
     shutil.copy(FIXTURES / path.name, path)
     plan = layout([3] + [4] * 14 + [3], chunks=2, schedule="Interleaved1F1B", mtp=1, micro_batches=32)
-    error = refused(path, plan, "parallel.pipeline_config.pipeline_scheduler 'seqpipe', which splits every "
-                                "micro-batch's sequence")
-    assert "set parallel.pipeline_config.pipeline_scheduler to 1f1b to run this plan" in error.detail
+    error = refused(path, plan, "is for Interleaved1F1B (pipeline_scheduler 1f1b); ")
+    assert error.detail.endswith("has parallel.pipeline_config.pipeline_scheduler 'seqpipe', MindSpore's sequence-pipeline "
+                                 "order (seq_split_num), which sapp-hook does not plan: set "
+                                 "parallel.pipeline_config.pipeline_scheduler to 1f1b to run this plan")
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan.plan_data))
     with pytest.raises(SystemExit) as caught:
@@ -295,9 +296,10 @@ def test_an_order_the_plan_was_not_made_for_is_refused_not_overwritten(tmp_path,
 
 @pytest.mark.parametrize(("file", "old", "new", "plan", "words"), [
     ("pp_interleave_48_layers.yaml", "'1f1b'", "'seqsmartvpp'", dict(counts=PP48_COUNTS, chunks=2,
-     schedule="Interleaved1F1B", micro_batches=10), "'seqsmartvpp', the interleaved order that splits"),
+     schedule="Interleaved1F1B", micro_batches=10), "'seqsmartvpp', MindSpore's small-memory interleaved"),
     ("template_v2_qwen3.yaml", '"1f1b"', '"zero_bubble_v"', dict(counts=QWEN_COUNTS, micro_batches=8),
-     "'zero_bubble_v', ZBVZeroBubble: solve with --schedule ZBVZeroBubble --chunks 2"),
+     "'zero_bubble_v', the order of a ZBVZeroBubble plan: solve with --schedule ZBVZeroBubble --chunks 2, or set "
+     "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler to 1f1b to run this plan"),
     ("llama2_13b_select_ops.yaml", '"1f1b"', '"1F1B"', dict(counts=[19, 21], micro_batches=128),
      "'1F1B', which MindSpore does not know"),
     ("qwen3_32b_pretrain.yaml", "", "", dict(counts=[16, 16, 16, 16], schedule="ZBH1"),
@@ -352,38 +354,42 @@ def test_layer_counts_are_checked_as_mindformers_counts_them(tmp_path, file, old
 
 
 MODEL = "model:\n  model_config:\n    num_layers: 4\n    offset: 0\n"
-PLAN_2X2 = dict(counts=[1, 3], micro_batches=8)
+SPLIT = "model:\n  model_config:\n    num_layers: 4\n    offset: [-1, 1]\n"  # the plans' [1, 3] split written
+PLAIN, FULL_GPIPE = dict(counts=[1, 3], micro_batches=8), dict(counts=[1, 3], micro_batches=8, full=[0, 2], schedule="GPipe")
 
 
-@pytest.mark.parametrize(("text", "expected", "note"), [
+@pytest.mark.parametrize(("text", "plan", "expected", "note"), [
     # the edited key's anchor is used under another name: the anchor moves to that use, which keeps its value
     ("parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: &mbn 4  # per step\nrunner_config:\n"
-     "  gradient_accumulation_steps: *mbn\n" + MODEL,
+     "  gradient_accumulation_steps: *mbn\n" + MODEL, PLAIN,
      "parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: 8  # per step\nrunner_config:\n"
-     "  gradient_accumulation_steps: &mbn 4\nmodel:\n  model_config:\n    num_layers: 4\n    offset: [-1, 1]\n",
+     "  gradient_accumulation_steps: &mbn 4\n" + SPLIT,
      "parallel_config.micro_batch_num shared &mbn with runner_config.gradient_accumulation_steps"),
     # the edited key aliases another's anchor: it gets its own value
     ("seed: &zero 0\nparallel_config: {pipeline_stage: 2, micro_batch_num: 8}\nmodel:\n  model_config:\n"
-     "    num_layers: 4\n    offset: *zero\n",
-     "seed: &zero 0\nparallel_config: {pipeline_stage: 2, micro_batch_num: 8}\nmodel:\n  model_config:\n"
-     "    num_layers: 4\n    offset: [-1, 1]\n", "model.model_config.offset shared &zero with seed"),
+     "    num_layers: 4\n    offset: *zero\n", PLAIN,
+     "seed: &zero 0\nparallel_config: {pipeline_stage: 2, micro_batch_num: 8}\n" + SPLIT,
+     "model.model_config.offset shared &zero with seed"),
     # a block list with a comment on its key's line; a section created where none was; capitalised booleans
     ("parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: 8\n  vocab_emb_dp: True\nrecompute_config:\n"
-     "  recompute:  # per stage\n    - 1\n    - 0\n" + MODEL,
+     "  recompute:  # per stage\n    - 1\n    - 0\n" + MODEL, FULL_GPIPE,
      "parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: 8\n  vocab_emb_dp: True\nrecompute_config:\n"
-     "  recompute:  # per stage\n    [0, 2]\nmodel:\n  model_config:\n    num_layers: 4\n    offset: [-1, 1]\n"
+     "  recompute:  # per stage\n    [0, 2]\n" + SPLIT +
      "parallel:\n  pipeline_config:\n    pipeline_interleave: False\n    pipeline_scheduler: gpipe\n", None),
+    # sections left empty (`key:`, `~`) get their keys as flow mappings
+    ("parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: 8\nparallel:\n  pipeline_config:\n"
+     "recompute_config: ~  # none yet\n" + MODEL, FULL_GPIPE,
+     "parallel_config:\n  pipeline_stage: 2\n  micro_batch_num: 8\nparallel:\n"
+     "  pipeline_config: {pipeline_interleave: false, pipeline_scheduler: gpipe}\n"
+     "recompute_config: {recompute: [0, 2]}  # none yet\n" + SPLIT, None),
     # a UTF-8 byte-order mark and a flow mapping at the top
-    ("\ufeffparallel_config: {pipeline_stage: 2}\n" + MODEL,
-     "\ufeffparallel_config: {pipeline_stage: 2, micro_batch_num: 8}\n"
-     "model:\n  model_config:\n    num_layers: 4\n    offset: [-1, 1]\n", "micro_batch_num unset (1) -> 8"),
+    ("\ufeffparallel_config: {pipeline_stage: 2}\n" + MODEL, PLAIN,
+     "\ufeffparallel_config: {pipeline_stage: 2, micro_batch_num: 8}\n" + SPLIT, "micro_batch_num unset (1) -> 8"),
 ])
-def test_anchors_blocks_and_new_sections_are_written_where_the_user_would(tmp_path, text, expected, note):
+def test_anchors_blocks_and_new_sections_are_written_where_the_user_would(tmp_path, text, plan, expected, note):
     path = tmp_path / "train.yaml"
     path.write_text(text, encoding="utf-8")
-    full = [0, 2] if "per stage" in text else None
-    schedule = "GPipe" if "per stage" in text else "1F1B"
-    result = write_config("mindformers", path, layout(**PLAN_2X2, full=full, schedule=schedule))
+    result = write_config("mindformers", path, layout(**plan))
     assert path.read_text(encoding="utf-8") == expected
     assert note is None or any(note in line for line in result.notes), result.notes
 
@@ -392,7 +398,7 @@ def test_a_section_from_a_merge_is_not_written_into(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("base: &base\n  model_config: {num_layers: 4, offset: 0}\nmodel:\n  <<: *base\n"
                     "parallel_config: {pipeline_stage: 2, micro_batch_num: 8}\n")
-    refused(path, layout(**PLAN_2X2), "model.model_config comes from a merge (<<:); sapp-hook writes "
+    refused(path, layout(**PLAIN), "model.model_config comes from a merge (<<:); sapp-hook writes "
                                       "model.model_config.offset only into a section the file writes out", "--config")
 
 

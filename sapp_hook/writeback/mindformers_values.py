@@ -22,11 +22,11 @@ SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "1f1b", "Inte
 # The plain orders, which sapp-hook sets to the plan's (with a note); any other a config names is the user's
 # choice of an order the plan was not made for.
 PLAIN_SCHEDULERS = ("1f1b", "gpipe")
-OTHER_SCHEDULERS = {
-    "seqpipe": "which splits every micro-batch's sequence (seq_split_num), an order sapp-hook does not plan",
-    "seqvpp": "the interleaved order that splits every micro-batch's sequence, which sapp-hook does not plan",
-    "seqsmartvpp": "the interleaved order that splits every micro-batch's sequence, which sapp-hook does not plan",
-    "zero_bubble_v": "ZBVZeroBubble: solve with --schedule ZBVZeroBubble --chunks 2",
+OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the plan's
+    "seqpipe": ("MindSpore's sequence-pipeline order (seq_split_num), which sapp-hook does not plan", ""),
+    "seqvpp": ("MindSpore's interleaved sequence-pipeline order, which sapp-hook does not plan", ""),
+    "seqsmartvpp": ("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook does not plan", ""),
+    "zero_bubble_v": ("the order of a ZBVZeroBubble plan", "solve with --schedule ZBVZeroBubble --chunks 2, or "),
 }
 DECODER_KEYS = ("num_layers", "num_hidden_layers")  # the legacy models' name, then mcore's and Hugging Face's
 # The multi-token-prediction depth: research/deepseek3's classic key, mcore's, Hugging Face's (DeepSeek-V3).
@@ -91,11 +91,10 @@ def check_scheduler(layout: Layout, configured: object, where: str, path: Path, 
     if configured in PLAIN_SCHEDULERS:
         result.notes.append(f"{where} {configured} -> {wanted}: the plan is for {layout.schedule}")
         return wanted
-    reason = OTHER_SCHEDULERS.get(configured, "which MindSpore does not know") if isinstance(configured, str) else \
-        "which is not a scheduler's name"
+    what, advice = OTHER_SCHEDULERS.get(configured, ("which MindSpore does not know", "")) \
+        if isinstance(configured, str) else ("which is not a scheduler's name", "")
     raise InputError("--plan", f"is for {layout.schedule} (pipeline_scheduler {wanted}); {path} has {where} {configured!r}, "
-                               f"{reason}; solve for the order the config runs, or set {where} to {wanted} to run "
-                               "this plan")
+                               f"{what}: {advice}set {where} to {wanted} to run this plan")
 
 
 def note_interleave(before: object, layout: Layout, where: str, result: WriteBack) -> None:

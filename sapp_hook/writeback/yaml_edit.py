@@ -196,6 +196,8 @@ class YamlEdit:
                 raise InputError(self.flag, f"{self.source}: {dotted(path[: depth + 1])} is shared (&{node.anchor}) "
                                             f"with {others}: sapp-hook changes a shared section only where every use "
                                             f"has its name; give {dotted(path[: depth + 1])} a section of its own")
+            if node.kind == "scalar" and self.get(path[: depth + 1]) is None:  # `section:` left empty
+                return node, depth + 1
             if node.kind != "map":
                 raise InputError(self.flag, f"{self.source}: {dotted(path[: depth + 1])} is not a mapping")
             spot = node
@@ -263,7 +265,9 @@ class YamlEdit:
         """The edited text, checked: it reads back as the data with the intended changes and nothing else."""
         inserts: dict[int, list[tuple[int, str]]] = defaultdict(list)
         for mapping, tree in self._created.values():
-            if mapping.flow:
+            if mapping.kind == "scalar":  # an empty section gets its keys as a flow mapping
+                self._edits.append((mapping.start, mapping.end, " " * (mapping.start == mapping.end) + self.render(tree)))
+            elif mapping.flow:
                 text = ", ".join(f"{self.render(str(key))}: {self.render(value)}" for key, value in tree.items())
                 inserts[mapping.end - 1].append((0, (", " if mapping.items else "") + text))
             elif mapping.items:
@@ -291,7 +295,9 @@ class YamlEdit:
 
 def _put(data: object, path: tuple, value: object) -> None:
     for part in path[:-1]:
-        data = data[part] if isinstance(data, list) else data.setdefault(part, {})
+        if isinstance(data, dict) and data.get(part) is None:
+            data[part] = {}
+        data = data[part]
     data[path[-1]] = copy.deepcopy(value)
 
 
