@@ -17,12 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
 from sapp_hook.cli import main
 from sapp_hook.writeback import layout_from_dict, write_config
 from simulator import InputError
 from solver import PipelineSpec
+from solver.profile import RECOMPUTE_MODES
 from solver.spec import spec_to_dict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
@@ -170,9 +173,10 @@ def copied(tmp_path: Path, name: str) -> Path:
     return path
 
 
-def layer_setting(data: dict, plan) -> tuple[list[list[int]], list[list[int]]]:
-    """Per chunk and stage, the layers and the fully recomputed layers MindFormers' LayerSetting takes from a
-    config: its arithmetic (mindformers/models/utils.py) written out again here, apart from the writer's."""
+def layer_setting(data: dict, plan) -> dict[str, list[list[int]]]:
+    """Per chunk and stage, the layers, the fully recomputed ones and those with selected ops recomputed that
+    MindFormers' LayerSetting takes from a config: its arithmetic (mindformers/models/utils.py) written out again
+    here, apart from the writer's. A layer fully recomputed recomputes no selected ops (MindFormers skips them)."""
     if "distribute_parallel_config" in data:
         pipeline = data["distribute_parallel_config"]["pipeline_parallel_config"]
         stages = data["distribute_parallel_config"]["pipeline_model_parallel_size"]
@@ -188,30 +192,39 @@ def layer_setting(data: dict, plan) -> tuple[list[list[int]], list[list[int]]]:
     offsets = np.broadcast_to(np.array(offset, np.int32), (chunks, stages))
     assert offsets.sum() == total % (stages * chunks)
     layers = np.ones((chunks, stages), np.int32) * (total // (stages * chunks)) + offsets
-    recompute = data.get("recompute_config", {}).get("recompute", False)
-    if isinstance(recompute, bool):
-        full = layers if recompute else np.zeros_like(layers)
-    elif all(isinstance(item, int) for item in recompute):  # per stage: one layer a chunk at a time
-        full = np.zeros_like(layers)
-        for stage, count in enumerate(recompute):
-            count = min(count, layers[:, stage].sum())
-            while count:
-                for chunk in range(chunks):
-                    if count and full[chunk, stage] < layers[chunk, stage]:
-                        full[chunk, stage], count = full[chunk, stage] + 1, count - 1
-    else:
-        full = np.minimum(np.array(recompute), layers)
-    return layers.tolist(), full.tolist()
+
+    def counts(value: object) -> np.ndarray:  # LayerSetting._format_recompute_list
+        if isinstance(value, bool):
+            return layers if value else np.zeros_like(layers)
+        if all(isinstance(item, str) for item in value):
+            return layers
+        if all(isinstance(item, int) for item in value):  # per stage: one layer a chunk at a time
+            cells = np.zeros_like(layers)
+            for stage, count in enumerate(value):
+                count = min(count, layers[:, stage].sum())
+                while count:
+                    for chunk in range(chunks):
+                        if count and cells[chunk, stage] < layers[chunk, stage]:
+                            cells[chunk, stage], count = cells[chunk, stage] + 1, count - 1
+            return cells
+        return np.minimum(np.array(value), layers)
+
+    recompute = data.get("recompute_config", {})
+    full = counts(recompute.get("recompute", False))
+    select = recompute.get("select_recompute", False)
+    per_op = [counts(value) for value in select.values()] if isinstance(select, dict) else [counts(select)]
+    assert all((np.maximum(op, full) == np.maximum(per_op[0], full)).all() for op in per_op)
+    return {"layers": layers.tolist(), "full": full.tolist(), "selected": np.maximum(per_op[0], full).tolist()}
 
 
-def plan_cells(plan) -> tuple[list[list[int]], list[list[int]]]:
-    """Per chunk and stage, the plan's body layers and fully recomputed ones."""
+def plan_cells(plan) -> dict[str, list[list[int]]]:
+    """Per chunk and stage, the plan's body layers, fully recomputed ones, and those recomputed fully or selectively."""
     schedule = PipelineSpec(stages=plan.stages, chunks=plan.chunks, micro_batches=plan.micro_batches,
                             schedule=plan.schedule).pipeline_schedule
     cells = plan.virtual_stages()
     at_cell = [[cells[schedule.stage_index(stage, chunk)] for stage in range(plan.stages)] for chunk in range(plan.chunks)]
-    return ([[sum(layer.is_body for layer in cell) for cell in row] for row in at_cell],
-            [[sum(layer.recompute == "full" for layer in cell) for cell in row] for row in at_cell])
+    return {name: [[sum(layer.is_body and layer.recompute in modes for layer in cell) for cell in row] for row in at_cell]
+            for name, modes in (("layers", RECOMPUTE_MODES), ("full", ("full",)), ("selected", ("full", "selective")))}
 
 
 def check_written(case: Case, before: bytes, after: bytes, plan) -> None:
@@ -222,8 +235,7 @@ def check_written(case: Case, before: bytes, after: bytes, plan) -> None:
     round_trip = YAML(typ="rt").load(text)  # ruamel reads it too, aliases and all
     for path, value in case.expected.items():
         assert at(round_trip, path) == value, path
-    layers, full = layer_setting(data, plan)
-    assert (layers, full) == plan_cells(plan)
+    assert layer_setting(data, plan) == plan_cells(plan)
     old = before.decode("utf-8")
     for anchor in re.findall(r"&(\w+)", old):  # every anchor still defined, every alias still an alias
         assert text.count(f"&{anchor}") == old.count(f"&{anchor}") and text.count(f"*{anchor}") == old.count(f"*{anchor}")
@@ -431,3 +443,39 @@ def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)["plan"]
     # recompute: True is every layer; select_recompute: False selects nothing more (was refused: "below recompute")
     assert plan["offset"] == [-1, 0, 0, 1] and plan["recompute"] == plan["select_recompute"] == [1, 2, 2, 3]
+
+
+@st.composite
+def plans_for(draw, body: int, stages: int, chunks: int, mtp: int = 0):
+    """A plan of `body` layers over stages x chunks, each virtual stage holding one or more, with any full and
+    selective recompute."""
+    cuts = sorted(draw(st.lists(st.integers(1, body - 1), min_size=stages * chunks - 1,
+                                max_size=stages * chunks - 1, unique=True)))
+    counts = [b - a for a, b in zip([0, *cuts], [*cuts, body])]
+    full = [draw(st.integers(0, count)) for count in counts]
+    selective = [draw(st.integers(0, count - f)) for count, f in zip(counts, full)]
+    schedule = "Interleaved1F1B" if chunks > 1 else "1F1B"
+    return layout(counts, chunks=chunks, schedule=schedule, micro_batches=stages * 2, mtp=mtp, full=full,
+                  selective=selective)
+
+
+@pytest.mark.parametrize(("file", "body", "stages", "chunks", "mtp", "micro_batches"), [
+    ("pp_interleave_48_layers.yaml", 48, 5, 2, 0, 10),
+    ("llama2_13b_select_ops.yaml", 40, 2, 1, 0, 128),
+    ("deepseek3_671b_pretrain.yaml", 62, 16, 1, 1, 32),
+    ("llama2_70b_pretrain_crlf.yaml", 80, 8, 1, 0, 256),
+    ("template_v2_deepseek3_mtp.yaml", 62, 16, 1, 1, 32),
+])
+def test_any_plan_reads_back_as_planned(tmp_path, file, body, stages, chunks, mtp, micro_batches):
+    """Any split and recompute, written into a shipped config's shape, is what MindFormers reads back."""
+
+    @settings(max_examples=25, deadline=None)
+    @given(plans_for(body, stages, chunks, mtp))
+    def check(plan):
+        plan = layout_from_dict({**plan.plan_data, "spec": {**plan.plan_data["spec"], "micro_batches": micro_batches}})
+        path = tmp_path / file
+        path.write_bytes((FIXTURES / file).read_bytes())
+        write_config("mindformers", path, plan)
+        assert layer_setting(yaml.safe_load(path.read_text(encoding="utf-8")), plan) == plan_cells(plan)
+
+    check()
