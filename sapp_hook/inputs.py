@@ -11,25 +11,97 @@ from simulator.errors import InputError
 from solver.profile import read_json, read_limited
 
 MAX_DEPTH = 32
+# What aliases may add to a document's nodes when expanded: real configs' aliases add dozens (`*dp` in
+# dataset_strategy); a few lines of nested aliases ("billion laughs") add billions.
+MAX_ALIAS_NODES = 100_000
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe subset, without anchors and aliases (a few lines of aliases can expand to
-    gigabytes) and at most MAX_DEPTH levels deep."""
+    """YAML's safe subset, at most MAX_DEPTH levels deep and with at most MAX_ALIAS_NODES nodes added
+    by expanding its aliases (an alias bomb is refused before anything is built), each key once in
+    a mapping."""
 
     depth = 0
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise InputError("yaml", f"aliases are not accepted (line {event.start_mark.line + 1})")
         self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise InputError("yaml", f"nested deeper than {MAX_DEPTH} levels")
         try:
+            if self.depth > MAX_DEPTH:
+                raise InputError("yaml", f"line {self.peek_event().start_mark.line + 1}: nested deeper than "
+                                         f"{MAX_DEPTH} levels")
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
+
+    def compose_document(self):  # type: ignore[no-untyped-def]
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a composed document whose aliases nest it deeper than MAX_DEPTH, expand it by more than
+    MAX_ALIAS_NODES nodes or refer to a node from inside it, or a mapping that repeats a key."""
+    distinct: set[int] = set()
+    pending = [root]
+    while pending:  # every node once, however often aliases name it
+        node = pending.pop()
+        if id(node) not in distinct:
+            distinct.add(id(node))
+            pending.extend(_children(node))
+    limit = len(distinct) + MAX_ALIAS_NODES
+    known: dict[int, tuple[int, int]] = {}  # id -> (nodes once expanded, levels)
+    inside: set[int] = set()
+
+    def visit(node: yaml.Node, depth: int) -> tuple[int, int]:
+        if id(node) in inside:
+            raise InputError("yaml", f"line {_line(node)}: an alias refers to a node from inside it, which never ends")
+        if id(node) not in known:
+            if depth > MAX_DEPTH:
+                raise InputError("yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its "
+                                         "aliases are expanded")
+            if isinstance(node, yaml.MappingNode):
+                _check_keys(node)
+            inside.add(id(node))
+            nodes, levels = 1, 1
+            for child in _children(node):
+                child_nodes, child_levels = visit(child, depth + 1)
+                nodes, levels = nodes + child_nodes, max(levels, child_levels + 1)
+                if nodes > limit:
+                    raise InputError("yaml", f"its aliases expand it by more than {MAX_ALIAS_NODES:,} nodes "
+                                             f"(line {_line(child)}): an alias bomb?")
+            inside.discard(id(node))
+            known[id(node)] = nodes, levels
+        if depth + known[id(node)][1] - 1 > MAX_DEPTH:
+            raise InputError("yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases "
+                                     "are expanded")
+        return known[id(node)]
+
+    visit(root, 1)
+
+
+def _check_keys(node: yaml.MappingNode) -> None:
+    """A key said twice in one mapping (PyYAML keeps the last, ruamel refuses, MindFormers reads one)."""
+    seen: dict[tuple[str, str], int] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            first = seen.get((key.tag, key.value))
+            if first is not None:
+                raise InputError("yaml", f"line {_line(key)}: key {key.value!r} repeats the one on line {first}; "
+                                         "expected each key once in a mapping")
+            seen[(key.tag, key.value)] = _line(key)
 
 
 def read_document(path: str | Path, what: str) -> object:
@@ -56,12 +128,18 @@ def read_yaml(path: str | Path, what: str) -> object:
         text = read_limited(path, what).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(what, f"{path} is not UTF-8 text: {exc}") from None
+    return parse_yaml(text, what, path)
+
+
+def parse_yaml(text: str, what: str, source: object) -> object:
+    """YAML text (from `source`, a path) as plain data, through the strict safe loader; one
+    InputError naming `what` and `source` for anything it refuses."""
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except InputError as exc:
-        raise InputError(what, f"{path}: {exc.detail}") from None
+        raise InputError(what, f"{source}: {exc.detail}") from None
     except yaml.YAMLError as exc:
-        raise InputError(what, f"{path} is not valid YAML: {exc}".replace("\n", " ")) from None
+        raise InputError(what, f"{source} is not valid YAML: {exc}".replace("\n", " ")) from None
 
 
 # Where a MindFormers training config keeps each plan key, besides the top level: the classic format's
@@ -95,4 +173,42 @@ def mindformers_keys(document: object, what: str) -> dict[str, object]:
                 break
     if "offset" not in keys and not any(k in keys for k in ("recompute", "select_recompute", "select_comm_recompute")):
         raise InputError(what, "found none of offset, recompute, select_recompute, select_comm_recompute")
+    return _as_counts(keys, what)
+
+
+def _ops(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(item, str) for item in value)
+
+
+def _as_counts(keys: dict[str, object], what: str) -> dict[str, object]:
+    """The recompute keys as counts, as MindFormers reads them: op patterns recompute every layer, a
+    mapping of ops one count (the plan has one selective mode), and a select key saying less than
+    recompute says recompute's (MindFormers selects nothing in a fully recomputed layer)."""
+    if _ops(keys.get("recompute")):
+        keys["recompute"] = True
+    full = keys.get("recompute")
+    for key in ("select_recompute", "select_comm_recompute"):
+        value = keys.get(key)
+        if isinstance(value, Mapping):
+            values = [True if _ops(item) else item for item in value.values()]
+            if any(item != values[0] for item in values):
+                raise InputError(what, f"{key} gives its ops different counts ({value}); a plan has one "
+                                   "selective mode: expected the same count for every op")
+            value = values[0] if values else False
+        value = True if _ops(value) else value
+        if key not in keys:
+            continue
+        if value is False or value is None or full is True:
+            del keys[key]  # a plan's select counts default to its full ones
+        else:
+            keys[key] = _at_least(value, full)
     return keys
+
+
+def _at_least(value: object, floor: object) -> object:
+    """`value`, each count raised to `floor`'s where both are lists of the same shape."""
+    if isinstance(value, list) and isinstance(floor, list) and len(value) == len(floor):
+        return [_at_least(item, limit) for item, limit in zip(value, floor)]
+    if isinstance(value, int) and isinstance(floor, int) and not isinstance(value, bool) and not isinstance(floor, bool):
+        return max(value, floor)
+    return value

@@ -128,7 +128,8 @@ def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("a: &x [1]\nb: *x\n", "aliases are not accepted"),
+        ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n"
+                                                         for p, n in zip("abcdefgh", "bcdefghi")), "an alias bomb"),
         ("offset: " + "[" * 40 + "0" + "]" * 40 + "\n", "nested deeper than 32"),
         ("offset: [1, 2\n", "not valid YAML"),
         ("!!python/object/apply:os.system ['echo hi']\n", "not valid YAML"),

@@ -83,8 +83,7 @@ def test_the_backup_keeps_the_users_config_across_writes(config):
     assert theirs.read_text() == "the user's own backup"
 
 
-@pytest.mark.parametrize(("schedule", "scheduler"), [("Interleaved1F1B", "1f1b"), ("ZBVZeroBubble", "zero_bubble_v"),
-                                                     ("DualPipeV", "1f1b")])
+@pytest.mark.parametrize(("schedule", "scheduler"), [("Interleaved1F1B", "1f1b"), ("ZBVZeroBubble", "zero_bubble_v")])
 def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(config, schedule, scheduler):
     path = config("mindformers")
     chosen = plan(chunks=2, schedule=schedule)
@@ -94,18 +93,18 @@ def test_mindformers_interleaved_writes_lists_of_lists_and_turns_interleave_on(c
     assert model_config["offset"] == chosen.mindformers()["offset"] and model_config["pp_interleave_num"] == 2
     # without pipeline_interleave MindFormers takes pp_interleave_num as 1
     assert document["parallel"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": scheduler}
-    said = any("knows no MindFormers pipeline_scheduler for DualPipeV" in note for note in result.notes)
-    assert said == (schedule == "DualPipeV")
+    said = any("pipeline_scheduler 1f1b -> zero_bubble_v" in note for note in result.notes)
+    assert said == (schedule == "ZBVZeroBubble")
 
 
 
-@pytest.mark.parametrize(("schedule", "scheduler"), [("1F1B", "1f1b"), ("GPipe", "gpipe"), ("ZBH1", None)])
+@pytest.mark.parametrize(("schedule", "scheduler"), [("1F1B", "1f1b"), ("GPipe", "gpipe")])
 def test_mindformers_one_chunk_schedules(config, schedule, scheduler):
     path = config("mindformers")
     result = write_config("mindformers", path, layout_of(plan(schedule=schedule)))
     pipeline = yaml.safe_load(path.read_text())["parallel"]["pipeline_config"]
-    assert pipeline == {"pipeline_interleave": False, "pipeline_scheduler": scheduler or "1f1b"}  # left where unknown
-    assert any("knows no MindFormers pipeline_scheduler for ZBH1" in note for note in result.notes) == (scheduler is None)
+    assert pipeline == {"pipeline_interleave": False, "pipeline_scheduler": scheduler}
+    assert any("pipeline_scheduler 1f1b -> gpipe" in note for note in result.notes) == (schedule == "GPipe")
     # without a pipeline_config MindSpore runs 1f1b: a 1F1B plan adds none
     path.write_text("parallel_config:\n  pipeline_stage: 4\nmodel:\n  model_config:\n    num_layers: 8\n")
     write_config("mindformers", path, layout_of(plan(schedule=schedule)))
@@ -143,7 +142,7 @@ def test_mindformers_template_v2_gets_the_plan_where_it_keeps_it(config):
 
 
 @pytest.mark.parametrize(("schedule", "chunks", "scheduler"), [
-    ("Interleaved1F1B", 2, "1f1b"), ("ZBVZeroBubble", 2, "zero_bubble_v"), ("GPipe", 1, "gpipe"), ("ZBH1", 1, None)])
+    ("Interleaved1F1B", 2, "1f1b"), ("ZBVZeroBubble", 2, "zero_bubble_v"), ("GPipe", 1, "gpipe")])
 def test_mindformers_template_v2_schedules(config, schedule, chunks, scheduler):
     path = config("mindformers", TEMPLATE_V2)
     chosen = plan(stages=4, chunks=chunks, schedule=schedule)
@@ -151,8 +150,8 @@ def test_mindformers_template_v2_schedules(config, schedule, chunks, scheduler):
     pipeline = yaml.safe_load(path.read_text())["distribute_parallel_config"]["pipeline_parallel_config"]
     assert pipeline["pipeline_interleave"] == (chunks > 1) and pipeline["virtual_pipeline_model_parallel_size"] == chunks
     assert pipeline["pipeline_stage_offset"] == chosen.mindformers()["offset"]
-    assert pipeline["pipeline_scheduler"] == (scheduler or "1f1b")  # left as it was where MindFormers has no name
-    assert any("knows no MindFormers pipeline_scheduler for ZBH1" in note for note in result.notes) == (scheduler is None)
+    assert pipeline["pipeline_scheduler"] == scheduler
+    assert any(f"pipeline_scheduler 1f1b -> {scheduler}" in note for note in result.notes) == (scheduler != "1f1b")
 
 
 def comm_plan(modes: dict[int, str]):
@@ -180,7 +179,8 @@ def test_mindformers_template_v2_communication_recompute_is_one_bool(config, mod
     result = write_config("mindformers", path, layout_of(chosen))
     recompute = yaml.safe_load(path.read_text())["recompute_config"]
     assert recompute["select_comm_recompute"] is comm
-    assert recompute["recompute"] == chosen.mindformers()["recompute"]
+    full = chosen.mindformers()["recompute"]
+    assert recompute["recompute"] == (full if any(full) else False)  # the template's false already says none
     side = path.with_name(path.name + ".sapp-hook.json")
     assert side.exists() == side_file
     assert any("true or false only" in note for note in result.notes) == side_file
@@ -518,7 +518,7 @@ def test_a_plan_for_another_layer_count_is_refused(config, target, name, declare
         ("mindformers", "model:\n  arch: {type: X}\nparallel_config: {pipeline_stage: 4}\n", "lacks the section model.model_config"),
         ("mindformers", "distribute_parallel_config: 4\n", "distribute_parallel_config is the int 4; expected a mapping"),
         ("mindformers", "model_config: {}\nrecompute_config: [1]\n", "recompute_config is a list; expected a mapping"),
-        ("mindformers", "a: &x [1]\nb: *x\n", "aliases are not accepted"),
+        ("mindformers", "model_config: {}\nmodel_config: {}\n", "line 2: key 'model_config' repeats the one on line 1"),
         ("mindformers", '{"name": "llama", "layers_description": []}\n', "has none of parallel_config, model"),
     ],
 )
