@@ -151,7 +151,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, gone, notes)
     if anchor_flag == TP_SIZE:
         notes.insert(0, f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
-                        f"{_commented(reading, PP_SIZE)}): added {PP_SIZE} {layout.stages} next to {TP_SIZE}")
+                        f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added")
+    if any(source.offsets is not None and source.script is not None for source in reading.files):
+        notes.append("CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
+                     "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them")
     _commit_all(result, texts, dry_run)
     if inexact:
         notes.append(inexact)
@@ -241,7 +244,9 @@ def _said(reading: Reading, occurrence: Occurrence, value: FlagValue) -> str:
 def _caveat(value: FlagValue) -> str:
     parts = []
     if value.environment:
-        parts.append(f"unless {', '.join(value.environment)} is set where the script is launched")
+        names = " or ".join(value.environment)
+        parts.append(f"unless {names} {'is' if len(value.environment) == 1 else 'are'} set where the script is "
+                     "launched")
     if value.branches:
         parts.append(f"if the branches that set {', '.join(value.branches)} give that")
     if value.conditional:
@@ -282,11 +287,19 @@ def _check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout,
     if NUM_LAYERS not in last:
         return mtp
     value = value_of(reading, last[NUM_LAYERS])
-    declared = value.number()
-    if declared is not None and declared + mtp != layout.body_layers:
-        said = f"{NUM_LAYERS} {_said(reading, last[NUM_LAYERS], value)}" + (f" + {MTP_LAYERS} {mtp}" if mtp else "")
-        if value.determined():  # Megatron refuses a split whose layers do not add up to its layers
-            raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {said}")
+    declared, expected = value.number(), layout.body_layers - mtp
+    mtp_said = f" + {MTP_LAYERS} {mtp}" if mtp else ""
+    said = f"{NUM_LAYERS} {_said(reading, last[NUM_LAYERS], value)}{mtp_said}"
+    if value.determined() and declared != expected:  # Megatron refuses a split whose layers do not add up
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {said}")
+    if value.choices and value.exhaustive and not value.environment and str(expected) not in value.choices:
+        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} "
+                                   f"{_written(reading, last[NUM_LAYERS])}{mtp_said}, which its branches set to "
+                                   f"{' or '.join(value.choices)}")
+    if value.choices and str(expected) in value.choices:
+        notes.append(f"{NUM_LAYERS} is {_written(reading, last[NUM_LAYERS])} in {path.name}, set in branches to "
+                     f"{' or '.join(value.choices)}: the plan is for the branch that sets {expected}")
+    elif declared is not None and declared != expected:
         notes.append(f"the plan places {layout.body_layers} decoder layers; {path.name} has {said} {_caveat(value)}")
     return mtp
 
@@ -305,7 +318,9 @@ def _check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: 
     samples = global_batch // micro_batch
     fits = global_batch % micro_batch == 0 and samples % layout.micro_batches == 0
     said = f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch}"
-    caveat = "; ".join(filter(None, map(_caveat, values)))
+    caveat = _caveat(FlagValue(None, tuple(dict.fromkeys(v for value in values for v in value.environment)),
+                               tuple(dict.fromkeys(v for value in values for v in value.branches)),
+                               any(value.conditional for value in values)))
     if not fits and not caveat:
         raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}, "
                                    f"Megatron runs {global_batch} / ({micro_batch} x data-parallel size): "
@@ -564,8 +579,9 @@ def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], dry_run: 
                 if path == main:
                     result.backup = single.backup
                 elif single.backup:
-                    result.notes.append(f"also changed {target} (sourced or called by {result.path.name}); "
-                                        f"its copy from before is {single.backup}")
+                    result.notes.append(f"the copy of {target} from before is {single.backup}")
+            if path != main and old != new:
+                result.notes.append(f"{target} changes too: {result.path.name} sources or runs it")
     except InputError:
         for target, old, new in reversed(done):
             commit(WriteBack(path=target, diff=""), new, old, dry_run=False)

@@ -179,13 +179,15 @@ def apply(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
 
 
 def _whole_tokens(text: str, start: int, end: int, tokens: list[tuple[int, int]]) -> tuple[int, int]:
-    """Widen a removal over what is left of the words it cuts when that is only quotes."""
+    """Widen a removal over each word it cuts whose rest is only quotes (`"--flag value"` goes whole)."""
+    widened_start, widened_end = start, end
     for token_start, token_end in tokens:
-        if token_start < start < token_end and not text[token_start:start].strip("\"'$"):
-            start = token_start
-        if token_start < end < token_end and not text[end:token_end].strip("\"'"):
-            end = token_end
-    return start, end
+        if token_end <= start or token_start >= end:
+            continue
+        rest = text[token_start:max(token_start, start)] + text[min(token_end, end):token_end]
+        if not rest.strip("\"'$"):
+            widened_start, widened_end = min(widened_start, token_start), max(widened_end, token_end)
+    return widened_start, widened_end
 
 
 def _line_cleanup(text: str, start: int, end: int, command: bool) -> list[tuple[int, int, str]]:

@@ -167,6 +167,8 @@ class FlagValue:
     environment: tuple[str, ...]
     branches: tuple[str, ...]
     conditional: bool  # the flag itself is written in a branch that may not run
+    choices: tuple[str, ...] = ()  # where the value is one variable set in branches: what each sets
+    exhaustive: bool = False  # ... and one of those branches always runs
 
     def number(self) -> int | None:
         return int(self.text) if self.text is not None and self.text.isdigit() else None
@@ -189,7 +191,26 @@ def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
                 environment.append(ref.name)
             elif ref.state == "ambiguous" and ref.name not in branches:
                 branches.append(ref.name)
-    return FlagValue(occurrence.value_text(), tuple(environment), tuple(branches), conditional(reading, occurrence))
+    choices, exhaustive = _choices(reading, chars, depth or 0)
+    return FlagValue(occurrence.value_text(), tuple(environment), tuple(branches), conditional(reading, occurrence),
+                     choices, exhaustive)
+
+
+def _choices(reading: Reading, chars: Field, depth: int) -> tuple[tuple[str, ...], bool]:
+    """The values a variable set in branches may give, where the whole value is that variable."""
+    for level in range(depth, max((len(ch.trail) for ch in chars), default=0)):
+        sites = {ch.trail[level] if len(ch.trail) > level else None for ch in chars}
+        if len(sites) != 1 or None in sites:
+            break
+        site = sites.pop()
+        if site is None or site.ref < 0 or reading.refs[site.ref].state != "ambiguous":
+            continue
+        ref = reading.refs[site.ref]
+        definitions = [reading.definitions[index] for index in (ref.used, *ref.alternatives) if index >= 0]
+        texts = [text_of(d.value.scalar()) if d.value is not None else None for d in definitions]
+        exhaustive = bool(definitions) and not definitions[-1].conditional and None not in texts
+        return tuple(dict.fromkeys(text for text in texts if text is not None)), exhaustive
+    return (), False
 
 
 def conditional(reading: Reading, occurrence: Occurrence) -> bool:
