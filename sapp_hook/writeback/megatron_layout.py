@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 EMBEDDING, DECODER, MTP, LOSS = "E", "t", "m", "L"
 SYMBOLS = (EMBEDDING, DECODER, MTP, LOSS)
+MAX_LAYERS = 1_000_000  # a layout spelling out more is refused before it is built
 
 
 class LayoutError(Exception):
@@ -144,4 +145,7 @@ def _count(text: str, index: int) -> tuple[int | None, int]:
         end += 1
     if end == index + 1:
         return None, index
-    return int(text[index + 1:end]), end
+    count = int(text[index + 1:end])
+    if count > MAX_LAYERS:
+        raise LayoutError(f"{text!r}: *{count} repeats more than {MAX_LAYERS} times")
+    return count, end
