@@ -55,77 +55,77 @@ def plan(modes: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 
 
 # fixture applied, file run, plan, flags the launcher must get (None: not at all), notes said
 CASES = {
-    "arrays": ("gpt3_arrays.sh", "gpt3_arrays.sh", dict(modes=FIRST_STAGE_FULL),
+    "arrays": ("gpt3_arrays.sh", "gpt3_arrays.sh", {"modes": FIRST_STAGE_FULL},
                {PP: ["4"], TP: ["2"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"],
                 RECOMPUTE_LAYERS: ["1"], "--num-layers": ["8"], "--attention-backend": ["auto"]},
                ["in the array MODEL_PARALLEL_ARGS (gpt3_arrays.sh line 47), next to --pipeline-model-parallel-size"]),
     "commented-out pipeline size": (
-        "llama3_commented_pp.sh", "llama3_commented_pp.sh", dict(modes=ALL_SELECTIVE),
+        "llama3_commented_pp.sh", "llama3_commented_pp.sh", {"modes": ALL_SELECTIVE},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["selective"], MODULES: ["layernorm"], METHOD: None,
          "--num-layers": ["8"], "--fp8-format": ["hybrid"], "--sequence-parallel": []},
-        ["passes no --pipeline-model-parallel-size (Megatron-LM runs 1 stage then; it is only in a comment "
-         "(llama3_commented_pp.sh line 47)): the plan's 4 is added",
-         "added --pipeline-model-parallel-size, --pipeline-model-parallel-layout, --recompute-granularity, "
+        [("passes no --pipeline-model-parallel-size (Megatron-LM runs 1 stage then; it is only in a comment "
+         "(llama3_commented_pp.sh line 47)): the plan's 4 is added"),
+         ("added --pipeline-model-parallel-size, --pipeline-model-parallel-layout, --recompute-granularity, "
          "--recompute-modules in the array MODEL_PARALLEL_ARGS (llama3_commented_pp.sh line 45), next to "
-         "--tensor-model-parallel-size"]),
+         "--tensor-model-parallel-size")]),
     "comments in arrays": (
-        "mixtral_moe.sh", "mixtral_moe.sh", dict(modes=ALL_SELECTIVE),
+        "mixtral_moe.sh", "mixtral_moe.sh", {"modes": ALL_SELECTIVE},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["selective"], MODULES: ["layernorm"],
          "--recompute-activations": None, "--moe-grouped-gemm": None, "--eval-iters": ["10"]},
         ["is not the selective recompute the profile measured"]),
     "legacy flags in a string": (
-        "gpt_legacy_string.sh", "gpt_legacy_string.sh", dict(modes=ALL_FULL, chunks=2),
+        "gpt_legacy_string.sh", "gpt_legacy_string.sh", {"modes": ALL_FULL, "chunks": 2},
         {PP: ["4"], LAYOUT: ["Et|t|t|t|t|t|tt|L"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["2"],
          "--checkpoint-activations": None, "--activations-checkpoint-method": None,
          "--num-layers-per-virtual-pipeline-stage": None},
         ["--checkpoint-activations (gpt_legacy_string.sh line 30) is a legacy flag Megatron-LM no longer takes",
          "--activations-checkpoint-method (gpt_legacy_string.sh line 31) is a legacy flag",
-         "--num-layers-per-virtual-pipeline-stage (gpt_legacy_string.sh line 22) taken out: the layout's virtual "
-         "stages in its place", "in the string GPT_ARGS (gpt_legacy_string.sh line 21)"]),
+         ("--num-layers-per-virtual-pipeline-stage (gpt_legacy_string.sh line 22) taken out: the layout's virtual "
+         "stages in its place"), "in the string GPT_ARGS (gpt_legacy_string.sh line 21)"]),
     "values on the next line": (
-        "llama2_next_line.sh", "llama2_next_line.sh", dict(modes=FIRST_STAGE_FULL),
+        "llama2_next_line.sh", "llama2_next_line.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
          "--decoder-first-pipeline-num-layers": None, "--recompute-activations": None, "--lr": ["3.0e-4"]},
         ["in the command of llama2_next_line.sh line 17"]),
     "first and last stage flags": (
-        "llama2_next_line.sh", "llama2_next_line.sh", dict(counts=[2, 3, 3, 2]),
+        "llama2_next_line.sh", "llama2_next_line.sh", {"counts": [2, 3, 3, 2]},
         {PP: ["4"], LAYOUT: None, "--decoder-first-pipeline-num-layers": ["1"],
          "--decoder-last-pipeline-num-layers": ["1"], GRANULARITY: None, METHOD: None, RECOMPUTE_LAYERS: None},
         []),
-    "MTP": ("deepseek_v3_mtp.sh", "deepseek_v3_mtp.sh", dict(modes=ALL_SELECTIVE),
+    "MTP": ("deepseek_v3_mtp.sh", "deepseek_v3_mtp.sh", {"modes": ALL_SELECTIVE},
             {PP: ["4"], LAYOUT: ["Ett|tt|t*3|mL"], "--mtp-num-layers": ["1"], GRANULARITY: ["selective"],
              MODULES: ["layernorm", "moe_act"], "--moe-layer-freq": ["([0]*3+[1]*4)"]},
-            ["--pipeline-model-parallel-size is ${PP} in deepseek_v3_mtp.sh: 4 unless PP is set where the script "
-             "is launched", "Megatron-LM's recompute flags do not reach the MTP layers"]),
+            [("--pipeline-model-parallel-size is ${PP} in deepseek_v3_mtp.sh: 4 unless PP is set where the script "
+             "is launched"), "Megatron-LM's recompute flags do not reach the MTP layers"]),
     "environment prefixes": (
-        "run_interleaved.sh", "run_interleaved.sh", dict(chunks=2, micro_batches=10),
+        "run_interleaved.sh", "run_interleaved.sh", {"chunks": 2, "micro_batches": 10},
         {PP: ["4"], LAYOUT: ["Et|t|t|t|t|t|tt|L"], GROUP: ["5"], "--num-virtual-stages-per-pipeline-rank": None,
          "--global-batch-size": ["20"], "--nnodes": ["1"]},
         ["train_interleaved.sh changes too: run_interleaved.sh sources or runs it",
-         "--global-batch-size 20 and --micro-batch-size 1 make the plan's 10 micro-batches per step at "
-         "data-parallel size 2"]),
+         ("--global-batch-size 20 and --micro-batch-size 1 make the plan's 10 micro-batches per step at "
+         "data-parallel size 2")]),
     "sourced flags": (
-        "train_with_common.sh", "train_with_common.sh", dict(modes=FIRST_STAGE_FULL),
+        "train_with_common.sh", "train_with_common.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["1"],
          "--recompute-activations": None, "--use-flash-attn": []},
         ["common_flags.sh changes too: train_with_common.sh sources or runs it",
          "in the string PARALLEL_ARGS (train_with_common.sh line 10)"]),
     "eval and branches": (
-        "rocm_eval.sh", "rocm_eval.sh", dict(modes=FIRST_STAGE_FULL),
+        "rocm_eval.sh", "rocm_eval.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
          "--num-layers": ["8"]},
-        ["--num-layers is $NUM_LAYERS in rocm_eval.sh, set in branches to 80 or 8: the plan is for the branch "
-         "that sets 8"]),
-    "CRLF": ("gpt3_crlf.sh", "gpt3_crlf.sh", dict(modes=ALL_FULL),
+        [("--num-layers is $NUM_LAYERS in rocm_eval.sh, set in branches to 80 or 8: the plan is for the branch "
+         "that sets 8")]),
+    "CRLF": ("gpt3_crlf.sh", "gpt3_crlf.sh", {"modes": ALL_FULL},
              {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["3"],
               "--recompute-activations": None},
              ["CRLF line ends"]),
     "arguments file through $(cat)": (
-        "train_from_args_file.sh", "train_from_args_file.sh", dict(modes=FIRST_STAGE_FULL),
+        "train_from_args_file.sh", "train_from_args_file.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"], "--bf16": []},
         ["megatron_args.txt changes too"]),
     "arguments file": (
-        "megatron_args.txt", "train_from_args_file.sh", dict(),
+        "megatron_args.txt", "train_from_args_file.sh", {},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: None, METHOD: None, RECOMPUTE_LAYERS: None},
         ["in the arguments file of megatron_args.txt line 3"]),
 }
@@ -297,8 +297,8 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
 @pytest.mark.parametrize(("script", "field", "message"), [
     # only in comments: never edited as if live
     ("#!/bin/bash\nARGS=(\n    --num-layers 8\n    # --pipeline-model-parallel-size 4\n)\ntorchrun t.py ${ARGS[@]}\n",
-     "--config", "has no --pipeline-model-parallel-size that bash passes to a command; it is only in a comment "
-                 "(train.sh line 4): is it a Megatron-LM launch script?"),
+     "--config", ("has no --pipeline-model-parallel-size that bash passes to a command; it is only in a comment "
+                 "(train.sh line 4): is it a Megatron-LM launch script?")),
     ("#!/bin/bash\nrun() {\n  torchrun t.py --pipeline-model-parallel-size 4\n}\n", "--config",
      "it is only in a function never called (train.sh line 3)"),
     ("#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2\n", "--plan",
@@ -308,11 +308,11 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
     ("#!/bin/bash\nARGS=\"--pipeline-model-parallel-size 4\n", "--config",
      "train.sh line 2: the \" of line 2 is never closed; sapp-hook reads a launch script as bash does"),
     ("#!/bin/bash\nPP_ARG=--pipeline-model-parallel-size=4\ntorchrun t.py $PP_ARG\n", "--config",
-     "--pipeline-model-parallel-size is in the unquoted value of PP_ARG (train.sh line 2): sapp-hook adds flags in "
-     "a command, an array or a quoted string; nothing was written"),
+     ("--pipeline-model-parallel-size is in the unquoted value of PP_ARG (train.sh line 2): sapp-hook adds flags in "
+     "a command, an array or a quoted string; nothing was written")),
     ("#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2 --no-overlap-p2p-communication\n",
-     "--plan", "interleaves 2 chunks on 2 pipeline stages; Megatron-LM with --no-overlap-p2p-communication "
-               "interleaves only over 3 stages or more"),
+     "--plan", ("interleaves 2 chunks on 2 pipeline stages; Megatron-LM with --no-overlap-p2p-communication "
+               "interleaves only over 3 stages or more")),
 ])
 def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_path, script, field, message):
     path = tmp_path / "train.sh"
@@ -389,8 +389,8 @@ def test_megatrons_own_layout_examples():
     ("Et|tL", (2, 3, None), "has 2 decoder layers t; --num-layers is 3"),
     ("Et|t|tL", (2, 3, None), "has 3 stages, not a multiple of the pipeline size 2"),
     ("Et|mtL", (2, 2, 1), "every decoder layer t must come before the MTP layers m"),
-    ("Et|tm||L", (2, 2, 1), "the MTP layers m must all be in one stage, the last virtual stage of its pipeline rank "
-                            "(stage 1 is virtual stage 0 of rank 1)"),
+    ("Et|tm||L", (2, 2, 1), ("the MTP layers m must all be in one stage, the last virtual stage of its pipeline rank "
+                            "(stage 1 is virtual stage 0 of rank 1)")),
     ("Et|tmL", (2, 2, None), "has 1 MTP layers m; --mtp-num-layers is 0"),
     ("E((t)*2)*2|L", (2, 4, None), "groups do not nest"),
     ("Et x|L", (2, 1, None), "' ' is not a layer"),
