@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from sapp_hook.writeback.megatron_flags import Occurrence, sites_at, written_depth
-from sapp_hook.writeback.megatron_script import Field, Reading, Site
+from sapp_hook.writeback.megatron_trace import Field, Reading, Site
 
 PLAIN = re.compile(r"[\w@%+=:,./-]*")  # what a shell word holds without quotes
 CONTINUED = re.compile(r"[ \t]*\\[ \t]*")

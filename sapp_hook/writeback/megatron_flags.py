@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sapp_hook.writeback.megatron_script import IFS, Ch, Field, Reading, Site, text_of
+from sapp_hook.writeback.megatron_script import IFS
+from sapp_hook.writeback.megatron_trace import Ch, Field, Reading, Site, text_of
 
 SWITCH, ONE, MANY = 0, 1, -1
 PP_SIZE = "--pipeline-model-parallel-size"
@@ -113,27 +114,31 @@ def scan(fields: tuple[Field, ...], command: int) -> list[Occurrence]:
 
 def occurrences(reading: Reading, commands: list[int]) -> list[Occurrence]:
     """Every live occurrence of a known flag in these commands, and in the other definitions of the
-    variables they expand (a branch's `opts="--recompute-activations"`), each once."""
+    variables they expand, however deep (a branch's `opts="--recompute-activations"`), each once."""
     found: dict[tuple[int, int], Occurrence] = {}
     for index in commands:
         for occurrence in scan(reading.commands[index].argv, index):
             found.setdefault(occurrence.key(), occurrence)
     seen: set[int] = set()
     pending = _references(field for index in commands for field in reading.commands[index].argv)
+    pending |= {ref for index in commands for ref in reading.commands[index].refs}
+    done: set[int] = set()
     while pending:
         ref = pending.pop()
-        for definition in reading.refs[ref].alternatives:
-            if definition in seen:
+        done.add(ref)
+        for number, definition in enumerate((reading.refs[ref].used, *reading.refs[ref].alternatives)):
+            if definition < 0 or definition in seen:
                 continue
             seen.add(definition)
+            pending |= set(reading.definitions[definition].refs) - done
             value = reading.definitions[definition].value
-            if value is None:
+            if value is None or number == 0:  # the definition used is in the command's arguments already
                 continue
             for item in value.elements():
                 fields = split_fields(item)
                 for occurrence in scan(fields, -1):
                     found.setdefault(occurrence.key(), occurrence)
-                pending |= _references(fields)
+                pending |= _references(fields) - done
     return list(found.values())
 
 

@@ -11,16 +11,24 @@ arguments, variables from the environment) stay unknown and say what they stand 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from sapp_hook.writeback.megatron_shell import (
-    Assignment,
-    Block,
-    Node,
-    Script,
-    Simple,
-    parse,
+from sapp_hook.writeback.megatron_shell import Assignment, Block, Node, Simple, parse
+from sapp_hook.writeback.megatron_trace import (
+    Box,
+    Ch,
+    Command,
+    Definition,
+    Field,
+    ReadError,
+    Reading,
+    Ref,
+    Site,
+    SourceFile,
+    Trail,
+    Value,
+    text_of,
 )
 from sapp_hook.writeback.megatron_words import (
     Char,
@@ -39,133 +47,6 @@ _DIRNAME = rf"\$\(dirname(?:{_SOURCE}|\$\((?:realpath|readlink-f){_SOURCE}\))\)"
 # the script's own folder, as scripts compute it (quotes and blanks taken out first)
 SCRIPT_DIR = re.compile(rf"^(?:{_DIRNAME}|\$\((?:cd{_DIRNAME}(?:&&|;)pwd(?:-P)?|realpath{_DIRNAME})\))$")
 FILE_CONTENT = re.compile(r"""^\$\(\s*(?:cat\s+|<\s*)(["']?)([^\s"'$`;&|<>()]+)\1\s*\)$""")
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where a file writes something: `file` index, span of its text, the box (command or assignment)
-    it is written in, how it is quoted there, and for a variable reference the index of its Ref."""
-
-    file: int
-    start: int
-    end: int
-    box: int
-    quote: str
-    ref: int = -1
-
-
-Trail = tuple[Site, ...]  # outermost first: the reference in the command ... the character itself
-
-
-@dataclass(frozen=True)
-class Ch:
-    char: str
-    trail: Trail  # () for text sapp-hook works out itself (the script's own folder)
-    unknown: str = ""  # what a value known only at launch stands for
-
-
-Field = tuple[Ch, ...]
-
-
-def text_of(chars: Field) -> str | None:
-    """The text of a field, None where part of it is known only at launch."""
-    if any(ch.unknown for ch in chars):
-        return None
-    return "".join(ch.char for ch in chars)
-
-
-@dataclass(frozen=True)
-class Value:
-    chars: Field | None = None  # a scalar
-    items: tuple[Field, ...] | None = None  # an array
-
-    def scalar(self) -> Field:
-        if self.chars is not None:
-            return self.chars
-        return self.items[0] if self.items else ()
-
-    def elements(self) -> tuple[Field, ...]:
-        return self.items if self.items is not None else (self.scalar(),)
-
-
-@dataclass(frozen=True)
-class Box:
-    """A command or an assignment that holds words: kind "command", "array", "value" (a scalar's
-    value) or "arguments" (a file of arguments read by `$(cat FILE)` or given as the config)."""
-
-    kind: str
-    file: int
-    start: int
-    end: int
-    name: str = ""
-    conditional: bool = False
-
-
-@dataclass(frozen=True)
-class Definition:
-    name: str
-    value: Value | None  # None: unset
-    box: int
-    conditional: bool
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A variable reference: "set" (one definition reaches it), "ambiguous" (several may: branches),
-    "environment" (the script does not set it: its value comes from where it is launched)."""
-
-    name: str
-    state: str
-    used: int  # the definition expanded (-1: none)
-    alternatives: tuple[int, ...]  # other definitions that may hold instead
-
-
-@dataclass(frozen=True)
-class Command:
-    argv: tuple[Field, ...]
-    box: int
-    conditional: bool
-    evaluated: bool  # its words were read a second time by eval or bash -c (quotes in values count)
-
-
-@dataclass
-class SourceFile:
-    path: Path
-    text: str
-    script: Script | None  # None: an arguments file
-    offsets: list[int] | None = None  # parsed text index -> text index, where CRLF line ends were read as LF
-
-    def offset(self, index: int) -> int:
-        return self.offsets[index] if self.offsets is not None else index
-
-    def line(self, offset: int) -> int:
-        return line_of(self.text, offset)
-
-
-@dataclass
-class Reading:
-    """Everything a script run passes: its files, boxes, references, definitions and commands, and
-    what could not be followed."""
-
-    files: list[SourceFile] = field(default_factory=list)
-    boxes: list[Box] = field(default_factory=list)
-    refs: list[Ref] = field(default_factory=list)
-    definitions: list[Definition] = field(default_factory=list)
-    commands: list[Command] = field(default_factory=list)
-    unfollowed: list[str] = field(default_factory=list)
-    functions_unused: list[tuple[int, int, int]] = field(default_factory=list)  # file, start, end
-
-    def where(self, site: Site) -> str:
-        source = self.files[site.file]
-        return f"{source.path.name} line {source.line(site.start)}"
-
-
-class ReadError(Exception):
-    """A script sapp-hook cannot follow: `detail` names the file, line and what."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
 
 
 def read_script(path: Path, text: str, *, overrides: dict[Path, str] | None = None,
@@ -231,6 +112,7 @@ class _Run:
         self.reading = Reading()
         self.overrides = overrides
         self.loaded: dict[tuple[Path, bool], int] = {}
+        self.collecting: list[list[int]] = []  # the references made by each expansion under way
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -303,13 +185,35 @@ class _Run:
                 if unit.trails is None:
                     self.reading.functions_unused.append((unit.file, node.start, node.end))
                 return
+            if node.kind in ("if", "case"):
+                self.branches(node, unit, scope, evaluated, depth)
+                return
             inner = scope.copy() if node.kind == "subshell" else scope
-            for number, body in enumerate(node.bodies):
-                always = node.kind in ("group", "subshell") or (node.kind == "if" and number == 0)
-                self.nodes(body, unit, inner, conditional or not always, evaluated, depth)
+            for body in node.bodies:
+                self.nodes(body, unit, inner, conditional or node.kind == "loop", evaluated, depth)
         else:
             self.node(node.left, unit, scope, conditional, evaluated, depth)
             self.node(node.right, unit, scope, True, evaluated, depth)
+
+    def branches(self, block: Block, unit: _Unit, scope: _Scope, evaluated: bool, depth: int) -> None:
+        """An `if`'s conditions run in turn; each branch runs from the variables as they were before it,
+        not as a sibling branch left them; afterwards every branch's definitions may hold."""
+        if block.kind == "if":
+            bodies = block.bodies[1::2] + ((block.bodies[-1],) if len(block.bodies) % 2 else ())
+            for number, condition in enumerate(block.bodies[0:2 * (len(block.bodies) // 2):2]):
+                self.nodes(condition, unit, scope, number > 0, evaluated, depth)
+        else:
+            bodies = block.bodies
+        before = {name: list(definitions) for name, definitions in scope.variables.items()}
+        added: dict[str, list[int]] = {}
+        for body in bodies:
+            scope.variables = {name: list(definitions) for name, definitions in before.items()}
+            self.nodes(body, unit, scope, True, evaluated, depth)
+            for name, definitions in scope.variables.items():
+                added.setdefault(name, []).extend(definitions[len(before.get(name, [])):])
+        for name, definitions in added.items():
+            before.setdefault(name, []).extend(definitions)
+        scope.variables = before
 
     def simple(self, command: Simple, unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool,
                depth: int) -> None:
@@ -317,14 +221,18 @@ class _Run:
             for assignment in command.assignments:
                 self.assign(assignment, unit, scope, conditional, exported=False)
             return
-        box = self.box("command", unit.file, *self._file_span(unit, command.start, command.end), "", conditional)
-        prefix = {a.name: self.assignment_value(a, unit, scope, conditional)[0] for a in command.assignments}
-        argv: list[Field] = []
-        for word in command.words:
-            argv.extend(self.expand(word, unit, scope, box, split=True))
-        for assignment in command.declared:
-            self.assign(assignment, unit, scope, conditional, exported=command.words[0].plain() == "export")
-        self.dispatch(argv, prefix, command, unit, scope, conditional, evaluated, depth, box)
+        self.collecting.append([])
+        try:
+            box = self.box("command", unit.file, *self._file_span(unit, command.start, command.end), "", conditional)
+            prefix = {a.name: self.assignment_value(a, unit, scope, conditional)[0] for a in command.assignments}
+            argv: list[Field] = []
+            for word in command.words:
+                argv.extend(self.expand(word, unit, scope, box, split=True))
+            for assignment in command.declared:
+                self.assign(assignment, unit, scope, conditional, exported=command.words[0].plain() == "export")
+            self.dispatch(argv, prefix, command, unit, scope, conditional, evaluated, depth, box)
+        finally:
+            self.collecting.pop()
 
     def dispatch(self, argv: list[Field], prefix: dict[str, Value], command: Simple, unit: _Unit, scope: _Scope,
                  conditional: bool, evaluated: bool, depth: int, box: int) -> None:
@@ -361,7 +269,8 @@ class _Run:
                                                 if f != (file, block.start, block.end)]
             self.nodes(block.bodies[0], _Unit(file, source), scope, conditional, evaluated, depth + 1)
         else:
-            self.reading.commands.append(Command(tuple(argv), box, conditional, evaluated))
+            refs = tuple(dict.fromkeys(ref for made in self.collecting for ref in made))
+            self.reading.commands.append(Command(tuple(argv), box, conditional, evaluated, refs))
 
     def include(self, name_field: Field, unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool, depth: int,
                 child: _Scope | None) -> None:
@@ -420,8 +329,12 @@ class _Run:
     # -- assignments ------------------------------------------------------------------------------
 
     def assign(self, assignment: Assignment, unit: _Unit, scope: _Scope, conditional: bool, *, exported: bool) -> None:
-        value, box = self.assignment_value(assignment, unit, scope, conditional)
-        self.define(assignment.name, value, box, scope, conditional)
+        self.collecting.append([])
+        try:
+            value, box = self.assignment_value(assignment, unit, scope, conditional)
+        finally:
+            refs = tuple(self.collecting.pop())
+        self.define(assignment.name, value, box, scope, conditional, refs)
         if exported:
             scope.exported.add(assignment.name)
 
@@ -445,8 +358,9 @@ class _Run:
             chars = (before.scalar() if before else ()) + chars
         return Value(chars=chars), box
 
-    def define(self, name: str, value: Value | None, box: int, scope: _Scope, conditional: bool) -> None:
-        self.reading.definitions.append(Definition(name, value, box, conditional))
+    def define(self, name: str, value: Value | None, box: int, scope: _Scope, conditional: bool,
+               refs: tuple[int, ...] = ()) -> None:
+        self.reading.definitions.append(Definition(name, value, box, conditional, refs))
         scope.variables.setdefault(name, []).append(len(self.reading.definitions) - 1)
 
     def lookup(self, name: str, scope: _Scope) -> tuple[Value | None, str, int, tuple[int, ...]]:
@@ -505,6 +419,8 @@ class _Run:
                 value = None if value is None or empty else Value(chars=self.expand(part.arg, unit, scope, box,
                                                                                      split=False)[0])
         self.reading.refs.append(Ref(part.name, state, used, alternatives))
+        for made in self.collecting:
+            made.append(len(self.reading.refs) - 1)
         trail = unit.span_trail(part.start, part.end, box, part.quote, len(self.reading.refs) - 1)
         splits = not part.quote
         if value is None:
