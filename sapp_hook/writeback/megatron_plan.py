@@ -104,7 +104,7 @@ def _caveat(value: FlagValue) -> str:
         parts.append(f"unless {names} {'is' if len(value.environment) == 1 else 'are'} set where the script is "
                      "launched")
     if value.branches:
-        parts.append(f"if the branches that set {', '.join(value.branches)} give that")
+        parts.append(f"where the branches that set {', '.join(value.branches)} give these")
     if value.conditional:
         parts.append("when the branch that passes it runs")
     return ", ".join(parts)
@@ -168,24 +168,28 @@ def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: L
     if GLOBAL_BATCH not in last or MICRO_BATCH not in last:
         return  # left to Megatron's defaults
     values = value_of(reading, last[GLOBAL_BATCH]), value_of(reading, last[MICRO_BATCH])
-    global_batch, micro_batch = (value.number() for value in values)
-    if not global_batch or not micro_batch:
+    options = [[int(c) for c in value.choices if c.isdigit()] or ([value.number()] if value.number() else [])
+               for value in values]
+    pairs = [(g, m) for g in options[0] for m in options[1] if m]
+    if not pairs:
         return
-    samples = global_batch // micro_batch
-    fits = global_batch % micro_batch == 0 and samples % layout.micro_batches == 0
+    fitting = [(g, m) for g, m in pairs if g % m == 0 and (g // m) % layout.micro_batches == 0]
+    global_batch, micro_batch = (fitting or pairs)[0]
     said = f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch}"
     caveat = _caveat(FlagValue(None, tuple(dict.fromkeys(v for value in values for v in value.environment)),
                                tuple(dict.fromkeys(v for value in values for v in value.branches)),
                                any(value.conditional for value in values)))
-    if not fits and not caveat:
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}, "
-                                   f"Megatron runs {global_batch} / ({micro_batch} x data-parallel size): "
-                                   f"{layout.micro_batches} at no data-parallel size")
-    if fits:
+    if not fitting and (not caveat or all(value.exhaustive for value in values if value.branches) and
+                        not any(value.environment or value.conditional for value in values)):
+        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}"
+                                   f"{' (or what its branches set)' if len(pairs) > 1 else ''}, Megatron runs "
+                                   f"{global_batch} / ({micro_batch} x data-parallel size): {layout.micro_batches} at "
+                                   "no data-parallel size")
+    if fitting:
         notes.append(f"{said} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size "
-                     f"{samples // layout.micro_batches}" + (f" ({caveat})" if caveat else ""))
+                     f"{global_batch // micro_batch // layout.micro_batches}" + (f" ({caveat})" if caveat else ""))
     else:
-        notes.append(f"{said} ({caveat}) make {layout.micro_batches} micro-batches per step at no data-parallel size")
+        notes.append(f"{said} make {layout.micro_batches} micro-batches per step at no data-parallel size ({caveat})")
 
 
 def check_interleaving(reading: Reading, last: dict[str, Occurrence], layout: Layout) -> None:
