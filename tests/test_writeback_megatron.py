@@ -433,3 +433,15 @@ def test_the_written_layout_is_the_plans_split():
     chosen = plan(chunks=2)
     assert layout_string(layout_of(chosen)) == "Et|t|t|t|t|t|tt|L"
     assert layout_string(layout_of(plan()), mtp_layers=1) == "Ett|tt|t*3|mL"
+
+
+def test_what_the_script_leaves_to_launch_is_said(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\nsource ./site_settings.sh 2>/dev/null\n"
+                      "torchrun t.py --num-layers 8 $EXTRA_ARGS --tokenizer-model $TOKENIZER "
+                      "--pipeline-model-parallel-size 4\n")
+    notes = write_config("megatron", script, layout_of(plan())).notes
+    # $TOKENIZER is the value of a flag before it; $EXTRA_ARGS may hold flags
+    assert "the launch command also expands $EXTRA_ARGS, known only at launch: flags there are not seen" in notes
+    assert "not followed: ./site_settings.sh (run from train.sh): not found" in notes
+    assert flags_of(launched(script, {"EXTRA_ARGS": "--bf16"})[0])[LAYOUT] == [["Ett|tt|t*3|tL"]]

@@ -62,6 +62,8 @@ from sapp_hook.writeback.megatron_script import read_script
 from sapp_hook.writeback.megatron_trace import Command, ReadError, Reading, text_of
 from simulator.errors import InputError
 
+PRINTERS = ("echo", "printf")  # they show a command's flags; they launch nothing
+
 __all__ = ["FIRST", "LAST", "LAYOUT", "layout_string", "parse_layout", "split_flags", "write_megatron"]
 
 def parse_layout(text: str) -> list[int]:
@@ -94,6 +96,12 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     if anchor_flag == TP_SIZE:
         notes.insert(0, f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
                         f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added")
+    unseen = _unseen(reading, launchers)
+    if unseen:
+        notes.append(f"the launch command also expands {', '.join(unseen)}, known only at launch: flags there are "
+                     "not seen")
+    if reading.unfollowed:
+        notes.append(f"not followed: {', '.join(dict.fromkeys(reading.unfollowed))}")
     if any(source.offsets is not None and source.script is not None for source in reading.files):
         notes.append("CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
                      "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them")
@@ -127,7 +135,8 @@ def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
         if fragments:
             _add_fragments(reading, flag)
         found = [index for index, command in enumerate(reading.commands)
-                 if any(occurrence.flag == flag for occurrence in scan(command.argv, index))]
+                 if any(occurrence.flag == flag for occurrence in scan(command.argv, index))
+                 and (text_of(command.argv[0]) if command.argv else "") not in PRINTERS]
         if found:
             return found, flag
     unfollowed = f"; not followed: {', '.join(reading.unfollowed)}" if reading.unfollowed else ""
@@ -147,6 +156,19 @@ def _add_fragments(reading: Reading, flag: str) -> None:
         definition = reading.definitions[index]
         fields = tuple(part for item in definition.value.elements() for part in split_fields(item))  # type: ignore[union-attr]
         reading.commands.append(Command(fields, definition.box, definition.conditional, False))
+
+
+def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
+    """What a launch command expands to arguments known only at launch, where flags may be (`$EXTRA_ARGS`,
+    not the value of a flag before it)."""
+    found = []
+    for index in launchers:
+        argv = reading.commands[index].argv
+        for position, field in enumerate(argv):
+            before = text_of(argv[position - 1]) if position else ""
+            if text_of(field) is None and not (before or "").startswith("-"):
+                found.extend(ch.unknown for ch in field if ch.unknown)
+    return list(dict.fromkeys(found))
 
 
 def _commented(reading: Reading, flag: str) -> str:
