@@ -445,3 +445,19 @@ def test_what_the_script_leaves_to_launch_is_said(tmp_path):
     assert "the launch command also expands $EXTRA_ARGS, known only at launch: flags there are not seen" in notes
     assert "not followed: ./site_settings.sh (run from train.sh): not found" in notes
     assert flags_of(launched(script, {"EXTRA_ARGS": "--bf16"})[0])[LAYOUT] == [["Ett|tt|t*3|tL"]]
+
+
+def test_flags_continued_on_the_next_line_leave_no_stale_value(tmp_path):
+    """A value on the line after its flag is the flag's (bash joins the lines): it is changed or goes with
+    it, the first-stage flag goes beside a layout, and a command whose last lines go still ends."""
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\ntorchrun t.py \\\n    --num-layers 8 \\\n    --pipeline-model-parallel-size \\\n"
+                      "        4 \\\n    --recompute-granularity full --recompute-method block \\\n"
+                      "    --recompute-num-layers \\\n        2 \\\n    --decoder-first-pipeline-num-layers \\\n"
+                      "        1\necho launched\n")
+    write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL)))
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    got = flags_of(launched(script)[0])
+    assert got == {"--num-layers": [["8"]], PP: [["4"]], LAYOUT: [["Ett|tt|t*3|tL"]], GRANULARITY: [["full"]],
+                   METHOD: [["block"]], RECOMPUTE_LAYERS: [["1"]]}
+    assert script.read_text().endswith("    --recompute-num-layers \\\n        1\necho launched\n")

@@ -66,12 +66,16 @@ PRINTERS = ("echo", "printf")  # they show a command's flags; they launch nothin
 
 __all__ = ["FIRST", "LAST", "LAYOUT", "layout_string", "parse_layout", "split_flags", "write_megatron"]
 
+
 def parse_layout(text: str) -> list[int]:
     """Decoder layers per stage of a layout string (Megatron's grammar, `megatron_layout`)."""
     return [stage.count("t") for stage in parse_stages(text.strip("\"'"))]
 
 
 def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
+    """Write the plan into the launch script (or arguments file) at `path` and the files it sources or
+    runs where its flags are; in a dry run only the diff. InputError, and nothing written, where the
+    script cannot run the plan or a change cannot be made safely."""
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
     old = read_config(path)
@@ -298,7 +302,10 @@ def _verify(before: Reading, launchers: list[int], after: Reading, wanted: list[
             gone: list[str]) -> None:
     """The rewritten script passes each wanted flag once with the plan's value, none of those gone,
     and every other argument as before."""
-    again = _launchers(after, Path(""))[0]
+    try:
+        again = _launchers(after, Path(""))[0]
+    except InputError:
+        raise EditError(f"the rewritten script passes {PP_SIZE} to no command") from None
     if len(again) != len(launchers):
         raise EditError(f"the rewritten script passes {PP_SIZE} to {len(again)} commands, not {len(launchers)}")
     ours = {flag for flag, _ in wanted} | set(gone)
