@@ -461,3 +461,16 @@ def test_flags_continued_on_the_next_line_leave_no_stale_value(tmp_path):
     assert got == {"--num-layers": [["8"]], PP: [["4"]], LAYOUT: [["Ett|tt|t*3|tL"]], GRANULARITY: [["full"]],
                    METHOD: [["block"]], RECOMPUTE_LAYERS: [["1"]]}
     assert script.read_text().endswith("    --recompute-num-layers \\\n        1\necho launched\n")
+
+
+def test_flags_passed_on_as_arguments_are_changed_where_the_caller_writes_them(tmp_path):
+    """`"$@"` in a function or a called script passes the caller's arguments: a flag there is the caller's."""
+    inner = tmp_path / "inner.sh"
+    inner.write_text('#!/bin/bash\nrun() {\n  torchrun t.py --num-layers 8 --pipeline-model-parallel-size 4 "$@"\n}\n'
+                     'run "$@" --bf16\n')
+    outer = tmp_path / "outer.sh"
+    outer.write_text('#!/bin/bash\nbash "$(dirname "$0")/inner.sh" --recompute-activations --lr 1\n')
+    write_config("megatron", outer, layout_of(plan(ALL_SELECTIVE)))
+    assert outer.read_text() == '#!/bin/bash\nbash "$(dirname "$0")/inner.sh" --lr 1\n'
+    got = flags_of(launched(outer)[0])
+    assert "--recompute-activations" not in got and got[GRANULARITY] == [["selective"]] and got["--lr"] == [["1"]]

@@ -46,6 +46,7 @@ _SOURCE = r"\$(?:0|\{0\}|BASH_SOURCE|\{BASH_SOURCE(?:\[0\])?\})"
 _DIRNAME = rf"\$\(dirname(?:{_SOURCE}|\$\((?:realpath|readlink-f){_SOURCE}\))\)"
 # the script's own folder, as scripts compute it (quotes and blanks taken out first)
 SCRIPT_DIR = re.compile(rf"^(?:{_DIRNAME}|\$\((?:cd{_DIRNAME}(?:&&|;)pwd(?:-P)?|realpath{_DIRNAME})\))$")
+POSITIONAL = re.compile(r"\$(?:[1-9@*]|\{(?:[1-9]|[@*])\})")
 FILE_CONTENT = re.compile(r"""^\$\(\s*(?:cat\s+|<\s*)(["']?)([^\s"'$`;&|<>()]+)\1\s*\)$""")
 
 
@@ -72,10 +73,11 @@ class _Scope:
     environment: dict[str, Value]  # what a calling script passes (prefix assignments, exports)
     exported: set[str]
     functions: dict[str, tuple[Block, int]]
+    positional: tuple[Field, ...] | None = None  # $1 $2 ... "$@": None where given at launch
 
     def copy(self) -> _Scope:
         return _Scope({k: list(v) for k, v in self.variables.items()}, dict(self.environment), set(self.exported),
-                      self.functions)
+                      self.functions, self.positional)
 
 
 class _Unit:
@@ -267,7 +269,11 @@ class _Run:
             source = self.reading.files[file]
             self.reading.functions_unused[:] = [f for f in self.reading.functions_unused
                                                 if f != (file, block.start, block.end)]
-            self.nodes(block.bodies[0], _Unit(file, source), scope, conditional, evaluated, depth + 1)
+            outer, scope.positional = scope.positional, tuple(argv[1:])
+            try:
+                self.nodes(block.bodies[0], _Unit(file, source), scope, conditional, evaluated, depth + 1)
+            finally:
+                scope.positional = outer
         else:
             refs = tuple(dict.fromkeys(ref for made in self.collecting for ref in made))
             self.reading.commands.append(Command(tuple(argv), box, conditional, evaluated, refs))
@@ -296,6 +302,7 @@ class _Run:
                 return
             rest += 1
         if rest < len(argv):
+            child.positional = tuple(argv[rest + 1:])
             self.include(argv[rest], unit, scope, conditional, False, depth, child=child)
 
     def evaluate(self, chars: Field, unit: _Unit, scope: _Scope, conditional: bool, depth: int) -> None:
@@ -399,6 +406,9 @@ class _Run:
             elif isinstance(part, Param):
                 quoted |= bool(part.quote)
                 pieces.extend(self.parameter(part, unit, scope, box))
+            elif part.kind == "special" and scope.positional is not None and POSITIONAL.fullmatch(part.text):
+                quoted |= bool(part.quote)
+                pieces.extend(self.positional(part, unit, scope, box))
             else:
                 quoted |= bool(part.quote)
                 pieces.extend((ch, not part.quote) for ch in self.opaque(part, unit, scope, box))
@@ -438,6 +448,23 @@ class _Run:
                 chars.append(Ch(" ", ()))
             chars.extend(Ch(ch.char, trail + ch.trail, ch.unknown) for ch in item)
         return [(ch, splits) for ch in chars]
+
+    def positional(self, part: Opaque, unit: _Unit, scope: _Scope, box: int) -> list[tuple[Ch, bool] | None]:
+        """`$1`, `$@`, `"$@"`, `$*` where the caller's arguments are known (a function, `bash FILE ...`)."""
+        given = scope.positional or ()
+        name = part.text.strip("${}")
+        trail = unit.span_trail(part.start, part.end, box, part.quote)
+        if name.isdigit():
+            number = int(name)
+            chosen = (given[number - 1],) if 0 < number <= len(given) else ()
+        else:
+            chosen = given
+        pieces: list[tuple[Ch, bool] | None] = []
+        for count, item in enumerate(chosen):
+            if count:
+                pieces.append(None if name == "@" and part.quote else (Ch(" ", ()), not part.quote))
+            pieces.extend((Ch(ch.char, trail + ch.trail, ch.unknown), not part.quote) for ch in item)
+        return pieces
 
     def opaque(self, part: Opaque, unit: _Unit, scope: _Scope, box: int) -> list[Ch]:
         trail = unit.span_trail(part.start, part.end, box, part.quote)
