@@ -284,14 +284,29 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
     """`PP=2 torchrun ... $PP` expands the PP set before: 4 here (bash's rule), which the plan is for."""
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/bash\nPP=4\nPP=2 torchrun train.py --num-layers 8 --pipeline-model-parallel-size $PP\n")
-    write_config("megatron", script, layout_of(plan()))
+    notes = write_config("megatron", script, layout_of(plan())).notes
     assert flags_of(launched(script)[0])[LAYOUT] == [["Ett|tt|t*3|tL"]]
+    assert not any("set to the plan's" in note for note in notes)
     script.write_text("#!/bin/bash\nPP=2\nPP=4 torchrun train.py --num-layers 8 --pipeline-model-parallel-size $PP\n")
-    before = script.read_bytes()
-    with pytest.raises(InputError, match=r"is for 4 pipeline stages; .* has --pipeline-model-parallel-size \$PP "
-                                         r"\(= 2\)$"):
-        write_config("megatron", script, layout_of(plan()))
-    assert script.read_bytes() == before
+    notes = write_config("megatron", script, layout_of(plan())).notes
+    assert "--pipeline-model-parallel-size $PP (= 2) set to the plan's 4 stages: Megatron-LM then runs world size / " \
+           "(4 x tensor x context-parallel size) data-parallel replicas" in notes
+    assert script.read_text().startswith("#!/bin/bash\nPP=4\nPP=4 torchrun")
+
+
+@pytest.mark.parametrize(("written", "after", "said"), [
+    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4", "--pipeline-model-parallel-size 2 set"),
+    ("--pipeline-model-parallel-size ${PP:-1}", "--pipeline-model-parallel-size ${PP:-4}",
+     "--pipeline-model-parallel-size ${PP:-1} (= 1) (unless PP is set where the script is launched) set"),
+])
+def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, written, after, said):
+    script = tmp_path / "train.sh"
+    script.write_text(f"#!/bin/bash\ntorchrun t.py --num-layers 8 {written} --lr 1\n")
+    notes = write_config("megatron", script, layout_of(plan())).notes
+    assert f"{after} --pipeline-model-parallel-layout" in script.read_text()
+    assert any(note.startswith(f"{said} to the plan's 4 stages") for note in notes)
+    got = flags_of(launched(script)[0])
+    assert got[PP] == [["4"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]
 
 
 @pytest.mark.parametrize(("script", "field", "message"), [
@@ -301,8 +316,6 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
                  "(train.sh line 4): is it a Megatron-LM launch script?")),
     ("#!/bin/bash\nrun() {\n  torchrun t.py --pipeline-model-parallel-size 4\n}\n", "--config",
      "it is only in a function never called (train.sh line 3)"),
-    ("#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2\n", "--plan",
-     "is for 4 pipeline stages; {path} has --pipeline-model-parallel-size 2"),
     ("#!/bin/bash\nN=9\ntorchrun t.py --num-layers $N --pipeline-model-parallel-size 4\n", "--plan",
      "places 8 decoder layers; {path} has --num-layers $N (= 9)"),
     ("#!/bin/bash\nARGS=\"--pipeline-model-parallel-size 4\n", "--config",

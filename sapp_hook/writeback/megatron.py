@@ -89,8 +89,8 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     wanted: list[tuple[str, list[str]]] = []
     if anchor_flag == TP_SIZE:  # Megatron would run one stage: the plan's count is added, said below
         wanted.append((PP_SIZE, [str(layout.stages)]))
-    else:
-        check_stages(reading, last[PP_SIZE], layout, path, notes)
+    elif check_stages(reading, last[PP_SIZE], layout, path, notes):
+        wanted.append((PP_SIZE, [str(layout.stages)]))
     mtp = check_layers(reading, last, layout, path, notes)
     check_micro_batches(reading, last, layout, path, notes)
     check_interleaving(reading, last, layout)
@@ -235,9 +235,15 @@ def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: li
     removed: list[Occurrence] = []
     for flag, values in wanted:
         mine = [o for o in occurring if o.flag == flag]
-        keep = next((o for o in mine if not o.alternative and (
+        if flag == anchor_flag:  # the size every other flag is added next to: changed in place, each
+            mine = list(anchors.values())
+            for anchor in mine[1:]:
+                if anchor.value_text() != " ".join(values) and not insert:
+                    edits.append(replacement(reading, anchor, values, evaluated=_evaluated(reading, anchor),
+                                             protected=set(uses))[0])
+        keep = mine[0] if flag == anchor_flag and mine else next((o for o in mine if not o.alternative and (
             not conditional(reading, o) or (o.name[0].trail and o.name[0].trail[-1].box in anchor_boxes))), None)
-        removed.extend(o for o in mine if o is not keep)
+        removed.extend(o for o in mine if o is not keep and flag != anchor_flag)
         if keep is None:
             missing.append((flag, values))
         elif values and keep.value_text() != " ".join(values) and not insert:

@@ -113,20 +113,26 @@ def _caveat(value: FlagValue) -> str:
 # -- checks --------------------------------------------------------------------------------------
 
 
-def check_stages(reading: Reading, occurrence: Occurrence, layout: Layout, path: Path, notes: list[str]) -> None:
+def check_stages(reading: Reading, occurrence: Occurrence, layout: Layout, path: Path, notes: list[str]) -> bool:
+    """Whether the script's pipeline size is to be set to the plan's stage count (said in a note)."""
     value = value_of(reading, occurrence)
     stages = value.number()
-    if stages is not None and value.determined() and stages != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} "
-                                   f"{_said(reading, occurrence, value)}")
     written = _written(reading, occurrence)
     if stages is None:
         launch = f" (launch it with {value.environment[0]}={layout.stages})" if len(value.environment) == 1 else ""
         notes.append(f"{PP_SIZE} is {written} in {path.name}, known only where the script is launched: the plan is "
                      f"for {layout.stages} stages{launch}")
-    elif not value.determined() or value.conditional:
-        notes.append(f"{PP_SIZE} is {written} in {path.name}: {stages} {_caveat(value)}; the plan is for "
-                     f"{layout.stages} stages")
+        return False
+    caveat = _caveat(value)
+    if stages != layout.stages:
+        notes.append(f"{PP_SIZE} {_said(reading, occurrence, value)}{f' ({caveat})' if caveat else ''} set to the "
+                     f"plan's {layout.stages} stages: Megatron-LM then runs world size / ({layout.stages} x tensor x "
+                     "context-parallel size) data-parallel replicas")
+        return True
+    if caveat:
+        notes.append(f"{PP_SIZE} is {written} in {path.name}: {stages} {caveat}; the plan is for {layout.stages} "
+                     "stages")
+    return False
 
 
 def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path, notes: list[str]) -> int:
