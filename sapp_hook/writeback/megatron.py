@@ -36,10 +36,12 @@ from sapp_hook.writeback.megatron_edits import (
 from sapp_hook.writeback.megatron_flags import (
     FIRST,
     LAST,
+    LAYERS_PER_VIRTUAL,
     LAYOUT,
     LEGACY,
     PP_SIZE,
     TP_SIZE,
+    VIRTUAL_STAGES,
     Occurrence,
     conditional,
     occurrences,
@@ -87,9 +89,8 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     last = {occurrence.flag: occurrence for occurrence in occurring if not occurrence.alternative}
     notes = result.notes
     wanted: list[tuple[str, list[str]]] = []
-    if anchor_flag == TP_SIZE:  # Megatron would run one stage: the plan's count is added, said below
-        wanted.append((PP_SIZE, [str(layout.stages)]))
-    elif check_stages(reading, last[PP_SIZE], layout, path, notes):
+    # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
+    if anchor_flag == TP_SIZE or check_stages(reading, last[PP_SIZE], layout, path, notes):
         wanted.append((PP_SIZE, [str(layout.stages)]))
     mtp = check_layers(reading, last, layout, path, notes)
     check_micro_batches(reading, last, layout, path, notes)
@@ -168,9 +169,10 @@ def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
     found = []
     for index in launchers:
         argv = reading.commands[index].argv
-        for position, field in enumerate(argv):
-            before = text_of(argv[position - 1]) if position else ""
-            if text_of(field) is None and not (before or "").startswith("-"):
+        texts = ["".join(ch.unknown or ch.char for ch in field) for field in argv]
+        script = next((n for n, text in enumerate(texts) if text.endswith(".py")), -1)  # the launcher's own before
+        for position, field in enumerate(argv[script + 1:], script + 1):
+            if text_of(field) is None and not texts[position - 1].startswith("-"):
                 found.extend(ch.unknown for ch in field if ch.unknown)
     return list(dict.fromkeys(found))
 
@@ -257,7 +259,8 @@ def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: li
                 notes.append(note)
     removed.extend(o for o in occurring if o.flag in gone)
     edits.extend(removal(reading, o) for o in removed)
-    branched = [o for o in removed if conditional(reading, o) and o.flag not in LEGACY and o.name[0].trail]
+    branched = [o for o in removed if conditional(reading, o) and o.flag not in LEGACY and o.name[0].trail
+                and o.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)]  # those have a note of their own
     if branched and not insert:
         places = ", ".join(dict.fromkeys(f"{o.flag} ({where(reading, o)})" for o in branched))
         notes.append(f"took out {places}, passed only when a branch runs: the plan's flags hold on every branch")
