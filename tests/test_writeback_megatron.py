@@ -298,12 +298,16 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
     ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4", "--pipeline-model-parallel-size 2 set"),
     ("--pipeline-model-parallel-size ${PP:-1}", "--pipeline-model-parallel-size ${PP:-4}",
      "--pipeline-model-parallel-size ${PP:-1} (= 1) (unless PP is set where the script is launched) set"),
+    # the default of a variable's own default (PP=${PP:-1}), where the launched script reads it
+    ("PP=${PP:-1}\n--pipeline-model-parallel-size $PP", "PP=${PP:-4}\n",
+     "--pipeline-model-parallel-size $PP (= 1) (unless PP is set where the script is launched) set"),
 ])
 def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, written, after, said):
     script = tmp_path / "train.sh"
-    script.write_text(f"#!/bin/bash\ntorchrun t.py --num-layers 8 {written} --lr 1\n")
+    preamble, _, flag = written.rpartition("\n")
+    script.write_text(f"#!/bin/bash\n{preamble}{chr(10) if preamble else ''}torchrun t.py --num-layers 8 {flag} --lr 1\n")
     notes = write_config("megatron", script, layout_of(plan())).notes
-    assert f"{after} --pipeline-model-parallel-layout" in script.read_text()
+    assert after in script.read_text() and "--pipeline-model-parallel-layout" in script.read_text()
     assert any(note.startswith(f"{said} to the plan's 4 stages") for note in notes)
     got = flags_of(launched(script)[0])
     assert got[PP] == [["4"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]

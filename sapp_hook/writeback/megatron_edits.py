@@ -73,26 +73,25 @@ def replacement(reading: Reading, occurrence: Occurrence, values: list[str], *, 
                                                                  evaluated), kind), ""
     _sites(reading, occurrence, chars, depth, prefix)  # the value is where the flag is
     level, note = depth, ""
+    followed: set[str] = set()  # X=${X:-4} names X twice on the way down
     while True:
         sites = sites_at(chars, level)
         if sites is None:
             raise EditError(f"the value of {occurrence.flag} ({_where(reading, occurrence)}) cannot be followed")
         first = sites[0]
-        if len(set(sites)) == 1 and first.ref >= 0:
-            ref = reading.refs[first.ref]
+        ref = reading.refs[first.ref] if len(set(sites)) == 1 and first.ref >= 0 else None
+        if ref is not None:
             deeper = sites_at(chars, level + 1)
-            if (ref.state in ("set", "environment") and not ref.alternatives and ref.name not in protected
-                    and deeper is not None and written_depth(chars) == level + 1):
-                protected.add(ref.name)
-                where = reading.where(deeper[0])
-                note = (f"{occurrence.flag} is ${ref.name}: set in the default of ${{{ref.name}:-...}} ({where}); "
-                        f"{ref.name} set where the script is launched overrides it" if ref.state == "environment"
-                        else f"{occurrence.flag} is ${ref.name}: set where {ref.name} is assigned ({where})")
-                level += 1
-                continue
             if deeper is not None and ref.state in ("set", "environment") and not ref.alternatives \
-                    and ref.name not in protected and len(set(deeper)) == 1 and deeper[0].ref >= 0:
-                level += 1  # a variable set from another one (X=${X:-4}): follow it
+                    and (ref.name not in protected or ref.name in followed):  # set once: changed where it is set
+                protected.add(ref.name)
+                followed.add(ref.name)
+                if written_depth(chars) == level + 1:
+                    where = reading.where(deeper[0])
+                    note = (f"{occurrence.flag} is ${ref.name}: set in the default of ${{{ref.name}:-...}} ({where}); "
+                            f"{ref.name} set where the script is launched overrides it" if ref.state == "environment"
+                            else f"{occurrence.flag} is ${ref.name}: set where {ref.name} is assigned ({where})")
+                level += 1
                 continue
             note = f"{occurrence.flag} was ${ref.name} ({reading.where(first)}): written out as the plan's value there"
         if any(site.file != first.file or site.box != first.box for site in sites):
