@@ -36,6 +36,7 @@ class Layout:
     layers: tuple[PlacedLayer, ...]
     mindformers: Mapping[str, object]
     plan_data: Mapping[str, object]  # the plan JSON (Plan.to_dict) it was read from
+    microbatch_group_size: int | None = None  # Interleaved1F1B: the spec's, None for the schedule's default
 
     @property
     def num_virtual_stages(self) -> int:
@@ -143,4 +144,5 @@ def layout_from_dict(data: object) -> Layout:
         if given is not None and given != derived:
             raise InputError(f"plan.{key}", f"is {given!r}; the plan's layers say {derived!r}")
     return Layout(schedule=schedule.name, stages=schedule.stages, chunks=schedule.chunks,
-                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers, plan_data=data)
+                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers, plan_data=data,
+                  microbatch_group_size=spec.microbatch_group_size)

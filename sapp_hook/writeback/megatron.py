@@ -1,229 +1,383 @@
-"""Megatron-LM arguments in a launch script or an arguments file: the pipeline split and the
-recompute flags.
+"""Megatron-LM launch scripts and arguments files: the pipeline split, virtual stages, micro-batch
+groups and recompute flags a plan needs, written where the script passes its flags.
 
-A split with one chunk per rank whose stages hold the same number of decoder layers, the first or
-last apart, is said with `--decoder-first/last-pipeline-num-layers` (Megatron spreads the rest
-evenly; these flags predate the layout string and older versions read only them). Any other split
-is said with `--pipeline-model-parallel-layout` (`E` embedding, `t` decoder layer, `L` loss, stages
-split by `|`, virtual stages in Megatron's vpp-major order, which is sapp-hook's model order for
-loop placement). Megatron recomputes the same way on every stage (`--recompute-method block`
-recomputes the first N layers of each stage): a plan it cannot express gets the nearest setting that
-recomputes at least as much, and a side file with the exact plan.
+The script is read as bash runs it (`megatron_script`): only flags that reach the command that gets
+`--pipeline-model-parallel-size` count, whether written on its command line, in a bash array, in a
+quoted options string, in a sourced file, in a branch, or passed through variables; a flag in a
+comment is not one. A flag the plan sets is changed where it is written (in a variable's assignment
+when its value is `$VAR`); one it needs and the script lacks is added next to the pipeline size; one
+Megatron would refuse beside the plan's is taken out, wherever it is. The rewritten script is read
+again and must pass exactly the plan's flags, each once, and pass `bash -n`, or nothing is written.
+
+The split: with one chunk per rank and the middle stages alike, `--decoder-first/last-pipeline-num-
+layers` (older Megatron reads only these); else `--pipeline-model-parallel-layout` (`E` embedding,
+`t` decoder layer, `m` MTP layer, `L` loss; checked by Megatron's rules in `megatron_layout`).
+Megatron recomputes the same way on every stage (`--recompute-method block` recomputes the first N
+decoder layers of each virtual stage): a plan it cannot say exactly gets the nearest setting that
+recomputes at least as much, a note, and a side file with the exact plan.
 """
 
 from __future__ import annotations
 
-import re
+import shutil
+import subprocess
 from pathlib import Path
 
 from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
 from sapp_hook.writeback.layout import Layout
-from simulator.errors import InputError
-from solver.profile import NONE, SELECTIVE
-
-LAYOUT = "--pipeline-model-parallel-layout"
-FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
-PP_SIZE = "--pipeline-model-parallel-size"
-NUM_LAYERS = "--num-layers"
-GLOBAL_BATCH, MICRO_BATCH = "--global-batch-size", "--micro-batch-size"
-# The ways of saying the split: those the plan is not written with go (Megatron refuses a layout
-# next to any other).
-SPLIT_FLAGS = (
-    LAYOUT,
+from sapp_hook.writeback.megatron_edits import (
+    EditError,
+    apply,
+    insertion,
+    reading_tokens,
+    removal,
+    replacement,
+)
+from sapp_hook.writeback.megatron_flags import (
     FIRST,
     LAST,
-    "--num-layers-per-virtual-pipeline-stage",
-    "--num-virtual-stages-per-pipeline-rank",
+    LAYERS_PER_VIRTUAL,
+    LAYOUT,
+    LEGACY,
+    PP_SIZE,
+    TP_SIZE,
+    VIRTUAL_STAGES,
+    Occurrence,
+    conditional,
+    occurrences,
+    scan,
+    split_fields,
 )
-SWITCHES = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--recompute-activations")
-RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
-# The orders Megatron runs with pipelining (get_forward_backward_func: 1F1B, interleaved 1F1B); it has
-# no GPipe: a GPipe plan would run as 1F1B, with other times and memory than planned.
-SCHEDULES = ("1F1B", "Interleaved1F1B")
+from sapp_hook.writeback.megatron_layout import parse_stages
+from sapp_hook.writeback.megatron_plan import (
+    SCHEDULES,
+    check_interleaving,
+    check_layers,
+    check_micro_batches,
+    check_stages,
+    layout_string,
+    plan_flags,
+    split_flags,
+    where,
+)
+from sapp_hook.writeback.megatron_script import read_script
+from sapp_hook.writeback.megatron_trace import Command, ReadError, Reading, text_of
+from simulator.errors import InputError
 
+PRINTERS = ("echo", "printf")  # they show a command's flags; they launch nothing
 
-def layout_string(layout: Layout) -> str:
-    stages = []
-    for cell in layout.virtual_stages():
-        text = "E" if cell and cell[0].kind == "head" else ""
-        body = sum(1 for layer in cell if layer.is_body)
-        text += "t" * body if body < 3 else f"t*{body}"
-        text += "L" if cell and cell[-1].kind == "tail" else ""
-        stages.append(text)
-    return "|".join(stages)
-
-
-def split_flags(layout: Layout) -> list[tuple[str, str]] | None:
-    """The first/last-stage flags that say the plan's split, none for an even one; None where only a
-    layout string can say it (several chunks, uneven middle stages, a stage without decoder layers)."""
-    body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
-    if layout.chunks != 1 or min(body) < 1:
-        return None
-    for first, last in ((False, False), (True, False), (False, True), (True, True)):
-        evenly = body[int(first) : len(body) - int(last)]  # the stages Megatron splits the rest over
-        if evenly and len(set(evenly)) == 1:
-            return [(FIRST, str(body[0]))] * first + [(LAST, str(body[-1]))] * last
-    return None
+__all__ = ["FIRST", "LAST", "LAYOUT", "layout_string", "parse_layout", "split_flags", "write_megatron"]
 
 
 def parse_layout(text: str) -> list[int]:
-    """Decoder layers per virtual stage of a layout string (`*k` repeats, `(...)*k` groups)."""
-    text = text.replace(",", "").strip("\"'")
-    group = re.compile(r"\(([^()]*)\)\*(\d+)")
-    while group.search(text):
-        text = group.sub(lambda m: m.group(1) * int(m.group(2)), text)
-    counts = []
-    for stage in text.split("|"):
-        count = 0
-        for symbol, repeat in re.findall(r"([EtmL])(?:\*(\d+))?", stage):
-            count += int(repeat or 1) if symbol == "t" else 0
-        counts.append(count)
-    return counts
+    """Decoder layers per stage of a layout string (Megatron's grammar, `megatron_layout`)."""
+    return [stage.count("t") for stage in parse_stages(text.strip("\"'"))]
 
 
 def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
+    """Write the plan into the launch script (or arguments file) at `path` and the files it sources or
+    runs where its flags are; in a dry run only the diff. InputError, and nothing written, where the
+    script cannot run the plan or a change cannot be made safely."""
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
     old = read_config(path)
-    size = _value(old, PP_SIZE)
-    if size is None:
-        raise InputError("--config", f"{path} has no {PP_SIZE}: is it a Megatron-LM launch script?")
+    arguments_file = not _is_script(path, old)
+    reading = _read(path, old, arguments_file, {})
     result = WriteBack(path=path, diff="")
-    if not size.isdigit():  # a shell variable or expression: the script decides at launch
-        result.notes.append(f"{PP_SIZE} is {size} in {path}: the plan is for {layout.stages} stages")
-    elif int(size) != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has {PP_SIZE} {size}")
-    declared = _value(old, NUM_LAYERS)
-    if declared is not None and declared.isdigit() and int(declared) != layout.body_layers:
-        # Megatron refuses a split whose layers do not add up to the decoder layers
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} {declared}")
-    _check_micro_batches(old, layout, path, result)
-    # A shell script needs the layout quoted (| and *), except inside a quoted string (GPT_ARGS="...",
-    # expanded later as $GPT_ARGS), where | and * are already literal and quotes would end the string;
-    # an arguments file (`$(cat args.txt)`) must not have quotes either.
-    shell = path.suffix in (".sh", ".bash") or old.startswith("#!")
-    quoted = shell and _inside_quotes(old, _pattern(PP_SIZE, True).search(old).start())
-    split = split_flags(layout)
-    if split is None:
-        text = layout_string(layout)
-        split = [(LAYOUT, f'"{text}"' if shell and not quoted else text)]
-    recompute, inexact = _recompute_flags(layout)
-    flags = [*split, *recompute]
-    new = old
-    kept = {flag for flag, _ in split}  # rewritten where they stand
-    for flag in [flag for flag in SPLIT_FLAGS if flag not in kept] + list(RECOMPUTE_FLAGS):
-        new = _remove(new, flag, takes_value=True)
-    for flag in SWITCHES:
-        new = _remove(new, flag, takes_value=False)
-    for flag, value in reversed(flags):  # each new line goes right after the pipeline size: last first
-        new = _set(new, flag, value)
-    commit(result, old, new, dry_run=dry_run)
+    launchers, anchor_flag = _launchers(reading, path)
+    occurring = occurrences(reading, launchers)
+    last = {occurrence.flag: occurrence for occurrence in occurring if not occurrence.alternative}
+    notes = result.notes
+    wanted: list[tuple[str, list[str]]] = []
+    # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
+    if anchor_flag == TP_SIZE or check_stages(reading, last[PP_SIZE], layout, path, notes):
+        wanted.append((PP_SIZE, [str(layout.stages)]))
+    mtp = check_layers(reading, last, layout, path, notes)
+    check_micro_batches(reading, last, layout, path, notes)
+    check_interleaving(reading, last, layout)
+    gone: list[str] = []
+    inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, gone, notes)
+    texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, gone, notes)
+    if anchor_flag == TP_SIZE:
+        notes.insert(0, f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
+                        f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added")
+    unseen = _unseen(reading, launchers)
+    if unseen:
+        notes.append(f"the launch command also expands {', '.join(unseen)}, known only at launch: flags there are "
+                     "not seen")
+    if reading.unfollowed:
+        notes.append(f"not followed: {', '.join(dict.fromkeys(reading.unfollowed))}")
+    if any(source.offsets is not None and source.script is not None for source in reading.files):
+        notes.append("CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
+                     "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them")
+    _commit_all(result, texts, dry_run)
     if inexact:
-        result.notes.append(inexact)
+        notes.append(inexact)
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
 
 
-def _check_micro_batches(text: str, layout: Layout, path: Path, result: WriteBack) -> None:
-    """Megatron runs global / (micro-batch size x data-parallel size) micro-batches per step: a script
-    whose batch sizes cannot make the plan's count at any data-parallel size is refused, else the size
-    that makes it is said."""
-    global_batch, micro_batch = _value(text, GLOBAL_BATCH), _value(text, MICRO_BATCH)
-    if not (global_batch and micro_batch and global_batch.isdigit() and micro_batch.isdigit() and int(micro_batch)):
-        return  # variables, or left to Megatron's defaults
-    samples = int(global_batch) // int(micro_batch)
-    if int(global_batch) % int(micro_batch) or samples % layout.micro_batches:
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {GLOBAL_BATCH} "
-                                   f"{global_batch} and {MICRO_BATCH} {micro_batch}, Megatron runs {global_batch} / "
-                                   f"({micro_batch} x data-parallel size): {layout.micro_batches} at no data-parallel size")
-    result.notes.append(f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch} make the plan's "
-                        f"{layout.micro_batches} micro-batches per step at data-parallel size "
-                        f"{samples // layout.micro_batches}")
+# -- reading -------------------------------------------------------------------------------------
 
 
-def _recompute_flags(layout: Layout) -> tuple[list[tuple[str, str]], str]:
-    """The recompute flags, and what they cannot say of the plan ("" when they say it exactly)."""
-    modes = layout.body_modes()
-    if modes <= {NONE}:
-        return [], ""
-    if modes == {SELECTIVE}:
-        return [("--recompute-granularity", "selective")], (
-            "Megatron-LM's selective recompute (--recompute-modules, core attention by default) is not the selective "
-            "recompute the profile measured (norms, activations and rotary redone, matmul and attention outputs kept): "
-            "its memory and time are not the plan's"
-        )
-    full = layout.uniform_full_count()
-    if full is not None:
-        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(full))], ""
-    most = max(sum(1 for layer in cell if layer.recompute != NONE) for cell in layout.virtual_stages())
-    flags = [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", str(most))]
-    return flags, (
-        f"Megatron-LM recomputes the same number of layers on every stage; the plan varies it per stage, so "
-        f"every stage fully recomputes its first {most} layers (at least what the plan asks, slower than the plan)"
-    )
+def _is_script(path: Path, text: str) -> bool:
+    """A shell script, not a plain file of arguments (which `$(cat args.txt)` passes word by word)."""
+    return path.suffix in (".sh", ".bash") or text.startswith("#!")
 
 
-def _pattern(flag: str, takes_value: bool) -> re.Pattern[str]:
-    # a bare value stops at a quote: in A="--pipeline-model-parallel-size 4" the quote ends the string
-    value = r"(?:[ \t]+|=)(\"[^\"]*\"|'[^']*'|[^\s\\\"']+)" if takes_value else ""
-    return re.compile(rf"(?<![\w-]){re.escape(flag)}{value}(?![\w-])")
+def _read(path: Path, text: str, arguments_file: bool, overrides: dict[Path, str]) -> Reading:
+    try:
+        return read_script(path, text, overrides=overrides, arguments_file=arguments_file)
+    except ReadError as error:
+        raise InputError("--config", error.detail) from None
 
 
-def _inside_quotes(text: str, position: int) -> bool:
-    """Whether `position` of shell script `text` lies inside a quoted string."""
-    quote = ""
-    index = 0
-    while index < position:
-        char = text[index]
-        if char == "\\" and quote != "'":
-            index += 2  # an escaped character, quote or not
+def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
+    """The commands that get the pipeline size; in a fragment that only sets variables of flags (for
+    the script that sources it), those variables; where neither has one, the commands that get the
+    tensor-parallel size (the pipeline size is added there)."""
+    for flag, fragments in ((PP_SIZE, False), (PP_SIZE, True), (TP_SIZE, False)):
+        if fragments:
+            _add_fragments(reading, flag)
+        found = [index for index, command in enumerate(reading.commands)
+                 if any(occurrence.flag == flag for occurrence in scan(command.argv, index))
+                 and (text_of(command.argv[0]) if command.argv else "") not in PRINTERS]
+        if found:
+            return found, flag
+    unfollowed = f"; not followed: {', '.join(reading.unfollowed)}" if reading.unfollowed else ""
+    raise InputError("--config", f"{path} has no {PP_SIZE} that bash passes to a command{_commented(reading, PP_SIZE)}"
+                                 f"{unfollowed}: is it a Megatron-LM launch script?")
+
+
+def _add_fragments(reading: Reading, flag: str) -> None:
+    """Each variable whose (last) value holds the flag, as the arguments of a command to be."""
+    latest: dict[str, int] = {}
+    for index, definition in enumerate(reading.definitions):
+        value = definition.value
+        fields = [part for item in value.elements() for part in split_fields(item)] if value else []
+        if any(occurrence.flag == flag for occurrence in scan(tuple(fields), -1)):
+            latest[definition.name] = index
+    for index in latest.values():
+        definition = reading.definitions[index]
+        fields = tuple(part for item in definition.value.elements() for part in split_fields(item))  # type: ignore[union-attr]
+        reading.commands.append(Command(fields, definition.box, definition.conditional, False))
+
+
+def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
+    """What a launch command expands to arguments known only at launch, where flags may be (`$EXTRA_ARGS`,
+    not the value of a flag before it)."""
+    found = []
+    for index in launchers:
+        argv = reading.commands[index].argv
+        texts = ["".join(ch.unknown or ch.char for ch in field) for field in argv]
+        script = next((n for n, text in enumerate(texts) if text.endswith(".py")), -1)  # the launcher's own before
+        for position, field in enumerate(argv[script + 1:], script + 1):
+            if text_of(field) is None and not texts[position - 1].startswith("-"):
+                found.extend(ch.unknown for ch in field if ch.unknown)
+    return list(dict.fromkeys(found))
+
+
+def _commented(reading: Reading, flag: str) -> str:
+    """Where a flag is written but not passed: comments, here-documents, functions never called."""
+    places = []
+    for index, source in enumerate(reading.files):
+        script = source.script
+        if script is None:
             continue
-        if quote:
-            if char == quote:
-                quote = ""
-        elif char in "\"'":
-            quote = char
-        elif char == "#" and (index == 0 or text[index - 1].isspace()):
-            index = text.find("\n", index)  # a comment, to the end of its line
-            if index < 0:
-                break
-            continue
-        index += 1
-    return bool(quote)
+        spans = [(start, end, "a comment") for start, end in script.comments]
+        spans += [(start, end, "a here-document") for start, end in script.heredocs]
+        spans += [(start, end, "a function never called") for file, start, end in reading.functions_unused
+                  if file == index]
+        for start, end, what in spans:
+            text = script.text[start:end]
+            if flag in text:
+                line = script.text.count("\n", 0, start + text.index(flag)) + 1
+                places.append(f"{what} ({source.path.name} line {line})")
+    return f"; it is only in {', '.join(dict.fromkeys(places))}" if places else ""
 
 
-def _value(text: str, flag: str) -> str | None:
-    match = _pattern(flag, True).search(text)
-    return match.group(1) if match else None
+# -- rewriting -----------------------------------------------------------------------------------
 
 
-def _remove(text: str, flag: str, *, takes_value: bool) -> str:
-    """Drop the flag (and its value); a line left holding only a continuation goes too."""
-    pattern = _pattern(flag, takes_value)
-    lines = []
-    for line in text.splitlines(keepends=True):
-        stripped = pattern.sub("", line)
-        if stripped != line and stripped.strip() in ("", "\\"):
-            continue
-        lines.append(stripped)
-    return "".join(lines)
+def _rewrite(path: Path, old: str, arguments_file: bool, reading: Reading, launchers: list[int], anchor_flag: str,
+             wanted: list[tuple[str, list[str]]], gone: list[str], notes: list[str]) -> dict[Path, tuple[str, str]]:
+    """The new text of every file that changes; InputError (nothing written) where a change cannot be
+    made safely or the result does not pass exactly the plan's flags."""
+    try:
+        texts = _change(reading, launchers, anchor_flag, wanted, gone, notes, {})
+        overrides = {p: new for p, (_, new) in texts.items()}
+        reread = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
+        again, _ = _launchers(reading=reread, path=path)
+        texts = _change(reread, again, anchor_flag, wanted, gone, notes, texts, insert=True)
+        overrides = {p: new for p, (_, new) in texts.items()}
+        final = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
+        _verify(reading, launchers, final, wanted, gone)
+    except EditError as error:
+        raise InputError("--config", f"{path}: {error.detail}; nothing was written") from None
+    for file, (before, after) in texts.items():
+        if file.suffix in (".sh", ".bash") or after.startswith("#!"):
+            _bash_syntax(file, before, after)
+    return texts
 
 
-def _set(text: str, flag: str, value: str) -> str:
-    """Give `flag` `value`: in place if present, else on a line of its own after the pipeline size."""
-    pattern = _pattern(flag, True)
-    if pattern.search(text):
-        return pattern.sub(lambda m: f"{flag} {value}", text, count=1)
-    lines = text.splitlines(keepends=True)
-    size = _pattern(PP_SIZE, True)
-    for index, line in enumerate(lines):
-        if size.search(line):
-            continued = line.rstrip().endswith("\\")
-            if continued or line.lstrip().startswith(PP_SIZE):  # one flag per line: add a line like it
-                indent = line[: len(line) - len(line.lstrip())]
-                ending = " \\\n" if continued else "\n"
-                lines.insert(index + 1, f"{indent}{flag} {value}{ending}")
-            else:
-                lines[index] = size.sub(lambda m: f"{m.group(0)} {flag} {value}", line, count=1)
-            return "".join(lines)
-    raise AssertionError("the pipeline size was found before")
+def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: list[tuple[str, list[str]]],
+            gone: list[str], notes: list[str], texts: dict[Path, tuple[str, str]], *,
+            insert: bool = False) -> dict[Path, tuple[str, str]]:
+    """First pass: values changed and flags taken out; second (`insert`): missing flags added."""
+    occurring = occurrences(reading, launchers)
+    edits = []
+    anchors: dict[tuple[int, int], Occurrence] = {}
+    for index in launchers:
+        found = [o for o in scan(reading.commands[index].argv, index) if o.flag == anchor_flag]
+        anchors.setdefault(found[-1].key(), found[-1])  # argparse takes the last
+    anchor_boxes = {o.name[0].trail[-1].box for o in anchors.values() if o.name and o.name[0].trail}
+    uses = _variable_uses(reading, launchers)
+    protected: set[str] = set()
+    missing = []
+    removed: list[Occurrence] = []
+    for flag, values in wanted:
+        mine = [o for o in occurring if o.flag == flag]
+        if flag == anchor_flag:  # the size every other flag is added next to: changed in place, each
+            mine = list(anchors.values())
+            for anchor in mine[1:]:
+                if anchor.value_text() != " ".join(values) and not insert:
+                    edits.append(replacement(reading, anchor, values, evaluated=_evaluated(reading, anchor),
+                                             protected=set(uses))[0])
+        keep = mine[0] if flag == anchor_flag and mine else next((o for o in mine if not o.alternative and (
+            not conditional(reading, o) or (o.name[0].trail and o.name[0].trail[-1].box in anchor_boxes))), None)
+        removed.extend(o for o in mine if o is not keep and flag != anchor_flag)
+        if keep is None:
+            missing.append((flag, values))
+        elif values and keep.value_text() != " ".join(values) and not insert:
+            own = {(keep.command, keep.position + 1 + k) for k in range(len(keep.values))} | {
+                (keep.command, keep.position)}
+            shared = protected | {name for name, places in uses.items() if places - own}
+            edit, note = replacement(reading, keep, values, evaluated=_evaluated(reading, keep), protected=shared)
+            protected |= shared
+            edits.append(edit)
+            if note:
+                notes.append(note)
+    removed.extend(o for o in occurring if o.flag in gone)
+    edits.extend(removal(reading, o) for o in removed)
+    branched = [o for o in removed if conditional(reading, o) and o.flag not in LEGACY and o.name[0].trail
+                and o.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)]  # those have a note of their own
+    if branched and not insert:
+        places = ", ".join(dict.fromkeys(f"{o.flag} ({where(reading, o)})" for o in branched))
+        notes.append(f"took out {places}, passed only when a branch runs: the plan's flags hold on every branch")
+    if insert:
+        if edits:
+            raise EditError("a flag it took out is still passed")
+        for anchor in anchors.values() if missing else ():
+            edit, place = insertion(reading, anchor, missing, evaluated=_evaluated(reading, anchor))
+            edits.append(edit)
+            notes.append(f"added {', '.join(flag for flag, _ in missing)} in {place}, next to {anchor.flag}")
+    return _applied(reading, edits, texts)
+
+
+def _applied(reading: Reading, edits: list, texts: dict[Path, tuple[str, str]]) -> dict[Path, tuple[str, str]]:
+    by_path: dict[Path, list] = {}
+    files: dict[Path, list[int]] = {}
+    for index, source in enumerate(reading.files):
+        files.setdefault(source.path.resolve(), []).append(index)
+    for edit in edits:
+        by_path.setdefault(reading.files[edit.file].path.resolve(), []).append(edit)
+    changed = dict(texts)
+    for path, mine in by_path.items():
+        source = reading.files[files[path][0]]
+        tokens = [span for index in files[path] for span in reading_tokens(reading, index)]
+        new = apply(source.text, mine, tokens)
+        original = texts[path][0] if path in texts else source.text
+        changed[path] = (original, new)
+    return changed
+
+
+def _variable_uses(reading: Reading, launchers: list[int]) -> dict[str, set[tuple[int, int]]]:
+    """Each variable the launch commands expand, and which of their arguments use it."""
+    uses: dict[str, set[tuple[int, int]]] = {}
+    for index in launchers:
+        for position, field in enumerate(reading.commands[index].argv):
+            for ch in field:
+                for site in ch.trail:
+                    if site.ref >= 0:
+                        uses.setdefault(reading.refs[site.ref].name, set()).add((index, position))
+    return uses
+
+
+def _evaluated(reading: Reading, occurrence: Occurrence) -> bool:
+    return occurrence.command >= 0 and reading.commands[occurrence.command].evaluated
+
+
+def _verify(before: Reading, launchers: list[int], after: Reading, wanted: list[tuple[str, list[str]]],
+            gone: list[str]) -> None:
+    """The rewritten script passes each wanted flag once with the plan's value, none of those gone,
+    and every other argument as before."""
+    try:
+        again = _launchers(after, Path(""))[0]
+    except InputError:
+        raise EditError(f"the rewritten script passes {PP_SIZE} to no command") from None
+    if len(again) != len(launchers):
+        raise EditError(f"the rewritten script passes {PP_SIZE} to {len(again)} commands, not {len(launchers)}")
+    ours = {flag for flag, _ in wanted} | set(gone)
+    for old_index, new_index in zip(launchers, again):
+        found = occurrences(after, [new_index])
+        for flag, values in wanted:
+            mine = [o for o in found if o.flag == flag]
+            if len(mine) != 1 or mine[0].alternative or (values and mine[0].value_text() != " ".join(values)):
+                said = ", ".join(f"{o.flag} {o.value_text()}" for o in mine) or "none"
+                raise EditError(f"the rewritten script would pass {said} where the plan needs {flag} {' '.join(values)}")
+        if any(o.flag in gone for o in found):
+            raise EditError(f"the rewritten script still passes {next(o.flag for o in found if o.flag in gone)}")
+        if _others(before, old_index, ours) != _others(after, new_index, ours):
+            raise EditError("the rewrite would change other arguments of the launch command")
+
+
+def _others(reading: Reading, index: int, ours: set[str]) -> list[str | None]:
+    """A command's arguments but the flags the plan sets or takes out (and their values)."""
+    argv = reading.commands[index].argv
+    skip = set()
+    for occurrence in scan(argv, index):
+        if occurrence.flag in ours:
+            skip |= {occurrence.position, *range(occurrence.position + 1,
+                                                 occurrence.position + 1 + (0 if occurrence.inline else
+                                                                            len(occurrence.values)))}
+    return [text_of(field) for position, field in enumerate(argv) if position not in skip]
+
+
+def _bash_syntax(path: Path, before: str, after: str) -> None:
+    """`bash -n` passes the rewrite wherever it passed the script (bash reads CRLF files converted)."""
+    bash = shutil.which("bash")
+    if bash is None:
+        return
+    def passes(text: str) -> bool:
+        done = subprocess.run([bash, "-n"], input=text.replace("\r\n", "\n"), capture_output=True, text=True,
+                              timeout=30, check=False)
+        return done.returncode == 0
+    if passes(before) and not passes(after):
+        raise InputError("--config", f"{path}: the rewrite does not pass bash -n; nothing was written")
+
+
+def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], dry_run: bool) -> None:
+    """Write every changed file, or none: a failure puts back those already written."""
+    main = result.path.resolve()
+    order = sorted(texts, key=lambda p: p == main)  # the config itself last
+    diffs, done = [], []
+    try:
+        for path in order:
+            old, new = texts[path]
+            target = result.path if path == main else path
+            single = commit(WriteBack(path=target, diff=""), old, new, dry_run=dry_run)
+            diffs.append(single.diff)
+            if single.written:
+                done.append((target, old, new))
+                result.written.extend(single.written)
+                if path == main:
+                    result.backup = single.backup
+                elif single.backup:
+                    result.notes.append(f"the copy of {target} from before is {single.backup}")
+            if path != main and old != new:
+                result.notes.append(f"{target} changes too: {result.path.name} sources or runs it")
+    except InputError:
+        for target, old, new in reversed(done):
+            commit(WriteBack(path=target, diff=""), new, old, dry_run=False)
+        raise
+    result.diff = "".join(diffs)
