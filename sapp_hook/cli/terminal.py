@@ -102,10 +102,12 @@ def standard_streams() -> Iterator[None]:
     if "stdout" in replaced:
         sys.stdout = _Closed()
     if "stderr" in replaced:
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the command
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - closed below
     try:
         yield
     finally:
+        if "stderr" in replaced:
+            sys.stderr.close()
         for name, stream in replaced.items():
             setattr(sys, name, stream)
 
