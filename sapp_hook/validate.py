@@ -32,8 +32,8 @@ from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, p
 from solver.calibrate import Run
 from solver.fields import Fields
 from solver.plan import boundary_bytes, buffered_input_bytes, torch_1f1b_held_bytes
-from solver.spec import spec_from_dict
 from solver.profile import FULL, NONE, SELECTIVE
+from solver.spec import spec_from_dict
 
 log = logging.getLogger(__name__)
 
