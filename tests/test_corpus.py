@@ -299,7 +299,8 @@ CASES = [
     # stdout full, closed, or left by its reader: the files first, then one line (none for a reader that left)
     Case("json-into-full-disk", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
          run="process", stdout="full", unchanged=False, check=_plan_written),
-    Case("json-into-closed-stdout", [*SIMULATE, "--json"], EXIT_OUTPUT, "stdout", run="process", stdout="closed"),
+    Case("json-into-closed-stdout", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
+         run="process", stdout="closed", unchanged=False, check=_plan_written),
     Case("reader-left", [*SIMULATE, "--json"], EXIT_OUTPUT, None, run="process", stdout="left"),
     Case("quiet-with-closed-stdout", [*SIMULATE, "--quiet"], 0, None, run="process", stdout="closed"),
     # the environment

@@ -12,7 +12,16 @@ import sys
 from typing import NoReturn
 
 from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
-from sapp_hook.cli.common import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_TERMINATED, StdoutError, fail, say_error
+from sapp_hook.cli.common import (
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NO_PLAN,
+    EXIT_OUTPUT,
+    EXIT_TERMINATED,
+    StdoutError,
+    fail,
+    say_error,
+)
 from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
 from sapp_hook.protocol import installed_version
 from simulator.errors import Terminated
@@ -26,7 +35,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.")
+    parser = _Parser(
+        prog="sapp-hook",
+        description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
+        epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
+               f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
+               f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM). `run` passes on its command's status.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     profile.add_parser(commands)
