@@ -39,6 +39,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'sapp_hook' has no attribute {name!r}")
     import importlib
 
+    from sapp_hook.torch_engine import check_torch
+
+    check_torch()
     return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
 
 

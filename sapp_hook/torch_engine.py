@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from simulator.errors import InputError
@@ -17,6 +18,24 @@ TORCH_SCHEDULES = {
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
     "DualPipeV": "ScheduleDualPipeV",
 }
+
+
+# torch.distributed.pipelining has every schedule class above from this release on (ScheduleDualPipeV came last).
+TORCH_FLOOR = (2, 9)
+
+
+def check_torch() -> None:
+    """One InputError naming torch where it is missing or older than TORCH_FLOOR (pyproject's floor)."""
+    floor = ".".join(map(str, TORCH_FLOOR))
+    try:
+        import torch
+    except ImportError:
+        raise InputError("torch", f"not installed; the profiler and the hook need torch >= {floor} "
+                                  "(pip install 'sapp-hook[torch]')") from None
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found is None or tuple(map(int, found.groups())) < TORCH_FLOOR:
+        raise InputError("torch", f"found {torch.__version__}; sapp-hook needs torch >= {floor}, the first release "
+                                  "whose torch.distributed.pipelining has every schedule it runs (DualPipeV)")
 
 
 def check_torch_runs(schedule: str, field: str, runner: str = "it") -> None:

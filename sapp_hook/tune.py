@@ -17,9 +17,9 @@ the stage it holds, rank 0 solves and writes, and every rank gets the plan.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,11 +37,11 @@ from profiler.distributed import all_gather_bytes, gather_profiles
 from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.cli.report import against_even, plan_report
-from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
+from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
 from sapp_hook.stages import loss_tail
 from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
-from simulator.errors import InputError, check_seconds
+from simulator.errors import InputError, check_non_negative, check_seconds
 from simulator.files import atomic_write_text
 from simulator.units import format_bytes, format_ms, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, solve
@@ -97,6 +97,9 @@ class AutoTuner:
         action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
     ) -> None:
+        _check_arguments(model, optimizer, schedule=schedule, memory_budget=memory_budget, config=config,
+                         target=target, profile_steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
+                         layers=layers, cache_dir=cache_dir, force=force, out_dir=out_dir)
         config = os.environ.get(ENVIRONMENT["config"]) or config
         target = os.environ.get(ENVIRONMENT["target"]) or target
         on_plan = os.environ.get(ENVIRONMENT["on_plan"]) or on_plan
@@ -194,7 +197,7 @@ class AutoTuner:
             "dtype": str(next(self.model.parameters()).dtype),
             "modes": list(self.profiler.modes),
             # another release may measure or plan differently (its memory model gains what runs showed)
-            "sapp_hook": _installed_version(),
+            "sapp_hook": installed_version(),
         }
         self._key = cache_key(self._key_parts)
         entry = None if self.force or _rank() else self.cache.load(self._key)
@@ -299,6 +302,44 @@ class AutoTuner:
             log.info("sapp-hook: profiling step %d/%d done (%s)", done, total, self.profiler.describe_step(done - 1))
 
 
+def _check_arguments(model: object, optimizer: object, **given: object) -> None:
+    """The arguments' types, each refused with one InputError naming it (the numbers the pipeline spec
+    takes are checked there), before anything is attached or profiled."""
+    if not isinstance(model, nn.Module):
+        raise InputError("model", f"expected a torch.nn.Module, got {_kind(model)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError("optimizer", f"expected a torch.optim.Optimizer or None, got {_kind(optimizer)}")
+    if not isinstance(given["schedule"], str):
+        raise InputError("schedule", f"expected a schedule name such as '1F1B', got {_kind(given['schedule'])}")
+    budget = given["memory_budget"]
+    if budget is not None and not isinstance(budget, str) and budget != math.inf:
+        check_non_negative(budget, "memory_budget")
+    for name in ("config", "cache_dir", "out_dir"):
+        if given[name] is not None and not isinstance(given[name], (str, os.PathLike)):
+            raise InputError(name, f"expected a path (str or os.PathLike) or None, got {_kind(given[name])}")
+    if given["target"] is not None and not isinstance(given["target"], str):
+        raise InputError("target", f"expected a target name such as 'mindformers', got {_kind(given['target'])}")
+    for name in ("profile_steps", "warmup_steps"):
+        value = given[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    for name in ("modes", "layers"):
+        value = given[name]
+        if value is not None and (isinstance(value, str) or not isinstance(value, Sequence)
+                                  or not all(isinstance(item, str) for item in value)):
+            raise InputError(name, f"expected a list of strings, got {_kind(value)}")
+    if given["modes"] is None:
+        raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
+    if not isinstance(given["force"], bool):
+        raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
+
+
+def _kind(value: object) -> str:
+    """`value` for an error line: short ones as written, others by their type."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else f"a {type(value).__name__}"
+
+
 def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
     """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
     step), or a decorator of the per-step training function."""
@@ -307,14 +348,6 @@ def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _installed_version() -> str:
-    """sapp-hook's version as installed ("unknown" when run from a tree that is not)."""
-    try:
-        return importlib.metadata.version("sapp-hook")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _rank() -> int:

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from sapp_hook.torch_engine import check_no_recompute, check_torch_runs, no_recompute_reason, recompute_runs_under
-from simulator import ChunkCosts, PipelineCosts, simulate
+from simulator import ChunkCosts, PipelineCosts, schedule_kind, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
 from solver.fields import Fields
 from solver.plan import boundary_bytes, buffered_input_bytes, torch_1f1b_held_bytes
 from solver.profile import FULL, NONE, SELECTIVE
+from solver.spec import spec_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,30 @@ def _check(setup: Setup) -> None:
     check_torch_runs(setup.schedule, "--schedule")
     if setup.plan == "even-full" and not recompute_runs_under(setup.schedule):
         raise InputError("--even-full", no_recompute_reason(setup.schedule))
+    if setup.plan not in ("solve", "even", "even-full"):
+        _check_plan_file(setup)
+
+
+def _check_plan_file(setup: Setup) -> None:
+    """A plan JSON runs as it was planned: its stages, schedule, chunks and micro-batches must be the
+    run's, checked before anything is profiled or launched."""
+    from sapp_hook.inputs import read_plan_json
+
+    data = read_plan_json(setup.plan, "--plan")
+    try:
+        planned = spec_from_dict(data["spec"])
+    except InputError as exc:
+        raise InputError("--plan", f"{setup.plan}: {exc}") from None
+    run = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
+                       schedule=setup.schedule)
+    for flag, theirs, ours in (
+        ("--stages", planned.stages, run.stages),
+        ("--schedule", schedule_kind(planned.schedule).name, schedule_kind(run.schedule).name),
+        ("--chunks", planned.num_chunks, run.num_chunks),
+        ("--micro-batches", planned.micro_batches, run.micro_batches),
+    ):
+        if theirs != ours:
+            raise InputError("--plan", f"{setup.plan} was planned for {flag} {theirs}; this run has {flag} {ours}")
 
 
 def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
@@ -187,8 +212,27 @@ def run_pipeline(setup: Setup, plan_data: dict[str, Any], folder: Path) -> list[
     """Run the plan on `setup.stages` gloo processes; what each rank measured."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(setup, plan_data, str(folder)), nprocs=setup.stages, join=True)
+    ranks = mp.spawn(_rank_main, args=(setup, plan_data, str(folder)), nprocs=setup.stages, join=False)
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:  # a failed rank, Ctrl-C or SIGTERM: no rank outlives the run
+        _stop(ranks.processes)
+        raise
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(setup.stages)]
+
+
+def _stop(processes: list[Any], grace_s: float = 2.0) -> None:
+    """End `processes`: SIGTERM, then SIGKILL for any still there after `grace_s`."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.0))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _rank_main(rank: int, setup: Setup, plan_data: dict[str, Any], folder: str) -> None:

@@ -19,6 +19,11 @@ class InputError(ValueError):
         self.detail = message
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (the CLI's handler raises it): like KeyboardInterrupt, it unwinds every `finally`
+    and `except BaseException` clean-up on its way out, and no `except Exception` stops it."""
+
+
 class ScheduleError(InputError):
     """An action list that cannot run: a missing, repeated or misplaced action, or a deadlock."""
 

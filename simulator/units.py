@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from simulator.errors import InputError
@@ -25,15 +26,25 @@ def parse_bytes(text: str, field: str) -> int:
     """`56GB` -> 56_000_000_000; `52GiB` -> 55_834_574_848. A bare number is taken only for 0."""
     match = _SIZE.match(str(text))
     if match is None:
-        raise InputError(field, f"expected a size such as 56GB, 56000MB or 52GiB, got {text!r}")
+        raise InputError(field, f"expected a size such as 56GB, 56000MB or 52GiB, got {_shown(text)}")
     number, unit = float(match.group(1)), match.group(2).lower()
     if not unit:
         if number == 0:
             return 0
-        raise InputError(field, f"expected a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) after {text!r}")
+        raise InputError(field, f"expected a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) after {_shown(text)}")
     if unit not in _UNITS:
-        raise InputError(field, f"unknown unit {match.group(2)!r}; expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-    return round(number * _UNITS[unit])
+        raise InputError(field, f"unknown unit {_shown(match.group(2))}; "
+                                "expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    size = number * _UNITS[unit]
+    if not math.isfinite(size):
+        raise InputError(field, f"{_shown(text)} is too large to be a size")
+    return round(size)
+
+
+def _shown(text: str) -> str:
+    """`text` quoted for an error line, its middle left out where it is long."""
+    text = str(text)
+    return repr(text if len(text) <= 40 else f"{text[:24]}...{text[-12:]}")
 
 
 def format_bytes(size: float) -> str:

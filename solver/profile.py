@@ -276,13 +276,18 @@ def load_profile(path: str | Path) -> ModelProfile:
 def read_limited(path: str | Path, what: str) -> bytes:
     """The bytes of a file of at most MAX_FILE_BYTES; InputError naming `what` otherwise."""
     path = Path(path)
+    limit = f"expected at most {MAX_FILE_BYTES:,}"
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise InputError(what, f"{path} is {size:,} bytes; expected at most {MAX_FILE_BYTES:,}")
-        return path.read_bytes()
+            raise InputError(what, f"{path} is {size:,} bytes; {limit}")
+        with path.open("rb") as stream:  # a pipe or a device states no size: read one byte past the cap
+            data = stream.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise InputError(what, f"{path} holds more than {MAX_FILE_BYTES:,} bytes; {limit}")
+    return data
 
 
 def read_json(path: str | Path, what: str) -> object:

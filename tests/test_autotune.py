@@ -75,7 +75,7 @@ def test_a_plan_another_release_cached_is_planned_again(tmp_path, monkeypatch):
 
     first = train(llama(), PROFILING + 1, cache_dir=tmp_path)
     assert train(llama(), 3, cache_dir=tmp_path).result.from_cache
-    monkeypatch.setattr(tune, "_installed_version", lambda: "99.0")
+    monkeypatch.setattr(tune, "installed_version", lambda: "99.0")
     again = train(llama(), PROFILING + 1, cache_dir=tmp_path)
     assert not again.result.from_cache and again.profiler.steps_done == first.profiler.steps_done
 

@@ -1,14 +1,30 @@
-"""The `sapp-hook` command. The CLI owns the terminal: tables and progress on stderr, `--json` on stdout."""
+"""The `sapp-hook` command. The CLI owns the terminal: tables and progress on stderr, `--json` on stdout.
+
+Exit statuses (`sapp_hook.cli.common`): 0 done, 1 the result could not be printed (stdout closed or
+full), 2 bad input, 3 no plan fits, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); `run` passes
+on its training command's own status.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import NoReturn
 
 from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
-from sapp_hook.cli.common import fail
+from sapp_hook.cli.common import (
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NO_PLAN,
+    EXIT_OUTPUT,
+    EXIT_TERMINATED,
+    StdoutError,
+    fail,
+    say_error,
+)
+from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
+from sapp_hook.protocol import installed_version
+from simulator.errors import Terminated
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,7 +35,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sapp-hook", description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.")
+    parser = _Parser(
+        prog="sapp-hook",
+        description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
+        epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
+               f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
+               f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM). `run` passes on its command's status.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     profile.add_parser(commands)
     solve.add_parser(commands)
@@ -33,10 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except BrokenPipeError:  # `sapp-hook ... | head`: the reader left; no traceback, and none at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    """Run one command; its exit status (bad input raises SystemExit(2), no plan SystemExit(3))."""
+    prog = "sapp-hook"
+    with standard_streams(), signals_end_the_command(lambda: prog) as stopping, guarded_stdout():
+        try:
+            args = build_parser().parse_args(argv)
+            prog = f"sapp-hook {args.command}"
+            status = args.run(args)
+            sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
+            return status
+        except KeyboardInterrupt:
+            return stopping(EXIT_INTERRUPTED)
+        except Terminated:
+            return stopping(EXIT_TERMINATED)
+        except BrokenPipeError:  # `sapp-hook ... | head`: the reader left; no message, and none at exit
+            stop_printing()
+            return EXIT_OUTPUT
+        except StdoutError as error:
+            stop_printing()
+            say_error(prog, f"stdout: cannot print the result ({error}); any files asked for were written before")
+            return EXIT_OUTPUT
+

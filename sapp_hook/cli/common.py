@@ -13,8 +13,10 @@ from typing import NoReturn
 
 from simulator import SCHEDULES, InputError, SimulationResult
 from simulator.errors import check_ms
+from simulator.files import write_target
 from simulator.plot import check_plot_path
 from simulator.units import format_bytes, parse_bytes
+from solver.errors import InfeasibleError
 
 # Library field names as the flags a CLI user typed.
 FLAGS = {
@@ -33,21 +35,40 @@ FLAGS = {
     "p2p_ms": "--p2p",
     "action_overhead_ms": "--action-overhead",
     "stage_constant_bytes": "--stage-constant",
+    "profile": "--profile",
 }
 
 
-def fail(prog: str, message: str) -> NoReturn:
+# Exit statuses; `run` passes on its training command's own.
+EXIT_OUTPUT = 1  # the result could not be printed: stdout closed (silently, for a reader that left) or full
+EXIT_INPUT = 2  # bad input: a flag, a file, a field in a file, or an output that cannot be written
+EXIT_NO_PLAN = 3  # no plan fits the memory budget (solver.InfeasibleError)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2, as shells report it
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
+
+
+class StdoutError(Exception):
+    """stdout refused the result (closed, or a full disk); a reader that left raises BrokenPipeError instead."""
+
+
+def say_error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+
+
+def fail(prog: str, message: str, status: int = EXIT_INPUT) -> NoReturn:
+    say_error(prog, message)
+    raise SystemExit(status)
 
 
 def fail_input(prog: str, error: InputError) -> NoReturn:
     flag = FLAGS.get(error.field)
-    fail(prog, f"{flag}: {error.detail}" if flag else str(error))
+    fail(prog, f"{flag}: {error.detail}" if flag else str(error),
+         EXIT_NO_PLAN if isinstance(error, InfeasibleError) else EXIT_INPUT)
 
 
 def command(prog: str, body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`body` run as `prog`: bad input becomes one line on stderr naming the flag, exit status 2."""
+    """`body` run as `prog`: bad input becomes one line on stderr naming the flag, exit status 2 (3 where
+    no plan fits)."""
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -125,7 +146,8 @@ def say(notes: list[str], talk: bool) -> None:
 
 
 def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Path]:
-    """The output files asked for, checked before any work: the folder exists, the name is a file."""
+    """The output files asked for, checked before any work: the folder exists, the name is a regular
+    file or a new one (a symbolic link is written through; a device, a pipe or a folder is refused)."""
     outputs = {name: Path(getattr(args, name)) for name in names if getattr(args, name, None)}
     for name, path in outputs.items():
         flag = "--" + name.replace("_", "-")
@@ -133,6 +155,10 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
             raise InputError(flag, f"folder {path.parent} does not exist")
         if path.is_dir():
             raise InputError(flag, f"{path} is a folder; expected a file name")
+        try:
+            write_target(path)
+        except OSError as exc:
+            raise InputError(flag, f"{exc.strerror}; expected a regular file or a new path") from None
     if "plot" in outputs:
         check_plot_path(outputs["plot"], "--plot")
     return outputs

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from sapp_hook.cli.common import command, configure_logging
+from sapp_hook.torch_engine import check_torch
 from simulator import InputError
 
 PROG = "sapp-hook demo"
@@ -37,6 +38,7 @@ def _run(args: argparse.Namespace) -> int:
     if existing is not None and not existing.is_dir():
         raise InputError("--out", f"{existing} is a file; expected a folder to write the demo into")
     configure_logging(talk)
+    check_torch()
     import transformers
 
     from sapp_hook.demo import run_demo

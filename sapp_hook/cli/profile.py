@@ -10,6 +10,7 @@ from profiler.analytic import BYTES_PER_SECOND as BANDWIDTH
 from profiler.analytic import FLOPS_PER_SECOND as FLOPS
 from profiler.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
 from sapp_hook.cli.common import command, configure_logging, finish, mode_list, output_paths, write_output
+from sapp_hook.torch_engine import check_torch
 from simulator import InputError
 from simulator.units import format_bytes
 from solver.profile import NONE, ModelProfile
@@ -121,6 +122,7 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
         if value < 1:
             raise InputError(flag, f"expected an integer >= 1, got {value}")
     configure_logging(talk)
+    check_torch()
 
     import torch
     import transformers

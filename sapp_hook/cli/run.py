@@ -74,6 +74,24 @@ def _run(args: argparse.Namespace) -> int:
 
 def _launch(argv: list[str], environment: dict[str, str]) -> int:
     try:
-        return subprocess.run(argv, env=environment, check=False).returncode
+        job = subprocess.Popen(argv, env=environment)
     except FileNotFoundError:
         raise InputError("COMMAND", f"{argv[0]!r} not found") from None
+    except OSError as exc:
+        raise InputError("COMMAND", f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
+    try:
+        return job.wait()
+    except BaseException:  # Ctrl-C or SIGTERM: the job is asked to end too, and waited for a while
+        _stop(job)
+        raise
+
+
+def _stop(job: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM to `job` (torchrun passes it on to its workers), SIGKILL if it is still there after `grace_s`."""
+    if job.poll() is None:
+        job.terminate()
+    try:
+        job.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()

@@ -16,6 +16,7 @@ from sapp_hook.cli.common import (
     size_flag,
     write_output,
 )
+from sapp_hook.torch_engine import check_torch
 from simulator.units import format_bytes
 from solver import load_profile
 
@@ -56,6 +57,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = size_flag(args, "memory", notes) if args.memory else math.inf
     say(notes, talk)
     configure_logging(talk)
+    check_torch()
     import transformers
 
     from sapp_hook.validate import Setup, profile_for, validate

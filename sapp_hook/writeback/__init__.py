@@ -7,6 +7,7 @@ and in a dry run only returns the diff. Where a target cannot express the plan i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,11 @@ TARGETS: dict[str, Callable[..., WriteBack]] = {
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     """Write `layout` into the `target` config at `path`."""
     check_target(target, "--target")
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError("path", f"expected a path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(layout, Layout):
+        raise InputError("layout", f"expected a Layout (sapp_hook.layout_of(plan) or layout_from_dict(plan JSON)), "
+                                   f"got {type(layout).__name__}")
     return TARGETS[target](Path(path), layout, dry_run=dry_run)
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from simulator.errors import InputError
-from simulator.files import atomic_write_text
+from simulator.files import atomic_write_bytes, atomic_write_text, write_target
 from solver.profile import read_limited
+
+BOM = "\ufeff"
 
 
 @dataclass
@@ -26,12 +28,13 @@ class WriteBack:
 
 def read_config(path: Path, flag: str = "--config") -> str:
     """The text of a config to rewrite; InputError if it cannot be read or written back."""
-    if not path.is_file():
+    target = _target(path, flag)
+    if not target.is_file():
         raise InputError(flag, f"{path} does not exist or is not a file")
-    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+    if not all(os.access(place, os.W_OK) for place in (target, target.parent, path.parent)):
         raise InputError(flag, f"{path} is read-only (or its folder is); nothing was written")
     try:
-        return read_limited(path, flag).decode("utf-8")
+        return read_limited(target, flag).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(flag, f"{path} is not UTF-8 text: {exc}") from None
 
@@ -39,22 +42,47 @@ def read_config(path: Path, flag: str = "--config") -> str:
 def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack:
     """Fill in the diff; unless a dry run, replace the file atomically. The first write keeps the
     file as it was in `NAME.sapp-hook.bak`; later writes leave that backup alone, so re-planning
-    never replaces the user's own config with one sapp-hook wrote (nor touches a `NAME.bak` of theirs)."""
+    never replaces the user's own config with one sapp-hook wrote (nor touches a `NAME.bak` of theirs).
+    The new text keeps the file's line endings and byte-order mark; a symbolic link is written through
+    (its target rewritten, the backup beside the link); anything but a regular file is refused."""
     path = result.path
+    target = _target(path, "--config")
+    new = in_form_of(old, new)
     result.diff = "".join(difflib.unified_diff(
         old.splitlines(keepends=True), new.splitlines(keepends=True), f"{path} (before)", f"{path} (sapp-hook)"))
+    if path.is_symlink():
+        result.notes.append(f"{path} is a symbolic link: its target {target} is what is rewritten; the link stays")
     if dry_run or new == old:
         return result
-    backup = path.with_name(path.name + ".sapp-hook.bak") if path.exists() else None
+    backup = path.with_name(path.name + ".sapp-hook.bak") if target.exists() else None
     try:
         if backup is not None and not backup.exists():
-            shutil.copy2(path, backup)
-        atomic_write_text(path, new, mode=path.stat().st_mode & 0o7777 if backup else None)
+            # exactly the bytes the config holds (at most read_limited's cap), whole or not at all
+            atomic_write_bytes(backup, read_limited(target, "--config"), mode=stat.S_IMODE(target.stat().st_mode))
+        atomic_write_text(target, new)
     except OSError as exc:
         raise InputError("--config", f"cannot write {path}: {exc.strerror or exc}; it was left as it was") from None
     result.backup = backup
     result.written.append(str(path))
     return result
+
+
+def in_form_of(old: str, new: str) -> str:
+    """`new` with the line endings of `old` where all of them are CRLF, and its byte-order mark."""
+    if "\r\n" in old and old.count("\r\n") == old.count("\n"):
+        new = new.replace("\r\n", "\n").replace("\n", "\r\n")
+    if old.startswith(BOM) and not new.startswith(BOM):
+        new = BOM + new
+    return new
+
+
+def _target(path: Path, flag: str) -> Path:
+    """The file a write to `path` replaces (through symbolic links); InputError naming `flag` if it is
+    not a regular file."""
+    try:
+        return write_target(path)
+    except OSError as exc:
+        raise InputError(flag, f"{exc.strerror}; expected a regular file") from None
 
 
 def write_side_file(result: WriteBack, text: str, *, dry_run: bool) -> None:

@@ -100,6 +100,8 @@ def as_layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
         return plan
     if isinstance(plan, Plan):
         return layout_of(plan)
+    if not isinstance(plan, Mapping):
+        raise InputError("plan", f"expected a Plan, a Layout or a plan JSON as read, got {type(plan).__name__}")
     return layout_from_dict(plan)
 
 

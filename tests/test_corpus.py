@@ -1,0 +1,447 @@
+"""A corpus of bad inputs, odd files and faults, each met as a user meets it: one table of cases (the
+command, its inputs, the exit status expected and the flag, field or file its one error line names).
+
+Every row: no traceback; exactly one line from sapp-hook itself (`sapp-hook CMD: error: ...`, or
+`... interrupted` / `terminated`) naming what it must, none where the command succeeds; the status
+expected; and where the case refuses or is stopped, every file in its folder byte for byte as it was and
+no temp file left. Rows run in this process through `sapp_hook.cli.main` unless a signal, a standard
+stream or a privilege is involved (`process` rows), or they call the Python API (`api` rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from solver_cases import SAPP, small_profile
+
+from sapp_hook.cli import main
+from simulator.errors import InputError, Terminated
+
+ROOT = Path(__file__).parents[1]
+TEMPLATES = ROOT / "sapp_hook" / "templates"
+EXIT_OUTPUT, EXIT_INPUT, EXIT_NO_PLAN, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 3, 130, 143
+SOLVE = ["solve", "--profile", "{profile}", "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
+         "--memory", "1TB"]
+SIMULATE = ["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1",
+            "--backward", "2"]
+# A search that runs for minutes (SAPP's 194 layers, 16 x 3 x 16) and says when it starts
+LONG_SOLVE = ["solve", "--profile", str(SAPP / "sim.json"), "--stages", "16", "--chunks", "3", "--micro-batches",
+              "16", "--schedule", "Interleaved1F1B-less-memory", "--memory", "1TB", "--time-limit", "inf"]
+
+
+# -- the inputs, made on demand in the case's folder ------------------------------------------------------------
+
+def _plan(folder: Path) -> Path:
+    profile = _input(folder, "profile")
+    plan = folder / "plan.json"
+    argv = [a.replace("{profile}", str(profile)) for a in SOLVE] + ["--plan-out", str(plan), "--quiet"]
+    assert main(argv) == 0
+    return plan
+
+
+def _profile_with(folder: Path, name: str, change: Callable[[dict], None]) -> Path:
+    data = small_profile(8).to_dict()
+    change(data)
+    path = folder / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _crlf(template: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = folder / f"crlf-{template}"
+        path.write_bytes((TEMPLATES / template).read_bytes().replace(b"\n", b"\r\n"))
+        return path
+    return make
+
+
+def _copy(template: str, name: str | None = None) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        return Path(shutil.copy(TEMPLATES / template, folder / (name or template)))
+    return make
+
+
+def _text(name: str, text: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = folder / name
+        path.write_text(text)
+        return path
+    return make
+
+
+def _device(name: str, minor: int) -> Callable[[Path], Path]:
+    """A character device of our own (1, minor: 3 null, 5 zero, 7 full), never the real /dev nodes."""
+    def make(folder: Path) -> Path:
+        path = folder / name
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+        return path
+    return make
+
+
+def _fifo(folder: Path) -> Path:
+    path = folder / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+def _link(name: str, to: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        target = _input(folder, to)
+        (folder / "links").mkdir(exist_ok=True)
+        path = folder / "links" / name
+        path.symlink_to(os.path.relpath(target, path.parent))
+        return path
+    return make
+
+
+def _read_only_config(folder: Path) -> Path:
+    path = _copy("mindformers_llama.yaml", "read-only.yaml")(folder)
+    path.chmod(0o444)
+    return path
+
+
+def _read_only_folder(folder: Path) -> Path:
+    path = folder / "read-only"
+    path.mkdir()
+    shutil.copy(TEMPLATES / "mindformers_llama.yaml", path / "train.yaml")
+    path.chmod(0o555)
+    return path
+
+
+MAKERS: dict[str, Callable[[Path], Path]] = {
+    "profile": lambda folder: small_profile(8).save(folder / "profile.json") or folder / "profile.json",
+    "plan": _plan,
+    "yaml": _copy("mindformers_llama.yaml", "train.yaml"),
+    "toml": _copy("torchtitan_llama.toml", "train.toml"),
+    "crlf_yaml": _crlf("mindformers_llama.yaml"),
+    "crlf_toml": _crlf("torchtitan_llama.toml"),
+    "malformed_json": _text("malformed.json", '{"schema_version": 1, "layers": [{"name": "embed",'),
+    "nan_profile": lambda folder: _profile_with(folder, "nan.json",
+                                                lambda data: data["layers"][1].update(forward_ms=float("nan"))),
+    "deep_json": _text("deep.json", "[" * 100_000 + "]" * 100_000),
+    "huge_json": lambda folder: _sparse(folder / "huge.json", 65 * 2**20),
+    "alias_bomb": _text("bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
+                                     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\noffset: [*c, *c, *c, *c]\n"),
+    "python_tag": _text("tag.yaml", "offset: !!python/object/apply:os.system ['echo owned']\n"),
+    "python_tag_config": _text("tag-train.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
+                               + "evil: !!python/object/apply:os.system ['echo owned']\n"),
+    "bad_toml": _text("bad.toml", "[parallelism\npipeline_parallel_degree = 4\n"),
+    "not_a_plan": _text("not-a-plan.json", '{"layers": []}'),
+    "zero": _device("zero", 5),
+    "null": _device("null", 3),
+    "fifo": _fifo,
+    "link_to_null": _link("null-link", "null"),
+    "link_yaml": _link("train.yaml", "yaml"),
+    "read_only_config": _read_only_config,
+    "read_only_folder": _read_only_folder,
+    "deep_config": _text("deep-config.json", "{\"a\": " * 50_000 + "1" + "}" * 50_000),
+}
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with path.open("wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+_MADE: dict[Path, dict[str, Path]] = {}
+
+
+def _expand(argv: list[str], folder: Path) -> list[str]:
+    out = []
+    for arg in argv:
+        for name in MAKERS:
+            if "{" + name + "}" in arg:
+                arg = arg.replace("{" + name + "}", str(_input(folder, name)))
+        out.append(arg.replace("{dir}", str(folder)))
+    return out
+
+
+def _input(folder: Path, name: str) -> Path:
+    made = _MADE.setdefault(folder, {})
+    if name not in made:
+        made[name] = MAKERS[name](folder)
+    return made[name]
+
+
+def _snapshot(folder: Path) -> dict[str, object]:
+    """Every entry under `folder`: a link's target, a device's numbers, a file's bytes."""
+    seen: dict[str, object] = {}
+    for path in sorted(folder.rglob("*")):
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            seen[str(path)] = ("link", os.readlink(path))
+        elif stat.S_ISREG(info.st_mode):
+            seen[str(path)] = ("file", stat.S_IMODE(info.st_mode), path.read_bytes())
+        else:
+            seen[str(path)] = (stat.S_IFMT(info.st_mode), info.st_rdev)
+    return seen
+
+
+# -- the table -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """`argv` names inputs as {NAME} (MAKERS) and the case's folder as {dir}; `names`: what the one line
+    from sapp-hook must contain (None: the command succeeds and says nothing of its own)."""
+
+    id: str
+    argv: list[str]
+    status: int
+    names: str | None
+    run: str = "main"  # main: in this process; process: a fresh one (see `stdout`, `stop`, `read_only`)
+    stdout: str = "pipe"  # process: pipe, full (/dev/full), closed (no fd 1), left (the reader closed it)
+    stop: tuple[int, str] | None = None  # process: the signal, sent once this text is on stderr
+    read_only: bool = False  # process: without root's power to write read-only files (CAP_DAC_OVERRIDE)
+    unchanged: bool = True  # every file in the folder as it was (a refusal or an interruption)
+    fault: str | None = None  # main: an exception os.fsync raises, as a signal mid-write would; or torch-2.8
+    check: Callable[[Path], None] | None = None  # main: what a success must have done
+    prepare: tuple[str, ...] = ()  # inputs to make before the snapshot (those argv names are made anyway)
+
+
+def _symlink_written_through(folder: Path) -> None:
+    link, target = folder / "links" / "train.yaml", folder / "train.yaml"
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    template = (TEMPLATES / "mindformers_llama.yaml").read_bytes()
+    assert "offset: [" in target.read_text() and target.read_bytes() != template
+    assert (folder / "links" / "train.yaml.sapp-hook.bak").read_bytes() == template  # beside the link
+    assert not any(path.name.endswith(".tmp") for path in folder.rglob("*"))
+
+
+def _crlf_kept(name: str) -> Callable[[Path], None]:
+    def check(folder: Path) -> None:
+        data = (folder / f"crlf-{name}").read_bytes()
+        assert data != (TEMPLATES / name).read_bytes().replace(b"\n", b"\r\n")  # the plan is in
+        assert data.count(b"\r\n") == data.count(b"\n") > 10
+    return check
+
+
+def _plan_written(folder: Path) -> None:
+    assert json.loads((folder / "out.json").read_text())["spec"]["stages"] == 4
+
+
+CASES = [
+    # malformed, non-numbers, nested, huge: one line naming the file's flag or the field
+    Case("malformed-json", [*SOLVE, "--profile", "{malformed_json}", "--quiet"], EXIT_INPUT, "--profile"),
+    Case("nan-in-profile", [*SOLVE, "--profile", "{nan_profile}", "--quiet"], EXIT_INPUT, "layers[1].forward_ms"),
+    Case("deeply-nested-json", [*SOLVE, "--profile", "{deep_json}", "--quiet"], EXIT_INPUT, "--profile"),
+    Case("huge-json", [*SOLVE, "--profile", "{huge_json}", "--quiet"], EXIT_INPUT, "--profile"),
+    Case("endless-stream", [*SOLVE, "--profile", "{zero}", "--quiet"], EXIT_INPUT, "--profile"),
+    Case("yaml-alias-bomb", ["simulate", "--profile", "{profile}", "--mindformers-plan", "{alias_bomb}", "--stages",
+                             "4", "--micro-batches", "8", "--schedule", "1F1B"], EXIT_INPUT, "--mindformers-plan"),
+    Case("yaml-python-tag", ["simulate", "--profile", "{profile}", "--mindformers-plan", "{python_tag}", "--stages",
+                             "4", "--micro-batches", "8", "--schedule", "1F1B"], EXIT_INPUT, "--mindformers-plan"),
+    Case("config-python-tag", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
+                               "{python_tag_config}"], EXIT_INPUT, "--config"),
+    Case("malformed-toml", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bad_toml}"],
+         EXIT_INPUT, "--config"),
+    Case("not-a-plan", ["apply", "--plan", "{not_a_plan}", "--target", "plan", "--config", "{dir}/out.json"],
+         EXIT_INPUT, "--plan"),
+    Case("deeply-nested-model-config", ["profile", "--estimate", "--model", "{deep_config}", "--out", "{dir}/p.json",
+                                        "--quiet"], EXIT_INPUT, "--model"),
+    Case("missing-file", [*SOLVE, "--profile", "{dir}/nothing.json", "--quiet"], EXIT_INPUT, "--profile"),
+    # impossible or overflowing specs
+    Case("no-stages", [*SOLVE, "--stages", "0", "--quiet"], EXIT_INPUT, "--stages"),
+    Case("no-plan-fits", [*SOLVE, "--memory", "1KB", "--quiet"], EXIT_NO_PLAN, "--memory: no plan fits"),
+    Case("size-beyond-floats", [*SOLVE, "--memory", "1" + "0" * 400 + "GB", "--quiet"], EXIT_INPUT, "--memory"),
+    Case("time-limit-nan", [*SOLVE, "--time-limit", "nan", "--quiet"], EXIT_INPUT, "--time-limit"),
+    Case("astronomic-pipeline", [*SIMULATE, "--stages", "10" + "0" * 20, "--quiet"], EXIT_INPUT, "actions"),
+    Case("plan-for-other-stages", ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "8",
+                                   "--schedule", "1F1B", "--plan", "{plan}", "--quiet"], EXIT_INPUT, "--plan"),
+    # outputs that are not regular files, through links or not: refused, the node left as it was
+    Case("plan-out-device", [*SOLVE, "--plan-out", "{null}", "--quiet"], EXIT_INPUT, "--plan-out"),
+    Case("plan-out-link-to-device", [*SOLVE, "--plan-out", "{link_to_null}", "--quiet"], EXIT_INPUT, "--plan-out"),
+    Case("yaml-out-fifo", [*SOLVE, "--mindformers-yaml", "{fifo}", "--quiet"], EXIT_INPUT, "--mindformers-yaml"),
+    Case("profile-out-device", ["profile", "--estimate", "--model", "tiny-llama", "--out", "{null}", "--quiet"],
+         EXIT_INPUT, "--out"),
+    Case("apply-onto-device", ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{zero}"],
+         EXIT_INPUT, "--config"),
+    Case("apply-onto-fifo", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{fifo}"],
+         EXIT_INPUT, "--config"),
+    # links written through; CRLF kept
+    Case("apply-through-link", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{link_yaml}",
+                                "--quiet"], 0, None, unchanged=False, check=_symlink_written_through),
+    Case("crlf-yaml", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{crlf_yaml}", "--quiet"],
+         0, None, unchanged=False, check=_crlf_kept("mindformers_llama.yaml")),
+    Case("crlf-toml", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{crlf_toml}", "--quiet"],
+         0, None, unchanged=False, check=_crlf_kept("torchtitan_llama.toml")),
+    # read-only files and folders, for a user without root's override
+    Case("read-only-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
+                              "{read_only_config}"], EXIT_INPUT, "--config", run="process", read_only=True),
+    Case("read-only-folder", [*SOLVE, "--plan-out", "{read_only_folder}/plan.json", "--quiet"], EXIT_INPUT,
+         "--plan-out", run="process", read_only=True),
+    # Ctrl-C and SIGTERM: mid-search, mid-profile, mid-write
+    Case("ctrl-c-in-search", LONG_SOLVE, EXIT_INTERRUPTED, "sapp-hook solve: interrupted", run="process",
+         stop=(signal.SIGINT, "moving layers")),
+    Case("sigterm-in-search", LONG_SOLVE, EXIT_TERMINATED, "sapp-hook solve: terminated", run="process",
+         stop=(signal.SIGTERM, "moving layers")),
+    Case("ctrl-c-in-profile", ["profile", "--model", "tiny-llama", "--steps", "100", "--out", "{dir}/p.json"],
+         EXIT_INTERRUPTED, "sapp-hook profile: interrupted", run="process", stop=(signal.SIGINT, "profiling: step 2/")),
+    Case("ctrl-c-mid-write", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+         EXIT_INTERRUPTED, "sapp-hook apply: interrupted", fault="KeyboardInterrupt"),
+    Case("sigterm-mid-write", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{toml}"],
+         EXIT_TERMINATED, "sapp-hook apply: terminated", fault="Terminated"),
+    Case("sigterm-mid-plan-out", [*SOLVE, "--plan-out", "{dir}/out.json", "--quiet"], EXIT_TERMINATED,
+         "sapp-hook solve: terminated", fault="Terminated"),
+    # stdout full, closed, or left by its reader: the files first, then one line (none for a reader that left)
+    Case("json-into-full-disk", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
+         run="process", stdout="full", unchanged=False, check=_plan_written),
+    Case("json-into-closed-stdout", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
+         run="process", stdout="closed", unchanged=False, check=_plan_written),
+    Case("reader-left", [*SIMULATE, "--json"], EXIT_OUTPUT, None, run="process", stdout="left"),
+    Case("quiet-with-closed-stdout", [*SIMULATE, "--quiet"], 0, None, run="process", stdout="closed"),
+    # the environment
+    Case("torch-too-old", ["profile", "--model", "tiny-llama", "--out", "{dir}/p.json", "--quiet"], EXIT_INPUT,
+         "torch: found 2.8.0+cpu; sapp-hook needs torch >= 2.9", fault="torch-2.8"),
+    Case("version", ["--version"], 0, None, unchanged=False),
+]
+
+
+def _drop_root_override() -> None:
+    """In the child: no CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH or CAP_FOWNER, so that root meets read-only
+    files as any user does (dropped from the bounding set, they are gone once the child execs)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2, 3):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _run_process(case: Case, argv: list[str], folder: Path) -> tuple[int, str, str]:
+    command = [sys.executable, "-m", "sapp_hook", *argv]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    stdout = {"pipe": subprocess.PIPE, "left": subprocess.PIPE, "closed": None}.get(case.stdout)
+    full = open("/dev/full", "w") if case.stdout == "full" else None  # noqa: SIM115 - used as the child's stdout only
+    steps = []
+    if case.stdout == "closed":
+        steps.append(lambda: os.close(1))
+    if case.read_only and os.geteuid() == 0:
+        steps.append(_drop_root_override)
+    process = subprocess.Popen(command, stdout=full or stdout, stderr=subprocess.PIPE, text=True, env=environment,
+                               preexec_fn=(lambda: [step() for step in steps]) if steps else None)
+    if full:
+        full.close()
+    if case.stdout == "left":
+        process.stdout.close()
+    err = ""
+    if case.stop is not None:
+        number, text = case.stop
+        while text not in err:
+            line = process.stderr.readline()
+            assert line, f"the command ended before saying {text!r}: {err}"
+            err += line
+        time.sleep(0.5)
+        process.send_signal(number)
+    try:
+        out, rest = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, rest = process.communicate()
+        pytest.fail(f"still running 120 s after {case.stop}: {err + rest}")
+    return process.returncode, out or "", err + rest
+
+
+def _run_main(case: Case, argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    if case.fault == "torch-2.8":
+        import torch
+
+        monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    elif case.fault is not None:
+        exception = {"KeyboardInterrupt": KeyboardInterrupt, "Terminated": Terminated}[case.fault]
+
+        def interrupted(handle: int) -> None:
+            raise exception()
+
+        monkeypatch.setattr(os, "fsync", interrupted)
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_corpus(case, tmp_path, capsys, monkeypatch):
+    for name in case.prepare:
+        _input(tmp_path, name)
+    argv = _expand(case.argv, tmp_path)
+    capsys.readouterr()
+    before = _snapshot(tmp_path)
+    if case.run == "process":
+        status, out, err = _run_process(case, argv, tmp_path)
+    else:
+        status, out, err = _run_main(case, argv, capsys, monkeypatch)
+    monkeypatch.undo()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    said = [line for line in err.splitlines() if line.startswith("sapp-hook")]
+    if case.names is None:
+        assert said == [], err
+    else:
+        assert len(said) == 1 and case.names in said[0], err
+    assert status == case.status, err
+    if case.unchanged:
+        assert _snapshot(tmp_path) == before
+    if case.check is not None:
+        case.check(tmp_path)
+    if case.id == "version":
+        assert out.startswith("sapp-hook ") and len(out.splitlines()) == 1
+    with contextlib.suppress(OSError):  # read-only folders: let pytest remove them
+        for path in tmp_path.rglob("*"):
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+
+
+# -- the Python API: one InputError naming the argument -------------------------------------------------------------
+
+def _autotune(**options):
+    import torch
+
+    import sapp_hook
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    arguments = {"model": model, "stages": 2, "micro_batches": 4, **options}
+    return sapp_hook.autotune(arguments.pop("model"), **arguments)
+
+
+def _older_torch(tmp_path, monkeypatch):
+    import torch
+
+    import sapp_hook
+
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    return sapp_hook.autotune
+
+
+API_CASES = [
+    ("autotune-model-none", lambda tmp_path, monkeypatch: _autotune(model=None), "model"),
+    ("autotune-schedule-none", lambda tmp_path, monkeypatch: _autotune(schedule=None), "schedule"),
+    ("autotune-modes-string", lambda tmp_path, monkeypatch: _autotune(modes="full"), "modes"),
+    ("autotune-budget-list", lambda tmp_path, monkeypatch: _autotune(memory_budget=[1]), "memory_budget"),
+    ("autotune-steps-zero", lambda tmp_path, monkeypatch: _autotune(profile_steps=0), "profile_steps"),
+    ("autotune-config-number", lambda tmp_path, monkeypatch: _autotune(config=3, target="plan"), "config"),
+    ("write-config-no-layout", lambda tmp_path, monkeypatch: __import__("sapp_hook").write_config(
+        "plan", tmp_path / "plan.json", None), "layout"),
+    ("apply-no-plan", lambda tmp_path, monkeypatch: __import__("sapp_hook").apply(None, None, 0), "plan"),
+    ("older-torch", _older_torch, "torch"),
+]
+
+
+@pytest.mark.parametrize(("call", "field"), [case[1:] for case in API_CASES], ids=[case[0] for case in API_CASES])
+def test_api_corpus(call, field, tmp_path, monkeypatch):
+    with pytest.raises(InputError) as caught:
+        call(tmp_path, monkeypatch)
+    assert caught.value.field == field and "\n" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
