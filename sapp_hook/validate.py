@@ -30,8 +30,9 @@ from simulator import ChunkCosts, PipelineCosts, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
+from solver.costs import buffered_input_bytes
+from solver.engine_memory import boundary_bytes, torch_1f1b_held_bytes
 from solver.fields import Fields
-from solver.plan import boundary_bytes, buffered_input_bytes, torch_1f1b_held_bytes
 from solver.profile import FULL, NONE, SELECTIVE
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ simulator times them. Never imports torch.
 """
 
 from solver.errors import InfeasibleError
-from solver.plan import Plan, evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
+from solver.evaluate import evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
+from solver.plan import Plan
 from solver.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost, load_profile
 from solver.sapp import profile_from_sapp
 from solver.search import solve

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.errors import InputError
-from solver.plan import evaluate_plan
+from solver.evaluate import evaluate_plan
 from solver.profile import ModelProfile
 from solver.spec import PipelineSpec
 

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 INF = math.inf
 Terms = Mapping[int, float]
@@ -20,6 +20,37 @@ ROOT_HEURISTICS = (
     "mip_heuristic_run_rins",
     "mip_heuristic_run_root_reduced_cost",
 )
+
+
+@dataclass
+class Linear:
+    """A linear expression over the program's variables: `constant` + sum(coefficient x variable)."""
+
+    terms: dict[int, float] = field(default_factory=dict)
+    constant: float = 0.0
+
+    def add(self, variable: int, coefficient: float) -> None:
+        if coefficient:
+            self.terms[variable] = self.terms.get(variable, 0.0) + coefficient
+
+    def add_expression(self, other: Linear, scale: float = 1.0) -> None:
+        """Add `scale` x `other`."""
+        self.constant += scale * other.constant
+        for variable, coefficient in other.terms.items():
+            self.add(variable, scale * coefficient)
+
+    def value(self, values: list[float]) -> float:
+        return self.constant + dot(self.terms, values)
+
+
+def dot(terms: Mapping[int, float], values: list[float]) -> float:
+    """The value of the linear expression `terms` (variable -> coefficient) at `values`."""
+    return sum(coefficient * values[variable] for variable, coefficient in terms.items())
+
+
+def within(value: float) -> float:
+    """The most a quantity the program bounds by `value` may be: HiGHS holds rows to about 1e-6."""
+    return value + 1e-6 * max(abs(value), 1.0)
 
 
 @dataclass(frozen=True)

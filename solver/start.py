@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from simulator.units import MIB, format_bytes, format_ms
-from solver.milp import INF
+from solver.formulation import IntegerProgram
+from solver.milp import INF, Linear
 from solver.profile import COMM, SELECTIVE
-
-if TYPE_CHECKING:
-    from solver.search import _Formulation, _Linear
 
 log = logging.getLogger("solver")
 Key = tuple[int, int, str]  # (group, virtual stage, mode)
 
 
-def balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | None:
+def balanced_plan(model: IntegerProgram, *, move_layers: bool) -> list[float] | None:
     """A plan that fits, found without search. Body layers split into virtual stages of near-equal
     forward + backward time (`balanced_cell_sizes`), each layer in its quickest mode; then, rank by
     rank while one is over the budget, the mode switch that frees the most memory per millisecond it
@@ -36,7 +33,7 @@ def balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | No
     return None
 
 
-def improved_by_moves(model: _Formulation, values: list[float], deadline: float = INF) -> list[float]:
+def improved_by_moves(model: IntegerProgram, values: list[float], deadline: float = INF) -> list[float]:
     """From the plan at `values`, move one body layer at a time from one virtual stage to another (the
     layers between them shift by one, in model order) while that shortens the simulated iteration
     time, the modes of each rank a move changes fitted again as `balanced_plan` fits them. Each step
@@ -95,7 +92,7 @@ def improved_by_moves(model: _Formulation, values: list[float], deadline: float 
     return best
 
 
-def balanced_cell_sizes(model: _Formulation) -> list[int]:
+def balanced_cell_sizes(model: IntegerProgram) -> list[int]:
     """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
     head or tail) as near its share of the total as whole layers allow, then each rank's; every
     stage gets one unless empty stages are allowed or it holds a head or tail."""
@@ -147,8 +144,8 @@ class _RankMemory:
     fitting reads for every switch it weighs, is one product (ranks with several chunks have hundreds
     of rows)."""
 
-    def __init__(self, model: _Formulation) -> None:
-        rows_of_rank: dict[int, list[_Linear]] = {}
+    def __init__(self, model: IntegerProgram) -> None:
+        rows_of_rank: dict[int, list[Linear]] = {}
         for rank, row in model.memory_rows:
             rows_of_rank.setdefault(rank, []).append(row)
         self.rows: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}
@@ -167,7 +164,7 @@ class _RankMemory:
         return float((matrix @ np.array([values[variable] for variable in variables]) + constants).max())
 
 
-def _pinned_cells(model: _Formulation) -> set[int]:
+def _pinned_cells(model: IntegerProgram) -> set[int]:
     return {group.pinned_cell for group in model.groups if group.pinned_cell is not None}
 
 
@@ -175,7 +172,7 @@ class _Fitting:
     """Body layers split into virtual stages of the given sizes (in model order), each in its quickest
     mode, and the memory each rank then takes; `fit` switches modes (and moves layers) until ranks fit."""
 
-    def __init__(self, model: _Formulation, sizes: list[int], memory: _RankMemory) -> None:
+    def __init__(self, model: IntegerProgram, sizes: list[int], memory: _RankMemory) -> None:
         self.model = model
         groups = model.groups
         self.counts: dict[Key, int] = dict.fromkeys(model.count, 0)

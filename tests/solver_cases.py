@@ -8,7 +8,10 @@ from pathlib import Path
 
 from simulator.errors import InputError
 from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost, evaluate_plan
-from solver.plan import Plan, ordered_modes
+from solver.formulation import IntegerProgram
+from solver.groups import layer_groups
+from solver.mindformers import ordered_modes
+from solver.plan import Plan
 
 MIB = 2**20
 SAPP = Path(__file__).parent / "fixtures" / "sapp"  # SAPP's own layer files and two of its runs
@@ -107,3 +110,10 @@ def all_plans(profile: ModelProfile, spec: PipelineSpec) -> Iterator[Plan]:
 def _mode_mixes(count: int, modes: tuple[str, ...]) -> Iterator[list[str]]:
     for combo in itertools.combinations_with_replacement(modes, count):
         yield ordered_modes({m: combo.count(m) for m in modes})
+
+
+def integer_program(profile: ModelProfile, spec: PipelineSpec, timing: str) -> IntegerProgram:
+    """The search's integer program for `profile` under `spec`, the budget's rows included."""
+    schedule = spec.pipeline_schedule
+    return IntegerProgram(profile, spec, schedule, layer_groups(profile, spec, schedule.num_stages),
+                          with_budget=True, timing=timing)

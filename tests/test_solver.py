@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from solver_cases import MIB, SAPP, all_plans, brute_force, layer, small_profile
+from solver_cases import MIB, SAPP, all_plans, brute_force, integer_program, layer, small_profile
 
 from simulator import InputError, simulate
 from solver import (
@@ -23,7 +23,11 @@ from solver import (
     plan_from_mindformers,
     solve,
 )
-from solver.plan import pipeline_costs, torch_1f1b_held_bytes
+from solver.costs import pipeline_costs
+from solver.engine_memory import torch_1f1b_held_bytes
+from solver.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.groups import layer_groups
+from solver.milp import dot
 
 CASES = [
     ("1F1B", 4, 1, 6),
@@ -104,7 +108,7 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
     from solver import search
 
     if tie_break_nodes is not None:
-        monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((search.START_TIMES, search.PATHS), tie_break_nodes))
+        monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((START_TIMES, PATHS), tie_break_nodes))
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for(schedule, stages, chunks, 2 * stages, budget_mib)
     first, second = solve(profile, spec), solve(profile, spec)
@@ -165,9 +169,7 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
+    model = integer_program(profile, spec, PATHS)
     found: list[list[float]] = []
     minimize = Milp.minimize
 
@@ -192,13 +194,11 @@ def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
 
     profile = small_profile(6)
     spec = spec_for("Interleaved1F1B", 2, 2, 4, 400)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.START_TIMES)
+    model = integer_program(profile, spec, START_TIMES)
     body = [1, 2, 2, 1]  # the head on the first virtual stage, the tail on the last
     everything_full = model.point({model.count[1, cell, "full"]: n for cell, n in enumerate(body)})
-    start = search._plan_of(model, everything_full)
-    polished = search._plan_of(model, search._polished(model, everything_full, time.perf_counter() + 60))
+    start = model.plan(everything_full)
+    polished = model.plan(search._polished(model, everything_full, time.perf_counter() + 60))
     same_split = [plan for plan in all_plans(profile, spec) if plan.fits and plan.stage_layer_counts == (2, 2, 2, 2)]
     assert start.fits and start.stage_layer_counts == polished.stage_layer_counts == (2, 2, 2, 2)
     assert polished.fits
@@ -215,7 +215,7 @@ def test_a_stopped_search_chooses_its_best_plans_recompute_again(monkeypatch, ca
 
     def spied(model, values, deadline):
         result = polished(model, values, deadline)
-        polishing.append((search._plan_of(model, values), search._plan_of(model, result)))
+        polishing.append((model.plan(values), model.plan(result)))
         return result
 
     def stopped_early(model, objective, deadline, **options):
@@ -245,7 +245,7 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_sear
     assert "the search's best plan is none; the plan found without search runs" in caplog.text
     assert plan.status == "feasible" and plan.fits
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
+    groups = layer_groups(profile, spec, schedule.num_stages)
     # The search had no bound yet: the gap is against the busiest rank's work in the relaxation, which
     # counts the recompute the budget forces: above the average work per rank without any recompute,
     # 128 micro-batches x (30 + 60 + 192 x (180 + 360) + 90 + 180) ms / 16 stages.
@@ -255,28 +255,24 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_sear
 
 
 def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for("GPipe", 16, 1, 48, 44600)  # 1.1x the least budget that fits
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
+    model = integer_program(profile, spec, PATHS)
     assert start.balanced_plan(model, move_layers=False) is None
-    moved = search._plan_of(model, start.balanced_plan(model, move_layers=True))
+    moved = model.plan(start.balanced_plan(model, move_layers=True))
     assert moved.fits
     body = [count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)]  # no head, tail
     assert body != start.balanced_cell_sizes(model) and sum(body) == 192
 
 
 def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "sim.json")  # four recompute modes
     spec = spec_for("1F1B", 16, 1, 16, 56000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
+    model = integer_program(profile, spec, PATHS)
     values = start.balanced_plan(model, move_layers=False)
     budget_mib = 56000
     switched = 0
@@ -295,34 +291,31 @@ def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
     # layers and the plan 10,922.4 ms of recompute per step: its last switches freed more than needed.
     assert {m: round(values[model.count[1, 0, m]]) for m in model.groups[1].modes} == {
         "none": 0, "comm": 1, "selective+comm": 3, "full": 8}
-    assert search._dot(model.recompute_terms, values) == pytest.approx(10776.6)
+    assert dot(model.recompute_terms, values) == pytest.approx(10776.6)
 
 
 def test_moving_layers_one_at_a_time_shortens_the_balanced_split():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 8, 2, 16, 56000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.START_TIMES)
+    model = integer_program(profile, spec, START_TIMES)
     balanced = start.balanced_plan(model, move_layers=False)
     moved = start.improved_by_moves(model, balanced)
-    plan = search._plan_of(model, moved)
+    plan = model.plan(moved)
     assert plan.fits and plan.iteration_time_ms == pytest.approx(moved[model.iteration])
-    assert search._plan_of(model, balanced).iteration_time_ms == pytest.approx(150720)
+    assert model.plan(balanced).iteration_time_ms == pytest.approx(150720)
     assert plan.iteration_time_ms == pytest.approx(147420)  # 2.2% faster
-    assert sum(plan.stage_layer_counts) == 98 and plan.stage_layer_counts != search._plan_of(model, balanced).stage_layer_counts
+    assert sum(plan.stage_layer_counts) == 98 and plan.stage_layer_counts != model.plan(balanced).stage_layer_counts
 
 
 def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions_of_a_layer():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "test.json")  # 96 body layers on 64 virtual stages: 1.5 each
     spec = spec_for("Interleaved1F1B", 16, 4, 16, 10**6)
     schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
+    model = integer_program(profile, spec, PATHS)
     sizes = start.balanced_cell_sizes(model)
     # Rounded stage by stage they alternate 2, 1, 2, 1, ... and ranks got 7 and 5 layers by turns.
     assert [sum(sizes[c] for c in range(64) if schedule.rank_of(c) == rank) for rank in range(16)] == [6] * 16
@@ -862,7 +855,6 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
     the previous stage's buffer: the stage pends a stage output less, but never more than its first
     layer pends, which is where the profile counts that gradient (a turn holding a tail that pended
     nothing once pended -3 MiB, which the simulator refused). The program counts it as the simulator."""
-    from solver import search
 
     pends_nothing = ("body:moe", "tail")
     base = _with_share_of_activation(small_profile(6, two_kinds=True), "pending_bytes", 0.5)
@@ -876,8 +868,8 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
     turn = loose.pipeline_schedule  # virtual stage `stages`, the V's second leg, on the last rank
     rank, chunk = turn.rank_of(stages), turn.chunk_of(stages)
     modes = ("none",) * len(profile.layers)
-    groups = search._groups(profile, loose, turn.num_stages)
-    model = search._Formulation(profile, loose, turn, groups, with_budget=False, timing=search.PATHS)
+    groups = layer_groups(profile, loose, turn.num_stages)
+    model = IntegerProgram(profile, loose, turn, groups, with_budget=False, timing=PATHS)
     splits = {1: [(7, 1), (4, 4), (3, 5)], 2: [(1, 3, 3, 1), (1, 2, 4, 1), (1, 3, 1, 3), (1, 6, 0, 1)]}[stages]
     for counts in splits:
         first = profile.layers[sum(counts[:stages])] if counts[stages] else None  # None: the turn holds nothing
@@ -893,7 +885,7 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
                 for index in range(group.first, group.first + group.size):
                     key = model.count[g, cells[index], "none"]
                     layers_in[key] = layers_in.get(key, 0) + 1
-        assert model.pending[stages].value(model.point(layers_in)) * MIB == pytest.approx(pending[0]), counts
+        assert model.memory.pending[stages].value(model.point(layers_in)) * MIB == pytest.approx(pending[0]), counts
     _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
 
 

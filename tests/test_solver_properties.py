@@ -14,7 +14,9 @@ from solver_cases import MIB, layer
 from simulator import SCHEDULES, simulate
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve, start
-from solver.plan import pipeline_costs
+from solver.costs import pipeline_costs
+from solver.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.groups import layer_groups
 
 SMALL = [("1F1B", 1), ("GPipe", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B-less-memory", 2),
          ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
@@ -129,7 +131,7 @@ def _solve_error_case(forwards: tuple[float, ...], weights: tuple[float, ...], t
 def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
     profile, spec = problem
     optimum = {}
-    for timing in (search.START_TIMES, search.PATHS):
+    for timing in (START_TIMES, PATHS):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(search, "_timing_for", lambda schedule, timing=timing: timing)
             try:
@@ -139,8 +141,8 @@ def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
                 continue
         assert plan.status == "optimal"
         optimum[timing] = ("optimal", plan.iteration_time_ms)
-    (status, start_times), (_, paths) = optimum[search.START_TIMES], optimum[search.PATHS]
-    assert optimum[search.PATHS][0] == status
+    (status, start_times), (_, paths) = optimum[START_TIMES], optimum[PATHS]
+    assert optimum[PATHS][0] == status
     assert paths == pytest.approx(start_times, rel=1e-9)
 
 
@@ -151,8 +153,8 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
     and a lower bound no plan beats."""
     profile, spec = problem
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
-    model = search._Formulation(profile, spec, schedule, groups, with_budget=True, timing=search.PATHS)
+    groups = layer_groups(profile, spec, schedule.num_stages)
+    model = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=PATHS)
     balanced = [start.balanced_plan(model, move_layers=moves) for moves in (False, True)]
     try:
         optimum = solve(profile, spec, time_limit_s=30).iteration_time_ms
@@ -163,13 +165,13 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
     if balanced[0] is not None:
         assert balanced[1] == balanced[0]  # layers move only where switching modes is not enough
     for values in filter(None, balanced):
-        plan = search._plan_of(model, values)
+        plan = model.plan(values)
         assert plan.fits
         assert plan.iteration_time_ms >= optimum * (1 - 1e-9)
         assert values[model.iteration] == pytest.approx(plan.iteration_time_ms)
         # What a search with start times falls back on: the balanced plan with layers moved.
         improved = start.improved_by_moves(model, values)
-        moved = search._plan_of(model, improved)
+        moved = model.plan(improved)
         assert moved.fits
         assert optimum * (1 - 1e-9) <= moved.iteration_time_ms <= plan.iteration_time_ms * (1 + 1e-9)
         assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
@@ -206,8 +208,8 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
     simulator replays for that plan: what the search may not exceed is what a plan will hold."""
     profile, spec = problem
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
-    model = search._Formulation(profile, spec, schedule, groups, with_budget=False, timing=search.PATHS)
+    groups = layer_groups(profile, spec, schedule.num_stages)
+    model = IntegerProgram(profile, spec, schedule, groups, with_budget=False, timing=PATHS)
     body = [g for g, group in enumerate(groups) if group.pinned_cell is None]
     cells = schedule.num_stages
     # each body layer, in model order, to a non-decreasing virtual stage, every stage holding one
@@ -226,7 +228,7 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
                 none = model.count[g, key[1], "none"]
                 counts[none] = counts.get(none, 0) + 1
     values = model.point(counts)
-    plan = search._plan_of(model, values)
+    plan = model.plan(values)
     program_mib = [max((row.value(values) for r, row in model.memory_rows if r == rank), default=0.0)
                    for rank in range(schedule.stages)]
 
@@ -234,7 +236,7 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
     for cell in range(cells):  # and its working sets and durations are the simulator's
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
         for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-            assert model.working[cell][kind].value(values) == pytest.approx(
+            assert model.memory.working[cell][kind].value(values) == pytest.approx(
                 costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6), (cell, kind)
         assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
         assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)

@@ -9,7 +9,7 @@ from simulator import SimulationResult
 from simulator.result import BubbleSplit
 from simulator.units import format_bytes, format_ms
 from solver import ModelProfile, Plan, even_plan
-from solver.plan import MODE_ORDER
+from solver.mindformers import MODE_ORDER
 from solver.profile import FULL, NONE
 
 

@@ -1,0 +1,201 @@
+"""The integer program: layer counts per (group, virtual stage, mode), each virtual stage's action
+durations, the iteration time as the simulator's replay makes it, and memory within the budget at
+every point of every rank's action list. Its optimum is the simulated optimum."""
+
+from __future__ import annotations
+
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
+from simulator.costs import ChunkCosts, PipelineCosts
+from simulator.replay import critical_path
+from simulator.schedule import Schedule
+from simulator.units import MIB
+from solver.engine_memory import torch_splits_backward
+from solver.evaluate import evaluate_plan
+from solver.groups import LayerGroup
+from solver.memory_rows import memory_rows, stage_memory
+from solver.milp import INF, Linear, dot, within
+from solver.placement import LayerPlacement
+from solver.plan import Plan
+from solver.profile import ModelProfile
+from solver.spec import PipelineSpec
+
+# How the program states the iteration time. START_TIMES: every action's start as a variable, the
+# simulator's replay as rows. PATHS: one row per critical path met so far (the time is at least each
+# path's length), adding the path of any solution the rows let run faster than the simulator does.
+# Measured on SAPP's fixtures, 1F1B: with one chunk per rank some 50-100 paths settle it and PATHS
+# solves 2-6x faster at 16 stages x 16 micro-batches, 35-60x at 64, and 32 x 1 x 128 in 3 s where
+# START_TIMES stops at 60 s with a 14% gap; with two or more chunks the integer solutions keep
+# finding paths the rows miss, and START_TIMES is faster.
+START_TIMES, PATHS = "start-times", "paths"
+# PATHS timing also adds, for the relaxation's solution and for each solution found to miss a
+# path, the critical path with each virtual stage in turn this much slower: integer plans near a
+# solution differ from it most in which stage is heavier, and these are the paths they run along.
+# Measured on SAPP's fixtures, 1-chunk 1F1B, ZBH1 and GPipe at 8 and 16 stages and 16 or 48
+# micro-batches, budgets 1.1x and 1.5x the least that fits, whole solves: 111 s -> 40 s in all;
+# GPipe at 16 stages 4.6-19 s -> 0.2-1.4 s (0.20x, geometric mean), ZBH1 0.66x, 1F1B 0.97x (some
+# slower: sim.json 1F1B 16 x 1 x 16 at 56000 MiB 1.7 s -> 2.8 s). 5%, 10% and 20% measured alike.
+# With these paths PATHS still loses to START_TIMES at two chunks (6-8 stages: 1-5x slower, and
+# two searches START_TIMES proves in 12-15 s not proven in 20 s).
+SLOWER_STAGE = 0.1
+
+
+class IntegerProgram(LayerPlacement):
+    """The program: layer counts per (group, virtual stage, mode), durations, the iteration time, memory."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        spec: PipelineSpec,
+        schedule: Schedule,
+        groups: list[LayerGroup],
+        *,
+        with_budget: bool,
+        timing: str,
+    ) -> None:
+        super().__init__(profile, spec, schedule, groups)
+        self.timing = timing
+        milp, cells = self.milp, schedule.num_stages
+        self.memory = stage_memory(self)
+        forward, backward, weight, input_grad = (self.cell_sum(f) for f in (
+            lambda g, m: g.forward_ms,
+            lambda g, m: g.backward_ms + g.extra_ms[m],
+            lambda g, m: g.weight_ms,
+            lambda g, m: g.input_ms + g.extra_ms[m],
+        ))
+        if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as costs.pipeline_costs states it
+            weight[0] = self.cell_sum(lambda g, m: g.backward_ms)[0]
+            input_grad[0] = self.cell_sum(lambda g, m: g.extra_ms[m])[0]
+        forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
+        for cell_sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
+                                    (input_grad, backward_overhead - weight_overhead)):
+            for expression in cell_sums:
+                expression.constant += overhead
+        self.recompute_terms: dict[int, float] = {}
+        for (g, _, mode), variable in self.count.items():
+            if groups[g].extra_ms[mode]:
+                self.recompute_terms[variable] = groups[g].extra_ms[mode]
+
+        # Durations of each kind of action on each virtual stage, as variables.
+        self.duration: dict[tuple[int, str], int] = {}
+        self.duration_expression: dict[int, Linear] = {}  # duration variable -> its value in layer counts
+        for c in range(cells):
+            for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
+                                     (BACKWARD_INPUT, input_grad[c]), (BACKWARD_WEIGHT, weight[c])):
+                self.duration[c, kind] = self._defined(expression)
+                self.duration_expression[self.duration[c, kind]] = expression
+        program = schedule.program
+        self.action_duration = [
+            self.duration[schedule.stage_index(rank, chunk), kind]
+            for rank, chunk, kind in zip(program.rank, program.chunk, program.kind)
+        ]
+        self.iteration = milp.variable()
+        self.time_cap = INF  # the most iteration time a solution may take (set by the tie-breaks)
+        self.paths: set[tuple] = set()
+        if timing == START_TIMES:
+            self._start_times()
+        self.memory_rows = memory_rows(self, self.memory)
+        if with_budget and spec.memory_budget_bytes < INF:
+            budget_mib = spec.memory_budget_bytes / MIB
+            for _, expression in self.memory_rows:
+                milp.row(expression.terms, upper=budget_mib - expression.constant)
+
+    def _start_times(self) -> None:
+        """The simulator's replay as constraints: a start time for every action, after its rank's
+        previous action and after the action it waits for (plus P2P between ranks)."""
+        program, milp, duration = self.schedule.program, self.milp, self.action_duration
+        offsets = program.rank_offsets
+        start = [milp.variable() for _ in range(program.num_actions)]
+        for rank in range(self.schedule.stages):
+            for i in range(offsets[rank] + 1, offsets[rank + 1]):
+                milp.row({start[i]: 1.0, start[i - 1]: -1.0, duration[i - 1]: -1.0}, lower=0.0)
+            last = offsets[rank + 1] - 1
+            milp.row({self.iteration: 1.0, start[last]: -1.0, duration[last]: -1.0}, lower=0.0)
+        for i, dep in enumerate(program.dependency):
+            if dep >= 0 and program.crosses_ranks[i]:
+                milp.row({start[i]: 1.0, start[dep]: -1.0, duration[dep]: -1.0}, lower=self.spec.p2p_ms)
+
+    def simulated_time(self, values: list[float], *, add_path: bool | None = None) -> float:
+        """The iteration time the simulator gives the durations in `values` (fractional ones too). Its
+        critical path becomes a row when `values` runs faster than it and no row holds it yet (or,
+        with `add_path`, whenever no row holds it): the iteration time is at least the path's
+        durations plus its P2P times."""
+        terms, hops = self._critical_path(values)
+        length = hops * self.spec.p2p_ms + dot(terms, values)
+        key = (tuple(sorted(terms.items())), hops)
+        if add_path is None:
+            add_path = length > within(values[self.iteration])
+        if add_path and key not in self.paths:
+            self.paths.add(key)
+            self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
+        return length
+
+    def critical_time_per_cell(self, values: list[float]) -> list[float]:
+        """Milliseconds the critical path of `values` spends on each virtual stage."""
+        terms, _ = self._critical_path(values)
+        return [sum(terms.get(self.duration[cell, kind], 0.0) * values[self.duration[cell, kind]] for kind in KINDS)
+                for cell in range(self.schedule.num_stages)]
+
+    def _critical_path(self, values: list[float]) -> tuple[dict[int, float], int]:
+        """The simulator's critical path for the durations in `values`: how many times it runs each
+        duration variable, and how many times it changes rank."""
+        schedule = self.schedule
+        costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
+        for virtual in range(schedule.num_stages):
+            backward = max(values[self.duration[virtual, FULL_BACKWARD]], 0.0)
+            costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)] = ChunkCosts(
+                forward_ms=max(values[self.duration[virtual, FORWARD]], 0.0),
+                backward_ms=backward,
+                weight_ms=min(max(values[self.duration[virtual, BACKWARD_WEIGHT]], 0.0), backward),
+                input_ms=max(values[self.duration[virtual, BACKWARD_INPUT]], 0.0),
+            )
+        chain = critical_path(schedule, PipelineCosts(tuple(map(tuple, costs)), p2p_ms=self.spec.p2p_ms))
+        program = schedule.program
+        terms: dict[int, float] = {}
+        for action in chain:
+            terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
+        hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
+        return terms, hops
+
+    def add_paths_of_slower_stages(self, values: list[float]) -> None:
+        """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower."""
+        for cell in range(self.schedule.num_stages):
+            slower = list(values)
+            for kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                slower[self.duration[cell, kind]] *= 1 + SLOWER_STAGE
+            self.simulated_time(slower, add_path=True)
+
+    def _defined(self, expression: Linear) -> int:
+        """A variable equal to `expression`."""
+        variable = self.milp.variable()
+        terms = {variable: 1.0}
+        for index, coefficient in expression.terms.items():
+            terms[index] = -coefficient
+        self.milp.row(terms, expression.constant, expression.constant)
+        return variable
+
+    def point(self, counts: dict[int, int]) -> list[float]:
+        """The program's variables for the layer counts `counts` (count variable -> layers): durations,
+        working sets and the iteration time as simulated filled in; variables that only serve the
+        search (orders, rank totals, start times) are left 0."""
+        values = [0.0] * self.milp.num_variables
+        for variable, number in counts.items():
+            values[variable] = number
+        self.set_indicators(values)
+        for variable, expression in self.duration_expression.items():
+            values[variable] = expression.value(values)
+        values[self.iteration] = self.simulated_time(values, add_path=False)
+        return values
+
+    def add_peak_variable(self) -> int:
+        """A variable at least every memory row: the peak over every rank."""
+        peak = self.milp.variable()
+        for _, expression in self.memory_rows:
+            terms = {peak: 1.0}
+            for variable, coefficient in expression.terms.items():
+                terms[variable] = terms.get(variable, 0.0) - coefficient
+            self.milp.row(terms, lower=expression.constant)
+        return peak
+
+    def plan(self, values: list[float]) -> Plan:
+        """The plan at `values`, simulated."""
+        return evaluate_plan(self.profile, self.spec, self.stage_layer_counts(values), self.layer_modes(values))
