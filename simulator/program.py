@@ -14,15 +14,12 @@ comes back through the forward chain.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS, Action
 from simulator.errors import ScheduleError
-
-if TYPE_CHECKING:
-    from simulator.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -50,16 +47,19 @@ class Program:
                 for rank, chunk, kind in zip(self.rank, self.chunk, self.kind)]
 
 
-def compile_schedule(schedule: Schedule) -> Program:
-    """Flatten `schedule`, resolve dependencies and find a replay order; raise ScheduleError on deadlock."""
-    stages, micro_batches, last_stage = schedule.stages, schedule.micro_batches, schedule.num_stages - 1
+def compile_schedule(name: str, rank_actions: Sequence[Sequence[Action]], chunks: int, micro_batches: int) -> Program:
+    """Flatten schedule `name`'s per-rank action lists, resolve dependencies and find a replay order;
+    raise ScheduleError on deadlock."""
+    stages = len(rank_actions)
+    num_stages = stages * chunks
+    last_stage = num_stages - 1
     ranks: list[int] = []
     chunks: list[int] = []
     kinds: list[str] = []
     stage_of: list[int] = []
     microbatch_of: list[int] = []
     offsets = [0]
-    for rank, actions in enumerate(schedule.rank_actions):
+    for rank, actions in enumerate(rank_actions):
         for action in actions:
             ranks.append(rank)
             chunks.append(action.stage_index // stages)
@@ -69,8 +69,8 @@ def compile_schedule(schedule: Schedule) -> Program:
         offsets.append(len(ranks))
 
     # Where each (stage, micro-batch) forward and input-gradient action lives.
-    forward_id = [-1] * (schedule.num_stages * micro_batches)
-    input_grad_id = [-1] * (schedule.num_stages * micro_batches)
+    forward_id = [-1] * (num_stages * micro_batches)
+    input_grad_id = [-1] * (num_stages * micro_batches)
     for action_id, kind in enumerate(kinds):
         slot = stage_of[action_id] * micro_batches + microbatch_of[action_id]
         if kind == FORWARD:
@@ -94,7 +94,7 @@ def compile_schedule(schedule: Schedule) -> Program:
 
     order = _dependency_order(offsets, dependency)
     if len(order) < len(kinds):
-        raise ScheduleError(f"schedule {schedule.name}", _deadlock_report(schedule, offsets, order, dependency))
+        raise ScheduleError(f"schedule {name}", _deadlock_report(rank_actions, offsets, order, dependency))
     return Program(tuple(offsets), ranks, chunks, kinds, dependency, crosses, order)
 
 
@@ -124,11 +124,12 @@ def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
     return order
 
 
-def _deadlock_report(schedule: Schedule, offsets: list[int], order: list[int], dependency: list[int]) -> str:
+def _deadlock_report(rank_actions: Sequence[Sequence[Action]], offsets: list[int], order: list[int],
+                     dependency: list[int]) -> str:
     done = set(order)
-    flat = [action for actions in schedule.rank_actions for action in actions]
+    flat = [action for actions in rank_actions for action in actions]
     blocked = []
-    for rank in range(schedule.stages):
+    for rank in range(len(rank_actions)):
         first_pending = next((i for i in range(offsets[rank], offsets[rank + 1]) if i not in done), None)
         if first_pending is not None:
             waits_for = flat[dependency[first_pending]]

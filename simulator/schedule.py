@@ -13,7 +13,6 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from simulator.actions import (
     BACKWARD_INPUT,
@@ -27,9 +26,7 @@ from simulator.actions import (
 )
 from simulator.errors import ScheduleError
 from simulator.files import atomic_write_text
-
-if TYPE_CHECKING:
-    from simulator.program import Program
+from simulator.program import Program, compile_schedule
 
 PLACEMENTS = ("loop", "v")
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
@@ -94,9 +91,7 @@ class Schedule:
     @cached_property
     def program(self) -> Program:
         """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
-        from simulator.program import compile_schedule
-
-        return compile_schedule(self)
+        return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches)
 
     def to_csv(self) -> str:
         """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""

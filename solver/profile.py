@@ -258,21 +258,6 @@ class ModelProfile:
         return profile
 
 
-def load_profile(path: str | Path) -> ModelProfile:
-    """Read a profile: sapp-hook's JSON, or SAPP's layer JSON (`layers_description`)."""
-    data = read_json(path, "profile")
-    if not isinstance(data, Mapping) or not ("layers_description" in data or "schema_version" in data):
-        raise InputError(
-            "profile", f"{path}: expected sapp-hook's profile (an object with schema_version and layers) or SAPP's "
-            "layer JSON (an object with layers_description)"
-        )
-    if "layers_description" in data:
-        from solver.sapp import profile_from_sapp
-
-        return profile_from_sapp(data)
-    return ModelProfile.from_dict(data)
-
-
 def read_limited(path: str | Path, what: str) -> bytes:
     """The bytes of a file of at most MAX_FILE_BYTES; InputError naming `what` otherwise."""
     path = Path(path)

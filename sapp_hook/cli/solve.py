@@ -23,7 +23,7 @@ from sapp_hook.cli.common import (
     write_output,
     write_replay_outputs,
 )
-from sapp_hook.cli.report import against_even, plan_report
+from sapp_hook.report import against_even, plan_report
 from simulator import InputError
 from simulator.errors import check_seconds
 from simulator.files import atomic_write_text

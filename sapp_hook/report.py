@@ -1,4 +1,4 @@
-"""Human-readable reports of a replay and of a plan."""
+"""Human-readable reports of a replay and of a plan, for the CLI and the hook's log."""
 
 from __future__ import annotations
 
