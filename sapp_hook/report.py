@@ -30,7 +30,7 @@ def replay_report(result: SimulationResult) -> str:
     if result.weight_split_assumed:
         lines.append("note            weight-gradient time not given (--weight): I and W each took half of B")
     lines.append(f"{'rank':>4}  {'busy ms':>10}  {'peak memory':>12}  {'peak activations':>16}")
-    for rank in range(schedule.stages):
+    for rank in range(schedule.ranks):
         lines.append(
             f"{rank:>4}  {format_ms(result.stage_busy_ms[rank]):>10}  "
             f"{format_bytes(result.stage_peak_memory_bytes[rank]):>12}  {result.stage_peak_activations[rank]:>16}"

@@ -33,7 +33,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     held_sends = torch_1f1b_held_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
-    grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.stages)]  # type: ignore[list-item]
+    grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.ranks)]  # type: ignore[list-item]
     start = 0
     for virtual, count in enumerate(counts):
         layers = [(profile.layers[i], modes[i]) for i in range(start, start + count)]
@@ -47,7 +47,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         # the loss's gradient (a scalar's), which the last stage's backward starts from and holds to
         # its end (its I's where split): no layer's working set counts it, as none counts the
         # gradient handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)
-        seed = profile.loss_bytes if virtual == schedule.num_stages - 1 else 0.0
+        seed = profile.loss_bytes if virtual == schedule.num_virtual_stages - 1 else 0.0
         grid[stage][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,

@@ -39,7 +39,7 @@ def torch_hands_gradient_over(spec: PipelineSpec) -> list[bool]:
     schedule = spec.pipeline_schedule
     split = torch_splits_backward(spec)
     return [split and virtual > 0 and schedule.rank_of(virtual - 1) == schedule.rank_of(virtual)
-            for virtual in range(schedule.num_stages)]
+            for virtual in range(schedule.num_virtual_stages)]
 
 
 def handed_gradient_bytes(layer: LayerProfile, stage_output_bytes: float) -> float:
@@ -59,8 +59,8 @@ def torch_1f1b_held_bytes(profile: ModelProfile, spec: PipelineSpec) -> list[flo
     second on). Zeros elsewhere. Measured with gloo on tiny-llama's fully recomputed 1F1B: each one
     stage output the allocator held that the plan did not count."""
     if not (spec.receive_buffers and spec.schedule == "1F1B"):
-        return [0.0] * spec.pipeline_schedule.num_stages
-    stages, micro_batches = spec.pipeline_schedule.stages, spec.micro_batches
+        return [0.0] * spec.pipeline_schedule.num_virtual_stages
+    stages, micro_batches = spec.pipeline_schedule.ranks, spec.micro_batches
     held = []
     for stage in range(stages):
         keeps_output = stage < stages - 1 and min(micro_batches, stages - stage) >= 2
@@ -79,10 +79,10 @@ def torch_engine_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[
     sends back (split, that is the gradient above: one tensor). And the last stage's loss
     (`profile.loss_bytes`), which the engine keeps for the step's losses. Zeros elsewhere."""
     schedule = spec.pipeline_schedule
-    last = schedule.num_stages - 1
-    retained, pending = [0.0] * schedule.num_stages, [0.0] * schedule.num_stages
+    last = schedule.num_virtual_stages - 1
+    retained, pending = [0.0] * schedule.num_virtual_stages, [0.0] * schedule.num_virtual_stages
     split, keeps_sends = torch_splits_backward(spec), torch_keeps_sends(spec)
-    for virtual in range(schedule.num_stages):
+    for virtual in range(schedule.num_virtual_stages):
         rank = schedule.rank_of(virtual)
         receives = virtual > 0 and schedule.rank_of(virtual - 1) != rank
         sends_output = virtual < last and schedule.rank_of(virtual + 1) != rank
@@ -106,10 +106,10 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
     it outside the stage, and the stage holds it until that micro-batch's backward (GPipe's last
     rank, 8 micro-batches of tiny-llama: 32 MiB its allocator held that the plan did not count)."""
     schedule = spec.pipeline_schedule
-    last = schedule.num_stages - 1
+    last = schedule.num_virtual_stages - 1
     size = profile.stage_output_bytes
     in_flight, whole_run = [], []
-    for virtual in range(schedule.num_stages):
+    for virtual in range(schedule.num_virtual_stages):
         # torch hands an output to the next virtual stage on the same rank as that stage's input
         # buffer: the buffers hold it, not a copy
         local = virtual < last and schedule.rank_of(virtual + 1) == schedule.rank_of(virtual)

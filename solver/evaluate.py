@@ -22,8 +22,8 @@ def evaluate_plan(
     counts, modes = tuple(counts), tuple(modes)
     schedule = spec.pipeline_schedule
     layers = profile.layers
-    if len(counts) != schedule.num_stages:
-        raise InputError("stage_layer_counts", f"expected {schedule.num_stages} virtual stages, got {len(counts)}")
+    if len(counts) != schedule.num_virtual_stages:
+        raise InputError("stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}")
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
         raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
     if sum(counts) != len(layers):
@@ -84,20 +84,19 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
     return evaluate_plan(profile, spec, counts, modes)
 
 
-def even_counts(layers: int, stages: int) -> list[int]:
-    """`layers` spread evenly over `stages`, the first ones taking one more where they do not divide."""
-    return [layers // stages + (1 if v < layers % stages else 0) for v in range(stages)]
+def even_counts(layers: int, parts: int) -> list[int]:
+    """`layers` spread evenly over `parts`, the first ones taking one more where they do not divide."""
+    return [layers // parts + (1 if v < layers % parts else 0) for v in range(parts)]
 
 
 def even_plan(profile: ModelProfile, spec: PipelineSpec, mode: str = NONE) -> Plan:
     """The split people start from: body layers spread evenly over the virtual stages (the first ones
     take one more where they do not divide), head layers on the first, tail layers on the last, every
     body layer under recompute `mode`. Simulated like any plan; it may not fit."""
-    stages = spec.pipeline_schedule.num_stages
     heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
     tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
     body = len(profile.layers) - heads - tails
-    counts = even_counts(body, stages)
+    counts = even_counts(body, spec.pipeline_schedule.num_virtual_stages)
     counts[0] += heads
     counts[-1] += tails
     modes = [mode if layer.is_body and mode in layer.recompute else NONE for layer in profile.layers]

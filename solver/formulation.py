@@ -4,7 +4,7 @@ every point of every rank's action list. Its optimum is the simulated optimum.""
 
 from __future__ import annotations
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OPS
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.replay import critical_path
 from simulator.schedule import Schedule
@@ -54,39 +54,39 @@ class IntegerProgram(LayerPlacement):
     ) -> None:
         super().__init__(profile, spec, schedule, groups)
         self.timing = timing
-        milp, cells = self.milp, schedule.num_stages
+        milp, num_virtual_stages = self.milp, schedule.num_virtual_stages
         self.memory = stage_memory(self)
-        forward, backward, weight, input_grad = (self.cell_sum(f) for f in (
+        forward, backward, weight, input_grad = (self.virtual_stage_sums(f) for f in (
             lambda g, m: g.forward_ms,
             lambda g, m: g.backward_ms + g.extra_ms[m],
             lambda g, m: g.weight_ms,
             lambda g, m: g.input_ms + g.extra_ms[m],
         ))
         if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as costs.pipeline_costs states it
-            weight[0] = self.cell_sum(lambda g, m: g.backward_ms)[0]
-            input_grad[0] = self.cell_sum(lambda g, m: g.extra_ms[m])[0]
+            weight[0] = self.virtual_stage_sums(lambda g, m: g.backward_ms)[0]
+            input_grad[0] = self.virtual_stage_sums(lambda g, m: g.extra_ms[m])[0]
         forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
-        for cell_sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
+        for sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
                                     (input_grad, backward_overhead - weight_overhead)):
-            for expression in cell_sums:
+            for expression in sums:
                 expression.constant += overhead
         self.recompute_terms: dict[int, float] = {}
         for (g, _, mode), variable in self.count.items():
             if groups[g].extra_ms[mode]:
                 self.recompute_terms[variable] = groups[g].extra_ms[mode]
 
-        # Durations of each kind of action on each virtual stage, as variables.
+        # Durations of each op (F, B, I, W) on each virtual stage, as variables.
         self.duration: dict[tuple[int, str], int] = {}
         self.duration_expression: dict[int, Linear] = {}  # duration variable -> its value in layer counts
-        for c in range(cells):
-            for kind, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
+        for c in range(num_virtual_stages):
+            for op, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
                                      (BACKWARD_INPUT, input_grad[c]), (BACKWARD_WEIGHT, weight[c])):
-                self.duration[c, kind] = self._defined(expression)
-                self.duration_expression[self.duration[c, kind]] = expression
-        program = schedule.program
+                self.duration[c, op] = self._defined(expression)
+                self.duration_expression[self.duration[c, op]] = expression
+        compiled = schedule.compiled
         self.action_duration = [
-            self.duration[schedule.stage_index(rank, chunk), kind]
-            for rank, chunk, kind in zip(program.rank, program.chunk, program.kind)
+            self.duration[schedule.stage_index(rank, chunk), op]
+            for rank, chunk, op in zip(compiled.rank, compiled.chunk, compiled.op)
         ]
         self.iteration = milp.variable()
         self.time_cap = INF  # the most iteration time a solution may take (set by the tie-breaks)
@@ -102,16 +102,16 @@ class IntegerProgram(LayerPlacement):
     def _start_times(self) -> None:
         """The simulator's replay as constraints: a start time for every action, after its rank's
         previous action and after the action it waits for (plus P2P between ranks)."""
-        program, milp, duration = self.schedule.program, self.milp, self.action_duration
-        offsets = program.rank_offsets
-        start = [milp.variable() for _ in range(program.num_actions)]
-        for rank in range(self.schedule.stages):
+        compiled, milp, duration = self.schedule.compiled, self.milp, self.action_duration
+        offsets = compiled.rank_offsets
+        start = [milp.variable() for _ in range(compiled.num_actions)]
+        for rank in range(self.schedule.ranks):
             for i in range(offsets[rank] + 1, offsets[rank + 1]):
                 milp.row({start[i]: 1.0, start[i - 1]: -1.0, duration[i - 1]: -1.0}, lower=0.0)
             last = offsets[rank + 1] - 1
             milp.row({self.iteration: 1.0, start[last]: -1.0, duration[last]: -1.0}, lower=0.0)
-        for i, dep in enumerate(program.dependency):
-            if dep >= 0 and program.crosses_ranks[i]:
+        for i, dep in enumerate(compiled.dependency):
+            if dep >= 0 and compiled.crosses_ranks[i]:
                 milp.row({start[i]: 1.0, start[dep]: -1.0, duration[dep]: -1.0}, lower=self.spec.p2p_ms)
 
     def simulated_time(self, values: list[float], *, add_path: bool | None = None) -> float:
@@ -129,18 +129,18 @@ class IntegerProgram(LayerPlacement):
             self.milp.row({self.iteration: 1.0, **{v: -c for v, c in terms.items()}}, lower=hops * self.spec.p2p_ms)
         return length
 
-    def critical_time_per_cell(self, values: list[float]) -> list[float]:
+    def critical_ms_per_virtual_stage(self, values: list[float]) -> list[float]:
         """Milliseconds the critical path of `values` spends on each virtual stage."""
         terms, _ = self._critical_path(values)
-        return [sum(terms.get(self.duration[cell, kind], 0.0) * values[self.duration[cell, kind]] for kind in KINDS)
-                for cell in range(self.schedule.num_stages)]
+        return [sum(terms.get(self.duration[virtual, op], 0.0) * values[self.duration[virtual, op]] for op in OPS)
+                for virtual in range(self.schedule.num_virtual_stages)]
 
     def _critical_path(self, values: list[float]) -> tuple[dict[int, float], int]:
         """The simulator's critical path for the durations in `values`: how many times it runs each
         duration variable, and how many times it changes rank."""
         schedule = self.schedule
-        costs = [[None] * schedule.chunks for _ in range(schedule.stages)]
-        for virtual in range(schedule.num_stages):
+        costs = [[None] * schedule.chunks for _ in range(schedule.ranks)]
+        for virtual in range(schedule.num_virtual_stages):
             backward = max(values[self.duration[virtual, FULL_BACKWARD]], 0.0)
             costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)] = ChunkCosts(
                 forward_ms=max(values[self.duration[virtual, FORWARD]], 0.0),
@@ -149,19 +149,19 @@ class IntegerProgram(LayerPlacement):
                 input_ms=max(values[self.duration[virtual, BACKWARD_INPUT]], 0.0),
             )
         chain = critical_path(schedule, PipelineCosts(tuple(map(tuple, costs)), p2p_ms=self.spec.p2p_ms))
-        program = schedule.program
+        compiled = schedule.compiled
         terms: dict[int, float] = {}
         for action in chain:
             terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
-        hops = sum(1 for before, after in zip(chain, chain[1:]) if program.rank[before] != program.rank[after])
+        hops = sum(1 for before, after in zip(chain, chain[1:]) if compiled.rank[before] != compiled.rank[after])
         return terms, hops
 
     def add_paths_of_slower_stages(self, values: list[float]) -> None:
         """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower."""
-        for cell in range(self.schedule.num_stages):
+        for virtual in range(self.schedule.num_virtual_stages):
             slower = list(values)
-            for kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                slower[self.duration[cell, kind]] *= 1 + SLOWER_STAGE
+            for op in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                slower[self.duration[virtual, op]] *= 1 + SLOWER_STAGE
             self.simulated_time(slower, add_path=True)
 
     def _defined(self, expression: Linear) -> int:

@@ -35,7 +35,7 @@ class LayerGroup:
     input_held_mib: dict[str, float]  # what its I leaves held until its stage's I ends
     output_gradient_freed_mib: dict[str, float]  # what its I frees of the gradient handed to it
     weight_freed_mib: dict[str, float]  # what its W frees before its stage's W ends
-    pinned_cell: int | None = None  # heads and tails do not move
+    pinned_virtual_stage: int | None = None  # heads and tails do not move
 
     def kept_by_input_mib(self, mode: str) -> float:
         """What its I holds less what it frees of the gradient handed to it: where a layer follows it
@@ -43,7 +43,7 @@ class LayerGroup:
         return self.input_held_mib[mode] - self.output_gradient_freed_mib[mode]
 
 
-def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> list[LayerGroup]:
+def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: int) -> list[LayerGroup]:
     """Runs of consecutive layers with one kind and identical costs: the solver's interchangeable units.
     (Layers of one kind that cost differently form separate groups, kept in model order.)"""
     runs: list[list[int]] = []
@@ -77,7 +77,7 @@ def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_cells: int) -> l
                 input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
                 output_gradient_freed_mib={m: layer.recompute[m].output_gradient_freed_bytes / MIB for m in modes},
                 weight_freed_mib={m: layer.recompute[m].split_weight_freed_bytes() / MIB for m in modes},
-                pinned_cell=0 if layer.kind == HEAD else num_cells - 1 if layer.kind == TAIL else None,
+                pinned_virtual_stage=0 if layer.kind == HEAD else num_virtual_stages - 1 if layer.kind == TAIL else None,
             )
         )
     return groups
@@ -111,13 +111,13 @@ def _costs_key(layer: LayerProfile) -> tuple:
 def check_room(schedule: Schedule, groups: list[LayerGroup], spec: PipelineSpec) -> None:
     if spec.allow_empty_chunks:
         return
-    pinned_cells = {g.pinned_cell for g in groups if g.pinned_cell is not None}
-    body = sum(g.size for g in groups if g.pinned_cell is None)
-    needed = schedule.num_stages - len(pinned_cells)
+    pinned_virtual_stages = {g.pinned_virtual_stage for g in groups if g.pinned_virtual_stage is not None}
+    body = sum(g.size for g in groups if g.pinned_virtual_stage is None)
+    needed = schedule.num_virtual_stages - len(pinned_virtual_stages)
     if body < needed:
         raise InputError(
             "stages",
-            f"{schedule.stages} x {schedule.chunks} (stages x chunks) make {schedule.num_stages} virtual stages, "
+            f"{schedule.ranks} x {schedule.chunks} (stages x chunks) make {schedule.num_virtual_stages} virtual stages, "
             f"but only {body} body layers can fill the {needed} without a head or tail; "
             "use fewer stages or chunks, or allow empty chunks",
         )

@@ -16,9 +16,9 @@ def infeasible_error(
     profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup], time_limit_s: float
 ) -> InfeasibleError:
     """The least peak memory any plan reaches, which stage holds it, and what to try."""
-    model = IntegerProgram(profile, spec, schedule, groups, with_budget=False, timing=PATHS)  # time is free here
-    peak = model.add_peak_variable()
-    result: MilpResult = model.milp.minimize({peak: 1.0}, time_limit_s=time_limit_s)
+    program = IntegerProgram(profile, spec, schedule, groups, with_budget=False, timing=PATHS)  # time is free here
+    peak = program.add_peak_variable()
+    result: MilpResult = program.milp.minimize({peak: 1.0}, time_limit_s=time_limit_s)
     budget = format_bytes(spec.memory_budget_bytes)
     if result.values is None:
         return InfeasibleError(
@@ -27,7 +27,7 @@ def infeasible_error(
             binding_stage=None,
         )
     # The least-peak plan, simulated: its peak is a budget that surely fits.
-    least = model.plan(result.values)
+    least = program.plan(result.values)
     smallest = max(least.stage_peak_memory_bytes)
     stage = least.stage_peak_memory_bytes.index(smallest)
     tries = ["more stages"]

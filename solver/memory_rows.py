@@ -22,7 +22,7 @@ from solver.milp import INF, Linear
 from solver.placement import LayerPlacement
 from solver.profile import HEAD, NONE, TAIL
 
-# A memory point's working set: (chunk, kind) of the backward action running there, None for none.
+# A memory point's working set: (chunk, op) of the backward action running there, None for none.
 WorkingAt = tuple[int, str] | None
 
 
@@ -34,15 +34,15 @@ class StageMemory:
     static: list[Linear]  # for the whole step
     retained: list[Linear]  # per micro-batch from its last backward action to the step's end
     pending: list[Linear]  # per micro-batch from its I to its W
-    working: list[dict[str, Linear]]  # per kind of backward action: what it holds while it runs
+    working: list[dict[str, Linear]]  # per backward op (B, I, W): what it holds while it runs
 
 
 def stage_memory(placement: LayerPlacement) -> StageMemory:
     """What each virtual stage keeps, as `costs.pipeline_costs` counts it."""
     profile, spec, groups = placement.profile, placement.spec, placement.groups
-    cells = placement.schedule.num_stages
+    num_virtual_stages = placement.schedule.num_virtual_stages
     splits = schedule_kind(spec.schedule).splits_backward  # the layers' retained bytes count only then
-    activation, static, retained, pending = (placement.cell_sum(f) for f in (
+    activation, static, retained, pending = (placement.virtual_stage_sums(f) for f in (
         lambda g, m: g.activation_mib[m],
         lambda g, m: g.static_mib,
         lambda g, m: g.retained_mib[m] if splits else 0.0,
@@ -51,29 +51,29 @@ def stage_memory(placement: LayerPlacement) -> StageMemory:
     last_layer = _last_layers(placement) if splits else None
     if spec.receive_buffers:  # a stage's input is one of torch's buffers: its first layer keeps that
         saved = [saved_input_bytes(profile.layers[group.first]) / MIB for group in groups]
-        for cell in range(1, cells):  # costs.buffered_input_bytes
-            activation[cell].add_expression(placement.at_end(cell, saved, first=True), -1.0)
+        for virtual in range(1, num_virtual_stages):  # costs.buffered_input_bytes
+            activation[virtual].add_expression(placement.at_end(virtual, saved, first=True), -1.0)
     if last_layer is not None:  # all but the chunk's last layer keep their inner extra (costs._pending_bytes)
         for expression, (last_extra, _) in zip(pending, last_layer):
             expression.add_expression(last_extra, -1.0)
     if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as costs.pipeline_costs states it
         pending[0] = Linear()
-    for cell, (torch_retained, torch_pending) in enumerate(zip(*torch_engine_bytes(profile, spec))):
-        retained[cell].constant += torch_retained / MIB
-        pending[cell].constant += torch_pending / MIB
+    for virtual, (torch_retained, torch_pending) in enumerate(zip(*torch_engine_bytes(profile, spec))):
+        retained[virtual].constant += torch_retained / MIB
+        pending[virtual].constant += torch_pending / MIB
     handed = [handed_gradient_bytes(profile.layers[group.first], profile.stage_output_bytes) / MIB
               for group in groups]
-    for cell, hands_over in enumerate(torch_hands_gradient_over(spec)):  # costs.pipeline_costs
+    for virtual, hands_over in enumerate(torch_hands_gradient_over(spec)):  # costs.pipeline_costs
         if hands_over:
-            pending[cell].add_expression(placement.at_end(cell, handed, first=True), -1.0)
-    for cell, (in_flight, whole_run, held) in enumerate(zip(*boundary_bytes(profile, spec),
+            pending[virtual].add_expression(placement.at_end(virtual, handed, first=True), -1.0)
+    for virtual, (in_flight, whole_run, held) in enumerate(zip(*boundary_bytes(profile, spec),
                                                             torch_1f1b_held_bytes(profile, spec))):
-        activation[cell].constant += in_flight / MIB
-        static[cell].constant += (whole_run + held) / MIB
+        activation[virtual].constant += in_flight / MIB
+        static[virtual].constant += (whole_run + held) / MIB
     working = _working_sets(placement, last_layer)
     if profile.stage_shared_bytes:  # what each stage computes for its blocks, where it holds one
-        for cell in range(cells):
-            activation[cell].add_expression(placement.holds_body(cell), profile.stage_shared_bytes / MIB)
+        for virtual in range(num_virtual_stages):
+            activation[virtual].add_expression(placement.holds_body(virtual), profile.stage_shared_bytes / MIB)
     return StageMemory(activation, static, retained, pending, working)
 
 
@@ -81,7 +81,7 @@ def _last_layers(placement: LayerPlacement) -> list[tuple[Linear, Linear]]:
     """Per virtual stage, `costs.last_layer_bytes` of its last layer in model order, in MiB."""
     values = [last_layer_bytes(placement.profile.layers[group.first]) for group in placement.groups]
     last_layers = []
-    for c in range(placement.schedule.num_stages):
+    for c in range(placement.schedule.num_virtual_stages):
         if c == 0 and torch_splits_backward(placement.spec):  # its whole backward runs at W: nothing pends
             last_layers.append((Linear(), Linear()))
             continue
@@ -91,7 +91,7 @@ def _last_layers(placement: LayerPlacement) -> list[tuple[Linear, Linear]]:
 
 
 def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Linear]] | None) -> list[dict[str, Linear]]:
-    """Per virtual stage and kind of backward action, the most its layers hold while it runs (as
+    """Per virtual stage and backward op, the most its layers hold while it runs (as
     `costs.pipeline_costs` counts it). Where one backward runs the whole chunk: the largest working
     set less what the layers whose backward ran before have freed, the tail's activations, before
     any other layer's; the head's less every other layer's activations there too (a linear row in
@@ -100,19 +100,19 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
     that; W, the most any layer's W holds, the tail's less what every other layer's W freed where
     torch's engine runs its W last. The last stage's backward (its I where split) holds the loss's
     gradient besides."""
-    cells = placement.schedule.num_stages
+    num_virtual_stages = placement.schedule.num_virtual_stages
     splits = schedule_kind(placement.spec.schedule).splits_backward
-    one_backward = [not splits or (c == 0 and torch_splits_backward(placement.spec)) for c in range(cells)]
-    freed = [0.0] * cells
+    one_backward = [not splits or (c == 0 and torch_splits_backward(placement.spec)) for c in range(num_virtual_stages)]
+    freed = [0.0] * num_virtual_stages
     for group in placement.groups:
-        if group.kind == TAIL and one_backward[group.pinned_cell]:
-            freed[group.pinned_cell] += group.size * group.activation_mib[NONE]
+        if group.kind == TAIL and one_backward[group.pinned_virtual_stage]:
+            freed[group.pinned_virtual_stage] += group.size * group.activation_mib[NONE]
     # the layers' own: what I forms and keeps to its end, less what the layer before each frees of
     # the gradient handed to it (each layer's own freed bytes, the last's added back: _last_layers)
-    held = placement.cell_sum(lambda g, m: g.kept_by_input_mib(m))
+    held = placement.virtual_stage_sums(lambda g, m: g.kept_by_input_mib(m))
     for expression, (_, last_freed) in zip(held, last_layer or []):
         expression.add_expression(last_freed)
-    freed_by_weights = placement.cell_sum(lambda g, m: g.weight_freed_mib[m])
+    freed_by_weights = placement.virtual_stage_sums(lambda g, m: g.weight_freed_mib[m])
     tail_weight_last = torch_splits_backward(placement.spec)
     handed = placement.profile.stage_output_bytes / MIB
     # halves that hold what the whole backward does need no rows of their own (SAPP's files)
@@ -120,8 +120,8 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
                         or any(g.input_held_mib.values()) or any(g.output_gradient_freed_mib.values())
                         or any(g.weight_freed_mib.values()) for g in placement.groups)
     working = []
-    for c in range(cells):
-        pinned_groups = [g for g in placement.groups if g.pinned_cell == c]
+    for c in range(num_virtual_stages):
+        pinned_groups = [g for g in placement.groups if g.pinned_virtual_stage == c]
         if one_backward[c]:
             # the tail's backward hands the layer before it the gradient of its input, a stage
             # output's size, which that layer's working set does not count
@@ -129,13 +129,13 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
             after_tail = freed[c] - (handed if tail_here else 0.0)
             pinned = max([g.working_mib[NONE] for g in pinned_groups if g.kind == TAIL], default=0.0)
             head = max([g.working_mib[NONE] - after_tail for g in pinned_groups if g.kind == HEAD], default=-INF)
-            handed_to_head = 0.0 if tail_here else handed  # where the cell holds a body layer
+            handed_to_head = 0.0 if tail_here else handed  # where the virtual stage holds a body layer
             head_rows = []
             # the head's backward runs last, after every other layer here has freed
             if head + handed_to_head > pinned:
                 terms = {count: -placement.groups[g].activation_mib[mode]
-                         for (g, cell, mode), count in placement.count.items() if cell == c}
-                # where the cell holds a body layer: the gradient handed to the head, less the
+                         for (g, virtual, mode), count in placement.count.items() if virtual == c}
+                # where the virtual stage holds a body layer: the gradient handed to the head, less the
                 # tables the blocks freed (costs._working_bytes). Negative where the tables are the
                 # larger, yet never a way to a smaller peak: the micro-batch's activations, held
                 # while the head's backward runs, count the same variable with the tables' size.
@@ -178,15 +178,15 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
         holding = {FULL_BACKWARD} | ({BACKWARD_WEIGHT} if one_backward[-1] else {BACKWARD_INPUT})
         if not splits:
             holding.add(BACKWARD_INPUT)
-        working[-1] = {kind: Linear(dict(e.terms), e.constant + seed) if kind in holding else e
-                       for kind, e in working[-1].items()}
+        working[-1] = {op: Linear(dict(e.terms), e.constant + seed) if op in holding else e
+                       for op, e in working[-1].items()}
     return working
 
 
 def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[int, Linear]]:
     """(rank, memory in MiB) at each point of each rank's action list that no other point bounds."""
     schedule = placement.schedule
-    program = schedule.program
+    compiled = schedule.compiled
     constant_mib = (placement.profile.stage_constant_bytes + placement.spec.stage_constant_bytes) / MIB
     retains = any(row.terms or row.constant for row in memory.retained)
     pends = any(row.terms or row.constant for row in memory.pending)
@@ -194,29 +194,29 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
     for expression, pending in zip(past_input, memory.pending):
         expression.add_expression(pending)
     rows = []
-    for rank in range(schedule.stages):
-        cells = schedule.stages_of(rank)
+    for rank in range(schedule.ranks):
+        rank_stages = schedule.virtual_stages_of(rank)
         # per chunk, how many micro-batches are past their forward and before their backward; past
         # I and before W (apart only where something is pending there: fewer distinct points);
         # past their last backward action, B or W (only where something is retained)
         chunks = schedule.chunks
         held = [0] * (3 * chunks)
         points: set[tuple[tuple[int, ...], WorkingAt]] = set()
-        for i in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
-            chunk, kind = program.chunk[i], program.kind[i]
-            if kind == FORWARD:
+        for i in range(compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]):
+            chunk, op = compiled.chunk[i], compiled.op[i]
+            if op == FORWARD:
                 held[chunk] += 1
                 points.add((tuple(held), None))
                 continue
             # the working sets of a chunk's actions, one where they are the same (a whole backward)
-            same = memory.working[cells[chunk]][kind] is memory.working[cells[chunk]][FULL_BACKWARD]
-            points.add((tuple(held), (chunk, FULL_BACKWARD if same else kind)))
-            if kind == BACKWARD_INPUT:
+            same = memory.working[rank_stages[chunk]][op] is memory.working[rank_stages[chunk]][FULL_BACKWARD]
+            points.add((tuple(held), (chunk, FULL_BACKWARD if same else op)))
+            if op == BACKWARD_INPUT:
                 if pends:
                     held[chunk] -= 1
                     held[2 * chunks + chunk] += 1
                 continue
-            held[2 * chunks + chunk if kind == BACKWARD_WEIGHT and pends else chunk] -= 1
+            held[2 * chunks + chunk if op == BACKWARD_WEIGHT and pends else chunk] -= 1
             if retains:
                 held[chunks + chunk] += 1
         # the step's end: what is retained can outweigh the activations it was part of (torch
@@ -224,15 +224,15 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
         points.add((tuple(held), None))
         for counts, working in _undominated(points):
             row = Linear(constant=constant_mib)
-            for chunk, cell in enumerate(cells):
-                for part, scale in ((memory.static[cell], 1), (memory.activation[cell], counts[chunk]),
-                                    (memory.retained[cell], counts[chunks + chunk]),
-                                    (past_input[cell], counts[2 * chunks + chunk])):
+            for chunk, virtual in enumerate(rank_stages):
+                for part, scale in ((memory.static[virtual], 1), (memory.activation[virtual], counts[chunk]),
+                                    (memory.retained[virtual], counts[chunks + chunk]),
+                                    (past_input[virtual], counts[2 * chunks + chunk])):
                     if scale:
                         row.add_expression(part, scale)
             if working is not None:
-                working_chunk, kind = working
-                row.add_expression(memory.working[cells[working_chunk]][kind])
+                working_chunk, op = working
+                row.add_expression(memory.working[rank_stages[working_chunk]][op])
             rows.append((rank, row))
     return rows
 

@@ -28,12 +28,12 @@ def mindformers_view(
     """MindFormers' keys: per chunk and stage, body layers held minus the even share
     floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
     body = sum(1 for kind in layer_kinds if kind not in (HEAD, TAIL))
-    share = body // schedule.num_stages
+    share = body // schedule.num_virtual_stages
     starts = [0, *itertools.accumulate(stage_layer_counts)]
     keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
     for chunk in range(schedule.chunks):
         rows: dict[str, list[int]] = {key: [] for key in keys}
-        for stage in range(schedule.stages):
+        for stage in range(schedule.ranks):
             virtual = schedule.stage_index(stage, chunk)
             counts = dict.fromkeys(MODE_ORDER, 0)
             for index in range(starts[virtual], starts[virtual] + stage_layer_counts[virtual]):
@@ -61,13 +61,13 @@ def mindformers_split(
     if unknown:
         raise InputError(unknown[0], f"unknown key; expected {', '.join(MINDFORMERS_KEYS)}")
     schedule = spec.pipeline_schedule
-    stages, chunks = schedule.stages, schedule.chunks
+    stages, chunks = schedule.ranks, schedule.chunks
     interleave = keys.get("pp_interleave_num", chunks)
     if interleave != chunks:
         raise InputError("pp_interleave_num", f"the plan has {interleave!r} chunks; the spec runs {chunks}")
     body = [i for i, layer in enumerate(profile.layers) if layer.is_body]
-    share = len(body) // schedule.num_stages
-    offset = _per_cell(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
+    share = len(body) // schedule.num_virtual_stages
+    offset = _per_chunk_and_stage(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
     body_counts = [[share + offset[c][s] for s in range(stages)] for c in range(chunks)]
     for c in range(chunks):
         for s in range(stages):
@@ -76,13 +76,13 @@ def mindformers_split(
     total = sum(map(sum, body_counts))
     if total != len(body):
         raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
-    full = _per_cell(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
+    full = _per_chunk_and_stage(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
     # Fully recomputed layers count in both select lists; a list not given holds just those.
-    select = _per_cell(keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts)
-    comm = _per_cell(keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts)
+    select = _per_chunk_and_stage(keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts)
+    comm = _per_chunk_and_stage(keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts)
 
-    counts = [0] * schedule.num_stages
-    cell_modes: list[list[str]] = [[] for _ in range(schedule.num_stages)]
+    counts = [0] * schedule.num_virtual_stages
+    virtual_stage_modes: list[list[str]] = [[] for _ in range(schedule.num_virtual_stages)]
     for c in range(chunks):
         for s in range(stages):
             where = f"[{c}][{s}]"
@@ -97,11 +97,11 @@ def mindformers_split(
             modes[NONE] = held - sum(modes.values())
             virtual = schedule.stage_index(s, c)
             counts[virtual] = held
-            cell_modes[virtual] = ordered_modes(modes)
+            virtual_stage_modes[virtual] = ordered_modes(modes)
     layer_modes = [NONE] * len(profile.layers)
     position = 0
-    for virtual in range(schedule.num_stages):
-        for mode in cell_modes[virtual]:
+    for virtual in range(schedule.num_virtual_stages):
+        for mode in virtual_stage_modes[virtual]:
             index = body[position]
             if mode not in profile.layers[index].recompute:
                 raise InputError("recompute", f"asks for {mode} recompute of {profile.layers[index].name}, which the profile does not offer")
@@ -114,7 +114,7 @@ def mindformers_split(
     return counts, layer_modes
 
 
-def _per_cell(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
+def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
     """MindFormers' forms: a bool (true: every layer of each stage), 0, a list per stage, or a list per chunk of lists."""
     if isinstance(value, bool):
         if per_stage is None:
@@ -126,14 +126,14 @@ def _per_cell(value: object, key: str, stages: int, chunks: int, per_stage: list
         value = [value]
     if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
         raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {value!r}")
-    cells = []
+    rows = []
     for c, row in enumerate(value):
-        cells.append([])
+        rows.append([])
         for s, item in enumerate(row):
             if isinstance(item, bool) and per_stage is not None:
                 item = per_stage[c][s] if item else 0
             elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
                 raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {item!r}")
-            cells[c].append(item)
-    return cells
+            rows[c].append(item)
+    return rows
 

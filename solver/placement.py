@@ -22,53 +22,53 @@ class LayerPlacement:
     def __init__(self, profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup]) -> None:
         self.profile, self.spec, self.schedule, self.groups = profile, spec, schedule, groups
         self.milp = milp = Milp()
-        cells = schedule.num_stages
-        self.count: dict[tuple[int, int, str], int] = {}  # (group, cell, mode) -> variable
+        num_virtual_stages = schedule.num_virtual_stages
+        self.count: dict[tuple[int, int, str], int] = {}  # (group, virtual stage, mode) -> variable
         for g, group in enumerate(groups):
-            if group.pinned_cell is not None:
+            if group.pinned_virtual_stage is not None:
                 continue
-            for c in range(cells):
+            for c in range(num_virtual_stages):
                 for mode in group.modes:
                     self.count[g, c, mode] = milp.variable(0, group.size, integer=True)
-            milp.row({self.count[g, c, m]: 1.0 for c in range(cells) for m in group.modes}, group.size, group.size)
-        self._order_groups(cells)
-        self._mindformers_expressible(cells)
+            milp.row({self.count[g, c, m]: 1.0 for c in range(num_virtual_stages) for m in group.modes}, group.size, group.size)
+        self._order_groups(num_virtual_stages)
+        self._mindformers_expressible(num_virtual_stages)
         self._rank_totals()
         if not spec.allow_empty_chunks:
-            for c in range(cells):
-                pinned = sum(g.size for g in groups if g.pinned_cell == c)
+            for c in range(num_virtual_stages):
+                pinned = sum(g.size for g in groups if g.pinned_virtual_stage == c)
                 if not pinned:
-                    milp.row({v: 1.0 for (g, cell, m), v in self.count.items() if cell == c}, lower=1)
-        self._group_presence: dict[tuple[int, int], int] = {}  # (group, cell) -> 1 where the cell holds the group
+                    milp.row({v: 1.0 for (g, virtual, m), v in self.count.items() if virtual == c}, lower=1)
+        self._group_presence: dict[tuple[int, int], int] = {}  # (group, virtual stage) -> 1 where the virtual stage holds the group
         self._end_indicators: dict[tuple[int, int | None, int], int] = {}  # see _end_indicator
         self._end_terms: list[tuple[int, int, int | None]] = []  # (indicator, group present, neighbour present)
-        self.working_choices: dict[int, list[WorkingChoice]] = {}  # per cell, each set after those before it
+        self.working_choices: dict[int, list[WorkingChoice]] = {}  # per virtual stage, each set after those before it
         self._presence: dict[int, int] = {}  # count variable -> a binary that is 1 where the count is not 0
         self._group_of_count = {variable: g for (g, _, _), variable in self.count.items()}
         self._body_held: dict[int, Linear] = {}  # see holds_body
 
-    def cell_sum(self, value) -> list[Linear]:
+    def virtual_stage_sums(self, value) -> list[Linear]:
         """Per virtual stage: the sum of `value(group, mode)` over the layers it holds."""
-        sums = [Linear() for _ in range(self.schedule.num_stages)]
+        sums = [Linear() for _ in range(self.schedule.num_virtual_stages)]
         for group in self.groups:
-            if group.pinned_cell is not None:
-                sums[group.pinned_cell].constant += group.size * value(group, NONE)
+            if group.pinned_virtual_stage is not None:
+                sums[group.pinned_virtual_stage].constant += group.size * value(group, NONE)
         for (g, c, mode), variable in self.count.items():
             sums[c].add(variable, value(self.groups[g], mode))
         return sums
 
-    def at_end(self, cell: int, values: list[float], *, first: bool) -> Linear:
-        """`values[g]` of the group whose layer comes first (or last) in virtual stage `cell` in model
-        order: the head (the tail) where the cell holds it; else the first (last) body group there,
+    def at_end(self, virtual: int, values: list[float], *, first: bool) -> Linear:
+        """`values[g]` of the group whose layer comes first (or last) in virtual stage `virtual` in model
+        order: the head (the tail) where the virtual stage holds it; else the first (last) body group there,
         told apart by binaries where the groups' values differ (a group is first where it is present
         and the one before it is not: model order leaves no earlier one there); else the other
-        pinned layer, or 0 where the cell may hold nothing."""
-        pinned = [g for g, group in enumerate(self.groups) if group.pinned_cell == cell]
+        pinned layer, or 0 where the virtual stage may hold nothing."""
+        pinned = [g for g, group in enumerate(self.groups) if group.pinned_virtual_stage == virtual]
         at_end = [g for g in pinned if self.groups[g].kind == (HEAD if first else TAIL)]
         if at_end:
             return Linear(constant=values[at_end[0] if first else at_end[-1]])
         fallback = values[pinned[0] if first else pinned[-1]] if pinned else 0.0
-        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+        body = [g for g, group in enumerate(self.groups) if group.pinned_virtual_stage is None]
         distinct = {values[g] for g in body}
         surely_body = not pinned and not self.spec.allow_empty_chunks
         if not body or distinct == {fallback} or (len(distinct) == 1 and surely_body):
@@ -76,52 +76,52 @@ class LayerPlacement:
         order = body[::-1] if first else body  # each group with the one it must not be followed (preceded) by
         expression = Linear(constant=fallback)
         for g, neighbour in zip(order, order[1:] + [None]):
-            expression.add(self._end_indicator(g, neighbour, cell), values[g] - fallback)
+            expression.add(self._end_indicator(g, neighbour, virtual), values[g] - fallback)
         return expression
 
-    def _end_indicator(self, g: int, neighbour: int | None, cell: int) -> int:
-        """A binary that is 1 where `cell` holds group `g` and not group `neighbour` (none: always)."""
-        key = (g, neighbour, cell)
+    def _end_indicator(self, g: int, neighbour: int | None, virtual: int) -> int:
+        """A binary that is 1 where `virtual` holds group `g` and not group `neighbour` (none: always)."""
+        key = (g, neighbour, virtual)
         if key not in self._end_indicators:
-            indicator, present = self.milp.variable(0, 1, integer=True), self._group_present(g, cell)
+            indicator, present = self.milp.variable(0, 1, integer=True), self._group_present(g, virtual)
             self.milp.row({indicator: 1.0, present: -1.0}, upper=0.0)
             if neighbour is None:
                 self.milp.row({indicator: 1.0, present: -1.0}, lower=0.0)
                 after = None
             else:
-                after = self._group_present(neighbour, cell)
+                after = self._group_present(neighbour, virtual)
                 self.milp.row({indicator: 1.0, after: 1.0}, upper=1.0)
                 self.milp.row({indicator: 1.0, present: -1.0, after: 1.0}, lower=0.0)
             self._end_indicators[key] = indicator
             self._end_terms.append((indicator, present, after))
         return self._end_indicators[key]
 
-    def _group_present(self, g: int, cell: int) -> int:
-        """A binary that is 1 where virtual stage `cell` holds a layer of group `g`."""
-        if (g, cell) not in self._group_presence:
+    def _group_present(self, g: int, virtual: int) -> int:
+        """A binary that is 1 where virtual stage `virtual` holds a layer of group `g`."""
+        if (g, virtual) not in self._group_presence:
             present = self.milp.variable(0, 1, integer=True)
-            counts = {self.count[g, cell, m]: 1.0 for m in self.groups[g].modes}
+            counts = {self.count[g, virtual, m]: 1.0 for m in self.groups[g].modes}
             self.milp.row({**counts, present: -1.0}, lower=0.0)
             self.milp.row({**counts, present: -float(self.groups[g].size)}, upper=0.0)
-            self._group_presence[g, cell] = present
-        return self._group_presence[g, cell]
+            self._group_presence[g, virtual] = present
+        return self._group_presence[g, virtual]
 
-    def _order_groups(self, cells: int) -> None:
-        """Body groups keep model order: group g ends in or before the cell where group g+1 starts."""
-        body = [g for g, group in enumerate(self.groups) if group.pinned_cell is None]
+    def _order_groups(self, num_virtual_stages: int) -> None:
+        """Body groups keep model order: group g ends in or before the virtual stage where group g+1 starts."""
+        body = [g for g, group in enumerate(self.groups) if group.pinned_virtual_stage is None]
         for g, nxt in zip(body, body[1:]):
-            crossed = [self.milp.variable(0, 1, integer=True) for _ in range(cells)]  # g+1 may sit in cell c
-            for c in range(cells):
-                if c + 1 < cells:
+            crossed = [self.milp.variable(0, 1, integer=True) for _ in range(num_virtual_stages)]  # g+1 may sit in virtual stage c
+            for c in range(num_virtual_stages):
+                if c + 1 < num_virtual_stages:
                     self.milp.row({crossed[c]: 1.0, crossed[c + 1]: -1.0}, upper=0.0)
-                # Whole runs of cells, not one cell and mode at a time: g+1 sits in none of cells
-                # 0..c unless crossed[c], g in none of cells c+1.. if crossed[c]. The same integer
+                # Whole runs of virtual stages, not one virtual stage and mode at a time: g+1 sits in none of virtual stages
+                # 0..c unless crossed[c], g in none of virtual stages c+1.. if crossed[c]. The same integer
                 # plans, a far tighter relaxation: 80 random profiles of the property tests (layers
                 # that all cost differently, two kinds) solve in 0.3x the time, the slowest 13 s -> 4 s.
                 first_part = {self.count[nxt, d, m]: 1.0 for d in range(c + 1) for m in self.groups[nxt].modes}
                 self.milp.row({**first_part, crossed[c]: -self.groups[nxt].size}, upper=0.0)
-                if c + 1 < cells:
-                    rest = {self.count[g, d, m]: 1.0 for d in range(c + 1, cells) for m in self.groups[g].modes}
+                if c + 1 < num_virtual_stages:
+                    rest = {self.count[g, d, m]: 1.0 for d in range(c + 1, num_virtual_stages) for m in self.groups[g].modes}
                     self.milp.row({**rest, crossed[c]: self.groups[g].size}, upper=self.groups[g].size)
 
     def _rank_totals(self) -> None:
@@ -132,47 +132,47 @@ class LayerPlacement:
         Interleaved1F1B, ZBVZeroBubble and DualPipeV stop at 40 s with 1.7-3.4% gaps, with them they
         are proven in 2-3 s)."""
         schedule = self.schedule
-        for rank in range(schedule.stages):
-            cells = set(schedule.stages_of(rank))
-            terms = {variable: 1.0 for (_, cell, _), variable in self.count.items() if cell in cells}
+        for rank in range(schedule.ranks):
+            held = set(schedule.virtual_stages_of(rank))
+            terms = {variable: 1.0 for (_, virtual, _), variable in self.count.items() if virtual in held}
             if len(terms) > 1:
                 total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
                 self.milp.row({**terms, total: -1.0}, 0.0, 0.0)
 
-    def _mindformers_expressible(self, cells: int) -> None:
+    def _mindformers_expressible(self, num_virtual_stages: int) -> None:
         """MindFormers counts recompute per stage as prefixes (recompute <= both <= select or comm), so
         a stage cannot hold select-only and comm-only layers at once."""
         for g, group in enumerate(self.groups):
-            if group.pinned_cell is None and SELECTIVE in group.modes and COMM in group.modes:
-                for c in range(cells):
+            if group.pinned_virtual_stage is None and SELECTIVE in group.modes and COMM in group.modes:
+                for c in range(num_virtual_stages):
                     comm_side = self.milp.variable(0, 1, integer=True)
                     self.milp.row({self.count[g, c, SELECTIVE]: 1.0, comm_side: group.size}, upper=group.size)
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
-    def largest(self, cell: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> Linear:
-        """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the cell
+    def largest(self, virtual: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> Linear:
+        """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the virtual stage
         holds (none where `size` is None), and at least each row (constant, terms) of `rows`, as an
         expression; a constant where nothing can raise it above `pinned`."""
         choices = [] if size is None else [
-            (count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == cell]
+            (count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == virtual]
         choices = [(count, value) for count, value in choices if value > pinned]
         rows = [(constant, terms) for constant, terms in rows if terms or constant > pinned]
         if not choices and not rows:
             return Linear(constant=pinned)
         variable = self.milp.variable(pinned)
-        self.working_choices.setdefault(cell, []).append((variable, pinned, choices, rows))
+        self.working_choices.setdefault(virtual, []).append((variable, pinned, choices, rows))
         for count, value in choices:
             self.milp.row({variable: 1.0, self._present(count): -value}, lower=0.0)
         for constant, terms in rows:
             self.milp.row({variable: 1.0, **{v: -coefficient for v, coefficient in terms.items()}}, lower=constant)
         return Linear({variable: 1.0})
 
-    def holds_body(self, cell: int) -> Linear:
-        """At least 1 where virtual stage `cell` holds a body layer (a constant where nothing can be
+    def holds_body(self, virtual: int) -> Linear:
+        """At least 1 where virtual stage `virtual` holds a body layer (a constant where nothing can be
         there); only the rows push it down."""
-        if cell not in self._body_held:
-            self._body_held[cell] = self.largest(cell, 0.0, lambda g, m: 1.0)
-        return self._body_held[cell]
+        if virtual not in self._body_held:
+            self._body_held[virtual] = self.largest(virtual, 0.0, lambda g, m: 1.0)
+        return self._body_held[virtual]
 
     def _present(self, count: int) -> int:
         """A variable that is 1 where the count variable `count` is not 0 (the count itself for a group
@@ -186,28 +186,28 @@ class LayerPlacement:
             self._presence[count] = present
         return self._presence[count]
 
-    def update_working_set(self, values: list[float], cell: int) -> None:
-        """Set the working-set variables of virtual stage `cell` from the layer counts in `values`."""
-        for variable, least, choices, rows in self.working_choices.get(cell, []):
+    def update_working_set(self, values: list[float], virtual: int) -> None:
+        """Set the working-set variables of virtual stage `virtual` from the layer counts in `values`."""
+        for variable, least, choices, rows in self.working_choices.get(virtual, []):
             sizes = [least] + [size for count, size in choices if values[count] > 0.5]
             sizes += [constant + dot(terms, values) for constant, terms in rows]
             values[variable] = max(sizes)
 
     def set_indicators(self, values: list[float]) -> None:
         """Set the binaries and working-set variables from the layer counts in `values`."""
-        for (g, cell), present in self._group_presence.items():
-            values[present] = float(any(values[self.count[g, cell, m]] > 0.5 for m in self.groups[g].modes))
+        for (g, virtual), present in self._group_presence.items():
+            values[present] = float(any(values[self.count[g, virtual, m]] > 0.5 for m in self.groups[g].modes))
         for indicator, present, after in self._end_terms:
             values[indicator] = values[present] * (1.0 - (values[after] if after is not None else 0.0))
-        for cell in self.working_choices:
-            self.update_working_set(values, cell)
+        for virtual in self.working_choices:
+            self.update_working_set(values, virtual)
 
     def fix_split(self, values: list[float]) -> None:
         """Rows holding each virtual stage's layers of each group as many as at `values`, their
         recompute modes free."""
         split: dict[tuple[int, int], dict[int, float]] = {}
-        for (g, cell, _), variable in self.count.items():
-            split.setdefault((g, cell), {})[variable] = 1.0
+        for (g, virtual, _), variable in self.count.items():
+            split.setdefault((g, virtual), {})[variable] = 1.0
         for terms in split.values():
             layers = sum(round(values[variable]) for variable in terms)
             self.milp.row(terms, layers, layers)
@@ -217,7 +217,7 @@ class LayerPlacement:
 
     def body_layer_counts(self, values: list[float]) -> list[int]:
         """Per virtual stage, how many layers that can move (not heads or tails) it holds."""
-        counts = [0] * self.schedule.num_stages
+        counts = [0] * self.schedule.num_virtual_stages
         for (_, c, _), number in self._counts(values).items():
             counts[c] += number
         return counts
@@ -225,18 +225,18 @@ class LayerPlacement:
     def stage_layer_counts(self, values: list[float]) -> tuple[int, ...]:
         counts = self.body_layer_counts(values)
         for group in self.groups:
-            if group.pinned_cell is not None:
-                counts[group.pinned_cell] += group.size
+            if group.pinned_virtual_stage is not None:
+                counts[group.pinned_virtual_stage] += group.size
         return tuple(counts)
 
     def layer_modes(self, values: list[float]) -> tuple[str, ...]:
         modes = [NONE] * len(self.profile.layers)
         counts = self._counts(values)
         for g, group in enumerate(self.groups):
-            if group.pinned_cell is not None:
+            if group.pinned_virtual_stage is not None:
                 continue
             position = group.first
-            for c in range(self.schedule.num_stages):
+            for c in range(self.schedule.num_virtual_stages):
                 for mode in ordered_modes({m: counts[g, c, m] for m in group.modes}):
                     modes[position] = mode
                     position += 1

@@ -53,7 +53,7 @@ class Plan:
         """[stage][chunk]: the layers chunk `chunk` of pipeline stage `stage` holds."""
         schedule = self.spec.pipeline_schedule
         ranges = self.virtual_stage_ranges()
-        return [[ranges[virtual] for virtual in schedule.stages_of(stage)] for stage in range(schedule.stages)]
+        return [[ranges[virtual] for virtual in schedule.virtual_stages_of(stage)] for stage in range(schedule.ranks)]
 
     def mindformers(self) -> dict[str, object]:
         """MindFormers' keys (see `mindformers_view`)."""

@@ -82,23 +82,23 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     started = time.perf_counter()
     deadline = started + time_limit_s
     schedule = spec.pipeline_schedule
-    groups = layer_groups(profile, spec, schedule.num_stages)
+    groups = layer_groups(profile, spec, schedule.num_virtual_stages)
     check_room(schedule, groups, spec)
     log.info("solving %s, %d layers (%d actions)", schedule.describe(), len(profile.layers), schedule.num_actions)
 
-    model = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
-    if model.timing == PATHS:
-        _paths_of_relaxation(model, deadline)
+    program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
+    if program.timing == PATHS:
+        _paths_of_relaxation(program, deadline)
     # A plan that fits without search, for a search the time limit stops to fall back on (large
     # schedules: the first LP alone can take minutes), computed first so that it cannot overrun.
     # With start times, where such stops are common, it is improved by moving layers (with half the
     # time at most): sim.json's Interleaved1F1B 16 x 3 x 16 stopped at 30 s then runs 163,868 ms,
     # where the search's best ran 166,500; with one chunk the search proves its plan within seconds,
     # and starting it from the improved plan was no faster (48 searches, see "Measured").
-    balanced = balanced_plan(model, move_layers=False)
-    fallback = balanced if balanced is not None else balanced_plan(model, move_layers=True)
-    if fallback is not None and model.timing == START_TIMES:
-        fallback = improved_by_moves(model, fallback, started + time_limit_s / 2)
+    balanced = balanced_plan(program, move_layers=False)
+    fallback = balanced if balanced is not None else balanced_plan(program, move_layers=True)
+    if fallback is not None and program.timing == START_TIMES:
+        fallback = improved_by_moves(program, fallback, started + time_limit_s / 2)
     # With critical-path rows most of a search is HiGHS's root heuristics looking for a first plan;
     # started from the balanced split it skips them. Measured on the benchmark's 1-chunk cases:
     # 32 x 1 x 128 4.0 s -> 1.7 s, test.json 16 x 1 x 16 1.5 s -> 0.8 s, none slower; on 36
@@ -106,39 +106,39 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     # from plans that had to move layers to fit (further from the optimum: those 36 searches 1.03x,
     # one 2.4x slower), nor with start times, where it was as often slower as faster (2-chunk
     # schedules at 6 and 8 stages).
-    seeded = model.timing == PATHS and balanced is not None
+    seeded = program.timing == PATHS and balanced is not None
     if seeded:
         # The plan the search starts from, and its slower-stage neighbours, add their critical paths:
         # sim.json 1F1B 16 x 1 x 16 at 56000 MiB 2.2 s -> 1.2 s (one solve fewer: its first plan no
         # longer misses a path); the 48 searches of SAPP's fixtures at 1.1x and 1.5x alike (1.007x).
-        model.simulated_time(balanced, add_path=True)
-        model.add_paths_of_slower_stages(balanced)
+        program.simulated_time(balanced, add_path=True)
+        program.add_paths_of_slower_stages(balanced)
     # With start times a share of the limit is kept for a search the limit stops, to choose its best
     # plan's recompute again with the split fixed (`_polished`); one proven in time leaves it to the
     # tie-breaks.
-    search_deadline = deadline - POLISH_SHARE * time_limit_s if model.timing == START_TIMES else deadline
+    search_deadline = deadline - POLISH_SHARE * time_limit_s if program.timing == START_TIMES else deadline
     fastest = _minimize(
-        model, {model.iteration: 1.0}, search_deadline, progress=_log_progress, heuristics=not seeded,
-        hint={variable: balanced[variable] for variable in model.count.values()} if seeded else None,
+        program, {program.iteration: 1.0}, search_deadline, progress=_log_progress, heuristics=not seeded,
+        hint={variable: balanced[variable] for variable in program.count.values()} if seeded else None,
     )
     log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
     if fastest.status == "infeasible":
         raise infeasible_error(profile, spec, schedule, groups, _left(deadline))
     proven = fastest.status == "optimal"
-    best = _break_ties(model, fastest, deadline) if proven else fastest
+    best = _break_ties(program, fastest, deadline) if proven else fastest
     values = best.values
-    plan = None if values is None else model.plan(values)
+    plan = None if values is None else program.plan(values)
     if not proven and fallback is not None:
-        fallback_plan = model.plan(fallback)
+        fallback_plan = program.plan(fallback)
         if fallback_plan.fits and (plan is None or fallback_plan.iteration_time_ms < plan.iteration_time_ms):
             log.info("the search's best plan is %s; the plan found without search runs %s ms and fits: taking it",
                      "none" if plan is None else f"{format_ms(plan.iteration_time_ms)} ms",
                      format_ms(fallback_plan.iteration_time_ms))
             values, plan = fallback, fallback_plan
-    if not proven and plan is not None and model.timing == START_TIMES:
-        polished = _polished(model, values, deadline)
+    if not proven and plan is not None and program.timing == START_TIMES:
+        polished = _polished(program, values, deadline)
         if polished is not None:
-            polished_plan = model.plan(polished)
+            polished_plan = program.plan(polished)
             if polished_plan.fits and polished_plan.iteration_time_ms < plan.iteration_time_ms:
                 log.info("its split with the recompute chosen again: %s ms", format_ms(polished_plan.iteration_time_ms))
                 plan = polished_plan
@@ -150,7 +150,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         # n x 1e-6 ms from the simulator's, which only matters where whole plans run in microseconds.
         drift = 1e-6 * schedule.num_actions
         fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0) - drift
-        slowest_allowed = within(model.time_cap) + drift  # the tie-breaks' plan may run TIME_SLACK slower
+        slowest_allowed = within(program.time_cap) + drift  # the tie-breaks' plan may run TIME_SLACK slower
         if not fastest_allowed <= plan.iteration_time_ms <= slowest_allowed:
             raise RuntimeError(
                 f"the program's optimum is {fastest.objective} ms but the simulator replays its plan in "
@@ -192,14 +192,14 @@ def _median_layer_ms(profile: ModelProfile) -> float:
     return loads[len(loads) // 2]
 
 
-def _polished(model: IntegerProgram, values: list[float], deadline: float) -> list[float] | None:
+def _polished(program: IntegerProgram, values: list[float], deadline: float) -> list[float] | None:
     """The fastest plan the program finds by `deadline` with the layer split of the plan at `values`
     (each virtual stage's layers of each group fixed), its recompute free; None if none is found.
-    Adds those rows to `model` for good."""
-    model.fix_split(values)
+    Adds those rows to `program` for good."""
+    program.fix_split(values)
     # Started from the plan itself (its counts as a partial start: HiGHS fills in the start times).
-    counts = {variable: round(values[variable]) for variable in model.count.values()}
-    return _minimize(model, {model.iteration: 1.0}, deadline, hint=counts).values
+    counts = {variable: round(values[variable]) for variable in program.count.values()}
+    return _minimize(program, {program.iteration: 1.0}, deadline, hint=counts).values
 
 
 def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup]) -> float:
@@ -207,29 +207,29 @@ def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: 
     the busiest rank's work (every action it runs) at the optimum of the LP relaxation of the
     program without its time rows, memory rows kept (so recompute the budget forces counts).
     Milliseconds; 0 if that LP does not solve in time."""
-    model = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=PATHS)  # no path rows yet
-    busiest = model.milp.variable()
-    program = schedule.program
-    for rank in range(schedule.stages):
+    program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=PATHS)  # no path rows yet
+    busiest = program.milp.variable()
+    compiled = schedule.compiled
+    for rank in range(schedule.ranks):
         work = {busiest: 1.0}  # every action the rank runs (split backwards may take longer than whole ones)
-        for action in range(program.rank_offsets[rank], program.rank_offsets[rank + 1]):
-            variable = model.action_duration[action]
+        for action in range(compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]):
+            variable = program.action_duration[action]
             work[variable] = work.get(variable, 0.0) - 1.0
-        model.milp.row(work, lower=0.0)
-    relaxed = model.milp.minimize({busiest: 1.0}, time_limit_s=BOUND_LIMIT_S, relaxed=True)
+        program.milp.row(work, lower=0.0)
+    relaxed = program.milp.minimize({busiest: 1.0}, time_limit_s=BOUND_LIMIT_S, relaxed=True)
     return relaxed.objective if relaxed.status == "optimal" else 0.0
 
 
-def _break_ties(model: IntegerProgram, fastest: MilpResult, deadline: float) -> MilpResult:
+def _break_ties(program: IntegerProgram, fastest: MilpResult, deadline: float) -> MilpResult:
     """Among plans as fast as the fastest: least recompute time (unless it has none) for the fastest
     plan's layer split, then least peak memory over every split. Each solve gets part of the time left
-    and at most TIE_BREAK_NODES[model.timing] branch-and-bound nodes; one cut short keeps the best plan
+    and at most TIE_BREAK_NODES[program.timing] branch-and-bound nodes; one cut short keeps the best plan
     it found. They start from the plan in hand, so HiGHS's root heuristics, which look for a first
     plan, are skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
     best = fastest
-    model.time_cap = fastest.objective * (1 + TIME_SLACK)
-    model.milp.row({model.iteration: 1.0}, upper=model.time_cap)
-    if any(round(fastest.values[v]) for v in model.recompute_terms):  # else none to take away
+    program.time_cap = fastest.objective * (1 + TIME_SLACK)
+    program.milp.row({program.iteration: 1.0}, upper=program.time_cap)
+    if any(round(fastest.values[v]) for v in program.recompute_terms):  # else none to take away
         # With its split fixed the program is far easier, and it takes away the recompute that split
         # does not need. Measured: on 12 of SAPP's cases (1 and 2 chunks, 6-16 stages) the same least
         # recompute as the search over every split found (which it did not prove within its nodes),
@@ -237,25 +237,25 @@ def _break_ties(model: IntegerProgram, fastest: MilpResult, deadline: float) -> 
         # 4.8 -> 3.6 s); on 108 small ones the least recompute of every equally fast plan, checked
         # against all of them. The peak's search below keeps every split: with the split fixed there
         # too, DualPipeV 8 x 2 x 16 peaked 1% higher.
-        first = model.milp.num_rows
-        model.fix_split(fastest.values)
-        split_rows = range(first, model.milp.num_rows)  # critical paths met in this solve come after them
+        first = program.milp.num_rows
+        program.fix_split(fastest.values)
+        split_rows = range(first, program.milp.num_rows)  # critical paths met in this solve come after them
         least_recompute = _minimize(
-            model, model.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False,
-            node_limit=TIE_BREAK_NODES[model.timing],
+            program, program.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False,
+            node_limit=TIE_BREAK_NODES[program.timing],
         )
-        model.milp.remove_rows(split_rows)
+        program.milp.remove_rows(split_rows)
         if least_recompute.values is None:
             return best
         _log_tie_break("least recompute time", least_recompute)
         best = least_recompute
-    recompute = dot(model.recompute_terms, best.values)
-    if model.recompute_terms:
-        model.milp.row(model.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
-    peak = model.add_peak_variable()
-    hint = best.values + [max(row.value(best.values) for _, row in model.memory_rows)]
-    least_memory = _minimize(model, {peak: 1.0}, deadline, hint=hint, heuristics=False,
-                             node_limit=TIE_BREAK_NODES[model.timing])
+    recompute = dot(program.recompute_terms, best.values)
+    if program.recompute_terms:
+        program.milp.row(program.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
+    peak = program.add_peak_variable()
+    hint = best.values + [max(row.value(best.values) for _, row in program.memory_rows)]
+    least_memory = _minimize(program, {peak: 1.0}, deadline, hint=hint, heuristics=False,
+                             node_limit=TIE_BREAK_NODES[program.timing])
     if least_memory.values is not None:
         _log_tie_break("least peak memory", least_memory)
         best = least_memory
@@ -276,7 +276,7 @@ def _timing_for(schedule: Schedule) -> str:
 
 
 def _minimize(
-    model: IntegerProgram,
+    program: IntegerProgram,
     objective: dict[int, float],
     deadline: float,
     *,
@@ -297,39 +297,39 @@ def _minimize(
     best_value, nodes = INF, 0
     while True:
         incumbents: list[list[float]] = []
-        result = model.milp.minimize(
+        result = program.milp.minimize(
             objective, time_limit_s=_left(stop), hint=hint, heuristics=heuristics, progress=progress,
-            incumbents=incumbents if model.timing == PATHS else None,
+            incumbents=incumbents if program.timing == PATHS else None,
             node_limit=None if node_limit is None else max(node_limit - nodes, 1),
         )
         nodes += result.nodes
-        if model.timing != PATHS or result.values is None:
+        if program.timing != PATHS or result.values is None:
             break
-        known = len(model.paths)
+        known = len(program.paths)
         values = list(result.values)
-        values[model.iteration] = model.simulated_time(values)
+        values[program.iteration] = program.simulated_time(values)
         value = dot(objective, values)
-        holds = values[model.iteration] <= within(model.time_cap)
+        holds = values[program.iteration] <= within(program.time_cap)
         if holds and value <= within(result.objective):
             result = MilpResult(result.status, values, value, result.bound, nodes)
             break
-        if len(model.paths) == known:  # the solution's own path was a row, yet it runs faster: a bug
+        if len(program.paths) == known:  # the solution's own path was a row, yet it runs faster: a bug
             raise RuntimeError(
-                f"the program's plan takes {result.values[model.iteration]} ms, but the simulator replays it in "
-                f"{values[model.iteration]} ms along a path the program already holds: they disagree"
+                f"the program's plan takes {result.values[program.iteration]} ms, but the simulator replays it in "
+                f"{values[program.iteration]} ms along a path the program already holds: they disagree"
             )
-        model.add_paths_of_slower_stages(values)
+        program.add_paths_of_slower_stages(values)
         # Every solution found on the way is a plan: keep the best of them as simulated.
         candidates = [values]
         for incumbent in incumbents:  # their paths, too, are likely to bind in the next solve
             candidates.append(list(incumbent))
-            candidates[-1][model.iteration] = model.simulated_time(incumbent)
+            candidates[-1][program.iteration] = program.simulated_time(incumbent)
         for candidate in candidates:
             value = dot(objective, candidate)
-            if candidate[model.iteration] <= within(model.time_cap) and value < best_value:
+            if candidate[program.iteration] <= within(program.time_cap) and value < best_value:
                 best, best_value = candidate, value
         log.info("the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
-                 values[model.iteration], len(model.paths))
+                 values[program.iteration], len(program.paths))
         if best is not None:
             hint = best
         if stop - time.perf_counter() < 0.05 or (node_limit is not None and nodes >= node_limit):
@@ -339,19 +339,19 @@ def _minimize(
     return MilpResult(result.status, result.values, result.objective, result.bound, nodes)
 
 
-def _paths_of_relaxation(model: IntegerProgram, deadline: float) -> None:
+def _paths_of_relaxation(program: IntegerProgram, deadline: float) -> None:
     """Seed PATHS timing with the critical paths of the relaxation's solutions: the integer search
     then starts from the relaxation's true bound, and rarely meets a path it has not seen."""
     while time.perf_counter() < deadline:
-        relaxed = model.milp.minimize({model.iteration: 1.0}, time_limit_s=_left(deadline), relaxed=True)
+        relaxed = program.milp.minimize({program.iteration: 1.0}, time_limit_s=_left(deadline), relaxed=True)
         if relaxed.values is None:
             return  # infeasible: the integer search says so
-        known = len(model.paths)
-        model.simulated_time(relaxed.values)
-        if len(model.paths) == known:
-            model.add_paths_of_slower_stages(relaxed.values)
+        known = len(program.paths)
+        program.simulated_time(relaxed.values)
+        if len(program.paths) == known:
+            program.add_paths_of_slower_stages(relaxed.values)
             break
-    log.info("%d critical paths from the relaxation", len(model.paths))
+    log.info("%d critical paths from the relaxation", len(program.paths))
 
 
 def _log_progress(seconds: float, best_ms: float, bound_ms: float) -> None:

@@ -33,8 +33,8 @@ class ScheduleKind:
     placement: str
     min_chunks: int
     max_chunks: int | None  # None: no upper bound
-    min_micro_batches: Callable[[int, int], int]  # (stages, chunks) -> fewest micro-batches
-    build: Callable[[int, int, int], list[list[Action]]]  # (stages, chunks, micro_batches)
+    min_micro_batches: Callable[[int, int], int]  # (ranks, chunks) -> fewest micro-batches
+    build: Callable[[int, int, int], list[list[Action]]]  # (ranks, chunks, micro_batches)
     splits_backward: bool = False  # runs I and W actions, so the weight-gradient time matters
 
     @property
@@ -156,7 +156,7 @@ def build_schedule(
 
     return Schedule(
         name=kind.name,
-        stages=stages,
+        ranks=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         placement=kind.placement,
