@@ -85,8 +85,18 @@ def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) ->
 def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, timing: LayerSamples,
            params: list[nn.Parameter], recorder: Recorder, split: SplitBackward | None,
            checkpoint_state: int) -> LayerProfile:
-    """`split`: the layer kind's split backward, where it was measured. `checkpoint_state`: what each
-    checkpointed call keeps beside its saved tensors (`checkpoint_state_bytes`)."""
+    """One layer's profile from its samples. `split`: the layer kind's split backward, where it was
+    measured. `checkpoint_state`: what each checkpointed call keeps beside its saved tensors
+    (`checkpoint_state_bytes`).
+
+    torch's split backward frees everything a layer saved at its W: no retained_bytes. What it holds
+    from I to W is measured per body kind, and for the tail where the profiler was given it as a
+    module (its I holds the logits' gradient for the LM head's weight gradient but frees about as
+    much of what the loss saved); none for the head, whose input takes no gradient (torch runs the
+    first stage's whole backward at its W). What a layer's I holds until its stage's I ends is more
+    than it leaves pending: torch frees the graph on the side of the stage's output only then (the
+    tail's: what the loss saved, its log-softmax), and in a stage every layer but the last keeps its
+    own (less the gradient handed to it, which its W does not need and frees)."""
     forward_ms = median(timing.forward_ms.get(NONE, []))
     backward_ms = median(timing.backward_ms.get(NONE, []))
     kept_none = median(memory.kept_bytes.get(NONE, []))
@@ -106,19 +116,7 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        # torch's split backward frees everything a layer saved at its W: no retained_bytes. What it
-        # holds from I to W is measured per body kind, and for the tail where the profiler was given
-        # it as a module (its I holds the logits' gradient for the LM head's weight gradient but frees
-        # what the loss saved, about as much: tiny-llama's and tiny-moe's tails 0.5 MiB net of an
-        # 8 MiB gradient); none for the head, whose input takes no gradient (torch runs the first
-        # stage's whole backward at its W). What each half holds while it runs is measured without
-        # recompute; with it, the whole backward's working set (which holds what it rebuilds) stands
-        # for both. What a layer's I holds until its stage's I ends is more than it leaves pending:
-        # torch frees the graph on the side of the stage's output only then (the tail's, what the loss
-        # saved: its log-softmax, the logits' size in fp32), and in a stage every layer but the last
-        # keeps its own (a tiny-moe MoE block at 128 tokens: 0.39 MiB, 0.26 MiB net of the gradient
-        # handed to it, which its W does not need and frees). Traces of pipeline runs held exactly
-        # that, on both of tiny-moe's ranks under ZBVZeroBubble (the first was up to 1.6% under).
+        # the halves' working sets are measured without recompute; with it the whole backward's stands for both
         halves = split is not None and mode == NONE
         recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
                                         pending_bytes=split.pending_bytes if split is not None else 0.0,

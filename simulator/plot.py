@@ -78,8 +78,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
 
     peak_bytes = max(result.stage_peak_memory_bytes)
     curves = [result.memory_curve(rank) for rank in range(ranks)] if peak_bytes > 0 else []
-    # All rows share one scale from the lowest level any rank reaches to the highest peak, so
-    # that the swing of activations shows on top of large static memory.
+    # one scale for all rows, from the lowest level to the highest peak: activations show above large static memory
     floor_bytes = min(m for curve in curves for _, m in curve) if curves else 0.0
     span_bytes = peak_bytes - floor_bytes
     for rank, curve in enumerate(curves):

@@ -38,17 +38,15 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
     for virtual, count in enumerate(counts):
         layers = [(profile.layers[i], modes[i]) for i in range(start, start + count)]
         start += count
-        stage, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
+        rank, chunk = schedule.rank_of(virtual), schedule.chunk_of(virtual)
         whole = torch_split and virtual == 0
         # what the stage computes for its blocks (the rotary tables), where it holds one
         shared = profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0
         handed_gradient = (handed_gradient_bytes(layers[0][0], profile.stage_output_bytes)
                            if hands_over[virtual] and layers else 0.0)
-        # the loss's gradient (a scalar's), which the last stage's backward starts from and holds to
-        # its end (its I's where split): no layer's working set counts it, as none counts the
-        # gradient handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)
+        # the loss's gradient, which the last stage's backward (its I) starts from: no layer's working set counts it
         seed = profile.loss_bytes if virtual == schedule.num_virtual_stages - 1 else 0.0
-        grid[stage][chunk] = ChunkCosts(
+        grid[rank][chunk] = ChunkCosts(
             forward_ms=sum(layer.forward_ms for layer, _ in layers) + forward_overhead,
             backward_ms=sum(layer.backward_ms for layer, _ in layers) + backward_overhead,
             weight_ms=sum(layer.backward_ms if whole else layer.split_weight_ms() for layer, _ in layers)
@@ -84,16 +82,12 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
     its layers. Where one backward runs the whole chunk (`one_backward`: not a split backward, which
     keeps the graph for the weight gradients) each layer's backward frees what it saved, so the tail
     layers, last in the model, go first and free their activations (the LM head's logits) before
-    any other layer's backward (measured on an H200: full recompute on the last rank was
-    over-predicted by 13.6% without this, 2.0% with it), and the head layers go last, when every
-    other layer of the chunk has freed its activations (the embedding's gradient, as large as the
-    embedding, comes then: in the validation study the first rank's allocator peak was over-predicted
-    by up to 32% without this, within 7% with it). What went before them leaves them the gradient of
-    their output (`handed_bytes`, as large as a stage's output), which their working sets, measured
-    from its arrival, do not hold (the first rank of tiny-llama's fully recomputed 1F1B, 3.3% under
-    without it); the blocks have freed what the stage computed for them too (`shared_bytes`, the
-    rotary tables, 0 where the chunk holds no block: the first rank 32 KiB over without it). Body
-    layers are counted less the tail's activations only, as the search states them."""
+    any other layer's backward, and the head layers go last, when every other layer of the chunk has
+    freed its activations (the embedding's gradient, as large as the embedding, comes then). What
+    went before them leaves them the gradient of their output (`handed_bytes`, as large as a stage's
+    output), which their working sets, measured from its arrival, do not hold; the blocks have freed
+    what the stage computed for them too (`shared_bytes`, the rotary tables, 0 where the chunk holds
+    no block). Body layers are counted less the tail's activations only, as the search states them."""
     if not one_backward:
         return max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0)
     kinds = {layer.kind for layer, _ in layers}

@@ -23,8 +23,8 @@ def torch_splits_backward(spec: PipelineSpec) -> bool:
 
 def torch_keeps_sends(spec: PipelineSpec) -> bool:
     """Whether torch's engine (`spec.receive_buffers`) keeps every tensor a stage sends to another
-    rank until the step ends: a send request holds its tensor while it lives (measured with gloo;
-    NCCL's until its wait where it avoids record streams, else less: on the safe side),
+    rank until the step ends: a send request holds its tensor while it lives (gloo's do; NCCL's
+    until their wait where it avoids record streams, else less: on the safe side),
     and every schedule torch runs but 1F1B keeps its requests to the step's end
     (`_PipelineScheduleRuntime` waits on them after its last action, `ScheduleGPipe` keeps them in
     lists); `Schedule1F1B` drops each at its next exchange."""
@@ -51,20 +51,19 @@ def handed_gradient_bytes(layer: LayerProfile, stage_output_bytes: float) -> flo
 
 
 def torch_1f1b_held_bytes(profile: ModelProfile, spec: PipelineSpec) -> list[float]:
-    """Per stage, what torch's `Schedule1F1B` (`spec.receive_buffers`) holds of the tensors a stage sends
+    """Per rank, what torch's `Schedule1F1B` (`spec.receive_buffers`) holds of the tensors a stage sends
     past their micro-batch, counted for the whole step (exact from the backward after the first, where
     its peaks are; before, on the safe side): the last output its warm-up sends, whose request it
     keeps until the cool-down (where the warm-up runs two or more forwards), and the input gradient
     its last backward sent back, whose send it keeps until the next backward has run (from the
-    second on). Zeros elsewhere. Measured with gloo on tiny-llama's fully recomputed 1F1B: each one
-    stage output the allocator held that the plan did not count."""
+    second on). Zeros elsewhere."""
     if not (spec.receive_buffers and spec.schedule == "1F1B"):
         return [0.0] * spec.pipeline_schedule.num_virtual_stages
-    stages, micro_batches = spec.pipeline_schedule.ranks, spec.micro_batches
+    ranks, micro_batches = spec.pipeline_schedule.ranks, spec.micro_batches
     held = []
-    for stage in range(stages):
-        keeps_output = stage < stages - 1 and min(micro_batches, stages - stage) >= 2
-        keeps_input_gradient = stage > 0 and micro_batches >= 2
+    for rank in range(ranks):
+        keeps_output = rank < ranks - 1 and min(micro_batches, ranks - rank) >= 2
+        keeps_input_gradient = rank > 0 and micro_batches >= 2
         held.append((keeps_output + keeps_input_gradient) * profile.stage_output_bytes)
     return held
 
@@ -103,15 +102,13 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
     for the input received (every virtual stage but the first) and one for the output gradient (all
     but the last). torch's engine also keeps the last stage's output, the model's
     (`profile.model_output_bytes`, the logits), per micro-batch in flight: the loss is computed from
-    it outside the stage, and the stage holds it until that micro-batch's backward (GPipe's last
-    rank, 8 micro-batches of tiny-llama: 32 MiB its allocator held that the plan did not count)."""
+    it outside the stage, and the stage holds it until that micro-batch's backward."""
     schedule = spec.pipeline_schedule
     last = schedule.num_virtual_stages - 1
     size = profile.stage_output_bytes
     in_flight, whole_run = [], []
     for virtual in range(schedule.num_virtual_stages):
-        # torch hands an output to the next virtual stage on the same rank as that stage's input
-        # buffer: the buffers hold it, not a copy
+        # torch hands an output on to a stage of the same rank as that stage's input buffer, not a copy
         local = virtual < last and schedule.rank_of(virtual + 1) == schedule.rank_of(virtual)
         if virtual == last:
             in_flight.append(profile.model_output_bytes if spec.receive_buffers else 0.0)

@@ -1,6 +1,13 @@
 """The integer program: layer counts per (group, virtual stage, mode), each virtual stage's action
 durations, the iteration time as the simulator's replay makes it, and memory within the budget at
-every point of every rank's action list. Its optimum is the simulated optimum."""
+every point of every rank's action list. Its optimum is the simulated optimum.
+
+The iteration time is stated one of two ways (`timing`). START_TIMES: every action's start as a
+variable, the simulator's replay as rows. PATHS: one row per critical path met so far (the time is
+at least each path's length), adding the path of any solution the rows let run faster than the
+simulator does, and with it the paths of that solution with each virtual stage in turn SLOWER_STAGE
+slower, which is where the integer plans near it differ.
+"""
 
 from __future__ import annotations
 
@@ -19,24 +26,9 @@ from solver.plan import Plan
 from solver.profile import ModelProfile
 from solver.spec import PipelineSpec
 
-# How the program states the iteration time. START_TIMES: every action's start as a variable, the
-# simulator's replay as rows. PATHS: one row per critical path met so far (the time is at least each
-# path's length), adding the path of any solution the rows let run faster than the simulator does.
-# Measured on SAPP's fixtures, 1F1B: with one chunk per rank some 50-100 paths settle it and PATHS
-# solves 2-6x faster at 16 stages x 16 micro-batches, 35-60x at 64, and 32 x 1 x 128 in 3 s where
-# START_TIMES stops at 60 s with a 14% gap; with two or more chunks the integer solutions keep
-# finding paths the rows miss, and START_TIMES is faster.
+# PATHS where one chunk per rank leaves few critical paths; with more chunks, solutions keep finding paths the rows miss.
 START_TIMES, PATHS = "start-times", "paths"
-# PATHS timing also adds, for the relaxation's solution and for each solution found to miss a
-# path, the critical path with each virtual stage in turn this much slower: integer plans near a
-# solution differ from it most in which stage is heavier, and these are the paths they run along.
-# Measured on SAPP's fixtures, 1-chunk 1F1B, ZBH1 and GPipe at 8 and 16 stages and 16 or 48
-# micro-batches, budgets 1.1x and 1.5x the least that fits, whole solves: 111 s -> 40 s in all;
-# GPipe at 16 stages 4.6-19 s -> 0.2-1.4 s (0.20x, geometric mean), ZBH1 0.66x, 1F1B 0.97x (some
-# slower: sim.json 1F1B 16 x 1 x 16 at 56000 MiB 1.7 s -> 2.8 s). 5%, 10% and 20% measured alike.
-# With these paths PATHS still loses to START_TIMES at two chunks (6-8 stages: 1-5x slower, and
-# two searches START_TIMES proves in 12-15 s not proven in 20 s).
-SLOWER_STAGE = 0.1
+SLOWER_STAGE = 0.1  # the paths of a solution's slower-stage neighbours are the ones the next solutions run along
 
 
 class IntegerProgram(LayerPlacement):

@@ -107,8 +107,7 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
     for group in placement.groups:
         if group.kind == TAIL and one_backward[group.pinned_virtual_stage]:
             freed[group.pinned_virtual_stage] += group.size * group.activation_mib[NONE]
-    # the layers' own: what I forms and keeps to its end, less what the layer before each frees of
-    # the gradient handed to it (each layer's own freed bytes, the last's added back: _last_layers)
+    # what each layer's I keeps to its end, less what it frees of the gradient handed to it (the last's added back)
     held = placement.virtual_stage_sums(lambda g, m: g.kept_by_input_mib(m))
     for expression, (_, last_freed) in zip(held, last_layer or []):
         expression.add_expression(last_freed)
@@ -123,8 +122,7 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
     for c in range(num_virtual_stages):
         pinned_groups = [g for g in placement.groups if g.pinned_virtual_stage == c]
         if one_backward[c]:
-            # the tail's backward hands the layer before it the gradient of its input, a stage
-            # output's size, which that layer's working set does not count
+            # the tail hands the layer before it its input's gradient, which that layer's working set does not count
             tail_here = any(g.kind == TAIL for g in pinned_groups)
             after_tail = freed[c] - (handed if tail_here else 0.0)
             pinned = max([g.working_mib[NONE] for g in pinned_groups if g.kind == TAIL], default=0.0)
@@ -135,10 +133,7 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
             if head + handed_to_head > pinned:
                 terms = {count: -placement.groups[g].activation_mib[mode]
                          for (g, virtual, mode), count in placement.count.items() if virtual == c}
-                # where the virtual stage holds a body layer: the gradient handed to the head, less the
-                # tables the blocks freed (costs._working_bytes). Negative where the tables are the
-                # larger, yet never a way to a smaller peak: the micro-batch's activations, held
-                # while the head's backward runs, count the same variable with the tables' size.
+                # with a body layer here: the head's handed gradient less the tables the blocks freed (negative is safe)
                 body_coefficient = handed_to_head - placement.profile.stage_shared_bytes / MIB
                 if body_coefficient:
                     terms.update({variable: body_coefficient for variable in placement.holds_body(c).terms})
@@ -196,9 +191,7 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
     rows = []
     for rank in range(schedule.ranks):
         rank_stages = schedule.virtual_stages_of(rank)
-        # per chunk, how many micro-batches are past their forward and before their backward; past
-        # I and before W (apart only where something is pending there: fewer distinct points);
-        # past their last backward action, B or W (only where something is retained)
+        # per chunk, micro-batches past F and before B or W; past I and before W; past B or W (those last two only where needed)
         chunks = schedule.chunks
         held = [0] * (3 * chunks)
         points: set[tuple[tuple[int, ...], WorkingAt]] = set()
@@ -219,8 +212,7 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
             held[2 * chunks + chunk if op == BACKWARD_WEIGHT and pends else chunk] -= 1
             if retains:
                 held[chunks + chunk] += 1
-        # the step's end: what is retained can outweigh the activations it was part of (torch
-        # keeps a stage's input gradient and its sends to the end)
+        # the step's end: what is retained (torch's input gradients and sends) can outweigh the activations it was part of
         points.add((tuple(held), None))
         for counts, working in _undominated(points):
             row = Linear(constant=constant_mib)

@@ -157,10 +157,7 @@ class Milp:
         highs = _new_highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("threads", 1)  # deterministic, and the machines this runs on are small
-        # HiGHS's presolve, measured on the solver's own programs (SAPP's fixtures, every schedule,
-        # budgets 1.1x and 1.5x the least that fits): without it, 2-chunk searches at 6-8 stages
-        # proved 29 of 32 in 20 s instead of 21 (half the time, geometric mean), 1-chunk ones 0.93x.
-        # It loses on a few (test.json 16 x 3 x 16 without a budget: proven in 25 s with it).
+        # on these programs presolve slows the branch-and-bound more often than it helps
         highs.setOptionValue("presolve", "off")
         highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
         highs.setOptionValue("mip_rel_gap", relative_gap)
@@ -211,11 +208,7 @@ class Milp:
         elif model_status == highspy.HighsModelStatus.kSolveError and (
             hint is not None or random_seed < SOLVE_ERROR_RETRIES
         ):
-            # HiGHS 1.16 can fail to complete a partial start with its root heuristics off (seen on a
-            # one-stage, one-layer program); the same search without the start does not. It can also
-            # end a search on a solution that breaks a row by exactly its feasibility tolerance and call
-            # that a solve error (seen on two 3-stage GPipe programs, at tolerances 1e-6 and 1e-7 alike);
-            # with another random seed it takes another way and does not.
+            # HiGHS 1.16 fails some partial starts, and some solutions on a row's tolerance: without the start, or another seed
             return self.minimize(
                 objective, time_limit_s=time_limit_s - (time.perf_counter() - started), relative_gap=relative_gap,
                 relaxed=relaxed, heuristics=heuristics, incumbents=incumbents, node_limit=node_limit,

@@ -11,8 +11,7 @@ from simulator.errors import InputError
 from solver.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, ModelProfile
 from solver.spec import PipelineSpec
 
-# Within a virtual stage, the order MindFormers' per-stage counts imply: recompute (full) layers
-# first, then select+comm, then select or comm, then the rest.
+# the order MindFormers' per-stage counts imply within a stage: full, select+comm, select or comm, none
 MODE_ORDER = (FULL, SELECTIVE_COMM, SELECTIVE, COMM, NONE)
 MINDFORMERS_KEYS = ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num")
 

@@ -11,8 +11,7 @@ from solver.mindformers import ordered_modes
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, ModelProfile
 from solver.spec import PipelineSpec
 
-# A working-set variable: (the variable, its least value, (count variable, working set) of each layer
-# that may raise it, rows (constant, terms) it is at least).
+# (variable, least value, (count variable, working set) of each layer that may raise it, rows (constant, terms) below it)
 WorkingChoice = tuple[int, float, list[tuple[int, float]], list[tuple[float, dict[int, float]]]]
 
 
@@ -39,7 +38,7 @@ class LayerPlacement:
                 pinned = sum(g.size for g in groups if g.pinned_virtual_stage == c)
                 if not pinned:
                     milp.row({v: 1.0 for (g, virtual, m), v in self.count.items() if virtual == c}, lower=1)
-        self._group_presence: dict[tuple[int, int], int] = {}  # (group, virtual stage) -> 1 where the virtual stage holds the group
+        self._group_presence: dict[tuple[int, int], int] = {}  # (group, virtual stage) -> 1 where it holds the group
         self._end_indicators: dict[tuple[int, int | None, int], int] = {}  # see _end_indicator
         self._end_terms: list[tuple[int, int, int | None]] = []  # (indicator, group present, neighbour present)
         self.working_choices: dict[int, list[WorkingChoice]] = {}  # per virtual stage, each set after those before it
@@ -110,14 +109,11 @@ class LayerPlacement:
         """Body groups keep model order: group g ends in or before the virtual stage where group g+1 starts."""
         body = [g for g, group in enumerate(self.groups) if group.pinned_virtual_stage is None]
         for g, nxt in zip(body, body[1:]):
-            crossed = [self.milp.variable(0, 1, integer=True) for _ in range(num_virtual_stages)]  # g+1 may sit in virtual stage c
+            crossed = [self.milp.variable(0, 1, integer=True) for _ in range(num_virtual_stages)]  # g+1 may sit in c
             for c in range(num_virtual_stages):
                 if c + 1 < num_virtual_stages:
                     self.milp.row({crossed[c]: 1.0, crossed[c + 1]: -1.0}, upper=0.0)
-                # Whole runs of virtual stages, not one virtual stage and mode at a time: g+1 sits in none of virtual stages
-                # 0..c unless crossed[c], g in none of virtual stages c+1.. if crossed[c]. The same integer
-                # plans, a far tighter relaxation: 80 random profiles of the property tests (layers
-                # that all cost differently, two kinds) solve in 0.3x the time, the slowest 13 s -> 4 s.
+                # over whole runs (g+1 in none of 0..c unless crossed[c], g in none of c+1.. if so): a far tighter relaxation
                 first_part = {self.count[nxt, d, m]: 1.0 for d in range(c + 1) for m in self.groups[nxt].modes}
                 self.milp.row({**first_part, crossed[c]: -self.groups[nxt].size}, upper=0.0)
                 if c + 1 < num_virtual_stages:
@@ -128,9 +124,7 @@ class LayerPlacement:
         """An integer variable for each rank's number of movable layers. Redundant for the program, but
         the branch-and-bound can branch on it: the relaxation spreads layers so that every rank holds a
         fraction more than its share, and one branch on a rank's total cuts that off where many on
-        single counts would not (measured on test.json, 8 x 2 x 16 at 70000 MiB: without them
-        Interleaved1F1B, ZBVZeroBubble and DualPipeV stop at 40 s with 1.7-3.4% gaps, with them they
-        are proven in 2-3 s)."""
+        single counts would not."""
         schedule = self.schedule
         for rank in range(schedule.ranks):
             held = set(schedule.virtual_stages_of(rank))

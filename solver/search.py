@@ -35,28 +35,11 @@ from solver.start import balanced_plan, improved_by_moves
 
 log = logging.getLogger("solver")
 TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
-# The most a stopped search spends after its limit on a bound of its own (measured 0.1-0.7 s, up to
-# 65,536 actions).
-BOUND_LIMIT_S = 5.0
-# Tie-breaks stop after this many branch-and-bound nodes, by how the program states the iteration
-# time (a node count, unlike a time, keeps the answer deterministic). Measured on SAPP's fixtures:
-# they find their plan within it and prove it (1-136 nodes) or spend the rest of the time limit on
-# the bound of a min-max peak, up to 40 s on 8 x 2 x 16 schedules, which no user waits for. With one
-# chunk (PATHS) 50 nodes found the same peaks as 200 on 34 searches (1F1B, ZBH1 and GPipe at 4-32
-# stages), the peak's tie-break 0.11-0.30 s instead of 0.27-0.58 s where the cap stops it; with two
-# chunks 50 left DualPipeV 8 x 2 x 16 1% higher (69,900 MiB against 69,165).
+BOUND_LIMIT_S = 5.0  # the most a stopped search spends past its limit on a bound of its own
+# Nodes per tie-break (a count, unlike a time, is deterministic): proving a min-max peak can take minutes.
 TIE_BREAK_NODES = {START_TIMES: 200, PATHS: 50}
-# The share of a start-times search's limit kept for the plan a stopped search ends with: its
-# recompute is chosen again by the program with its layer split fixed, which HiGHS solves far
-# faster, and where the whole search leaves it well short of the best. Interleaved1F1B 16 x 3 x 16
-# on SAPP's fixtures, stopped at 30 s: sim.json 163,868 ms -> 159,611 ms, test.json 79,470 ->
-# 79,290 ms (a plan the whole program had not found after 9.5 minutes); a fifth gave the same.
-POLISH_SHARE = 0.1
-# HiGHS holds rows to about 1e-6, in the program's unit (ms), and fails on programs whose times run
-# to 1e7 ms and more ("Solve error", seen with layers of 1e5-1e6 ms): a profile whose median layer
-# takes less than LEAST or more than MOST milliseconds (tiny models on fast devices; typos) is
-# searched with every time scaled by a power of ten into that range, and its plan simulated again
-# at its true times. SAPP's fixtures (540 ms) and measured profiles (1-100 ms) are searched as they are.
+POLISH_SHARE = 0.1  # of a start-times limit, to choose a stopped search's recompute again (far faster)
+# HiGHS holds rows to ~1e-6 ms and fails near 1e7 ms: a median layer outside this range is searched rescaled.
 LEAST_SEARCH_MS, MOST_SEARCH_MS = 1.0, 1e4
 
 
@@ -89,33 +72,18 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
     if program.timing == PATHS:
         _paths_of_relaxation(program, deadline)
-    # A plan that fits without search, for a search the time limit stops to fall back on (large
-    # schedules: the first LP alone can take minutes), computed first so that it cannot overrun.
-    # With start times, where such stops are common, it is improved by moving layers (with half the
-    # time at most): sim.json's Interleaved1F1B 16 x 3 x 16 stopped at 30 s then runs 163,868 ms,
-    # where the search's best ran 166,500; with one chunk the search proves its plan within seconds,
-    # and starting it from the improved plan was no faster (48 searches, see "Measured").
+    # first, so it cannot overrun: what a stopped search falls back on (the first LP alone can take minutes)
     balanced = balanced_plan(program, move_layers=False)
     fallback = balanced if balanced is not None else balanced_plan(program, move_layers=True)
     if fallback is not None and program.timing == START_TIMES:
-        fallback = improved_by_moves(program, fallback, started + time_limit_s / 2)
-    # With critical-path rows most of a search is HiGHS's root heuristics looking for a first plan;
-    # started from the balanced split it skips them. Measured on the benchmark's 1-chunk cases:
-    # 32 x 1 x 128 4.0 s -> 1.7 s, test.json 16 x 1 x 16 1.5 s -> 0.8 s, none slower; on 36
-    # searches at budgets 1.1x and 1.5x the least that fits 0.92x (GPipe 0.82x, 1F1B alike). Not
-    # from plans that had to move layers to fit (further from the optimum: those 36 searches 1.03x,
-    # one 2.4x slower), nor with start times, where it was as often slower as faster (2-chunk
-    # schedules at 6 and 8 stages).
+        fallback = improved_by_moves(program, fallback, started + time_limit_s / 2)  # start-time searches stop often
+    # started from the balanced split, critical-path searches skip HiGHS's root heuristics (a moved split starts too far off)
     seeded = program.timing == PATHS and balanced is not None
     if seeded:
-        # The plan the search starts from, and its slower-stage neighbours, add their critical paths:
-        # sim.json 1F1B 16 x 1 x 16 at 56000 MiB 2.2 s -> 1.2 s (one solve fewer: its first plan no
-        # longer misses a path); the 48 searches of SAPP's fixtures at 1.1x and 1.5x alike (1.007x).
+        # the start's own paths, so that its first solve misses none
         program.simulated_time(balanced, add_path=True)
         program.add_paths_of_slower_stages(balanced)
-    # With start times a share of the limit is kept for a search the limit stops, to choose its best
-    # plan's recompute again with the split fixed (`_polished`); one proven in time leaves it to the
-    # tie-breaks.
+    # start-time searches keep a share of the limit for `_polished`; one proven in time leaves it to the tie-breaks
     search_deadline = deadline - POLISH_SHARE * time_limit_s if program.timing == START_TIMES else deadline
     fastest = _minimize(
         program, {program.iteration: 1.0}, search_deadline, progress=_log_progress, heuristics=not seeded,
@@ -146,8 +114,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         raise InputError("time_limit_s", f"no plan found within {time_limit_s:g} s; allow more time")
 
     if proven:
-        # HiGHS holds each row to about 1e-6: along a chain of n actions the program's times may drift
-        # n x 1e-6 ms from the simulator's, which only matters where whole plans run in microseconds.
+        # HiGHS holds each row to ~1e-6: a chain of n actions may drift n x 1e-6 ms from the simulator
         drift = 1e-6 * schedule.num_actions
         fastest_allowed = fastest.objective - 1e-6 * max(fastest.objective, 1.0) - drift
         slowest_allowed = within(program.time_cap) + drift  # the tie-breaks' plan may run TIME_SLACK slower
@@ -224,19 +191,13 @@ def _break_ties(program: IntegerProgram, fastest: MilpResult, deadline: float) -
     """Among plans as fast as the fastest: least recompute time (unless it has none) for the fastest
     plan's layer split, then least peak memory over every split. Each solve gets part of the time left
     and at most TIE_BREAK_NODES[program.timing] branch-and-bound nodes; one cut short keeps the best plan
-    it found. They start from the plan in hand, so HiGHS's root heuristics, which look for a first
-    plan, are skipped (measured: sim.json 16 x 1 x 16, start times, 7.3 s -> 2.9 s)."""
+    it found. They start from the plan in hand, with HiGHS's root heuristics, which look for a first
+    plan, skipped."""
     best = fastest
     program.time_cap = fastest.objective * (1 + TIME_SLACK)
     program.milp.row({program.iteration: 1.0}, upper=program.time_cap)
     if any(round(fastest.values[v]) for v in program.recompute_terms):  # else none to take away
-        # With its split fixed the program is far easier, and it takes away the recompute that split
-        # does not need. Measured: on 12 of SAPP's cases (1 and 2 chunks, 6-16 stages) the same least
-        # recompute as the search over every split found (which it did not prove within its nodes),
-        # whole solves 0.75-0.95x the time (DualPipeV 8 x 2 x 16 6.7 s -> 5.0 s, Interleaved1F1B
-        # 4.8 -> 3.6 s); on 108 small ones the least recompute of every equally fast plan, checked
-        # against all of them. The peak's search below keeps every split: with the split fixed there
-        # too, DualPipeV 8 x 2 x 16 peaked 1% higher.
+        # the fastest plan's split fixed: a far easier program, the same least recompute (the peak keeps every split)
         first = program.milp.num_rows
         program.fix_split(fastest.values)
         split_rows = range(first, program.milp.num_rows)  # critical paths met in this solve come after them

@@ -94,10 +94,12 @@ def improved_by_moves(program: IntegerProgram, values: list[float], deadline: fl
 
 def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
     """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
-    head or tail) as near its share of the total as whole layers allow, then each rank's; every
-    stage gets one unless empty stages are allowed or it holds a head or tail."""
+    head or tail) as near its share of the total as whole layers allow; every stage gets one unless
+    empty stages are allowed or it holds a head or tail. Then each rank's: a layer moves from the
+    busiest rank's largest stage to the idlest rank's smallest while that lowers the busier of the two."""
     groups, num_virtual_stages = program.groups, program.schedule.num_virtual_stages
-    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size) if group.pinned_virtual_stage is None]
+    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size)
+            if group.pinned_virtual_stage is None]
     pinned_load, needs = [0.0] * num_virtual_stages, [0 if program.spec.allow_empty_chunks else 1] * num_virtual_stages
     for group in groups:
         if group.pinned_virtual_stage is not None:
@@ -115,10 +117,7 @@ def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
             size += 1
         sizes.append(size)
         taken += size
-    # With chunks, a rank's stages are far apart in model order and their roundings add up (1.5 layers
-    # per stage rounds to 2, 1, 2, 1, ... and ranks of one parity get 7 layers, the others 5): move
-    # a layer from the busiest rank's largest stage to the idlest rank's smallest while that lowers
-    # the busier of the two.
+    # A rank's virtual stages are far apart in model order, so their roundings add up: even out the ranks' loads.
     rank_of = [program.schedule.rank_of(c) for c in range(num_virtual_stages)]
     mean_load = sum(load) / max(len(load), 1)
     for _ in range(len(load)):
@@ -204,9 +203,7 @@ class _Fitting:
         at one end of its stages moved to the neighbouring stage of another rank that still fits with
         it (which joins `ranks`); then `reclaim` on every rank changed. Whether they all fit."""
         schedule = self.program.schedule
-        # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
-        # receives one need not pass one on (unless the greedy's switches fall short of that peak);
-        # the cap ends any back and forth that would leave.
+        # a rank that receives a layer fits with it, so back and forth is rare: the cap ends any that is left
         unchecked, touched = set(ranks), set(ranks)
         steps = 10 * len(self.counts) * max(len(group.modes) for group in self.program.groups)
         while unchecked and steps:

@@ -19,8 +19,7 @@ from simulator.schedules.interleaved import (
 from simulator.schedules.one_f_one_b import one_f_one_b_actions
 from simulator.schedules.zero_bubble import zbh1_actions, zbv_actions
 
-# A replay holds every action in memory, some 400 bytes each: a typo such as 100,000 stages must not
-# run the machine out of memory before anything is said.
+# a replay holds every action, some 400 bytes each: a typo must not exhaust memory before anything is said
 MAX_ACTIONS = 10_000_000
 
 

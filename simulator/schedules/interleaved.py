@@ -68,8 +68,7 @@ def megatron_interleaved_actions(ranks: int, chunks: int, micro_batches: int, gr
 def less_memory_interleaved_actions(ranks: int, chunks: int, micro_batches: int) -> list[list[Action]]:
     table = leftover_first_table(micro_batches, chunks, ranks)
     first_group = ranks + micro_batches % ranks
-    # SAPP's own simulator uses V*S - r - 1 (the same when S divides M), which deadlocks on the
-    # last rank when it does not: the last chunk's first forward comes (V-1)(M mod S) later.
+    # not SAPP's V*S - r - 1, which deadlocks the last rank where S does not divide M
     return [
         _one_f_one_b_over_table(table, ranks, chunks, rank, (chunks - 1) * first_group + ranks - rank - 1)
         for rank in range(ranks)

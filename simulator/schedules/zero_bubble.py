@@ -36,8 +36,7 @@ def zbv_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
 
 
 def _zbv_rank(ranks: int, micro_batches: int, rank: int) -> list[Action]:
-    # The order is built for at least 2S-1 micro-batches, then the ones past M are dropped:
-    # that keeps every dependency, as each action only waits on its own micro-batch.
+    # built for at least 2S-1 micro-batches, then those past M dropped: each action waits on its own micro-batch only
     planned = max(2 * ranks - 1, micro_batches)
     down, up = rank, 2 * ranks - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
     count = {(down, FORWARD): 0, (up, FORWARD): 0, (down, BACKWARD_INPUT): 0, (up, BACKWARD_INPUT): 0}
