@@ -43,8 +43,9 @@ def plan_report(plan: Plan) -> str:
     schedule = spec.pipeline_schedule
     budget = spec.memory_budget_bytes
     status = plan.status
-    if plan.status == "feasible" and plan.gap is not None:
-        status += f" (time limit; within {plan.gap:.2%} of the best possible, >= {format_ms(plan.lower_bound_ms)} ms)"
+    if plan.status in ("feasible", "interrupted") and plan.gap is not None:
+        reason = "time limit" if plan.status == "feasible" else "the best found before the interrupt"
+        status += f" ({reason}; within {plan.gap:.2%} of the best possible, >= {format_ms(plan.lower_bound_ms)} ms)"
     if plan.solve_seconds is not None:
         status += f", {plan.solve_seconds:.2f} s"
     lines = [

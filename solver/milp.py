@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,6 +14,10 @@ from dataclasses import dataclass, field
 INF = math.inf
 Terms = Mapping[int, float]
 PROGRESS_EVERY_S = 5.0
+POLL_S = 0.05  # how often the waiting thread wakes, so that signals reach it at once
+STOP_WAIT_S = 10.0  # the most an interrupted solve waits for HiGHS to reach its next interrupt check
+ASYNC_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
+                                                     "SIGUSR2", "SIGCHLD", "SIGPIPE") if hasattr(signal, name)}
 # A search HiGHS ends in a solve error is run again with another random seed, up to this many times.
 SOLVE_ERROR_RETRIES = 2
 ROOT_HEURISTICS = (
@@ -63,9 +69,11 @@ class MilpResult:
 
 
 class Milp:
-    """Variables and rows; `minimize` solves a copy, so rows can be added between solves."""
+    """Variables and rows; `minimize` solves a copy, so rows can be added between solves. `interrupted`:
+    what the last solve an exception stopped had found (see `minimize`)."""
 
     def __init__(self) -> None:
+        self.interrupted: MilpResult | None = None
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
@@ -127,7 +135,11 @@ class Milp:
         when `hint` is already a good solution; `incumbents` collects every improving solution the
         search finds; `node_limit` stops the branch-and-bound after that many nodes (deterministic,
         unlike the time limit); `progress(seconds, best, bound)` is called every few seconds of a
-        long search. `random_seed`: HiGHS's, which steers its choices among equals."""
+        long search. `random_seed`: HiGHS's, which steers its choices among equals.
+
+        Any exception raised while HiGHS runs (KeyboardInterrupt, a signal handler's, one a callback
+        raises) stops HiGHS at its next interrupt check and propagates unchanged; `interrupted` then
+        holds what the search had found."""
         import highspy
         import numpy as np
 
@@ -177,16 +189,23 @@ class Milp:
             solution.col_value = list(hint)
             solution.value_valid = True
             highs.setSolution(solution)
+        stopper = _Stopper(highs)
         if progress is not None:
-            _report_progress(highs, progress)
+            _report_progress(highs, progress, stopper)
         if incumbents is not None:
 
             def on_improving_solution(event) -> None:  # type: ignore[no-untyped-def]
                 if len(event.data_out.mip_solution) == self.num_variables:
                     incumbents.append(list(event.data_out.mip_solution))
 
-            highs.cbMipImprovingSolution.subscribe(on_improving_solution)
-        highs.run()
+            highs.cbMipImprovingSolution.subscribe(stopper.guard(on_improving_solution))
+        try:
+            _run(highs, stopper)
+        except BaseException:
+            self.interrupted = _found_so_far(highs, relaxed) if stopper.stopped else None
+            if stopper.stopped:  # an interrupted search's state, left to the interpreter's exit, aborts it
+                highs.clearSolver()
+            raise
 
         model_status = highs.getModelStatus()
         info = highs.getInfo()
@@ -219,7 +238,90 @@ class Milp:
         return MilpResult(status, values, objective_value, bound, max(int(info.mip_node_count), 0))
 
 
-def _report_progress(highs, progress: Callable[[float, float, float], None]) -> None:
+class _Stopper:
+    """Stops a HiGHS run at its next interrupt check once `requested`, and keeps the first exception
+    a callback raised (HiGHS, C++, cannot carry it) to raise once HiGHS has returned."""
+
+    def __init__(self, highs) -> None:  # type: ignore[no-untyped-def]
+        self.requested = False
+        self.stopped = False  # HiGHS has returned
+        self.error: BaseException | None = None
+        for callback in (highs.cbSimplexInterrupt, highs.cbIpmInterrupt, highs.cbMipInterrupt):
+            callback.subscribe(self.check)
+
+    def check(self, event) -> None:  # type: ignore[no-untyped-def]
+        if self.requested:
+            event.interrupt()
+
+    def guard(self, callback: Callable[[object], None]) -> Callable[[object], None]:
+        """`callback`, an exception it raises kept and HiGHS stopped instead of the exception lost."""
+
+        def guarded(event) -> None:  # type: ignore[no-untyped-def]
+            if self.requested:
+                return
+            try:
+                callback(event)
+            except BaseException as error:
+                self.error, self.requested = error, True
+                event.interrupt()
+
+        return guarded
+
+
+def _run(highs, stopper: _Stopper) -> None:  # type: ignore[no-untyped-def]
+    """`highs.run()` on a thread of its own, the calling thread waiting free to take signals. An
+    exception it gets meanwhile (KeyboardInterrupt, a SIGTERM handler's), or one a callback raised,
+    stops HiGHS at its next interrupt check and is raised once HiGHS has returned."""
+    done = threading.Event()  # not Thread.join: an exception inside it marks a running thread stopped (bpo-45274)
+
+    def work() -> None:
+        try:
+            if hasattr(signal, "pthread_sigmask"):  # signals go to the waiting thread, never into HiGHS's calls
+                signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
+            highs.run()
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="highs", daemon=True).start()
+    try:
+        while not done.wait(POLL_S):
+            pass
+    except BaseException:
+        stopper.requested = True
+        _wait_for_stop(done)
+        stopper.stopped = done.is_set()
+        raise
+    stopper.stopped = True
+    if stopper.error is not None:
+        raise stopper.error
+
+
+def _wait_for_stop(done: threading.Event) -> None:
+    """Wait for HiGHS to stop, at most STOP_WAIT_S; a signal meanwhile (a second Ctrl-C) changes nothing."""
+    give_up = time.perf_counter() + STOP_WAIT_S
+    while not done.is_set() and time.perf_counter() < give_up:
+        try:
+            done.wait(POLL_S)
+        except BaseException:  # the first exception is the one raised
+            continue
+
+
+def _found_so_far(highs, relaxed: bool) -> MilpResult | None:  # type: ignore[no-untyped-def]
+    """What a stopped search had found: its best solution (None for none) and its bound."""
+    import highspy
+
+    try:
+        info = highs.getInfo()
+        has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+        values = list(highs.getSolution().col_value) if has_solution else None
+        bound = -INF if relaxed or info.mip_dual_bound is None else info.mip_dual_bound
+        return MilpResult("stopped", values, info.objective_function_value if has_solution else None, bound,
+                          max(int(info.mip_node_count), 0))
+    except Exception:  # the search is lost, not the exception that stopped it
+        return None
+
+
+def _report_progress(highs, progress: Callable[[float, float, float], None], stopper: _Stopper) -> None:
     next_report = time.perf_counter() + PROGRESS_EVERY_S
 
     def on_interrupt_check(event) -> None:  # type: ignore[no-untyped-def]
@@ -229,7 +331,7 @@ def _report_progress(highs, progress: Callable[[float, float, float], None]) -> 
             data = event.data_out
             progress(data.running_time, data.mip_primal_bound, data.mip_dual_bound)
 
-    highs.cbMipInterrupt.subscribe(on_interrupt_check)
+    highs.cbMipInterrupt.subscribe(stopper.guard(on_interrupt_check))
 
 
 _banner_shown = False

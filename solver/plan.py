@@ -26,7 +26,7 @@ class Plan:
     bubble: BubbleSplit
     stage_peak_memory_bytes: tuple[float, ...]
     weight_split_assumed: bool
-    status: str = "given"  # "optimal", "feasible" (time limit; see gap) or "given" (not searched)
+    status: str = "given"  # "optimal", "feasible" (time limit; see gap), "interrupted" (see gap) or "given"
     gap: float | None = None  # proven relative gap to the best possible iteration time
     lower_bound_ms: float | None = None
     solve_seconds: float | None = None

@@ -19,6 +19,8 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from simulator.errors import MAX_MS, InputError, check_seconds
 from simulator.schedule import Schedule
@@ -43,40 +45,123 @@ POLISH_SHARE = 0.1  # of a start-times limit, to choose a stopped search's recom
 LEAST_SEARCH_MS, MOST_SEARCH_MS = 1.0, 1e4
 
 
-def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0) -> Plan:
+OnInterrupt = str | Callable[[Plan], object]
+ON_INTERRUPT = ("raise", "best")
+
+
+def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0,
+          on_interrupt: OnInterrupt = "raise") -> Plan:
     """The fastest plan that fits `spec.memory_budget_bytes`; raises InfeasibleError when none fits.
 
     Status "optimal" when the search proved it, "feasible" with the proven gap when the time limit
-    stopped it. Deterministic unless the time limit stops a search.
+    stopped it (the fastest plan found that fits, the balanced split's at least where that fits).
+    Deterministic unless the time limit stops a search.
+
+    An exception raised while it runs that is not an `Exception` (KeyboardInterrupt on Ctrl-C, what a
+    SIGTERM handler raises) stops the search at once. `on_interrupt` says what then: "raise", the
+    exception propagates unchanged; "best", the fastest plan found so far that fits is returned, status
+    "interrupted" with its gap; a function, called with that plan before the exception propagates.
+    Where no plan that fits is known yet, the exception propagates whatever `on_interrupt` says.
     """
     check_seconds(time_limit_s, "time_limit_s")
+    if not callable(on_interrupt) and on_interrupt not in ON_INTERRUPT:
+        raise InputError("on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}")
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
         log.info("searching with every time x %g (the median layer's forward and backward take %s ms)", scale,
                  format_ms(_median_layer_ms(profile)))
         scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale,
                                           action_overhead_ms=spec.action_overhead_ms * scale)
-        found = solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s)
-        plan = evaluate_plan(profile, spec, found.stage_layer_counts, found.layer_modes)
-        proven = found.status == "optimal"
-        lower_bound = plan.iteration_time_ms if proven else min(found.lower_bound_ms / scale, plan.iteration_time_ms)
-        return plan.with_search(status=found.status, gap=found.gap, lower_bound_ms=lower_bound,
-                                solve_seconds=found.solve_seconds)
-    started = time.perf_counter()
+
+        def unscaled(found: Plan) -> Plan:
+            plan = evaluate_plan(profile, spec, found.stage_layer_counts, found.layer_modes)
+            proven = found.status == "optimal"
+            lower_bound = plan.iteration_time_ms if proven else min(found.lower_bound_ms / scale, plan.iteration_time_ms)
+            return plan.with_search(status=found.status, gap=found.gap, lower_bound_ms=lower_bound,
+                                    solve_seconds=found.solve_seconds)
+
+        inner = on_interrupt if not callable(on_interrupt) else (lambda found: on_interrupt(unscaled(found)))
+        return unscaled(solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s,
+                              on_interrupt=inner))
+    found = _Found(time.perf_counter())
+    try:
+        return _search(profile, spec, time_limit_s, found)
+    except BaseException as stop:
+        if isinstance(stop, Exception) or on_interrupt == "raise":
+            raise
+        plan = found.best_plan(profile, spec)
+        if plan is None:
+            raise
+        log.info("interrupted: the best plan so far runs %s ms (within %.1f%% of the best possible)",
+                 format_ms(plan.iteration_time_ms), 100 * plan.gap)
+        if on_interrupt == "best":
+            return plan
+        on_interrupt(plan)
+        raise
+
+
+@dataclass
+class _Found:
+    """What a search has found so far, for an interrupted one to return the best of."""
+
+    started: float
+    program: IntegerProgram | None = None
+    plans: list[list[float]] = field(default_factory=list)  # the program's points of plans that fit
+    bound_ms: float = -INF  # proven lower bound on the iteration time
+    searching_fastest: bool = False  # an interrupted solve's bound is one on the iteration time
+
+    def add(self, values: list[float] | None) -> None:
+        if values is not None:
+            self.plans.append(values)
+
+    def best_plan(self, profile: ModelProfile, spec: PipelineSpec) -> Plan | None:
+        """The fastest plan found that fits, status "interrupted" with its gap; None for none."""
+        program = self.program
+        if program is None:
+            return None
+        stopped = program.milp.interrupted
+        bound = self.bound_ms
+        if stopped is not None:
+            self.add(stopped.values)
+            if self.searching_fastest and math.isfinite(stopped.bound):
+                bound = max(bound, stopped.bound)
+        fitting = [plan for plan in map(program.plan, self.plans) if plan.fits]
+        if not fitting:
+            return None
+        plan = min(fitting, key=lambda candidate: candidate.iteration_time_ms)
+        lower_bound = min(max(bound, _average_work_bound_ms(profile, spec)), plan.iteration_time_ms)
+        return plan.with_search(status="interrupted", gap=(plan.iteration_time_ms - lower_bound) / plan.iteration_time_ms,
+                                lower_bound_ms=lower_bound, solve_seconds=time.perf_counter() - self.started)
+
+
+def _average_work_bound_ms(profile: ModelProfile, spec: PipelineSpec) -> float:
+    """A lower bound on any plan's iteration time that costs nothing: every layer's forward and
+    backward without recompute over every micro-batch, shared evenly by the ranks."""
+    work = sum(layer.forward_ms + min(layer.backward_ms, layer.split_input_ms() + layer.split_weight_ms())
+               for layer in profile.layers)
+    return work * spec.micro_batches / spec.pipeline_schedule.ranks
+
+
+def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, found: _Found) -> Plan:
+    """`solve` at the profile's own times, recording in `found` what it finds as it goes."""
+    started = found.started
     deadline = started + time_limit_s
     schedule = spec.pipeline_schedule
     groups = layer_groups(profile, spec, schedule.num_virtual_stages)
     check_room(schedule, groups, spec)
     log.info("solving %s, %d layers (%d actions)", schedule.describe(), len(profile.layers), schedule.num_actions)
 
-    program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule))
+    program = found.program = IntegerProgram(profile, spec, schedule, groups, with_budget=True,
+                                             timing=_timing_for(schedule))
     if program.timing == PATHS:
         _paths_of_relaxation(program, deadline)
     # first, so it cannot overrun: what a stopped search falls back on (the first LP alone can take minutes)
     balanced = balanced_plan(program, move_layers=False)
     fallback = balanced if balanced is not None else balanced_plan(program, move_layers=True)
+    found.add(fallback)
     if fallback is not None and program.timing == START_TIMES:
         fallback = improved_by_moves(program, fallback, started + time_limit_s / 2)  # start-time searches stop often
+        found.add(fallback)
     # started from the balanced split, critical-path searches skip HiGHS's root heuristics (a moved split starts too far off)
     seeded = program.timing == PATHS and balanced is not None
     if seeded:
@@ -85,16 +170,22 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         program.add_paths_of_slower_stages(balanced)
     # start-time searches keep a share of the limit for `_polished`; one proven in time leaves it to the tie-breaks
     search_deadline = deadline - POLISH_SHARE * time_limit_s if program.timing == START_TIMES else deadline
+    found.searching_fastest = True
     fastest = _minimize(
         program, {program.iteration: 1.0}, search_deadline, progress=_log_progress, heuristics=not seeded,
         hint={variable: balanced[variable] for variable in program.count.values()} if seeded else None,
     )
+    found.searching_fastest = False
+    found.add(fastest.values)
+    if math.isfinite(fastest.bound):
+        found.bound_ms = fastest.objective if fastest.status == "optimal" else fastest.bound
     log.info("fastest plan: %s after %d nodes (%.2f s)", fastest.status, fastest.nodes, time.perf_counter() - started)
     if fastest.status == "infeasible":
         raise infeasible_error(profile, spec, schedule, groups, _left(deadline))
     proven = fastest.status == "optimal"
     best = _break_ties(program, fastest, deadline) if proven else fastest
     values = best.values
+    found.add(values)
     plan = None if values is None else program.plan(values)
     if not proven and fallback is not None:
         fallback_plan = program.plan(fallback)
@@ -105,6 +196,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
             values, plan = fallback, fallback_plan
     if not proven and plan is not None and program.timing == START_TIMES:
         polished = _polished(program, values, deadline)
+        found.add(polished)
         if polished is not None:
             polished_plan = program.plan(polished)
             if polished_plan.fits and polished_plan.iteration_time_ms < plan.iteration_time_ms:
