@@ -105,7 +105,7 @@ def add(parts: list[ChunkCosts]) -> ChunkCosts:
 def even_split(shape: LlamaShape, name: str, chunks: int) -> PipelineCosts:
     """Layers split evenly over the virtual stages; head on the first, tail on the last (rank 0 for V schedules)."""
     schedule = build_schedule(name, STAGES, MICRO_BATCHES, chunks)
-    per_stage = shape.layers // schedule.num_stages
+    per_stage = shape.layers // schedule.num_virtual_stages
     grid = []
     for rank in range(STAGES):
         row = []
@@ -114,7 +114,7 @@ def even_split(shape: LlamaShape, name: str, chunks: int) -> PipelineCosts:
             parts = [layer_costs(shape)] * per_stage
             if stage_index == 0:
                 parts.append(head_costs(shape))
-            if stage_index == schedule.num_stages - 1:
+            if stage_index == schedule.num_virtual_stages - 1:
                 parts.append(tail_costs(shape))
             row.append(add(parts))
         grid.append(tuple(row))

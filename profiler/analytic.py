@@ -159,9 +159,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     layers.append(LayerProfile(
         name="head", kind="head", forward_ms=seconds_ms(0, tokens * s.hidden_size * p),
         backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
-        # keeps the token ids; its backward forms the embedding's dense weight gradient, which a
-        # micro-batch after the first adds into .grad and frees (measured on the CPU, as a pipeline
-        # accumulating over micro-batches holds it)
+        # keeps the token ids; its working set is the dense weight gradient each later micro-batch adds into .grad
         recompute={NONE: RecomputeCost(0.0, 8.0 * tokens, vocab_elements * p / tp)},
         parameter_bytes=vocab_elements * p / tp, gradient_bytes=vocab_elements * p / tp,
         optimizer_bytes=optimizer_bytes(vocab_elements, 1),
@@ -188,11 +186,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         pending = _block_pending_bytes(tokens, s, head_dim, p, moe=moe) / tp
         weight_freed = pending + _block_weight_only_bytes(tokens, s, q_width, kv_width, p, moe=moe) / tp
         elementwise_ms = seconds_ms(0, (kept[NONE] - kept[SELECTIVE]) * 2)  # read and write what is rebuilt
-        # its backward's working set, plus what a recompute mode rebuilds: a dense block's, the gradients
-        # of its MLP's gate and up projections, alive together; an MoE block's, three gradients of the
-        # hidden or the expert width (the wider) for each token and each of its experts, and one of the
-        # hidden width more for a shared expert (transformers' blocks on the CPU: exact for dense
-        # blocks, MoE blocks up to 8 bytes a token and expert over)
+        # working set beyond what a mode rebuilds: the MLP gradients alive together (MoE: per token and expert)
         if moe:
             per_token = s.experts_per_token * 3 * max(s.hidden_size, s.moe_ffn_size)
             per_token += s.hidden_size if s.shared_expert_ffn_size else 0
@@ -221,11 +215,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
     log_probs_bytes = tokens * s.vocab_size * 4  # log-softmax output, fp32
     loss_bytes = 4  # the loss, an fp32 scalar
     labels_bytes = 8 * tokens + loss_bytes  # int64 labels, and the loss
-    # Its backward's working set: the gradients of the log-probabilities and of the logits, both fp32
-    # (the loss upcasts), less the labels and the loss, which it frees (measured on the CPU, fp32 and
-    # bf16, and on an H200 to the allocator's 512-byte rounding); or, with few tokens for the hidden
-    # size, the LM head's weight gradient (until it joins .grad) and its input's gradient (measured on
-    # the CPU at 64 and 128 tokens, where this counts 8 bytes a token more: the labels).
+    # the fp32 gradients of log-probabilities and logits less the freed labels; with few tokens, the LM head's gradients
     tail_working = max(2 * log_probs_bytes / tp - labels_bytes, vocab_elements * p / tp + hidden_bytes)
     layers.append(LayerProfile(
         name="tail", kind="tail",
@@ -253,8 +243,8 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
 def _block_pending_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, moe: bool) -> float:
     """What a split backward holds of a block from its input gradients to its weight gradients: the
     gradient of every weighted op's output (the projections, the norms' scaled outputs, the router).
-    Exact for dense blocks (transformers' Llama, measured); an upper bound for MoE blocks, whose input
-    gradients also free some of what the routing saved (9-19% less held on the tests' MoE models)."""
+    Exact for dense blocks; an upper bound for MoE blocks, whose input gradients also free some of
+    what the routing saved."""
     q_width, kv_width = s.num_heads * head_dim, (s.num_kv_heads or s.num_heads) * head_dim
     attention = q_width + 2 * kv_width + s.hidden_size + (q_width + kv_width if s.qk_norm else 0)
     if moe:
@@ -271,9 +261,8 @@ def _block_weight_only_bytes(tokens: int, s: TransformerShape, q_width: int, kv_
     """What a block saved that only its weight gradients use, which its W frees while the rest of its
     stage's graph lives on (`RecomputeCost.weight_freed_bytes` less the pending bytes): each RMSNorm's
     normalised input and output (the projections' input), the down projection's input, and where q
-    and k are normalised per head, their normalised values. Exact for dense blocks (transformers'
-    Llama and Qwen3, fp32 and bf16, measured); for MoE blocks the experts' part is left out, so their
-    W is counted as freeing less than it does (measured: 1.5-2x this), never more."""
+    and k are normalised per head, their normalised values. Exact for dense blocks; for MoE blocks the
+    experts' part is left out, so their W is counted as freeing less than it does, never more."""
     per_token = 4 * s.hidden_size + (q_width + kv_width if s.qk_norm else 0) + (0 if moe else s.ffn_size)
     return tokens * per_token * p
 

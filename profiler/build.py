@@ -4,57 +4,70 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from profiler.layers import Block
 from profiler.recompute import checkpoint_state_bytes
 from profiler.recorder import HEAD, TAIL, Recorder, unique_bytes
 from profiler.samples import LayerSamples, median, spread
+from profiler.split import SplitBackward
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
 
-if TYPE_CHECKING:
-    from profiler.layer_profiler import LayerProfiler
 
-
-def build_profile(profiler: LayerProfiler) -> ModelProfile:
-    recorder = profiler.recorder
+def build_profile(
+    recorder: Recorder,
+    samples: Mapping[object, LayerSamples],
+    *,
+    model: nn.Module,
+    model_name: str,
+    device: torch.device,
+    blocks: Sequence[Block],
+    modes: Sequence[str],
+    pool: bool,
+    micro_batch: dict[str, int] | None,
+    backward_splits: Mapping[str, SplitBackward],
+) -> ModelProfile:
+    """The profile of what `recorder` and `samples` measured of `model`'s head, `blocks` (each in
+    `modes`) and tail; with `pool`, the blocks of each body kind take their kind's pooled times."""
     structure = recorder.structure
     slots: list[object] = [*([HEAD] if recorder.has_head else []), *structure.body_order,
                            *([TAIL] if recorder.has_tail else [])]
-    samples = {slot: profiler.samples.get(slot, LayerSamples()) for slot in slots}
+    samples = {slot: samples.get(slot, LayerSamples()) for slot in slots}
     timing = dict(samples)
-    if profiler.pool:
+    if pool:
         by_kind: dict[str, LayerSamples] = {}
         for index in structure.body_order:
-            kind = profiler.blocks[index].kind
+            kind = blocks[index].kind
             by_kind[kind] = by_kind[kind].merged(samples[index]) if kind in by_kind else samples[index]
-        timing.update({index: by_kind[profiler.blocks[index].kind] for index in structure.body_order})
-    state = checkpoint_state_bytes(profiler.device)  # in every recompute mode's activations, and stated
+        timing.update({index: by_kind[blocks[index].kind] for index in structure.body_order})
+    state = checkpoint_state_bytes(device)  # in every recompute mode's activations, and stated
     layers = []
     for slot in slots:
         params = structure.slot_parameters.get(slot, [])
         if slot in (HEAD, TAIL):
-            name, kind, modes = str(slot), str(slot), (NONE,)
+            name, kind, layer_modes = str(slot), str(slot), (NONE,)
         else:
-            name, kind, modes = profiler.blocks[slot].name, profiler.blocks[slot].kind, profiler.modes
-        layers.append(_layer(name, kind, modes, samples[slot], timing[slot], params, recorder, profiler, state))
+            name, kind, layer_modes = blocks[slot].name, blocks[slot].kind, modes
+        layers.append(_layer(name, kind, layer_modes, samples[slot], timing[slot], params, recorder,
+                             backward_splits.get(kind), state))
     return ModelProfile(
         layers=tuple(layers),
-        model=profiler.model_name,
+        model=model_name,
         source="measured",
-        device=_device_name(profiler.device),
-        dtype=_dtype(profiler.model),
-        micro_batch=profiler.micro_batch or _micro_batch(recorder.input_shape),
-        fingerprint=fingerprint(profiler.model, [b.kind for b in profiler.blocks]),
+        device=_device_name(device),
+        dtype=_dtype(model),
+        micro_batch=micro_batch or _micro_batch(recorder.input_shape),
+        fingerprint=fingerprint(model, [b.kind for b in blocks]),
         # the hidden state a body block receives is what a stage sends on
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         model_output_bytes=median(recorder.output_bytes),
         loss_bytes=median(recorder.loss_bytes),
         stage_shared_bytes=_shared_bytes(samples, structure.body_order),
         checkpoint_state_bytes=state,
-        tied_parameters=tied_parameters(profiler.model, structure.slot_parameters, dict(zip(slots, layers))),
+        tied_parameters=tied_parameters(model, structure.slot_parameters, dict(zip(slots, layers))),
     )
 
 
@@ -69,15 +82,25 @@ def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) ->
     return sum(sum(samples[index].shared_bytes.get(NONE, [])) for index in body_order) / max(passes, 1)
 
 
-def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, timing: LayerSamples,
-           params: list[nn.Parameter], recorder: Recorder, profiler: LayerProfiler,
+def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, timing: LayerSamples,
+           params: list[nn.Parameter], recorder: Recorder, split: SplitBackward | None,
            checkpoint_state: int) -> LayerProfile:
-    """`checkpoint_state`: what each checkpointed call keeps beside its saved tensors (`checkpoint_state_bytes`)."""
+    """One layer's profile from its samples. `split`: the layer kind's split backward, where it was
+    measured. `checkpoint_state`: what each checkpointed call keeps beside its saved tensors
+    (`checkpoint_state_bytes`).
+
+    torch's split backward frees everything a layer saved at its W: no retained_bytes. What it holds
+    from I to W is measured per body kind, and for the tail where the profiler was given it as a
+    module (its I holds the logits' gradient for the LM head's weight gradient but frees about as
+    much of what the loss saved); none for the head, whose input takes no gradient (torch runs the
+    first stage's whole backward at its W). What a layer's I holds until its stage's I ends is more
+    than it leaves pending: torch frees the graph on the side of the stage's output only then (the
+    tail's: what the loss saved, its log-softmax), and in a stage every layer but the last keeps its
+    own (less the gradient handed to it, which its W does not need and frees)."""
     forward_ms = median(timing.forward_ms.get(NONE, []))
     backward_ms = median(timing.backward_ms.get(NONE, []))
     kept_none = median(memory.kept_bytes.get(NONE, []))
     boundary_bytes = median(memory.input_bytes)
-    split = profiler.backward_splits.get(kind)
     recompute = {}
     for mode in modes:
         extra_ms = 0.0
@@ -93,19 +116,7 @@ def _layer(name: str, kind: str, modes: tuple[str, ...], memory: LayerSamples, t
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        # torch's split backward frees everything a layer saved at its W: no retained_bytes. What it
-        # holds from I to W is measured per body kind, and for the tail where the profiler was given
-        # it as a module (its I holds the logits' gradient for the LM head's weight gradient but frees
-        # what the loss saved, about as much: tiny-llama's and tiny-moe's tails 0.5 MiB net of an
-        # 8 MiB gradient); none for the head, whose input takes no gradient (torch runs the first
-        # stage's whole backward at its W). What each half holds while it runs is measured without
-        # recompute; with it, the whole backward's working set (which holds what it rebuilds) stands
-        # for both. What a layer's I holds until its stage's I ends is more than it leaves pending:
-        # torch frees the graph on the side of the stage's output only then (the tail's, what the loss
-        # saved: its log-softmax, the logits' size in fp32), and in a stage every layer but the last
-        # keeps its own (a tiny-moe MoE block at 128 tokens: 0.39 MiB, 0.26 MiB net of the gradient
-        # handed to it, which its W does not need and frees). Traces of pipeline runs held exactly
-        # that, on both of tiny-moe's ranks under ZBVZeroBubble (the first was up to 1.6% under).
+        # the halves' working sets are measured without recompute; with it the whole backward's stands for both
         halves = split is not None and mode == NONE
         recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
                                         pending_bytes=split.pending_bytes if split is not None else 0.0,

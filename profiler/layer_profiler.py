@@ -176,7 +176,11 @@ class LayerProfiler:
         """The measured profile; after the last profiled step."""
         if not self.done:
             raise RuntimeError(f"profiled {self.steps_done} of {self.total_steps} steps; call step() after each training step")
-        return build_profile(self)
+        return build_profile(
+            self.recorder, self.samples, model=self.model, model_name=self.model_name, device=self.device,
+            blocks=self.blocks, modes=self.modes, pool=self.pool, micro_batch=self.micro_batch,
+            backward_splits=self.backward_splits,
+        )
 
     def _start_step(self) -> None:
         recorder = self.recorder

@@ -52,8 +52,7 @@ def selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Newer torch calls the policy after the op, with its output (`ctx.op_output`); older torch (2.11 on a
-# GPU machine here) calls it before, with no output to count.
+# newer torch calls the policy after the op, with its output (`ctx.op_output`); older torch (2.11) before it
 POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
 
 

@@ -345,10 +345,10 @@ class Recorder:
 
         return hook
 
-    # A block's input is the block before's output: its gradient fires both blocks' hooks, the earlier
-    # block's (registered first, at that block's forward end) before the later one's. So the window
-    # closes when the next one opens, reading the peak before the reset that starts the next block.
     def _open_memory_window(self, step: Pass, read_on_close: bool = True) -> None:
+        """Start `step`'s backward memory window, closing the open one. A block's input is the block
+        before's output: its gradient fires both blocks' hooks, the earlier block's first, so a window
+        closes when the next one opens, reading the peak before the reset that starts the next."""
         self._close_memory_window()
         self.memory.reset_peak()
         step.backward_base_bytes = self.memory.allocated()
@@ -376,10 +376,7 @@ class Recorder:
             step.parameter_marks.append(self.clock.mark())
             if step is self._memory_window and not self._read_on_close:
                 self._read_memory_window()  # the head's: its peak so far, up to its last gradient
-        # A gradient the backward just created (the loop zeroed gradients to None) stays for the step,
-        # counted with the static bytes, not the layer's working set: where it is added in place
-        # instead, only its transient counts. A MoE block's fully recomputed backward measured 9.27
-        # MiB without this and 7.27 MiB with gradients kept, which a pipeline run confirmed (7.3).
+        # a gradient the backward creates stays for the step (static bytes), not in the layer's working set
         if self.memory is not None and param.grad is not None:
             self.memory.forget(param.grad)
 

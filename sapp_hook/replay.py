@@ -43,8 +43,8 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError("steps", f"expected an integer >= 1, got {steps!r}")
     schedule = plan.simulation.schedule
-    kinds = {action.kind for action in schedule.rank_actions[rank]}
-    if not kinds <= {FORWARD, FULL_BACKWARD}:
+    ops = {action.op for action in schedule.rank_actions[rank]}
+    if not ops <= {FORWARD, FULL_BACKWARD}:
         raise InputError("plan", f"{schedule.name} splits the backward into I and W actions; the replay runs F and B only")
     device = device_of(model)
     modules = dict(apply(model, plan, rank))
@@ -67,7 +67,7 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
                 module = modules[action.stage_index]
                 key = (action.stage_index, action.microbatch)
                 started = clock.mark()
-                if action.kind == FORWARD:
+                if action.op == FORWARD:
                     inputs = ids[action.microbatch] if module.first else torch.randn(
                         micro_batch_size, seq_len, hidden_size, device=device, dtype=dtype, generator=generator,
                         requires_grad=True)
@@ -81,12 +81,12 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
                         output.shape, device=device, dtype=output.dtype, generator=generator)
                     output.backward(gradient)
                     del output, gradient
-                marks.append((action.kind, started, clock.mark()))
+                marks.append((action.op, started, clock.mark()))
         clock.synchronize()
         allocated_peak = memory.peak() - start_bytes if memory is not None else None
         for parameter in parameters:
             if parameter.grad is not None:
                 parameter.grad.zero_()
-    forward_ms = sum(clock.elapsed_ms(start, end) for kind, start, end in marks if kind == FORWARD)
-    backward_ms = sum(clock.elapsed_ms(start, end) for kind, start, end in marks if kind == FULL_BACKWARD)
+    forward_ms = sum(clock.elapsed_ms(start, end) for op, start, end in marks if op == FORWARD)
+    backward_ms = sum(clock.elapsed_ms(start, end) for op, start, end in marks if op == FULL_BACKWARD)
     return RankReplay(rank, forward_ms, backward_ms, held.peak_bytes, allocated_peak)

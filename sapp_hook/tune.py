@@ -36,8 +36,8 @@ from profiler.build import fingerprint
 from profiler.distributed import all_gather_bytes, gather_profiles
 from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
-from sapp_hook.cli.report import against_even, plan_report
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
+from sapp_hook.report import against_even, plan_report
 from sapp_hook.stages import loss_tail
 from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
 from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config

@@ -30,8 +30,9 @@ from simulator import ChunkCosts, PipelineCosts, schedule_kind, simulate
 from simulator.errors import InputError
 from solver import ModelProfile, PipelineSpec, Plan, evaluate_plan, even_plan, plan_from_dict, solve
 from solver.calibrate import Run
+from solver.costs import buffered_input_bytes
+from solver.engine_memory import boundary_bytes, torch_1f1b_held_bytes
 from solver.fields import Fields
-from solver.plan import boundary_bytes, buffered_input_bytes, torch_1f1b_held_bytes
 from solver.profile import FULL, NONE, SELECTIVE
 from solver.spec import spec_from_dict
 
@@ -165,7 +166,7 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     above the static bytes once the last action has run (what the engine keeps to the step's end)."""
     result = plan.simulation
     schedule = result.schedule
-    ends = [result.rank_finish_ms(rank) for rank in range(schedule.stages)]
+    ends = [result.rank_finish_ms(rank) for rank in range(schedule.ranks)]
     costs = result.costs
     kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec)
     in_buffers = buffered_input_bytes(profile, plan.spec, plan.stage_layer_counts)  # autograd holds them too
@@ -200,10 +201,10 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
         )
         return list(simulate(schedule, bare_costs).stage_peak_memory_bytes)
 
-    static = [sum(c.static_bytes for c in row) - sum(held_sends[virtual] for virtual in schedule.stages_of(rank))
+    static = [sum(c.static_bytes for c in row) - sum(held_sends[virtual] for virtual in schedule.virtual_stages_of(rank))
               for rank, row in enumerate(costs.chunk_costs)]
-    step_end = [result.memory_curve(rank)[-1][1] - static[rank] for rank in range(schedule.stages)]
-    buffers = [sum(kept_whole_run[virtual] for virtual in schedule.stages_of(rank)) for rank in range(schedule.stages)]
+    step_end = [result.memory_curve(rank)[-1][1] - static[rank] for rank in range(schedule.ranks)]
+    buffers = [sum(kept_whole_run[virtual] for virtual in schedule.virtual_stages_of(rank)) for rank in range(schedule.ranks)]
     return {"step_ms": ends, "activation_peak_bytes": peaks(True), "peak_bytes": peaks(False), "static_bytes": static,
             "receive_buffer_bytes": buffers, "step_end_bytes": step_end}
 

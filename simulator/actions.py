@@ -9,27 +9,32 @@ FORWARD = "F"
 FULL_BACKWARD = "B"  # input and weight gradients together
 BACKWARD_INPUT = "I"
 BACKWARD_WEIGHT = "W"
-KINDS = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-BACKWARD_KINDS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+OPS = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+BACKWARD_OPS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _OVERLAP = re.compile(r"^\((.*);(.*)\)OVERLAP_F_B$")
 
 
 class Action(NamedTuple):
-    """One compute action: `kind` of virtual stage `stage_index` on micro-batch `microbatch`.
+    """One compute action: `op` (F, B, I or W) of virtual stage `stage_index` on micro-batch `microbatch`.
 
     `overlapped` marks the second action of a DualPipeV forward/backward pair that the runtime
     overlaps with the action before it (torch's `OVERLAP_F_B`); compute still runs one at a time.
     """
 
     stage_index: int
-    kind: str
+    op: str
     microbatch: int
     overlapped: bool = False
 
     def __str__(self) -> str:
-        return f"{self.stage_index}{self.kind}{self.microbatch}"
+        return f"{self.stage_index}{self.op}{self.microbatch}"
+
+    @property
+    def kind(self) -> str:
+        """The former name of `op`."""
+        return self.op
 
 
 def parse_action(text: str) -> Action:
@@ -37,8 +42,8 @@ def parse_action(text: str) -> Action:
     match = _ACTION.match(text.strip())
     if match is None:
         raise ValueError(f"not an action: {text!r} (expected e.g. 2F0, 1B3, 0I1, 0W1)")
-    stage, kind, microbatch = match.groups()
-    return Action(int(stage), kind, int(microbatch))
+    stage, op, microbatch = match.groups()
+    return Action(int(stage), op, int(microbatch))
 
 
 def format_rank_cells(actions: list[Action] | tuple[Action, ...]) -> list[str]:

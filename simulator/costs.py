@@ -1,4 +1,4 @@
-"""What each (stage, chunk) costs per micro-batch: times in milliseconds, memory in bytes."""
+"""What each (rank, chunk) costs per micro-batch: times in milliseconds, memory in bytes."""
 
 from __future__ import annotations
 
@@ -60,22 +60,22 @@ class ChunkCosts:
                     f"expected at most backward_ms ({self.backward_ms:g}), got {self.weight_ms:g}",
                 )
 
-    def held_change_bytes(self, kind: str) -> float:
-        """What an action of `kind` on this chunk adds to the bytes its rank holds once it has run
+    def held_change_bytes(self, op: str) -> float:
+        """What an action `op` on this chunk adds to the bytes its rank holds once it has run
         (negative: what it frees). Its working set comes on top while a backward runs."""
-        if kind == FORWARD:
+        if op == FORWARD:
             return self.activation_bytes
-        if kind == BACKWARD_INPUT:
+        if op == BACKWARD_INPUT:
             return self.pending_bytes
-        if kind == BACKWARD_WEIGHT:
+        if op == BACKWARD_WEIGHT:
             return -(self.activation_bytes - self.retained_bytes + self.pending_bytes)
         return -(self.activation_bytes - self.retained_bytes)
 
-    def working_bytes_during(self, kind: str) -> float:
-        """What a backward action of `kind` holds while it runs, above what was held when it began."""
-        if kind == BACKWARD_INPUT and self.input_working_bytes is not None:
+    def working_bytes_during(self, op: str) -> float:
+        """What a backward action `op` holds while it runs, above what was held when it began."""
+        if op == BACKWARD_INPUT and self.input_working_bytes is not None:
             return self.input_working_bytes
-        if kind == BACKWARD_WEIGHT and self.weight_working_bytes is not None:
+        if op == BACKWARD_WEIGHT and self.weight_working_bytes is not None:
             return self.weight_working_bytes
         return self.working_bytes
 
@@ -91,7 +91,7 @@ class ChunkCosts:
 
 @dataclass(frozen=True)
 class PipelineCosts:
-    """Costs of every chunk, indexed [stage][chunk], and the P2P time between neighbouring stages."""
+    """Costs of every chunk, indexed [rank][chunk], and the P2P time between neighbouring ranks."""
 
     chunk_costs: tuple[tuple[ChunkCosts, ...], ...]
     p2p_ms: float = 0.0
@@ -100,7 +100,7 @@ class PipelineCosts:
         if not self.chunk_costs or not self.chunk_costs[0]:
             raise InputError("chunk_costs", "expected at least one stage with at least one chunk")
         chunks = len(self.chunk_costs[0])
-        for stage, row in enumerate(self.chunk_costs):
+        for stage, row in enumerate(self.chunk_costs):  # a pipeline stage per rank, as users count them
             if len(row) != chunks:
                 raise InputError(f"chunk_costs[{stage}]", f"expected {chunks} chunks like stage 0, got {len(row)}")
             for chunk, costs in enumerate(row):
@@ -108,16 +108,21 @@ class PipelineCosts:
         check_non_negative(self.p2p_ms, "p2p_ms")
 
     @property
-    def stages(self) -> int:
+    def ranks(self) -> int:
         return len(self.chunk_costs)
+
+    @property
+    def stages(self) -> int:
+        """The former name of `ranks`."""
+        return self.ranks
 
     @property
     def chunks(self) -> int:
         return len(self.chunk_costs[0])
 
-    def __getitem__(self, stage_chunk: tuple[int, int]) -> ChunkCosts:
-        stage, chunk = stage_chunk
-        return self.chunk_costs[stage][chunk]
+    def __getitem__(self, rank_chunk: tuple[int, int]) -> ChunkCosts:
+        rank, chunk = rank_chunk
+        return self.chunk_costs[rank][chunk]
 
     def all_chunks(self) -> list[ChunkCosts]:
         return [costs for row in self.chunk_costs for costs in row]

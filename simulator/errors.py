@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 
-# Beyond any real cost (11.6 days for one action, a pebibyte): larger figures are typos, and the
-# solver's program, in MiB and ms, needs its coefficients well inside what HiGHS solves reliably.
+# beyond any real cost (11.6 days an action, a pebibyte): typos, and beyond what HiGHS solves reliably
 MAX_MS = 1e9
 MAX_BYTES = 2.0**50
 

@@ -15,8 +15,8 @@ from simulator.result import SimulationResult
 from simulator.units import format_bytes
 
 FORMATS = (".png", ".svg", ".pdf")
-KIND_COLOURS = {"F": "#3b75af", "B": "#ef8636", "I": "#c2413b", "W": "#519e3e"}
-KIND_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+OP_COLOURS = {"F": "#3b75af", "B": "#ef8636", "I": "#c2413b", "W": "#519e3e"}
+OP_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 MEMORY_COLOUR = "#7f7f7f"
 BAR_TOP, BAR_HEIGHT = 0.06, 0.5  # within a rank's row of height 1, measured downwards
 CURVE_BASE, CURVE_HEIGHT = 0.94, 0.32
@@ -42,31 +42,31 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
         raise InputError("plot", "drawing needs matplotlib: pip install 'sapp-hook[plot]'") from None
 
     schedule = result.schedule
-    stages, chunks = schedule.stages, schedule.chunks
+    ranks, chunks = schedule.ranks, schedule.chunks
     end_ms = result.iteration_time_ms or 1.0
     width_in = 14.0
-    figure = Figure(figsize=(width_in, min(max(1.6 + 0.42 * stages, 3.2), 32.0)), layout="constrained")
+    figure = Figure(figsize=(width_in, min(max(1.6 + 0.42 * ranks, 3.2), 32.0)), layout="constrained")
     axes = figure.add_subplot()
     bar_px_per_ms = (width_in * 0.82 * figure.dpi) / end_ms
 
     mean_ms = sum(result.stage_busy_ms) / max(schedule.num_actions, 1)
     edges = "white" if mean_ms * bar_px_per_ms >= 6 else "none"
     rasterized = schedule.num_actions > RASTERIZE_ABOVE
-    kinds_seen: set[str] = set()
+    ops_seen: set[str] = set()
     labels = []
-    for rank in range(stages):
+    for rank in range(ranks):
         boxes: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for timed in result.rank_timeline(rank):
             duration = timed.end_ms - timed.start_ms
-            boxes.setdefault((timed.action.kind, timed.chunk), []).append((timed.start_ms, duration))
+            boxes.setdefault((timed.action.op, timed.chunk), []).append((timed.start_ms, duration))
             if duration * bar_px_per_ms >= 14:
                 labels.append((timed.start_ms + duration / 2, rank, timed.action.microbatch))
-        for (kind, chunk), spans in boxes.items():
-            kinds_seen.add(kind)
+        for (op, chunk), spans in boxes.items():
+            ops_seen.add(op)
             axes.broken_barh(
                 spans,
                 (rank + BAR_TOP, BAR_HEIGHT),
-                facecolors=_shade(KIND_COLOURS[kind], chunk, chunks),
+                facecolors=_shade(OP_COLOURS[op], chunk, chunks),
                 edgecolors=edges,
                 linewidth=0.4,
                 rasterized=rasterized,
@@ -77,9 +77,8 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
             axes.text(x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white")
 
     peak_bytes = max(result.stage_peak_memory_bytes)
-    curves = [result.memory_curve(rank) for rank in range(stages)] if peak_bytes > 0 else []
-    # All rows share one scale from the lowest level any rank reaches to the highest peak, so
-    # that the swing of activations shows on top of large static memory.
+    curves = [result.memory_curve(rank) for rank in range(ranks)] if peak_bytes > 0 else []
+    # one scale for all rows, from the lowest level to the highest peak: activations show above large static memory
     floor_bytes = min(m for curve in curves for _, m in curve) if curves else 0.0
     span_bytes = peak_bytes - floor_bytes
     for rank, curve in enumerate(curves):
@@ -98,16 +97,16 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
 
     axes.axvline(end_ms, color="black", linewidth=0.8, linestyle="--")
     axes.set_xlim(0, end_ms * (1.09 if peak_bytes > 0 else 1.01))
-    axes.set_ylim(stages, 0)
-    axes.set_yticks([rank + 0.5 for rank in range(stages)])
-    axes.set_yticklabels([f"rank {rank}" for rank in range(stages)], fontsize=7 if stages > 16 else 9)
+    axes.set_ylim(ranks, 0)
+    axes.set_yticks([rank + 0.5 for rank in range(ranks)])
+    axes.set_yticklabels([f"rank {rank}" for rank in range(ranks)], fontsize=7 if ranks > 16 else 9)
     axes.set_xlabel("time (ms)")
     for spine in ("top", "right"):
         axes.spines[spine].set_visible(False)
 
-    handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in KIND_COLOURS if k in kinds_seen]
+    handles = [Patch(color=OP_COLOURS[k], label=OP_LABELS[k]) for k in OP_COLOURS if k in ops_seen]
     if chunks > 1:
-        later = _shade(KIND_COLOURS["F"], chunks - 1, chunks)
+        later = _shade(OP_COLOURS["F"], chunks - 1, chunks)
         handles.append(Patch(color=later, label=f"lighter = later chunk (of {chunks})"))
     if peak_bytes > 0:
         handles.append(

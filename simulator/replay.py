@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from simulator.actions import BACKWARD_INPUT, FORWARD
+from simulator.compiled import CompiledSchedule
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
-from simulator.program import Program
 from simulator.result import BubbleSplit, SimulationResult
 from simulator.schedule import Schedule
 
@@ -23,15 +23,15 @@ from simulator.schedule import Schedule
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
     """Replay `schedule` with `costs` ([stage][chunk], as the schedule's ranks and chunks)."""
     _check_shape(schedule, costs)
-    program = schedule.program
-    durations = _durations(program, costs)
-    start, end = _replay(program, durations, costs.p2p_ms)
+    compiled = schedule.compiled
+    durations = _durations(compiled, costs)
+    start, end = _replay(compiled, durations, costs.p2p_ms)
     iteration_ms = max(end)
 
-    busy = [0.0] * schedule.stages
+    busy = [0.0] * schedule.ranks
     for action_id, duration in enumerate(durations):
-        busy[program.rank[action_id]] += duration
-    peaks, in_flight = zip(*(_rank_memory(program, costs, rank) for rank in range(schedule.stages)))
+        busy[compiled.rank[action_id]] += duration
+    peaks, in_flight = zip(*(_rank_memory(compiled, costs, rank) for rank in range(schedule.ranks)))
 
     return SimulationResult(
         schedule=schedule,
@@ -51,44 +51,44 @@ def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
     it starts the moment the one before it ends (plus the P2P time where the chain changes rank),
     so the chain's durations and P2P times add up to the iteration time."""
     _check_shape(schedule, costs)
-    program = schedule.program
-    start, end = _replay(program, _durations(program, costs), costs.p2p_ms)
+    compiled = schedule.compiled
+    start, end = _replay(compiled, _durations(compiled, costs), costs.p2p_ms)
     action = max(range(len(end)), key=end.__getitem__)
     chain = [action]
     while start[action] > 0:
-        rank_first = program.rank_offsets[program.rank[action]]
+        rank_first = compiled.rank_offsets[compiled.rank[action]]
         if action > rank_first and end[action - 1] == start[action]:
             action -= 1  # waited for its rank
         else:
-            action = program.dependency[action]  # waited for its input or gradient
+            action = compiled.dependency[action]  # waited for its input or gradient
         chain.append(action)
     return chain[::-1]
 
 
 def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
-    if (costs.stages, costs.chunks) != (schedule.stages, schedule.chunks):
+    if (costs.ranks, costs.chunks) != (schedule.ranks, schedule.chunks):
         raise InputError(
             "costs",
-            f"expected {schedule.stages} stages x {schedule.chunks} chunks to match the schedule, "
-            f"got {costs.stages} x {costs.chunks}",
+            f"expected {schedule.ranks} stages x {schedule.chunks} chunks to match the schedule, "
+            f"got {costs.ranks} x {costs.chunks}",
         )
 
 
-def _durations(program: Program, costs: PipelineCosts) -> list[float]:
-    table = []  # ordered as Program.cost_slot reads it: rank, chunk, kind
+def _durations(compiled: CompiledSchedule, costs: PipelineCosts) -> list[float]:
+    table = []  # ordered as CompiledSchedule.cost_slot reads it: rank, chunk, op
     for row in costs.chunk_costs:
         for cost in row:
             table += [cost.forward_ms, cost.backward_ms + cost.recompute_ms,
                       cost.split_input_ms() + cost.recompute_ms, cost.split_weight_ms()]
-    return [table[slot] for slot in program.cost_slot]
+    return [table[slot] for slot in compiled.cost_slot]
 
 
-def _replay(program: Program, durations: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
-    rank, dependency, crosses = program.rank, program.dependency, program.crosses_ranks
+def _replay(compiled: CompiledSchedule, durations: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
+    rank, dependency, crosses = compiled.rank, compiled.dependency, compiled.crosses_ranks
     start = [0.0] * len(durations)
     end = [0.0] * len(durations)
-    rank_free = [0.0] * (len(program.rank_offsets) - 1)
-    for action_id in program.order:
+    rank_free = [0.0] * (len(compiled.rank_offsets) - 1)
+    for action_id in compiled.order:
         r = rank[action_id]
         begin = rank_free[r]
         dep = dependency[action_id]
@@ -103,23 +103,23 @@ def _replay(program: Program, durations: list[float], p2p_ms: float) -> tuple[li
     return start, end
 
 
-def _rank_memory(program: Program, costs: PipelineCosts, rank: int) -> tuple[float, int]:
+def _rank_memory(compiled: CompiledSchedule, costs: PipelineCosts, rank: int) -> tuple[float, int]:
     """Peak bytes and peak number of activations held on `rank` (independent of timing)."""
     row: tuple[ChunkCosts, ...] = costs.chunk_costs[rank]
     memory = sum(chunk.static_bytes for chunk in row)
     peak = memory
     held = peak_held = 0
-    first, last = program.rank_offsets[rank], program.rank_offsets[rank + 1]
-    for chunk_index, kind in zip(program.chunk[first:last], program.kind[first:last]):
+    first, last = compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]
+    for chunk_index, op in zip(compiled.chunk[first:last], compiled.op[first:last]):
         chunk = row[chunk_index]
-        if kind == FORWARD:
+        if op == FORWARD:
             held += 1
             peak_held = max(peak_held, held)
         else:
-            peak = max(peak, memory + chunk.working_bytes_during(kind))
-            if kind != BACKWARD_INPUT:
+            peak = max(peak, memory + chunk.working_bytes_during(op))
+            if op != BACKWARD_INPUT:
                 held -= 1
-        memory += chunk.held_change_bytes(kind)
+        memory += chunk.held_change_bytes(op)
         peak = max(peak, memory)
     return peak, peak_held
 
@@ -130,14 +130,14 @@ def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float)
     useful_ms = schedule.micro_batches * sum(c.forward_ms + c.backward_ms for c in chunks)
     if useful_ms <= 0:
         raise InputError("costs", "forward and backward times are all zero: there is no work to schedule")
-    program = schedule.program
+    compiled = schedule.compiled
 
     def makespan(chunk_costs: PipelineCosts) -> float:
-        return max(_replay(program, _durations(program, chunk_costs), chunk_costs.p2p_ms)[1])
+        return max(_replay(compiled, _durations(compiled, chunk_costs), chunk_costs.p2p_ms)[1])
 
     def share(extra_ms: float) -> float:
         """Iteration time `extra_ms` as a fraction of the useful work per rank."""
-        return schedule.stages * extra_ms / useful_ms
+        return schedule.ranks * extra_ms / useful_ms
 
     without_p2p_ms = makespan(PipelineCosts(costs.chunk_costs)) if costs.p2p_ms > 0 else iteration_ms
     count = len(chunks)
@@ -147,13 +147,13 @@ def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float)
         weight_ms=sum(c.split_weight_ms() for c in chunks) / count,
         input_ms=sum(c.split_input_ms() for c in chunks) / count,
     )
-    balanced_ms = makespan(PipelineCosts(tuple((mean,) * schedule.chunks for _ in range(schedule.stages))))
+    balanced_ms = makespan(PipelineCosts(tuple((mean,) * schedule.chunks for _ in range(schedule.ranks))))
     mean_recompute_ms = sum(c.recompute_ms for c in chunks) / count
     balanced_recompute_ms = balanced_ms
     if mean_recompute_ms > 0:
         with_recompute = dataclasses.replace(mean, recompute_ms=mean_recompute_ms)
         balanced_recompute_ms = makespan(
-            PipelineCosts(tuple((with_recompute,) * schedule.chunks for _ in range(schedule.stages)))
+            PipelineCosts(tuple((with_recompute,) * schedule.chunks for _ in range(schedule.ranks)))
         )
 
     real = share(iteration_ms) - 1.0

@@ -16,13 +16,13 @@ class BubbleSplit:
     `real = ideal + imbalance + recompute + comm`, each a fraction of the useful work
     (forward and backward, without recompute, summed over all ranks).
 
-    real: (stages x iteration time - useful work) / useful work.
+    real: (ranks x iteration time - useful work) / useful work.
     ideal: `real` of the same schedule with every chunk at the average cost, no recompute, no
         P2P: (S-1)/(V*M) for 1F1B and interleaved 1F1B, less for zero-bubble schedules.
-    recompute: the iteration time recompute adds to that balanced pipeline (x stages / useful
+    recompute: the iteration time recompute adds to that balanced pipeline (x ranks / useful
         work). SAPP counts only the recompute work (M x recompute / useful work) and leaves the
         longer warm-up and cool-down in imbalance; here balanced stages show zero imbalance.
-    comm: the iteration time P2P adds (x stages / useful work).
+    comm: the iteration time P2P adds (x ranks / useful work).
     imbalance: the rest: what uneven stages cost.
     """
 
@@ -69,21 +69,21 @@ class SimulationResult:
     @property
     def weight_split_assumed(self) -> bool:
         """Some I/W action split a backward whose weight-gradient time was not given."""
-        uses_split = any(a.kind == BACKWARD_WEIGHT for actions in self.schedule.rank_actions for a in actions)
+        uses_split = any(a.op == BACKWARD_WEIGHT for actions in self.schedule.rank_actions for a in actions)
         return uses_split and self.costs.weight_split_assumed
 
     def rank_timeline(self, rank: int) -> list[TimedAction]:
         """The actions of `rank` in the order it ran them."""
-        first = self.schedule.program.rank_offsets[rank]
-        stages = self.schedule.stages
+        first = self.schedule.compiled.rank_offsets[rank]
+        ranks = self.schedule.ranks
         return [
-            TimedAction(action, rank, action.stage_index // stages, self.start_ms[first + i], self.end_ms[first + i])
+            TimedAction(action, rank, action.stage_index // ranks, self.start_ms[first + i], self.end_ms[first + i])
             for i, action in enumerate(self.schedule.rank_actions[rank])
         ]
 
     def rank_finish_ms(self, rank: int) -> float:
         """When the last action of `rank` ends: its step time, from the common start."""
-        offsets = self.schedule.program.rank_offsets
+        offsets = self.schedule.compiled.rank_offsets
         return max(self.end_ms[offsets[rank]:offsets[rank + 1]])
 
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
@@ -93,10 +93,10 @@ class SimulationResult:
         points = [(0.0, memory)]
         for timed in self.rank_timeline(rank):
             chunk = row[timed.chunk]
-            kind = timed.action.kind
-            if kind != FORWARD:
-                points.append((timed.start_ms, memory + chunk.working_bytes_during(kind)))
-            memory += chunk.held_change_bytes(kind)
+            op = timed.action.op
+            if op != FORWARD:
+                points.append((timed.start_ms, memory + chunk.working_bytes_during(op)))
+            memory += chunk.held_change_bytes(op)
             points.append((timed.end_ms, memory))
         points.append((self.iteration_time_ms, memory))
         return points
@@ -105,7 +105,7 @@ class SimulationResult:
         """The summary as JSON-ready data (the `sapp-hook simulate --json` object)."""
         return {
             "schedule": self.schedule.name,
-            "stages": self.schedule.stages,
+            "stages": self.schedule.ranks,
             "chunks": self.schedule.chunks,
             "micro_batches": self.schedule.micro_batches,
             "placement": self.schedule.placement,

@@ -1,9 +1,9 @@
 """A pipeline schedule as data: each rank's ordered list of compute actions.
 
-Virtual stages (torch's `stage_index`) run 0..stages*chunks-1 in model order. Rank `r` holds
-chunk `c` of the model as one virtual stage; where that stage sits depends on the placement:
-`loop` (interleaved schedules: stage c*S + r) or `v` (ZBV, DualPipeV: the model goes down the
-ranks and back up, so rank 0 holds both the first and the last stage).
+Virtual stages (torch's stages, numbered by `stage_index`) run 0..ranks*chunks-1 in model order.
+Rank `r` holds chunk `c` of the model as one virtual stage; where that stage sits depends on the
+placement: `loop` (interleaved schedules: stage c*R + r) or `v` (ZBV, DualPipeV: the model goes
+down the ranks and back up, so rank 0 holds both the first and the last stage).
 """
 
 from __future__ import annotations
@@ -13,49 +13,46 @@ import io
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from simulator.actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
-    KINDS,
+    OPS,
     Action,
     format_rank_cells,
     parse_rank_cells,
 )
+from simulator.compiled import CompiledSchedule, compile_schedule
 from simulator.errors import ScheduleError
 from simulator.files import atomic_write_text
 
-if TYPE_CHECKING:
-    from simulator.program import Program
-
 PLACEMENTS = ("loop", "v")
-KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
+OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 
-def stage_to_rank(stage_index: int, stages: int, placement: str) -> int:
-    """The rank that runs virtual stage `stage_index`."""
-    chunk, offset = divmod(stage_index, stages)
+def stage_to_rank(stage_index: int, ranks: int, placement: str) -> int:
+    """The rank that runs virtual stage `stage_index` of a pipeline of `ranks` ranks."""
+    chunk, offset = divmod(stage_index, ranks)
     if placement == "v" and chunk % 2 == 1:
-        return stages - 1 - offset
+        return ranks - 1 - offset
     return offset
 
 
-def rank_chunk_to_stage(rank: int, chunk: int, stages: int, placement: str) -> int:
-    """The virtual stage index of chunk `chunk` on rank `rank`."""
+def rank_chunk_to_stage(rank: int, chunk: int, ranks: int, placement: str) -> int:
+    """The virtual stage index of chunk `chunk` on rank `rank` of a pipeline of `ranks` ranks."""
     if placement == "v" and chunk % 2 == 1:
-        return chunk * stages + stages - 1 - rank
-    return chunk * stages + rank
+        return chunk * ranks + ranks - 1 - rank
+    return chunk * ranks + rank
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank action lists for `stages` ranks x `chunks` chunks x `micro_batches` micro-batches."""
+    """Per-rank action lists for `ranks` ranks x `chunks` chunks x `micro_batches` micro-batches."""
 
     name: str
-    stages: int
+    ranks: int
     chunks: int
     micro_batches: int
     placement: str
@@ -65,38 +62,50 @@ class Schedule:
         _check_actions(self)
 
     @property
+    def num_virtual_stages(self) -> int:
+        """Virtual stages in the model: ranks x chunks."""
+        return self.ranks * self.chunks
+
+    @property
+    def stages(self) -> int:
+        """The former name of `ranks` (a pipeline stage per rank)."""
+        return self.ranks
+
+    @property
     def num_stages(self) -> int:
-        """Virtual stages in the model: stages x chunks."""
-        return self.stages * self.chunks
+        """The former name of `num_virtual_stages`."""
+        return self.num_virtual_stages
 
     def describe(self) -> str:
-        """`1F1B: 4 stages x 1 chunk, 8 micro-batches`."""
+        """`1F1B: 4 stages x 1 chunk, 8 micro-batches` (a pipeline stage per rank)."""
         chunk_word = "chunk" if self.chunks == 1 else "chunks"
-        return f"{self.name}: {self.stages} stages x {self.chunks} {chunk_word}, {self.micro_batches} micro-batches"
+        return f"{self.name}: {self.ranks} stages x {self.chunks} {chunk_word}, {self.micro_batches} micro-batches"
 
     @property
     def num_actions(self) -> int:
         return sum(len(actions) for actions in self.rank_actions)
 
     def rank_of(self, stage_index: int) -> int:
-        return stage_to_rank(stage_index, self.stages, self.placement)
+        return stage_to_rank(stage_index, self.ranks, self.placement)
 
     def chunk_of(self, stage_index: int) -> int:
-        return stage_index // self.stages
+        return stage_index // self.ranks
 
     def stage_index(self, rank: int, chunk: int) -> int:
-        return rank_chunk_to_stage(rank, chunk, self.stages, self.placement)
+        return rank_chunk_to_stage(rank, chunk, self.ranks, self.placement)
 
-    def stages_of(self, rank: int) -> tuple[int, ...]:
+    def virtual_stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages rank `rank` holds, in chunk order (also ascending)."""
         return tuple(self.stage_index(rank, chunk) for chunk in range(self.chunks))
 
-    @cached_property
-    def program(self) -> Program:
-        """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
-        from simulator.program import compile_schedule
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The former name of `virtual_stages_of`."""
+        return self.virtual_stages_of(rank)
 
-        return compile_schedule(self)
+    @cached_property
+    def compiled(self) -> CompiledSchedule:
+        """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
+        return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches)
 
     def to_csv(self) -> str:
         """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""
@@ -133,36 +142,36 @@ class Schedule:
 def _check_actions(schedule: Schedule) -> None:
     """Every (stage, micro-batch) has one forward and either one full backward or one I and one W,
     each on the rank that holds the stage."""
-    stages, chunks, micro_batches = schedule.stages, schedule.chunks, schedule.micro_batches
-    for field, value in (("stages", stages), ("chunks", chunks), ("micro_batches", micro_batches)):
+    ranks, chunks, micro_batches = schedule.ranks, schedule.chunks, schedule.micro_batches
+    for field, value in (("ranks", ranks), ("chunks", chunks), ("micro_batches", micro_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(field, f"expected an integer >= 1, got {value!r}")
     if schedule.placement not in PLACEMENTS:
         raise ScheduleError("placement", f"expected one of {PLACEMENTS}, got {schedule.placement!r}")
-    if len(schedule.rank_actions) != stages:
+    if len(schedule.rank_actions) != ranks:
         raise ScheduleError(
-            "rank_actions", f"expected one action list per rank ({stages}), got {len(schedule.rank_actions)}"
+            "rank_actions", f"expected one action list per rank ({ranks}), got {len(schedule.rank_actions)}"
         )
-    num_stages = stages * chunks
-    counts = bytearray(num_stages * micro_batches * 4)
+    num_virtual_stages = ranks * chunks
+    counts = bytearray(num_virtual_stages * micro_batches * 4)
     for rank, actions in enumerate(schedule.rank_actions):
         for position, action in enumerate(actions):
             where = f"rank {rank} action {position} ({action})"
-            if action.kind not in KIND_CODE:
-                raise ScheduleError(where, f"unknown kind {action.kind!r}; expected one of {KINDS}")
-            if not 0 <= action.stage_index < num_stages:
-                raise ScheduleError(where, f"stage index outside 0..{num_stages - 1}")
+            if action.op not in OP_CODE:
+                raise ScheduleError(where, f"unknown op {action.op!r}; expected one of {OPS}")
+            if not 0 <= action.stage_index < num_virtual_stages:
+                raise ScheduleError(where, f"stage index outside 0..{num_virtual_stages - 1}")
             if not 0 <= action.microbatch < micro_batches:
                 raise ScheduleError(where, f"micro-batch outside 0..{micro_batches - 1}")
-            owner = stage_to_rank(action.stage_index, stages, schedule.placement)
+            owner = stage_to_rank(action.stage_index, ranks, schedule.placement)
             if owner != rank:
                 raise ScheduleError(where, f"stage {action.stage_index} runs on rank {owner} ({schedule.placement} placement)")
-            slot = (action.stage_index * micro_batches + action.microbatch) * 4 + KIND_CODE[action.kind]
+            slot = (action.stage_index * micro_batches + action.microbatch) * 4 + OP_CODE[action.op]
             if counts[slot]:
                 raise ScheduleError(where, "appears twice")
             counts[slot] = 1
-    f, b, i, w = (KIND_CODE[k] for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
-    for stage_index in range(num_stages):
+    f, b, i, w = (OP_CODE[k] for k in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+    for stage_index in range(num_virtual_stages):
         for microbatch in range(micro_batches):
             base = (stage_index * micro_batches + microbatch) * 4
             has_f, has_b, has_i, has_w = counts[base + f], counts[base + b], counts[base + i], counts[base + w]

@@ -14,7 +14,7 @@ CATEGORY = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backwa
 def chrome_trace(result: SimulationResult) -> dict[str, object]:
     """Trace events (`ph: X` slices, `ph: C` memory counters) with timestamps in microseconds."""
     events: list[dict[str, object]] = []
-    for rank in range(result.schedule.stages):
+    for rank in range(result.schedule.ranks):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
@@ -22,8 +22,8 @@ def chrome_trace(result: SimulationResult) -> dict[str, object]:
             action = timed.action
             events.append(
                 {
-                    "name": f"{action.kind} mb{action.microbatch}",
-                    "cat": CATEGORY[action.kind],
+                    "name": f"{action.op} mb{action.microbatch}",
+                    "cat": CATEGORY[action.op],
                     "ph": "X",
                     "pid": rank,
                     "tid": 0,

@@ -5,8 +5,10 @@ simulator times them. Never imports torch.
 """
 
 from solver.errors import InfeasibleError
-from solver.plan import Plan, evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
-from solver.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost, load_profile
+from solver.evaluate import evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
+from solver.load import load_profile
+from solver.plan import Plan
+from solver.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost
 from solver.sapp import profile_from_sapp
 from solver.search import solve
 from solver.spec import PipelineSpec

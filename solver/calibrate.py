@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from simulator.errors import InputError
-from solver.plan import evaluate_plan
+from solver.evaluate import evaluate_plan
 from solver.profile import ModelProfile
 from solver.spec import PipelineSpec
 
@@ -81,8 +81,7 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
         step_scale, step_overhead = _bounded_step(r, d_scale, d_overhead, scale, overhead)
         if step_scale == step_overhead == 0.0:
             break
-        # The replay is piecewise linear in both: a step across a kink can raise the error; halve it
-        # until the error falls, and stop where no step lowers it.
+        # the replay is piecewise linear: a step across a kink can raise the error, so halve it until the error falls
         for _ in range(8):
             tried = residuals(scale + step_scale, overhead + step_overhead)
             if _rms(tried) < _rms(r):

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 INF = math.inf
 Terms = Mapping[int, float]
 PROGRESS_EVERY_S = 5.0
+POLL_S = 0.05  # how often the waiting thread wakes, so that signals reach it at once
+STOP_WAIT_S = 10.0  # the most an interrupted solve waits for HiGHS to reach its next interrupt check
+ASYNC_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
+                                                     "SIGUSR2", "SIGCHLD", "SIGPIPE") if hasattr(signal, name)}
 # A search HiGHS ends in a solve error is run again with another random seed, up to this many times.
 SOLVE_ERROR_RETRIES = 2
 ROOT_HEURISTICS = (
@@ -20,6 +26,37 @@ ROOT_HEURISTICS = (
     "mip_heuristic_run_rins",
     "mip_heuristic_run_root_reduced_cost",
 )
+
+
+@dataclass
+class Linear:
+    """A linear expression over the program's variables: `constant` + sum(coefficient x variable)."""
+
+    terms: dict[int, float] = field(default_factory=dict)
+    constant: float = 0.0
+
+    def add(self, variable: int, coefficient: float) -> None:
+        if coefficient:
+            self.terms[variable] = self.terms.get(variable, 0.0) + coefficient
+
+    def add_expression(self, other: Linear, scale: float = 1.0) -> None:
+        """Add `scale` x `other`."""
+        self.constant += scale * other.constant
+        for variable, coefficient in other.terms.items():
+            self.add(variable, scale * coefficient)
+
+    def value(self, values: list[float]) -> float:
+        return self.constant + dot(self.terms, values)
+
+
+def dot(terms: Mapping[int, float], values: list[float]) -> float:
+    """The value of the linear expression `terms` (variable -> coefficient) at `values`."""
+    return sum(coefficient * values[variable] for variable, coefficient in terms.items())
+
+
+def within(value: float) -> float:
+    """The most a quantity the program bounds by `value` may be: HiGHS holds rows to about 1e-6."""
+    return value + 1e-6 * max(abs(value), 1.0)
 
 
 @dataclass(frozen=True)
@@ -32,9 +69,11 @@ class MilpResult:
 
 
 class Milp:
-    """Variables and rows; `minimize` solves a copy, so rows can be added between solves."""
+    """Variables and rows; `minimize` solves a copy, so rows can be added between solves. `interrupted`:
+    what the last solve an exception stopped had found (see `minimize`)."""
 
     def __init__(self) -> None:
+        self.interrupted: MilpResult | None = None
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
@@ -96,7 +135,11 @@ class Milp:
         when `hint` is already a good solution; `incumbents` collects every improving solution the
         search finds; `node_limit` stops the branch-and-bound after that many nodes (deterministic,
         unlike the time limit); `progress(seconds, best, bound)` is called every few seconds of a
-        long search. `random_seed`: HiGHS's, which steers its choices among equals."""
+        long search. `random_seed`: HiGHS's, which steers its choices among equals.
+
+        Any exception raised while HiGHS runs (KeyboardInterrupt, a signal handler's, one a callback
+        raises) stops HiGHS at its next interrupt check and propagates unchanged; `interrupted` then
+        holds what the search had found."""
         import highspy
         import numpy as np
 
@@ -126,10 +169,7 @@ class Milp:
         highs = _new_highs()
         highs.setOptionValue("output_flag", False)
         highs.setOptionValue("threads", 1)  # deterministic, and the machines this runs on are small
-        # HiGHS's presolve, measured on the solver's own programs (SAPP's fixtures, every schedule,
-        # budgets 1.1x and 1.5x the least that fits): without it, 2-chunk searches at 6-8 stages
-        # proved 29 of 32 in 20 s instead of 21 (half the time, geometric mean), 1-chunk ones 0.93x.
-        # It loses on a few (test.json 16 x 3 x 16 without a budget: proven in 25 s with it).
+        # on these programs presolve slows the branch-and-bound more often than it helps
         highs.setOptionValue("presolve", "off")
         highs.setOptionValue("time_limit", max(time_limit_s, 0.01))
         highs.setOptionValue("mip_rel_gap", relative_gap)
@@ -149,16 +189,23 @@ class Milp:
             solution.col_value = list(hint)
             solution.value_valid = True
             highs.setSolution(solution)
+        stopper = _Stopper(highs)
         if progress is not None:
-            _report_progress(highs, progress)
+            _report_progress(highs, progress, stopper)
         if incumbents is not None:
 
             def on_improving_solution(event) -> None:  # type: ignore[no-untyped-def]
                 if len(event.data_out.mip_solution) == self.num_variables:
                     incumbents.append(list(event.data_out.mip_solution))
 
-            highs.cbMipImprovingSolution.subscribe(on_improving_solution)
-        highs.run()
+            highs.cbMipImprovingSolution.subscribe(stopper.guard(on_improving_solution))
+        try:
+            _run(highs, stopper)
+        except BaseException:
+            self.interrupted = _found_so_far(highs, relaxed) if stopper.stopped else None
+            if stopper.stopped:  # an interrupted search's state, left to the interpreter's exit, aborts it
+                highs.clearSolver()
+            raise
 
         model_status = highs.getModelStatus()
         info = highs.getInfo()
@@ -180,11 +227,7 @@ class Milp:
         elif model_status == highspy.HighsModelStatus.kSolveError and (
             hint is not None or random_seed < SOLVE_ERROR_RETRIES
         ):
-            # HiGHS 1.16 can fail to complete a partial start with its root heuristics off (seen on a
-            # one-stage, one-layer program); the same search without the start does not. It can also
-            # end a search on a solution that breaks a row by exactly its feasibility tolerance and call
-            # that a solve error (seen on two 3-stage GPipe programs, at tolerances 1e-6 and 1e-7 alike);
-            # with another random seed it takes another way and does not.
+            # HiGHS 1.16 fails some partial starts, and some solutions on a row's tolerance: without the start, or another seed
             return self.minimize(
                 objective, time_limit_s=time_limit_s - (time.perf_counter() - started), relative_gap=relative_gap,
                 relaxed=relaxed, heuristics=heuristics, incumbents=incumbents, node_limit=node_limit,
@@ -195,7 +238,90 @@ class Milp:
         return MilpResult(status, values, objective_value, bound, max(int(info.mip_node_count), 0))
 
 
-def _report_progress(highs, progress: Callable[[float, float, float], None]) -> None:
+class _Stopper:
+    """Stops a HiGHS run at its next interrupt check once `requested`, and keeps the first exception
+    a callback raised (HiGHS, C++, cannot carry it) to raise once HiGHS has returned."""
+
+    def __init__(self, highs) -> None:  # type: ignore[no-untyped-def]
+        self.requested = False
+        self.stopped = False  # HiGHS has returned
+        self.error: BaseException | None = None
+        for callback in (highs.cbSimplexInterrupt, highs.cbIpmInterrupt, highs.cbMipInterrupt):
+            callback.subscribe(self.check)
+
+    def check(self, event) -> None:  # type: ignore[no-untyped-def]
+        if self.requested:
+            event.interrupt()
+
+    def guard(self, callback: Callable[[object], None]) -> Callable[[object], None]:
+        """`callback`, an exception it raises kept and HiGHS stopped instead of the exception lost."""
+
+        def guarded(event) -> None:  # type: ignore[no-untyped-def]
+            if self.requested:
+                return
+            try:
+                callback(event)
+            except BaseException as error:
+                self.error, self.requested = error, True
+                event.interrupt()
+
+        return guarded
+
+
+def _run(highs, stopper: _Stopper) -> None:  # type: ignore[no-untyped-def]
+    """`highs.run()` on a thread of its own, the calling thread waiting free to take signals. An
+    exception it gets meanwhile (KeyboardInterrupt, a SIGTERM handler's), or one a callback raised,
+    stops HiGHS at its next interrupt check and is raised once HiGHS has returned."""
+    done = threading.Event()  # not Thread.join: an exception inside it marks a running thread stopped (bpo-45274)
+
+    def work() -> None:
+        try:
+            if hasattr(signal, "pthread_sigmask"):  # signals go to the waiting thread, never into HiGHS's calls
+                signal.pthread_sigmask(signal.SIG_BLOCK, ASYNC_SIGNALS)
+            highs.run()
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="highs", daemon=True).start()
+    try:
+        while not done.wait(POLL_S):
+            pass
+    except BaseException:
+        stopper.requested = True
+        _wait_for_stop(done)
+        stopper.stopped = done.is_set()
+        raise
+    stopper.stopped = True
+    if stopper.error is not None:
+        raise stopper.error
+
+
+def _wait_for_stop(done: threading.Event) -> None:
+    """Wait for HiGHS to stop, at most STOP_WAIT_S; a signal meanwhile (a second Ctrl-C) changes nothing."""
+    give_up = time.perf_counter() + STOP_WAIT_S
+    while not done.is_set() and time.perf_counter() < give_up:
+        try:
+            done.wait(POLL_S)
+        except BaseException:  # the first exception is the one raised
+            continue
+
+
+def _found_so_far(highs, relaxed: bool) -> MilpResult | None:  # type: ignore[no-untyped-def]
+    """What a stopped search had found: its best solution (None for none) and its bound."""
+    import highspy
+
+    try:
+        info = highs.getInfo()
+        has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+        values = list(highs.getSolution().col_value) if has_solution else None
+        bound = -INF if relaxed or info.mip_dual_bound is None else info.mip_dual_bound
+        return MilpResult("stopped", values, info.objective_function_value if has_solution else None, bound,
+                          max(int(info.mip_node_count), 0))
+    except Exception:  # the search is lost, not the exception that stopped it
+        return None
+
+
+def _report_progress(highs, progress: Callable[[float, float, float], None], stopper: _Stopper) -> None:
     next_report = time.perf_counter() + PROGRESS_EVERY_S
 
     def on_interrupt_check(event) -> None:  # type: ignore[no-untyped-def]
@@ -205,7 +331,7 @@ def _report_progress(highs, progress: Callable[[float, float, float], None]) -> 
             data = event.data_out
             progress(data.running_time, data.mip_primal_bound, data.mip_dual_bound)
 
-    highs.cbMipInterrupt.subscribe(on_interrupt_check)
+    highs.cbMipInterrupt.subscribe(stopper.guard(on_interrupt_check))
 
 
 _banner_shown = False

@@ -86,7 +86,9 @@ class RecomputeCost:
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One layer in model order. `kind` is `head`, `tail` or `body:<type>` (e.g. `body:decoder`)."""
+    """One layer in model order. `kind` is `head`, `tail` or `body:<type>` (e.g. `body:decoder`).
+    `input_ms`: the input-gradient half (I) where the backward runs split in two, where measured;
+    with `weight_ms` it may add up to more than `backward_ms` (torch's two calls cost more than one)."""
 
     name: str
     kind: str
@@ -94,8 +96,6 @@ class LayerProfile:
     backward_ms: float  # input and weight gradients, without recompute
     recompute: Mapping[str, RecomputeCost]  # always holds "none"
     weight_ms: float | None = None  # the weight-gradient part of backward_ms, where measured
-    # The input-gradient part where the backward runs split in two (I), where measured: with weight_ms
-    # it may add up to more than backward_ms (torch's two calls cost more than one backward).
     input_ms: float | None = None
     parameter_bytes: float = 0.0
     gradient_bytes: float = 0.0
@@ -132,7 +132,18 @@ class TiedParameter:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Every layer's costs, in model order: heads first, then body layers, then tails."""
+    """Every layer's costs, in model order: heads first, then body layers, then tails.
+
+    Per micro-batch: `stage_output_bytes`, a stage's output (the hidden state it sends), which the
+    pipeline engine keeps until its gradient comes back (every virtual stage but the last);
+    `model_output_bytes`, what the model's forward returns (the logits), which torch's pipeline
+    engine keeps on the last stage until that micro-batch's backward; `loss_bytes`, of that, the
+    loss, which torch's engine keeps to the step's end; `stage_shared_bytes`, what every stage
+    computes for its blocks besides their input (the rotary tables) and they keep, once per virtual
+    stage holding a block; `checkpoint_state_bytes`, what each recomputed layer's checkpoint holds
+    besides the tensors it saves (the CPU generator's state, on the CPU), counted in the recompute
+    modes' activation_bytes.
+    """
 
     layers: tuple[LayerProfile, ...]
     model: str = ""
@@ -142,19 +153,10 @@ class ModelProfile:
     micro_batch: Mapping[str, int] = field(default_factory=dict)  # e.g. {"size": 1, "sequence": 4096}
     fingerprint: str = ""
     stage_constant_bytes: float = 0.0  # held by every stage whatever its layers (framework, buffers)
-    # per micro-batch: a stage's output (the hidden state it sends), which the pipeline engine keeps
-    # until its gradient comes back; held by every virtual stage but the last
     stage_output_bytes: float = 0.0
-    # per micro-batch: what the model's forward returns (the logits), which torch's pipeline engine
-    # keeps on the last stage until that micro-batch's backward
     model_output_bytes: float = 0.0
-    # per micro-batch: of that, the loss, which torch's pipeline engine keeps to the step's end
     loss_bytes: float = 0.0
-    # per micro-batch: what every stage computes for its blocks besides their input (the rotary
-    # tables) and they keep; each virtual stage holding a block keeps its own
     stage_shared_bytes: float = 0.0
-    # per micro-batch: what each recomputed layer's checkpoint holds besides the tensors it saves (the
-    # CPU generator's state, on the CPU), counted in the recompute modes' activation_bytes
     checkpoint_state_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
 
@@ -256,21 +258,6 @@ class ModelProfile:
         )
         fields.done()
         return profile
-
-
-def load_profile(path: str | Path) -> ModelProfile:
-    """Read a profile: sapp-hook's JSON, or SAPP's layer JSON (`layers_description`)."""
-    data = read_json(path, "profile")
-    if not isinstance(data, Mapping) or not ("layers_description" in data or "schema_version" in data):
-        raise InputError(
-            "profile", f"{path}: expected sapp-hook's profile (an object with schema_version and layers) or SAPP's "
-            "layer JSON (an object with layers_description)"
-        )
-    if "layers_description" in data:
-        from solver.sapp import profile_from_sapp
-
-        return profile_from_sapp(data)
-    return ModelProfile.from_dict(data)
 
 
 def read_limited(path: str | Path, what: str) -> bytes:

@@ -5,38 +5,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from simulator.units import MIB, format_bytes, format_ms
-from solver.milp import INF
+from solver.formulation import IntegerProgram
+from solver.milp import INF, Linear
 from solver.profile import COMM, SELECTIVE
-
-if TYPE_CHECKING:
-    from solver.search import _Formulation, _Linear
 
 log = logging.getLogger("solver")
 Key = tuple[int, int, str]  # (group, virtual stage, mode)
 
 
-def balanced_plan(model: _Formulation, *, move_layers: bool) -> list[float] | None:
+def balanced_plan(program: IntegerProgram, *, move_layers: bool) -> list[float] | None:
     """A plan that fits, found without search. Body layers split into virtual stages of near-equal
-    forward + backward time (`balanced_cell_sizes`), each layer in its quickest mode; then, rank by
+    forward + backward time (`balanced_virtual_stage_sizes`), each layer in its quickest mode; then, rank by
     rank while one is over the budget, the mode switch that frees the most memory per millisecond it
     adds, or (with `move_layers`) once no switch frees any, the layer at one end of its stages moved
     to the neighbouring stage of another rank that still fits with it; then on each rank the
     recompute those switches made needless is taken back (`_Fitting.reclaim`). The program's point
     for that plan, or None when a rank cannot be made to fit this way."""
-    fitting = _Fitting(model, balanced_cell_sizes(model), _RankMemory(model))
-    if fitting.fit(set(range(model.schedule.stages)), move_layers=move_layers):
+    fitting = _Fitting(program, balanced_virtual_stage_sizes(program), _RankMemory(program))
+    if fitting.fit(set(range(program.schedule.ranks)), move_layers=move_layers):
         return fitting.point()
     log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
-              format_bytes(model.spec.memory_budget_bytes))
+              format_bytes(program.spec.memory_budget_bytes))
     return None
 
 
-def improved_by_moves(model: _Formulation, values: list[float], deadline: float = INF) -> list[float]:
+def improved_by_moves(program: IntegerProgram, values: list[float], deadline: float = INF) -> list[float]:
     """From the plan at `values`, move one body layer at a time from one virtual stage to another (the
     layers between them shift by one, in model order) while that shortens the simulated iteration
     time, the modes of each rank a move changes fitted again as `balanced_plan` fits them. Each step
@@ -44,97 +41,96 @@ def improved_by_moves(model: _Formulation, values: list[float], deadline: float 
     the critical path spends per layer on the stage a layer leaves, less that on the stage it joins)
     and takes the first that helps. Stops at a plan no such move shortens, or at `deadline`
     (a time.perf_counter() value)."""
-    schedule = model.schedule
-    cells = schedule.num_stages
-    sizes = model.body_layer_counts(values)
-    pinned = _pinned_cells(model)
-    least = [0 if model.spec.allow_empty_chunks or c in pinned else 1 for c in range(cells)]
-    memory = _RankMemory(model)
+    schedule = program.schedule
+    num_virtual_stages = schedule.num_virtual_stages
+    sizes = program.body_layer_counts(values)
+    pinned = _pinned_virtual_stages(program)
+    least = [0 if program.spec.allow_empty_chunks or c in pinned else 1 for c in range(num_virtual_stages)]
+    memory = _RankMemory(program)
     fitted: dict[tuple, dict[Key, int] | None] = {}  # a rank's (stage, first layer, size)s -> its counts
 
     def plan_of(split: list[int]) -> list[float] | None:
         """The program's point for body layers split as `split`, or None if a rank cannot fit."""
-        firsts = [sum(split[:c]) for c in range(cells)]
+        firsts = [sum(split[:c]) for c in range(num_virtual_stages)]
         counts: dict[Key, int] = {}
-        for rank in range(schedule.stages):
-            key = tuple((c, firsts[c], split[c]) for c in schedule.stages_of(rank))
+        for rank in range(schedule.ranks):
+            key = tuple((c, firsts[c], split[c]) for c in schedule.virtual_stages_of(rank))
             if key not in fitted:
-                fitting = _Fitting(model, split, memory)
+                fitting = _Fitting(program, split, memory)
                 fitted[key] = fitting.rank_counts(rank) if fitting.fit({rank}, move_layers=False) else None
             if fitted[key] is None:
                 return None
             counts.update(fitted[key])
-        return model.point({model.count[key]: number for key, number in counts.items() if number})
+        return program.point({program.count[key]: number for key, number in counts.items() if number})
 
     def one_move(plan: list[float]) -> list[float] | None:
         """The first move, in the order above, that shortens `plan`'s time (sizes updated), or None."""
-        path_ms = model.critical_time_per_cell(plan)
-        per_layer = [path_ms[c] / sizes[c] if sizes[c] else 0.0 for c in range(cells)]
+        path_ms = program.critical_ms_per_virtual_stage(plan)
+        per_layer = [path_ms[c] / sizes[c] if sizes[c] else 0.0 for c in range(num_virtual_stages)]
         # A move with no gain cannot shorten the path the plan runs along; the largest gains first.
-        candidates = [(i, j) for i in range(cells) for j in range(cells)
+        candidates = [(i, j) for i in range(num_virtual_stages) for j in range(num_virtual_stages)
                       if i != j and sizes[i] > least[i] and per_layer[i] > per_layer[j]]
         candidates.sort(key=lambda move: (per_layer[move[1]] - per_layer[move[0]], move))
-        for i, j in candidates[:cells]:
+        for i, j in candidates[:num_virtual_stages]:
             if time.perf_counter() > deadline:
                 return None
             sizes[i] -= 1
             sizes[j] += 1
             candidate = plan_of(sizes)
-            if candidate is not None and candidate[model.iteration] < plan[model.iteration] * (1 - 1e-9):
+            if candidate is not None and candidate[program.iteration] < plan[program.iteration] * (1 - 1e-9):
                 return candidate
             sizes[i] += 1
             sizes[j] -= 1
         return None
 
     refitted = plan_of(sizes)  # may not fit, or run slower, where `values` moved layers to fit
-    best = refitted if refitted is not None and refitted[model.iteration] < values[model.iteration] else values
+    best = refitted if refitted is not None and refitted[program.iteration] < values[program.iteration] else values
     moves = 0
     while (better := one_move(best)) is not None:
         best, moves = better, moves + 1
-    log.info("moving layers one at a time: %d moves, %s ms", moves, format_ms(best[model.iteration]))
+    log.info("moving layers one at a time: %d moves, %s ms", moves, format_ms(best[program.iteration]))
     return best
 
 
-def balanced_cell_sizes(model: _Formulation) -> list[int]:
+def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
     """Body layers per virtual stage, in model order, each stage's forward + backward time (with its
-    head or tail) as near its share of the total as whole layers allow, then each rank's; every
-    stage gets one unless empty stages are allowed or it holds a head or tail."""
-    groups, cells = model.groups, model.schedule.num_stages
-    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size) if group.pinned_cell is None]
-    pinned_load, needs = [0.0] * cells, [0 if model.spec.allow_empty_chunks else 1] * cells
+    head or tail) as near its share of the total as whole layers allow; every stage gets one unless
+    empty stages are allowed or it holds a head or tail. Then each rank's: a layer moves from the
+    busiest rank's largest stage to the idlest rank's smallest while that lowers the busier of the two."""
+    groups, num_virtual_stages = program.groups, program.schedule.num_virtual_stages
+    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size)
+            if group.pinned_virtual_stage is None]
+    pinned_load, needs = [0.0] * num_virtual_stages, [0 if program.spec.allow_empty_chunks else 1] * num_virtual_stages
     for group in groups:
-        if group.pinned_cell is not None:
-            pinned_load[group.pinned_cell] += group.size * (group.forward_ms + group.backward_ms)
-            needs[group.pinned_cell] = 0
+        if group.pinned_virtual_stage is not None:
+            pinned_load[group.pinned_virtual_stage] += group.size * (group.forward_ms + group.backward_ms)
+            needs[group.pinned_virtual_stage] = 0
     total = sum(load) + sum(pinned_load)
     sizes, taken, running = [], 0, 0.0
-    for c in range(cells):
+    for c in range(num_virtual_stages):
         running += pinned_load[c]
-        target = total * (c + 1) / cells
+        target = total * (c + 1) / num_virtual_stages
         most = len(load) - taken - sum(needs[c + 1:])
         size = 0
-        while size < most and (size < needs[c] or running + load[taken + size] / 2 <= target or c == cells - 1):
+        while size < most and (size < needs[c] or running + load[taken + size] / 2 <= target or c == num_virtual_stages - 1):
             running += load[taken + size]
             size += 1
         sizes.append(size)
         taken += size
-    # With chunks, a rank's stages are far apart in model order and their roundings add up (1.5 layers
-    # per stage rounds to 2, 1, 2, 1, ... and ranks of one parity get 7 layers, the others 5): move
-    # a layer from the busiest rank's largest stage to the idlest rank's smallest while that lowers
-    # the busier of the two.
-    rank_of = [model.schedule.rank_of(c) for c in range(cells)]
+    # A rank's virtual stages are far apart in model order, so their roundings add up: even out the ranks' loads.
+    rank_of = [program.schedule.rank_of(c) for c in range(num_virtual_stages)]
     mean_load = sum(load) / max(len(load), 1)
     for _ in range(len(load)):
-        rank_load = [0.0] * model.schedule.stages
+        rank_load = [0.0] * program.schedule.ranks
         position = 0
         for c, size in enumerate(sizes):
             rank_load[rank_of[c]] += pinned_load[c] + sum(load[position:position + size])
             position += size
         busiest = max(range(len(rank_load)), key=rank_load.__getitem__)
         idlest = min(range(len(rank_load)), key=rank_load.__getitem__)
-        giver = max((c for c in model.schedule.stages_of(busiest) if sizes[c] > needs[c]),
+        giver = max((c for c in program.schedule.virtual_stages_of(busiest) if sizes[c] > needs[c]),
                     key=sizes.__getitem__, default=None)
-        taker = min(model.schedule.stages_of(idlest), key=sizes.__getitem__)
+        taker = min(program.schedule.virtual_stages_of(idlest), key=sizes.__getitem__)
         if giver is None or rank_load[idlest] + mean_load >= rank_load[busiest]:
             break
         sizes[giver] -= 1
@@ -147,9 +143,9 @@ class _RankMemory:
     fitting reads for every switch it weighs, is one product (ranks with several chunks have hundreds
     of rows)."""
 
-    def __init__(self, model: _Formulation) -> None:
-        rows_of_rank: dict[int, list[_Linear]] = {}
-        for rank, row in model.memory_rows:
+    def __init__(self, program: IntegerProgram) -> None:
+        rows_of_rank: dict[int, list[Linear]] = {}
+        for rank, row in program.memory_rows:
             rows_of_rank.setdefault(rank, []).append(row)
         self.rows: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}
         for rank, rows in rows_of_rank.items():
@@ -167,51 +163,49 @@ class _RankMemory:
         return float((matrix @ np.array([values[variable] for variable in variables]) + constants).max())
 
 
-def _pinned_cells(model: _Formulation) -> set[int]:
-    return {group.pinned_cell for group in model.groups if group.pinned_cell is not None}
+def _pinned_virtual_stages(program: IntegerProgram) -> set[int]:
+    return {group.pinned_virtual_stage for group in program.groups if group.pinned_virtual_stage is not None}
 
 
 class _Fitting:
     """Body layers split into virtual stages of the given sizes (in model order), each in its quickest
     mode, and the memory each rank then takes; `fit` switches modes (and moves layers) until ranks fit."""
 
-    def __init__(self, model: _Formulation, sizes: list[int], memory: _RankMemory) -> None:
-        self.model = model
-        groups = model.groups
-        self.counts: dict[Key, int] = dict.fromkeys(model.count, 0)
-        layers = iter([g for g, group in enumerate(groups) if group.pinned_cell is None for _ in range(group.size)])
+    def __init__(self, program: IntegerProgram, sizes: list[int], memory: _RankMemory) -> None:
+        self.program = program
+        groups = program.groups
+        self.counts: dict[Key, int] = dict.fromkeys(program.count, 0)
+        layers = iter([g for g, group in enumerate(groups) if group.pinned_virtual_stage is None for _ in range(group.size)])
         for c, size in enumerate(sizes):
             for _ in range(size):
                 g = next(layers)
                 quickest = min(groups[g].modes, key=lambda mode: groups[g].extra_ms[mode])
                 self.counts[g, c, quickest] += 1
         # What memory reads: the counts and the working sets they set (no durations, no simulation).
-        self.values = [0.0] * model.milp.num_variables
+        self.values = [0.0] * program.milp.num_variables
         for key, number in self.counts.items():
-            self.values[model.count[key]] = number
-        for cell in range(model.schedule.num_stages):
-            model.update_working_set(self.values, cell)
+            self.values[program.count[key]] = number
+        for virtual in range(program.schedule.num_virtual_stages):
+            program.update_working_set(self.values, virtual)
         self.memory = memory
-        self.budget_mib = model.spec.memory_budget_bytes / MIB
-        self.pinned = _pinned_cells(model)
+        self.budget_mib = program.spec.memory_budget_bytes / MIB
+        self.pinned = _pinned_virtual_stages(program)
 
     def point(self) -> list[float]:
-        return self.model.point({self.model.count[key]: number for key, number in self.counts.items() if number})
+        return self.program.point({self.program.count[key]: number for key, number in self.counts.items() if number})
 
     def rank_counts(self, rank: int) -> dict[Key, int]:
-        return {key: number for key, number in self.counts.items() if self.model.schedule.rank_of(key[1]) == rank}
+        return {key: number for key, number in self.counts.items() if self.program.schedule.rank_of(key[1]) == rank}
 
     def fit(self, ranks: set[int], *, move_layers: bool) -> bool:
         """Rank by rank while one of `ranks` is over the budget: the mode switch that frees the most
         memory per millisecond it adds, or (with `move_layers`) once no switch frees any, the layer
         at one end of its stages moved to the neighbouring stage of another rank that still fits with
         it (which joins `ranks`); then `reclaim` on every rank changed. Whether they all fit."""
-        schedule = self.model.schedule
-        # A layer moves only to a rank that fits with it once its own layers switch, so a rank that
-        # receives one need not pass one on (unless the greedy's switches fall short of that peak);
-        # the cap ends any back and forth that would leave.
+        schedule = self.program.schedule
+        # a rank that receives a layer fits with it, so back and forth is rare: the cap ends any that is left
         unchecked, touched = set(ranks), set(ranks)
-        steps = 10 * len(self.counts) * max(len(group.modes) for group in self.model.groups)
+        steps = 10 * len(self.counts) * max(len(group.modes) for group in self.program.groups)
         while unchecked and steps:
             rank = min(unchecked)
             now = self.peak(rank)
@@ -236,10 +230,10 @@ class _Fitting:
         the budget, the switch or pair of switches (say one layer to a quicker mode, another to a
         slower one) that saves the most time. The greedy switches one layer at a time in order of memory freed
         per millisecond, and its last switches often free more than the rank needed."""
-        groups, counts = self.model.groups, self.counts
+        groups, counts = self.program.groups, self.counts
         while True:
             switches = [(g, c, mode, c, to) for (g, c, mode), number in counts.items()
-                        if number and self.model.schedule.rank_of(c) == rank for to in groups[g].modes if to != mode]
+                        if number and self.program.schedule.rank_of(c) == rank for to in groups[g].modes if to != mode]
 
             def saving(switch: tuple[int, int, str, int, str]) -> float:
                 g, _, mode, _, to = switch
@@ -258,40 +252,40 @@ class _Fitting:
     def _fits_after(self, rank: int, steps: list[tuple[int, int, str, int, str]]) -> bool:
         """Whether the rank fits with `steps` made (they are undone), and they stay expressible."""
         done = []
-        for g, c, mode, to_cell, to in steps:
+        for g, c, mode, to_virtual, to in steps:
             if not self.counts[g, c, mode]:
                 break
-            self.move(g, c, mode, to_cell, to)
-            done.append((g, c, mode, to_cell, to))
+            self.move(g, c, mode, to_virtual, to)
+            done.append((g, c, mode, to_virtual, to))
         fits = (len(done) == len(steps) and self.peak(rank) <= self.budget_mib
                 and all(self.expressible(g, c) for g, c, *_ in steps))
-        for g, c, mode, to_cell, to in reversed(done):
-            self.move(g, to_cell, to, c, mode)
+        for g, c, mode, to_virtual, to in reversed(done):
+            self.move(g, to_virtual, to, c, mode)
         return fits
 
     def peak(self, rank: int) -> float:
         return self.memory.peak(rank, self.values)
 
-    def expressible(self, g: int, cell: int) -> bool:
+    def expressible(self, g: int, virtual: int) -> bool:
         """MindFormers cannot state select-only and comm-only layers of one kind in one stage."""
-        return not (self.counts.get((g, cell, SELECTIVE)) and self.counts.get((g, cell, COMM)))
+        return not (self.counts.get((g, virtual, SELECTIVE)) and self.counts.get((g, virtual, COMM)))
 
-    def move(self, g: int, cell: int, mode: str, to_cell: int, to_mode: str) -> None:
-        """One layer of group g from (cell, mode) to (to_cell, to_mode), in the counts and in what
+    def move(self, g: int, virtual: int, mode: str, to_virtual: int, to_mode: str) -> None:
+        """One layer of group g from (virtual, mode) to (to_virtual, to_mode), in the counts and in what
         memory reads."""
-        model = self.model
-        self.counts[g, cell, mode] -= 1
-        self.counts[g, to_cell, to_mode] += 1
-        self.values[model.count[g, cell, mode]] -= 1
-        self.values[model.count[g, to_cell, to_mode]] += 1
-        model.update_working_set(self.values, cell)
-        model.update_working_set(self.values, to_cell)
+        program = self.program
+        self.counts[g, virtual, mode] -= 1
+        self.counts[g, to_virtual, to_mode] += 1
+        self.values[program.count[g, virtual, mode]] -= 1
+        self.values[program.count[g, to_virtual, to_mode]] += 1
+        program.update_working_set(self.values, virtual)
+        program.update_working_set(self.values, to_virtual)
 
     def cheapest_switch(self, rank: int, now: float) -> tuple[int, int, str, int, str] | None:
-        groups, counts = self.model.groups, self.counts
+        groups, counts = self.program.groups, self.counts
         best, best_cost = None, INF  # extra ms per MiB freed
         for (g, c, mode), number in counts.items():
-            if not number or self.model.schedule.rank_of(c) != rank:
+            if not number or self.program.schedule.rank_of(c) != rank:
                 continue
             for to in groups[g].modes:
                 if to == mode:
@@ -308,7 +302,7 @@ class _Fitting:
 
     def leanest_peak(self, rank: int) -> float:
         """The rank's peak with each of its layers in the mode that keeps the fewest activations."""
-        groups, schedule = self.model.groups, self.model.schedule
+        groups, schedule = self.program.groups, self.program.schedule
         switched = []
         for (g, c, mode), number in list(self.counts.items()):
             if number and schedule.rank_of(c) == rank:
@@ -324,23 +318,23 @@ class _Fitting:
         return result
 
     def roomiest_shift(self, rank: int) -> tuple[int, int, str, int, str] | None:
-        model, counts = self.model, self.counts
-        schedule, cells = model.schedule, model.schedule.num_stages
+        program, counts = self.program, self.counts
+        schedule, num_virtual_stages = program.schedule, program.schedule.num_virtual_stages
         best, best_room = None, -INF  # the budget left on the rank it moves to
-        for c in schedule.stages_of(rank):
-            held = [g for (g, cell, _), number in counts.items() if cell == c and number]
+        for c in schedule.virtual_stages_of(rank):
+            held = [g for (g, virtual, _), number in counts.items() if virtual == c and number]
             if not held or (sum(counts[key] for key in counts if key[1] == c) == 1 and c not in self.pinned
-                            and not model.spec.allow_empty_chunks):
+                            and not program.spec.allow_empty_chunks):
                 continue  # every virtual stage keeps a layer
-            for g, to_cell in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
-                if not 0 <= to_cell < cells or schedule.rank_of(to_cell) == rank:
+            for g, to_virtual in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
+                if not 0 <= to_virtual < num_virtual_stages or schedule.rank_of(to_virtual) == rank:
                     continue
-                for mode in model.groups[g].modes:
+                for mode in program.groups[g].modes:
                     if not counts[g, c, mode]:
                         continue
-                    self.move(g, c, mode, to_cell, mode)
-                    room = self.budget_mib - self.leanest_peak(schedule.rank_of(to_cell))
-                    self.move(g, to_cell, mode, c, mode)
+                    self.move(g, c, mode, to_virtual, mode)
+                    room = self.budget_mib - self.leanest_peak(schedule.rank_of(to_virtual))
+                    self.move(g, to_virtual, mode, c, mode)
                     if room >= 0 and room > best_room:
-                        best, best_room = (g, c, mode, to_cell, mode), room
+                        best, best_room = (g, c, mode, to_virtual, mode), room
         return best

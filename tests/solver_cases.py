@@ -8,7 +8,10 @@ from pathlib import Path
 
 from simulator.errors import InputError
 from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost, evaluate_plan
-from solver.plan import Plan, ordered_modes
+from solver.formulation import IntegerProgram
+from solver.groups import layer_groups
+from solver.mindformers import ordered_modes
+from solver.plan import Plan
 
 MIB = 2**20
 SAPP = Path(__file__).parent / "fixtures" / "sapp"  # SAPP's own layer files and two of its runs
@@ -71,14 +74,14 @@ def brute_force(profile: ModelProfile, spec: PipelineSpec) -> Plan | None:
 
 def all_plans(profile: ModelProfile, spec: PipelineSpec) -> Iterator[Plan]:
     """Every split and mix of recompute modes, simulated, whether it fits or not."""
-    cells = spec.pipeline_schedule.num_stages
+    num_virtual_stages = spec.pipeline_schedule.num_virtual_stages
     kinds = [l.kind for l in profile.layers]
     heads, tails = kinds.count("head"), kinds.count("tail")
     body = len(kinds) - heads - tails
-    least = [0 if (c == 0 and heads) or (c == cells - 1 and tails) else 1 for c in range(cells)]
+    least = [0 if (c == 0 and heads) or (c == num_virtual_stages - 1 and tails) else 1 for c in range(num_virtual_stages)]
     if spec.allow_empty_chunks:
-        least = [0] * cells
-    for split in compositions(body, cells, least):
+        least = [0] * num_virtual_stages
+    for split in compositions(body, num_virtual_stages, least):
         counts = list(split)
         counts[0] += heads
         counts[-1] += tails
@@ -107,3 +110,10 @@ def all_plans(profile: ModelProfile, spec: PipelineSpec) -> Iterator[Plan]:
 def _mode_mixes(count: int, modes: tuple[str, ...]) -> Iterator[list[str]]:
     for combo in itertools.combinations_with_replacement(modes, count):
         yield ordered_modes({m: combo.count(m) for m in modes})
+
+
+def integer_program(profile: ModelProfile, spec: PipelineSpec, timing: str) -> IntegerProgram:
+    """The search's integer program for `profile` under `spec`, the budget's rows included."""
+    schedule = spec.pipeline_schedule
+    return IntegerProgram(profile, spec, schedule, layer_groups(profile, spec, schedule.num_virtual_stages),
+                          with_budget=True, timing=timing)

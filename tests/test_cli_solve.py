@@ -13,7 +13,7 @@ from cli_args import with_flags
 from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
-from sapp_hook.cli.report import plan_report
+from sapp_hook.report import plan_report
 from solver import PipelineSpec, evaluate_plan, even_plan, load_profile
 
 CASE = ["--profile", str(SAPP / "test.json"), "--stages", "4", "--chunks", "2", "--micro-batches", "8",

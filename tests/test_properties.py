@@ -36,10 +36,10 @@ def replays(draw):
 
 def waits_for(action, schedule):
     """The (stage, kind, micro-batch) an action needs first, from the pipeline's meaning alone."""
-    last = schedule.num_stages - 1
-    if action.kind == "F":
+    last = schedule.num_virtual_stages - 1
+    if action.op == "F":
         return [(action.stage_index - 1, ("F",), action.microbatch)] if action.stage_index > 0 else []
-    if action.kind == "W":
+    if action.op == "W":
         return [(action.stage_index, ("I",), action.microbatch)]
     needs = [(action.stage_index, ("F",), action.microbatch)]
     if action.stage_index < last:
@@ -53,10 +53,10 @@ def test_no_action_starts_before_what_it_needs_has_ended(replay):
     schedule, costs = replay
     result = simulate(schedule, costs)
     ended = {}
-    for rank in range(schedule.stages):
+    for rank in range(schedule.ranks):
         for timed in result.rank_timeline(rank):
-            ended[timed.action.stage_index, timed.action.kind, timed.action.microbatch] = (timed.end_ms, rank)
-    for rank in range(schedule.stages):
+            ended[timed.action.stage_index, timed.action.op, timed.action.microbatch] = (timed.end_ms, rank)
+    for rank in range(schedule.ranks):
         previous_end = 0.0
         for timed in result.rank_timeline(rank):
             assert timed.start_ms >= previous_end - 1e-9
@@ -82,7 +82,7 @@ def test_iteration_time_bounds_and_accounting(replay):
     assert bubble.real == pytest.approx(
         bubble.ideal + bubble.imbalance + bubble.recompute + bubble.comm, abs=1e-9
     )
-    for rank in range(schedule.stages):
+    for rank in range(schedule.ranks):
         static = sum(c.static_bytes for c in costs.chunk_costs[rank])
         assert result.stage_peak_memory_bytes[rank] >= static
         assert max(b for _, b in result.memory_curve(rank)) == result.stage_peak_memory_bytes[rank]
@@ -94,14 +94,14 @@ def test_iteration_time_bounds_and_accounting(replay):
 def test_critical_path_is_a_chain_of_waits_as_long_as_the_iteration(replay):
     schedule, costs = replay
     result = simulate(schedule, costs)
-    program = schedule.program
+    compiled = schedule.compiled
     chain = critical_path(schedule, costs)
     assert result.start_ms[chain[0]] == 0.0
     assert result.end_ms[chain[-1]] == result.iteration_time_ms
     length = 0.0
     for before, after in zip(chain, chain[1:]):
-        same_rank = program.rank[before] == program.rank[after]
-        assert (same_rank and after == before + 1) or program.dependency[after] == before
+        same_rank = compiled.rank[before] == compiled.rank[after]
+        assert (same_rank and after == before + 1) or compiled.dependency[after] == before
         length += result.end_ms[before] - result.start_ms[before] + (0.0 if same_rank else costs.p2p_ms)
     length += result.end_ms[chain[-1]] - result.start_ms[chain[-1]]
     assert length == pytest.approx(result.iteration_time_ms, rel=1e-9, abs=1e-9)

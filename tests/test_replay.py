@@ -11,7 +11,7 @@ from simulator import ChunkCosts, InputError, PipelineCosts, build_schedule, sim
 
 def iteration_ms(name, stages, micro_batches, chunks=None, **costs):
     schedule = build_schedule(name, stages, micro_batches, chunks)
-    return simulate(schedule, PipelineCosts.uniform(schedule.stages, schedule.chunks, **costs)).iteration_time_ms
+    return simulate(schedule, PipelineCosts.uniform(schedule.ranks, schedule.chunks, **costs)).iteration_time_ms
 
 
 CASES = [(s, m) for s in (1, 2, 3, 4, 8) for m in (1, 2, s, s + 1, 2 * s, 3 * s + 1)]
@@ -220,9 +220,9 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
         done = dict.fromkeys("FBIW", 0)
         peak = held = 1000 * chunks
         for action in schedule.rank_actions[rank]:
-            if action.kind != "F":
+            if action.op != "F":
                 peak = max(peak, held + 7)
-            done[action.kind] += 1
+            done[action.op] += 1
             held = 1000 * chunks + 100 * (done["F"] - done["B"] - done["W"]) + pending * (done["I"] - done["W"])
             peak = max(peak, held)
         assert result.stage_peak_memory_bytes[rank] == peak

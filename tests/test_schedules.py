@@ -25,21 +25,21 @@ def test_every_schedule_is_complete_and_deadlock_free(name):
                 per_microbatch = 3 if kind.splits_backward else 2  # F + B, or F + I + W
                 assert schedule.num_actions >= 2 * stages * chunks * micro_batches
                 assert schedule.num_actions <= per_microbatch * stages * chunks * micro_batches
-                assert len(schedule.program.order) == schedule.num_actions
+                assert len(schedule.compiled.order) == schedule.num_actions
 
 
 def peak_in_flight(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> tuple[int, ...]:
     schedule = build_schedule(name, stages, micro_batches, chunks)
-    costs = PipelineCosts.uniform(schedule.stages, schedule.chunks, forward_ms=1.0, backward_ms=2.0)
+    costs = PipelineCosts.uniform(schedule.ranks, schedule.chunks, forward_ms=1.0, backward_ms=2.0)
     return simulate(schedule, costs).stage_peak_activations
 
 
 def first_backward_in_flight(schedule: Schedule) -> list[list[int]]:
     """[chunk][rank]: forwards each rank has run on each chunk when its first backward starts."""
-    held = [[0] * schedule.stages for _ in range(schedule.chunks)]
+    held = [[0] * schedule.ranks for _ in range(schedule.chunks)]
     for rank, actions in enumerate(schedule.rank_actions):
         for action in actions:
-            if action.kind != "F":
+            if action.op != "F":
                 break
             held[schedule.chunk_of(action.stage_index)][rank] += 1
     return held
@@ -117,9 +117,9 @@ def test_dualpipev_holds_pp_plus_one_chunk_activations(stages, micro_batches):
 def test_stages_of_a_rank_in_loop_and_v_placement():
     loop = build_schedule("Interleaved1F1B", stages=4, chunks=3, micro_batches=4)
     v = build_schedule("ZBVZeroBubble", stages=4, chunks=2, micro_batches=4)
-    assert [loop.stages_of(rank) for rank in range(4)] == [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]
-    assert [v.stages_of(rank) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert all(v.rank_of(stage) == rank for rank in range(4) for stage in v.stages_of(rank))
+    assert [loop.virtual_stages_of(rank) for rank in range(4)] == [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]
+    assert [v.virtual_stages_of(rank) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert all(v.rank_of(stage) == rank for rank in range(4) for stage in v.virtual_stages_of(rank))
 
 
 def test_megatron_table_example():
@@ -143,7 +143,7 @@ def test_explicit_group_size_changes_the_order():
     default = build_schedule("Interleaved1F1B", 4, 12, 2)
     grouped = build_schedule("Interleaved1F1B", 4, 12, 2, microbatch_group_size=6)
     assert default.rank_actions != grouped.rank_actions
-    assert len(grouped.program.order) == grouped.num_actions
+    assert len(grouped.compiled.order) == grouped.num_actions
 
 
 @pytest.mark.parametrize("text", ["1f1b", "Schedule1F1B", " 1F1B ", "schedule1f1b"])
@@ -222,4 +222,4 @@ def test_deadlock_is_found_and_explained():
     actions[1] = [Action(1, "F", 0), Action(1, "B", 0), Action(1, "B", 1), Action(1, "F", 1)]
     schedule = make(actions)
     with pytest.raises(ScheduleError, match=r"deadlock: .*rank 1 at 1B1 waits for 1F1"):
-        schedule.program
+        schedule.compiled

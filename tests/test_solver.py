@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from solver_cases import MIB, SAPP, all_plans, brute_force, layer, small_profile
+from solver_cases import MIB, SAPP, all_plans, brute_force, integer_program, layer, small_profile
 
 from simulator import InputError, simulate
 from solver import (
@@ -23,7 +23,11 @@ from solver import (
     plan_from_mindformers,
     solve,
 )
-from solver.plan import pipeline_costs, torch_1f1b_held_bytes
+from solver.costs import pipeline_costs
+from solver.engine_memory import torch_1f1b_held_bytes
+from solver.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.groups import layer_groups
+from solver.milp import dot
 
 CASES = [
     ("1F1B", 4, 1, 6),
@@ -104,7 +108,7 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
     from solver import search
 
     if tie_break_nodes is not None:
-        monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((search.START_TIMES, search.PATHS), tie_break_nodes))
+        monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((START_TIMES, PATHS), tie_break_nodes))
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for(schedule, stages, chunks, 2 * stages, budget_mib)
     first, second = solve(profile, spec), solve(profile, spec)
@@ -165,9 +169,7 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
+    program = integer_program(profile, spec, PATHS)
     found: list[list[float]] = []
     minimize = Milp.minimize
 
@@ -178,11 +180,11 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
 
     monkeypatch.setattr(Milp, "minimize", recording)
     # Unseeded, two chunks: every round meets paths its rows missed (9 rounds to the optimum).
-    stopped = search._minimize(model, {model.iteration: 1.0}, time.perf_counter() + 60, node_limit=60)
+    stopped = search._minimize(program, {program.iteration: 1.0}, time.perf_counter() + 60, node_limit=60)
     assert stopped.status == "stopped" and len(found) > 1
-    simulated = [model.simulated_time(values, add_path=False) for values in found]
+    simulated = [program.simulated_time(values, add_path=False) for values in found]
     assert stopped.objective == pytest.approx(min(simulated), rel=1e-9)
-    assert model.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
+    assert program.simulated_time(stopped.values, add_path=False) == pytest.approx(stopped.objective, rel=1e-9)
 
 
 def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
@@ -192,13 +194,11 @@ def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
 
     profile = small_profile(6)
     spec = spec_for("Interleaved1F1B", 2, 2, 4, 400)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.START_TIMES)
+    program = integer_program(profile, spec, START_TIMES)
     body = [1, 2, 2, 1]  # the head on the first virtual stage, the tail on the last
-    everything_full = model.point({model.count[1, cell, "full"]: n for cell, n in enumerate(body)})
-    start = search._plan_of(model, everything_full)
-    polished = search._plan_of(model, search._polished(model, everything_full, time.perf_counter() + 60))
+    everything_full = program.point({program.count[1, virtual, "full"]: n for virtual, n in enumerate(body)})
+    start = program.plan(everything_full)
+    polished = program.plan(search._polished(program, everything_full, time.perf_counter() + 60))
     same_split = [plan for plan in all_plans(profile, spec) if plan.fits and plan.stage_layer_counts == (2, 2, 2, 2)]
     assert start.fits and start.stage_layer_counts == polished.stage_layer_counts == (2, 2, 2, 2)
     assert polished.fits
@@ -213,15 +213,15 @@ def test_a_stopped_search_chooses_its_best_plans_recompute_again(monkeypatch, ca
     polished = search._polished
     minimize = search._minimize
 
-    def spied(model, values, deadline):
-        result = polished(model, values, deadline)
-        polishing.append((search._plan_of(model, values), search._plan_of(model, result)))
+    def spied(program, values, deadline):
+        result = polished(program, values, deadline)
+        polishing.append((program.plan(values), program.plan(result)))
         return result
 
-    def stopped_early(model, objective, deadline, **options):
+    def stopped_early(program, objective, deadline, **options):
         if options.get("progress") is not None:  # the search for the fastest plan: stop it at once
             options["node_limit"] = 1
-        return minimize(model, objective, deadline, **options)
+        return minimize(program, objective, deadline, **options)
 
     monkeypatch.setattr(search, "_polished", spied)
     monkeypatch.setattr(search, "_minimize", stopped_early)
@@ -245,7 +245,7 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_sear
     assert "the search's best plan is none; the plan found without search runs" in caplog.text
     assert plan.status == "feasible" and plan.fits
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
+    groups = layer_groups(profile, spec, schedule.num_virtual_stages)
     # The search had no bound yet: the gap is against the busiest rank's work in the relaxation, which
     # counts the recompute the budget forces: above the average work per rank without any recompute,
     # 128 micro-batches x (30 + 60 + 192 x (180 + 360) + 90 + 180) ms / 16 stages.
@@ -255,75 +255,68 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_sear
 
 
 def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for("GPipe", 16, 1, 48, 44600)  # 1.1x the least budget that fits
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
-    assert start.balanced_plan(model, move_layers=False) is None
-    moved = search._plan_of(model, start.balanced_plan(model, move_layers=True))
+    program = integer_program(profile, spec, PATHS)
+    assert start.balanced_plan(program, move_layers=False) is None
+    moved = program.plan(start.balanced_plan(program, move_layers=True))
     assert moved.fits
     body = [count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)]  # no head, tail
-    assert body != start.balanced_cell_sizes(model) and sum(body) == 192
+    assert body != start.balanced_virtual_stage_sizes(program) and sum(body) == 192
 
 
 def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "sim.json")  # four recompute modes
     spec = spec_for("1F1B", 16, 1, 16, 56000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
-    values = start.balanced_plan(model, move_layers=False)
+    program = integer_program(profile, spec, PATHS)
+    values = start.balanced_plan(program, move_layers=False)
     budget_mib = 56000
     switched = 0
-    for (g, c, mode), variable in model.count.items():
-        group = model.groups[g]
+    for (g, c, mode), variable in program.count.items():
+        group = program.groups[g]
         for quicker in (m for m in group.modes if group.extra_ms[m] < group.extra_ms[mode]):
             if round(values[variable]):  # one layer of this stage to a quicker mode: over the budget
                 trial = list(values)
                 trial[variable] -= 1
-                trial[model.count[g, c, quicker]] += 1
-                model.update_working_set(trial, c)
-                assert max(row.value(trial) for rank, row in model.memory_rows if rank == c) > budget_mib
+                trial[program.count[g, c, quicker]] += 1
+                program.update_working_set(trial, c)
+                assert max(row.value(trial) for rank, row in program.memory_rows if rank == c) > budget_mib
                 switched += 1
     assert switched > 0  # the budget binds: some layers recompute
     # The greedy alone, switching a layer at a time, left stage 0 with 4 selective+comm and 8 full
     # layers and the plan 10,922.4 ms of recompute per step: its last switches freed more than needed.
-    assert {m: round(values[model.count[1, 0, m]]) for m in model.groups[1].modes} == {
+    assert {m: round(values[program.count[1, 0, m]]) for m in program.groups[1].modes} == {
         "none": 0, "comm": 1, "selective+comm": 3, "full": 8}
-    assert search._dot(model.recompute_terms, values) == pytest.approx(10776.6)
+    assert dot(program.recompute_terms, values) == pytest.approx(10776.6)
 
 
 def test_moving_layers_one_at_a_time_shortens_the_balanced_split():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 8, 2, 16, 56000)
-    schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.START_TIMES)
-    balanced = start.balanced_plan(model, move_layers=False)
-    moved = start.improved_by_moves(model, balanced)
-    plan = search._plan_of(model, moved)
-    assert plan.fits and plan.iteration_time_ms == pytest.approx(moved[model.iteration])
-    assert search._plan_of(model, balanced).iteration_time_ms == pytest.approx(150720)
+    program = integer_program(profile, spec, START_TIMES)
+    balanced = start.balanced_plan(program, move_layers=False)
+    moved = start.improved_by_moves(program, balanced)
+    plan = program.plan(moved)
+    assert plan.fits and plan.iteration_time_ms == pytest.approx(moved[program.iteration])
+    assert program.plan(balanced).iteration_time_ms == pytest.approx(150720)
     assert plan.iteration_time_ms == pytest.approx(147420)  # 2.2% faster
-    assert sum(plan.stage_layer_counts) == 98 and plan.stage_layer_counts != search._plan_of(model, balanced).stage_layer_counts
+    assert sum(plan.stage_layer_counts) == 98 and plan.stage_layer_counts != program.plan(balanced).stage_layer_counts
 
 
 def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions_of_a_layer():
-    from solver import search, start
+    from solver import start
 
     profile = load_profile(SAPP / "test.json")  # 96 body layers on 64 virtual stages: 1.5 each
     spec = spec_for("Interleaved1F1B", 16, 4, 16, 10**6)
     schedule = spec.pipeline_schedule
-    model = search._Formulation(profile, spec, schedule, search._groups(profile, spec, schedule.num_stages),
-                                with_budget=True, timing=search.PATHS)
-    sizes = start.balanced_cell_sizes(model)
+    program = integer_program(profile, spec, PATHS)
+    sizes = start.balanced_virtual_stage_sizes(program)
     # Rounded stage by stage they alternate 2, 1, 2, 1, ... and ranks got 7 and 5 layers by turns.
     assert [sum(sizes[c] for c in range(64) if schedule.rank_of(c) == rank) for rank in range(16)] == [6] * 16
     assert sorted(set(sizes)) == [1, 2] and sum(sizes) == 96
@@ -434,11 +427,11 @@ def test_a_tail_with_the_largest_working_set_leaves_the_other_stages_theirs(case
 def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedule, chunks, last_working_mib):
     profile = small_profile(6)  # tail: 30 MiB of activations, no working set
     spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
-    cells = 2 * chunks
+    num_virtual_stages = 2 * chunks
     counts = [4, 4] if chunks == 1 else [2, 2, 2, 2]  # head and tail are two of the 8 layers
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
     schedule_of = spec.pipeline_schedule
-    last = plan.simulation.costs.chunk_costs[schedule_of.rank_of(cells - 1)][schedule_of.chunk_of(cells - 1)]
+    last = plan.simulation.costs.chunk_costs[schedule_of.rank_of(num_virtual_stages - 1)][schedule_of.chunk_of(num_virtual_stages - 1)]
     first = plan.simulation.costs.chunk_costs[0][0]
     assert last.working_bytes == last_working_mib * MIB and first.working_bytes == 30 * MIB
 
@@ -744,8 +737,8 @@ def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
     unlimited = solve(keeping, loose, time_limit_s=20)
     schedule_of = loose.pipeline_schedule
     plain = evaluate_plan(keeping, plain_spec, unlimited.stage_layer_counts, unlimited.layer_modes).simulation.costs
-    last = schedule_of.num_stages - 1
-    for virtual in range(schedule_of.num_stages):
+    last = schedule_of.num_virtual_stages - 1
+    for virtual in range(schedule_of.num_virtual_stages):
         rank, chunk = schedule_of.rank_of(virtual), schedule_of.chunk_of(virtual)
         cost, before = unlimited.simulation.costs.chunk_costs[rank][chunk], plain.chunk_costs[rank][chunk]
         buffers = (virtual > 0) + (virtual < last)
@@ -803,14 +796,14 @@ def test_torch_keeps_what_its_stages_send_until_the_step_ends(schedule, chunks):
     unlimited = solve(profile, loose, time_limit_s=20)
     schedule_of = loose.pipeline_schedule
     retained = [unlimited.simulation.costs.chunk_costs[schedule_of.rank_of(v)][schedule_of.chunk_of(v)].retained_bytes
-                for v in range(schedule_of.num_stages)]
+                for v in range(schedule_of.num_virtual_stages)]
     assert retained == [outputs * 3 * MIB for outputs in TORCH_RETAINED_OUTPUTS[schedule, chunks]]
     kept = TORCH_RETAINED_OUTPUTS[schedule, chunks]
     for rank in range(2):  # by the step's end every micro-batch's are held
         held_at_end = unlimited.simulation.memory_curve(rank)[-1][1]
         static = sum(costs.static_bytes for costs in unlimited.simulation.costs.chunk_costs[rank])
         assert held_at_end == pytest.approx(static + 4 * 3 * MIB * sum(
-            kept[v] for v in range(schedule_of.num_stages) if schedule_of.rank_of(v) == rank))
+            kept[v] for v in range(schedule_of.num_virtual_stages) if schedule_of.rank_of(v) == rank))
     other_engine = evaluate_plan(profile, dataclasses.replace(loose, receive_buffers=False),
                                  unlimited.stage_layer_counts, unlimited.layer_modes)
     assert all(costs.retained_bytes == 0 for row in other_engine.simulation.costs.chunk_costs for costs in row)
@@ -841,8 +834,8 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     assert before.weight_ms < before.backward_ms and before.pending_bytes > 0
     assert first.retained_bytes == kept[0] and before.retained_bytes == 0
     schedule_of = loose.pipeline_schedule
-    last = schedule_of.num_stages - 1
-    for virtual in range(1, schedule_of.num_stages):
+    last = schedule_of.num_virtual_stages - 1
+    for virtual in range(1, schedule_of.num_virtual_stages):
         rank, chunk = schedule_of.rank_of(virtual), schedule_of.chunk_of(virtual)
         cost, other = torch_costs[rank][chunk], plain.chunk_costs[rank][chunk]
         assert cost.weight_ms == other.weight_ms
@@ -862,7 +855,6 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
     the previous stage's buffer: the stage pends a stage output less, but never more than its first
     layer pends, which is where the profile counts that gradient (a turn holding a tail that pended
     nothing once pended -3 MiB, which the simulator refused). The program counts it as the simulator."""
-    from solver import search
 
     pends_nothing = ("body:moe", "tail")
     base = _with_share_of_activation(small_profile(6, two_kinds=True), "pending_bytes", 0.5)
@@ -876,8 +868,8 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
     turn = loose.pipeline_schedule  # virtual stage `stages`, the V's second leg, on the last rank
     rank, chunk = turn.rank_of(stages), turn.chunk_of(stages)
     modes = ("none",) * len(profile.layers)
-    groups = search._groups(profile, loose, turn.num_stages)
-    model = search._Formulation(profile, loose, turn, groups, with_budget=False, timing=search.PATHS)
+    groups = layer_groups(profile, loose, turn.num_virtual_stages)
+    program = IntegerProgram(profile, loose, turn, groups, with_budget=False, timing=PATHS)
     splits = {1: [(7, 1), (4, 4), (3, 5)], 2: [(1, 3, 3, 1), (1, 2, 4, 1), (1, 3, 1, 3), (1, 6, 0, 1)]}[stages]
     for counts in splits:
         first = profile.layers[sum(counts[:stages])] if counts[stages] else None  # None: the turn holds nothing
@@ -886,14 +878,14 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
         pending = [pipeline_costs(profile, spec, counts, modes).chunk_costs[rank][chunk].pending_bytes
                    for spec in (loose, engine_free)]
         assert pending[0] == pending[1] - credit, counts
-        cells = [cell for cell, count in enumerate(counts) for _ in range(count)]
+        virtual_of = [virtual for virtual, count in enumerate(counts) for _ in range(count)]
         layers_in = {}  # the program's count variables at this split, every layer without recompute
         for g, group in enumerate(groups):
-            if group.pinned_cell is None:
+            if group.pinned_virtual_stage is None:
                 for index in range(group.first, group.first + group.size):
-                    key = model.count[g, cells[index], "none"]
+                    key = program.count[g, virtual_of[index], "none"]
                     layers_in[key] = layers_in.get(key, 0) + 1
-        assert model.pending[stages].value(model.point(layers_in)) * MIB == pytest.approx(pending[0]), counts
+        assert program.memory.pending[stages].value(program.point(layers_in)) * MIB == pytest.approx(pending[0]), counts
     _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
 
 

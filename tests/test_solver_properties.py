@@ -14,7 +14,9 @@ from solver_cases import MIB, layer
 from simulator import SCHEDULES, simulate
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve, start
-from solver.plan import pipeline_costs
+from solver.costs import pipeline_costs
+from solver.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.groups import layer_groups
 
 SMALL = [("1F1B", 1), ("GPipe", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B-less-memory", 2),
          ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
@@ -129,7 +131,7 @@ def _solve_error_case(forwards: tuple[float, ...], weights: tuple[float, ...], t
 def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
     profile, spec = problem
     optimum = {}
-    for timing in (search.START_TIMES, search.PATHS):
+    for timing in (START_TIMES, PATHS):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(search, "_timing_for", lambda schedule, timing=timing: timing)
             try:
@@ -139,8 +141,8 @@ def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
                 continue
         assert plan.status == "optimal"
         optimum[timing] = ("optimal", plan.iteration_time_ms)
-    (status, start_times), (_, paths) = optimum[search.START_TIMES], optimum[search.PATHS]
-    assert optimum[search.PATHS][0] == status
+    (status, start_times), (_, paths) = optimum[START_TIMES], optimum[PATHS]
+    assert optimum[PATHS][0] == status
     assert paths == pytest.approx(start_times, rel=1e-9)
 
 
@@ -151,9 +153,9 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
     and a lower bound no plan beats."""
     profile, spec = problem
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
-    model = search._Formulation(profile, spec, schedule, groups, with_budget=True, timing=search.PATHS)
-    balanced = [start.balanced_plan(model, move_layers=moves) for moves in (False, True)]
+    groups = layer_groups(profile, spec, schedule.num_virtual_stages)
+    program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=PATHS)
+    balanced = [start.balanced_plan(program, move_layers=moves) for moves in (False, True)]
     try:
         optimum = solve(profile, spec, time_limit_s=30).iteration_time_ms
     except InfeasibleError:
@@ -163,16 +165,16 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
     if balanced[0] is not None:
         assert balanced[1] == balanced[0]  # layers move only where switching modes is not enough
     for values in filter(None, balanced):
-        plan = search._plan_of(model, values)
+        plan = program.plan(values)
         assert plan.fits
         assert plan.iteration_time_ms >= optimum * (1 - 1e-9)
-        assert values[model.iteration] == pytest.approx(plan.iteration_time_ms)
+        assert values[program.iteration] == pytest.approx(plan.iteration_time_ms)
         # What a search with start times falls back on: the balanced plan with layers moved.
-        improved = start.improved_by_moves(model, values)
-        moved = search._plan_of(model, improved)
+        improved = start.improved_by_moves(program, values)
+        moved = program.plan(improved)
         assert moved.fits
         assert optimum * (1 - 1e-9) <= moved.iteration_time_ms <= plan.iteration_time_ms * (1 + 1e-9)
-        assert improved[model.iteration] == pytest.approx(moved.iteration_time_ms)
+        assert improved[program.iteration] == pytest.approx(moved.iteration_time_ms)
 
 
 def _retained_case() -> tuple[ModelProfile, PipelineSpec]:
@@ -206,38 +208,38 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
     simulator replays for that plan: what the search may not exceed is what a plan will hold."""
     profile, spec = problem
     schedule = spec.pipeline_schedule
-    groups = search._groups(profile, spec, schedule.num_stages)
-    model = search._Formulation(profile, spec, schedule, groups, with_budget=False, timing=search.PATHS)
-    body = [g for g, group in enumerate(groups) if group.pinned_cell is None]
-    cells = schedule.num_stages
+    groups = layer_groups(profile, spec, schedule.num_virtual_stages)
+    program = IntegerProgram(profile, spec, schedule, groups, with_budget=False, timing=PATHS)
+    body = [g for g, group in enumerate(groups) if group.pinned_virtual_stage is None]
+    num_virtual_stages = schedule.num_virtual_stages
     # each body layer, in model order, to a non-decreasing virtual stage, every stage holding one
     sizes = [sum(groups[g].size for g in body)]
-    cuts = sorted(rng.sample(range(1, sizes[0]), cells - 1))
-    cell_of = [sum(1 for cut in cuts if cut <= i) for i in range(sizes[0])]
+    cuts = sorted(rng.sample(range(1, sizes[0]), num_virtual_stages - 1))
+    virtual_of = [sum(1 for cut in cuts if cut <= i) for i in range(sizes[0])]
     counts: dict[int, int] = {}
     index = 0
     for g in body:
         for _ in range(groups[g].size):
-            key = (g, cell_of[index], rng.choice(groups[g].modes))
+            key = (g, virtual_of[index], rng.choice(groups[g].modes))
             index += 1
-            if key in model.count:
-                counts[model.count[key]] = counts.get(model.count[key], 0) + 1
+            if key in program.count:
+                counts[program.count[key]] = counts.get(program.count[key], 0) + 1
             else:  # a mode this stage cannot take (MindFormers' prefixes): keep none
-                none = model.count[g, key[1], "none"]
+                none = program.count[g, key[1], "none"]
                 counts[none] = counts.get(none, 0) + 1
-    values = model.point(counts)
-    plan = search._plan_of(model, values)
-    program_mib = [max((row.value(values) for r, row in model.memory_rows if r == rank), default=0.0)
-                   for rank in range(schedule.stages)]
+    values = program.point(counts)
+    plan = program.plan(values)
+    program_mib = [max((row.value(values) for r, row in program.memory_rows if r == rank), default=0.0)
+                   for rank in range(schedule.ranks)]
 
     assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
-    for cell in range(cells):  # and its working sets and durations are the simulator's
-        costs = plan.simulation.costs.chunk_costs[schedule.rank_of(cell)][schedule.chunk_of(cell)]
+    for virtual in range(num_virtual_stages):  # and its working sets and durations are the simulator's
+        costs = plan.simulation.costs.chunk_costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)]
         for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-            assert model.working[cell][kind].value(values) == pytest.approx(
-                costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6), (cell, kind)
-        assert values[model.duration[cell, FORWARD]] == pytest.approx(costs.forward_ms)
-        assert values[model.duration[cell, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
-        assert values[model.duration[cell, BACKWARD_INPUT]] == pytest.approx(costs.split_input_ms() + costs.recompute_ms)
-        assert values[model.duration[cell, BACKWARD_WEIGHT]] == pytest.approx(costs.split_weight_ms())
+            assert program.memory.working[virtual][kind].value(values) == pytest.approx(
+                costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6), (virtual, kind)
+        assert values[program.duration[virtual, FORWARD]] == pytest.approx(costs.forward_ms)
+        assert values[program.duration[virtual, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
+        assert values[program.duration[virtual, BACKWARD_INPUT]] == pytest.approx(costs.split_input_ms() + costs.recompute_ms)
+        assert values[program.duration[virtual, BACKWARD_WEIGHT]] == pytest.approx(costs.split_weight_ms())
 

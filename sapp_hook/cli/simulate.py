@@ -19,8 +19,8 @@ from sapp_hook.cli.common import (
     size_flag,
     write_replay_outputs,
 )
-from sapp_hook.cli.report import plan_report, replay_report
 from sapp_hook.inputs import mindformers_keys, read_document, read_plan_json
+from sapp_hook.report import plan_report, replay_report
 from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
 from simulator.errors import check_bytes
 from simulator.units import parse_bytes

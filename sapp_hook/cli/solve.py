@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import yaml
 
@@ -23,11 +24,11 @@ from sapp_hook.cli.common import (
     write_output,
     write_replay_outputs,
 )
-from sapp_hook.cli.report import against_even, plan_report
+from sapp_hook.report import against_even, plan_report
 from simulator import InputError
 from simulator.errors import check_seconds
 from simulator.files import atomic_write_text
-from solver import PipelineSpec, load_profile, solve
+from solver import PipelineSpec, Plan, load_profile, solve
 
 PROG = "sapp-hook solve"
 
@@ -60,6 +61,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="recompute modes the plan may use, e.g. none,full (default: all the profile offers)")
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
     parser.add_argument("--plan-out", metavar="OUT", help="write the plan as JSON (sapp-hook simulate --plan reads it)")
+    parser.add_argument("--keep-best-on-interrupt", action="store_true",
+                        help="on Ctrl-C or SIGTERM during the search, write the best plan found so far (status "
+                             "interrupted) to the outputs before stopping")
     add_output_flags(parser)
     parser.set_defaults(run=command(PROG, _run))
 
@@ -96,8 +100,15 @@ def _run(args: argparse.Namespace) -> int:
     check_seconds(args.time_limit, "--time-limit")
     say(notes, talk)
     configure_logging(talk)
-    plan = solve(profile, spec, time_limit_s=args.time_limit)
+    keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
+    plan = solve(profile, spec, time_limit_s=args.time_limit, on_interrupt=keep)
+    written = _write_plan(plan, outputs, talk)
+    comparison, even_split = against_even(plan, profile)
+    return finish(args, {**plan.to_dict(), "even_split": even_split}, f"{plan_report(plan)}\n{comparison}", written)
 
+
+def _write_plan(plan: Plan, outputs: dict[str, Path], talk: bool) -> list[str]:
+    """Write the plan to the output files asked for; what was written."""
     written = write_replay_outputs(plan.simulation, outputs, talk)
     for name, text in (
         ("mindformers_yaml", lambda: yaml.safe_dump(plan.mindformers(), sort_keys=False, default_flow_style=None)),
@@ -105,6 +116,4 @@ def _run(args: argparse.Namespace) -> int:
     ):
         if name in outputs:
             written.append(write_output(outputs, name, lambda path, text=text: atomic_write_text(path, text())))
-
-    comparison, even_split = against_even(plan, profile)
-    return finish(args, {**plan.to_dict(), "even_split": even_split}, f"{plan_report(plan)}\n{comparison}", written)
+    return written

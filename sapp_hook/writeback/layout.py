@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from simulator.errors import InputError
 from solver import PipelineSpec, Plan
+from solver.evaluate import even_counts
 from solver.fields import Fields
-from solver.plan import even_counts, mindformers_view
+from solver.mindformers import mindformers_view
 from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
 from solver.spec import spec_from_dict, spec_to_dict
 

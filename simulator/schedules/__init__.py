@@ -19,8 +19,7 @@ from simulator.schedules.interleaved import (
 from simulator.schedules.one_f_one_b import one_f_one_b_actions
 from simulator.schedules.zero_bubble import zbh1_actions, zbv_actions
 
-# A replay holds every action in memory, some 400 bytes each: a typo such as 100,000 stages must not
-# run the machine out of memory before anything is said.
+# a replay holds every action, some 400 bytes each: a typo must not exhaust memory before anything is said
 MAX_ACTIONS = 10_000_000
 
 
@@ -33,8 +32,8 @@ class ScheduleKind:
     placement: str
     min_chunks: int
     max_chunks: int | None  # None: no upper bound
-    min_micro_batches: Callable[[int, int], int]  # (stages, chunks) -> fewest micro-batches
-    build: Callable[[int, int, int], list[list[Action]]]  # (stages, chunks, micro_batches)
+    min_micro_batches: Callable[[int, int], int]  # (ranks, chunks) -> fewest micro-batches
+    build: Callable[[int, int, int], list[list[Action]]]  # (ranks, chunks, micro_batches)
     splits_backward: bool = False  # runs I and W actions, so the weight-gradient time matters
 
     @property
@@ -156,7 +155,7 @@ def build_schedule(
 
     return Schedule(
         name=kind.name,
-        stages=stages,
+        ranks=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         placement=kind.placement,

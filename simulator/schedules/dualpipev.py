@@ -14,12 +14,12 @@ from collections import deque
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
 
 
-def dualpipev_actions(stages: int, micro_batches: int) -> list[list[Action]]:
-    return [_rank_actions(stages, micro_batches, rank) for rank in range(stages)]
+def dualpipev_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
+    return [_rank_actions(ranks, micro_batches, rank) for rank in range(ranks)]
 
 
-def _rank_actions(stages: int, micro_batches: int, rank: int) -> list[Action]:
-    down, up = rank, 2 * stages - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
+def _rank_actions(ranks: int, micro_batches: int, rank: int) -> list[Action]:
+    down, up = rank, 2 * ranks - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
     next_forward = {down: 0, up: 0}
     next_backward = {down: 0, up: 0}  # B and I share the count: each micro-batch has one of them
     pending_weights: deque[tuple[int, int]] = deque()
@@ -46,27 +46,27 @@ def _rank_actions(stages: int, micro_batches: int, rank: int) -> list[Action]:
         backward(backward_stage, overlapped=True)
 
     # 1. F0: warm the way down.
-    for _ in range((stages - rank - 1) * 2):
+    for _ in range((ranks - rank - 1) * 2):
         forward(down)
     # 2. F0F1: forwards on both chunks.
     for _ in range(rank + 1):
         forward(down)
         forward(up)
     # 3. I1W1F1: the first backwards of the way up, weight gradients right behind.
-    for _ in range(stages - rank - 1):
+    for _ in range(ranks - rank - 1):
         backward(up, split=True)
         weight_if_pending()
         forward(up)
     # 4. Main loop: F0 with B1, then F1 with B0, overlapped.
-    for i in range(micro_batches - 2 * stages + rank + 1):
-        if i == 0 and rank == stages - 1:
+    for i in range(micro_batches - 2 * ranks + rank + 1):
+        if i == 0 and rank == ranks - 1:
             forward(down)  # the turn of the V: not overlapped, to keep the bubble small
             backward(up)
         else:
             overlapped_forward_backward(down, up)
         overlapped_forward_backward(up, down)
     # 5. B1 then F1 with B0.
-    for _ in range(stages - rank - 1):
+    for _ in range(ranks - rank - 1):
         backward(up)
         overlapped_forward_backward(up, down)
     # 6. B1B0: the second half splits off its weight gradients.
@@ -80,7 +80,7 @@ def _rank_actions(stages: int, micro_batches: int, rank: int) -> list[Action]:
             split = True
         backward(down, split=split)
     # 7. W0B0: deferred weight gradients interleaved with the last backwards.
-    for _ in range(stages - rank - 1):
+    for _ in range(ranks - rank - 1):
         weight_if_pending()
         backward(down, split=split)
     # 8. W0: the remaining weight gradients.

@@ -29,63 +29,63 @@ def megatron_table(micro_batches: int, chunks: int, group_size: int) -> Table:
     return table
 
 
-def leftover_first_table(micro_batches: int, chunks: int, stages: int) -> Table:
-    """MindFormers' table: groups of `stages`, the first one holding the M mod S leftovers too."""
-    leftover = micro_batches % stages
-    bounds = [0] + list(range(stages + leftover, micro_batches + 1, stages))
+def leftover_first_table(micro_batches: int, chunks: int, ranks: int) -> Table:
+    """MindFormers' table: groups of S (one micro-batch per rank), the first one holding the M mod S
+    leftovers too."""
+    leftover = micro_batches % ranks
+    bounds = [0] + list(range(ranks + leftover, micro_batches + 1, ranks))
     table: Table = []
     for first, last in zip(bounds, bounds[1:]):
         table.extend((mb, chunk) for chunk in range(chunks) for mb in range(first, last))
     return table
 
 
-def default_group_size(stages: int, micro_batches: int) -> int:
+def default_group_size(ranks: int, micro_batches: int) -> int:
     """S where it divides M; else torch's choice (M over max(1, M // S) rounds) where that divides
     M; else the smallest group Megatron accepts."""
-    if micro_batches % stages == 0:
-        return stages
-    rounds = max(1, micro_batches // stages)
+    if micro_batches % ranks == 0:
+        return ranks
+    rounds = max(1, micro_batches // ranks)
     if micro_batches % rounds == 0:
         return micro_batches // rounds
-    return next(g for g in range(stages, micro_batches + 1) if megatron_accepts(stages, micro_batches, g))
+    return next(g for g in range(ranks, micro_batches + 1) if megatron_accepts(ranks, micro_batches, g))
 
 
-def megatron_accepts(stages: int, micro_batches: int, group_size: int) -> bool:
+def megatron_accepts(ranks: int, micro_batches: int, group_size: int) -> bool:
     """Megatron's check on `microbatch_group_size_per_vp_stage`."""
     remainder = micro_batches % group_size
-    return stages <= group_size <= micro_batches and (remainder == 0 or remainder >= stages)
+    return ranks <= group_size <= micro_batches and (remainder == 0 or remainder >= ranks)
 
 
-def megatron_interleaved_actions(stages: int, chunks: int, micro_batches: int, group_size: int) -> list[list[Action]]:
+def megatron_interleaved_actions(ranks: int, chunks: int, micro_batches: int, group_size: int) -> list[list[Action]]:
     table = megatron_table(micro_batches, chunks, group_size)
     return [
-        _one_f_one_b_over_table(table, stages, chunks, rank, 2 * (stages - rank - 1) + (chunks - 1) * group_size)
-        for rank in range(stages)
+        _one_f_one_b_over_table(table, ranks, chunks, rank, 2 * (ranks - rank - 1) + (chunks - 1) * group_size)
+        for rank in range(ranks)
     ]
 
 
-def less_memory_interleaved_actions(stages: int, chunks: int, micro_batches: int) -> list[list[Action]]:
-    table = leftover_first_table(micro_batches, chunks, stages)
-    first_group = stages + micro_batches % stages
-    # SAPP's own simulator uses V*S - r - 1 (the same when S divides M), which deadlocks on the
-    # last rank when it does not: the last chunk's first forward comes (V-1)(M mod S) later.
+def less_memory_interleaved_actions(ranks: int, chunks: int, micro_batches: int) -> list[list[Action]]:
+    table = leftover_first_table(micro_batches, chunks, ranks)
+    first_group = ranks + micro_batches % ranks
+    # not SAPP's V*S - r - 1, which deadlocks the last rank where S does not divide M
     return [
-        _one_f_one_b_over_table(table, stages, chunks, rank, (chunks - 1) * first_group + stages - rank - 1)
-        for rank in range(stages)
+        _one_f_one_b_over_table(table, ranks, chunks, rank, (chunks - 1) * first_group + ranks - rank - 1)
+        for rank in range(ranks)
     ]
 
 
-def _one_f_one_b_over_table(table: Table, stages: int, chunks: int, rank: int, warmup: int) -> list[Action]:
+def _one_f_one_b_over_table(table: Table, ranks: int, chunks: int, rank: int, warmup: int) -> list[Action]:
     total = len(table)
     warmup = min(warmup, total)
 
     def forward(k: int) -> Action:
         mb, chunk = table[k]
-        return Action(chunk * stages + rank, FORWARD, mb)
+        return Action(chunk * ranks + rank, FORWARD, mb)
 
     def backward(k: int) -> Action:
         mb, chunk = table[k]
-        return Action((chunks - 1 - chunk) * stages + rank, FULL_BACKWARD, mb)
+        return Action((chunks - 1 - chunk) * ranks + rank, FULL_BACKWARD, mb)
 
     actions = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):

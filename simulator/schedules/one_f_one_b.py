@@ -6,10 +6,10 @@ from __future__ import annotations
 from simulator.actions import FORWARD, FULL_BACKWARD, Action
 
 
-def one_f_one_b_actions(stages: int, micro_batches: int) -> list[list[Action]]:
+def one_f_one_b_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
     schedule = []
-    for rank in range(stages):
-        warmup = min(stages - rank - 1, micro_batches)
+    for rank in range(ranks):
+        warmup = min(ranks - rank - 1, micro_batches)
         actions = [Action(rank, FORWARD, m) for m in range(warmup)]
         for backward_mb in range(micro_batches):
             forward_mb = warmup + backward_mb

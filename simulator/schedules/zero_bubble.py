@@ -13,10 +13,10 @@ from __future__ import annotations
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 
 
-def zbh1_actions(stages: int, micro_batches: int) -> list[list[Action]]:
+def zbh1_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
     schedule = []
-    for rank in range(stages):
-        warmup = min(stages - rank - 1, micro_batches)
+    for rank in range(ranks):
+        warmup = min(ranks - rank - 1, micro_batches)
         actions = [Action(rank, FORWARD, m) for m in range(warmup)]
         next_weight = 0
         for backward_mb in range(micro_batches):
@@ -31,30 +31,29 @@ def zbh1_actions(stages: int, micro_batches: int) -> list[list[Action]]:
     return schedule
 
 
-def zbv_actions(stages: int, micro_batches: int) -> list[list[Action]]:
-    return [_zbv_rank(stages, micro_batches, rank) for rank in range(stages)]
+def zbv_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
+    return [_zbv_rank(ranks, micro_batches, rank) for rank in range(ranks)]
 
 
-def _zbv_rank(stages: int, micro_batches: int, rank: int) -> list[Action]:
-    # The order is built for at least 2S-1 micro-batches, then the ones past M are dropped:
-    # that keeps every dependency, as each action only waits on its own micro-batch.
-    planned = max(2 * stages - 1, micro_batches)
-    down, up = rank, 2 * stages - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
+def _zbv_rank(ranks: int, micro_batches: int, rank: int) -> list[Action]:
+    # built for at least 2S-1 micro-batches, then those past M dropped: each action waits on its own micro-batch only
+    planned = max(2 * ranks - 1, micro_batches)
+    down, up = rank, 2 * ranks - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
     count = {(down, FORWARD): 0, (up, FORWARD): 0, (down, BACKWARD_INPUT): 0, (up, BACKWARD_INPUT): 0}
     count.update({(down, BACKWARD_WEIGHT): 0, (up, BACKWARD_WEIGHT): 0})
     actions: list[Action] = []
 
-    def run(stage: int, kind: str) -> None:
-        actions.append(Action(stage, kind, count[stage, kind]))
-        count[stage, kind] += 1
+    def run(stage: int, op: str) -> None:
+        actions.append(Action(stage, op, count[stage, op]))
+        count[stage, op] += 1
 
     # Warm-up: fill the V down to this rank, then alternate the way back up with the way down.
-    for _ in range(2 * (stages - rank) - 1):
+    for _ in range(2 * (ranks - rank) - 1):
         run(down, FORWARD)
     for _ in range(rank):
         run(up, FORWARD)
         run(down, FORWARD)
-    for _ in range(stages - rank):
+    for _ in range(ranks - rank):
         run(up, FORWARD)
         run(up, BACKWARD_INPUT)
         run(up, BACKWARD_WEIGHT)
@@ -71,7 +70,7 @@ def _zbv_rank(stages: int, micro_batches: int, rank: int) -> list[Action]:
     for _ in range(rank):
         run(down, BACKWARD_INPUT)
         run(up, BACKWARD_INPUT)
-    for _ in range(stages - rank):
+    for _ in range(ranks - rank):
         run(down, BACKWARD_INPUT)
         run(down, BACKWARD_WEIGHT)
     while count[up, BACKWARD_WEIGHT] < count[up, BACKWARD_INPUT]:

@@ -40,7 +40,7 @@ def test_resimulate_built_schedule(benchmark, case):
     """What a solver pays per candidate plan: the schedule is built and compiled once."""
     name, stages, chunks, micro_batches = CASES[case]
     schedule = build_schedule(name, stages, micro_batches, chunks)
-    schedule.program
+    schedule.compiled
     pipeline_costs = costs(stages, chunks)
     result = benchmark.pedantic(simulate, args=(schedule, pipeline_costs), rounds=5, iterations=1)
     assert result.iteration_time_ms > 0

@@ -14,25 +14,22 @@ comes back through the forward chain.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, KINDS
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OPS, Action
 from simulator.errors import ScheduleError
-
-if TYPE_CHECKING:
-    from simulator.schedule import Schedule
 
 
 @dataclass(frozen=True)
-class Program:
+class CompiledSchedule:
     """Flat arrays over all actions, numbered rank by rank in schedule order."""
 
     rank_offsets: tuple[int, ...]  # action id of each rank's first action; last entry = total
     rank: list[int]
     chunk: list[int]
-    kind: list[str]
+    op: list[str]
     dependency: list[int]  # the action id waited for, -1 for none
     crosses_ranks: list[bool]  # the dependency is on another rank: its output travels by P2P
     order: list[int]  # every action id, each after the one it depends on and its rank predecessor
@@ -43,48 +40,51 @@ class Program:
 
     @cached_property
     def cost_slot(self) -> list[int]:
-        """Per action, where its duration sits in a flat table ordered rank, chunk, kind (as KINDS)."""
+        """Per action, where its duration sits in a flat table ordered rank, chunk, op (as OPS)."""
         chunks = max(self.chunk, default=0) + 1
-        kind_index = {kind: i for i, kind in enumerate(KINDS)}
-        return [(rank * chunks + chunk) * len(KINDS) + kind_index[kind]
-                for rank, chunk, kind in zip(self.rank, self.chunk, self.kind)]
+        op_index = {op: i for i, op in enumerate(OPS)}
+        return [(rank * chunks + chunk) * len(OPS) + op_index[op]
+                for rank, chunk, op in zip(self.rank, self.chunk, self.op)]
 
 
-def compile_schedule(schedule: Schedule) -> Program:
-    """Flatten `schedule`, resolve dependencies and find a replay order; raise ScheduleError on deadlock."""
-    stages, micro_batches, last_stage = schedule.stages, schedule.micro_batches, schedule.num_stages - 1
+def compile_schedule(name: str, rank_actions: Sequence[Sequence[Action]], chunks: int, micro_batches: int) -> CompiledSchedule:
+    """Flatten schedule `name`'s per-rank action lists, resolve dependencies and find a replay order;
+    raise ScheduleError on deadlock."""
+    stages = len(rank_actions)
+    num_stages = stages * chunks
+    last_stage = num_stages - 1
     ranks: list[int] = []
     chunks: list[int] = []
-    kinds: list[str] = []
+    ops: list[str] = []
     stage_of: list[int] = []
     microbatch_of: list[int] = []
     offsets = [0]
-    for rank, actions in enumerate(schedule.rank_actions):
+    for rank, actions in enumerate(rank_actions):
         for action in actions:
             ranks.append(rank)
             chunks.append(action.stage_index // stages)
-            kinds.append(action.kind)
+            ops.append(action.op)
             stage_of.append(action.stage_index)
             microbatch_of.append(action.microbatch)
         offsets.append(len(ranks))
 
     # Where each (stage, micro-batch) forward and input-gradient action lives.
-    forward_id = [-1] * (schedule.num_stages * micro_batches)
-    input_grad_id = [-1] * (schedule.num_stages * micro_batches)
-    for action_id, kind in enumerate(kinds):
+    forward_id = [-1] * (num_stages * micro_batches)
+    input_grad_id = [-1] * (num_stages * micro_batches)
+    for action_id, op in enumerate(ops):
         slot = stage_of[action_id] * micro_batches + microbatch_of[action_id]
-        if kind == FORWARD:
+        if op == FORWARD:
             forward_id[slot] = action_id
-        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
+        elif op in (FULL_BACKWARD, BACKWARD_INPUT):
             input_grad_id[slot] = action_id
 
-    dependency = [-1] * len(kinds)
-    for action_id, kind in enumerate(kinds):
+    dependency = [-1] * len(ops)
+    for action_id, op in enumerate(ops):
         stage, microbatch = stage_of[action_id], microbatch_of[action_id]
-        if kind == FORWARD:
+        if op == FORWARD:
             if stage > 0:
                 dependency[action_id] = forward_id[(stage - 1) * micro_batches + microbatch]
-        elif kind == BACKWARD_WEIGHT:
+        elif op == BACKWARD_WEIGHT:
             dependency[action_id] = input_grad_id[stage * micro_batches + microbatch]
         elif stage == last_stage:
             dependency[action_id] = forward_id[stage * micro_batches + microbatch]
@@ -93,9 +93,9 @@ def compile_schedule(schedule: Schedule) -> Program:
     crosses = [dep >= 0 and ranks[dep] != ranks[i] for i, dep in enumerate(dependency)]
 
     order = _dependency_order(offsets, dependency)
-    if len(order) < len(kinds):
-        raise ScheduleError(f"schedule {schedule.name}", _deadlock_report(schedule, offsets, order, dependency))
-    return Program(tuple(offsets), ranks, chunks, kinds, dependency, crosses, order)
+    if len(order) < len(ops):
+        raise ScheduleError(f"schedule {name}", _deadlock_report(rank_actions, offsets, order, dependency))
+    return CompiledSchedule(tuple(offsets), ranks, chunks, ops, dependency, crosses, order)
 
 
 def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
@@ -124,11 +124,12 @@ def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
     return order
 
 
-def _deadlock_report(schedule: Schedule, offsets: list[int], order: list[int], dependency: list[int]) -> str:
+def _deadlock_report(rank_actions: Sequence[Sequence[Action]], offsets: list[int], order: list[int],
+                     dependency: list[int]) -> str:
     done = set(order)
-    flat = [action for actions in schedule.rank_actions for action in actions]
+    flat = [action for actions in rank_actions for action in actions]
     blocked = []
-    for rank in range(schedule.stages):
+    for rank in range(len(rank_actions)):
         first_pending = next((i for i in range(offsets[rank], offsets[rank + 1]) if i not in done), None)
         if first_pending is not None:
             waits_for = flat[dependency[first_pending]]

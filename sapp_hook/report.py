@@ -1,4 +1,4 @@
-"""Human-readable reports of a replay and of a plan."""
+"""Human-readable reports of a replay and of a plan, for the CLI and the hook's log."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from simulator import SimulationResult
 from simulator.result import BubbleSplit
 from simulator.units import format_bytes, format_ms
 from solver import ModelProfile, Plan, even_plan
-from solver.plan import MODE_ORDER
+from solver.mindformers import MODE_ORDER
 from solver.profile import FULL, NONE
 
 
@@ -30,7 +30,7 @@ def replay_report(result: SimulationResult) -> str:
     if result.weight_split_assumed:
         lines.append("note            weight-gradient time not given (--weight): I and W each took half of B")
     lines.append(f"{'rank':>4}  {'busy ms':>10}  {'peak memory':>12}  {'peak activations':>16}")
-    for rank in range(schedule.stages):
+    for rank in range(schedule.ranks):
         lines.append(
             f"{rank:>4}  {format_ms(result.stage_busy_ms[rank]):>10}  "
             f"{format_bytes(result.stage_peak_memory_bytes[rank]):>12}  {result.stage_peak_activations[rank]:>16}"
@@ -43,8 +43,9 @@ def plan_report(plan: Plan) -> str:
     schedule = spec.pipeline_schedule
     budget = spec.memory_budget_bytes
     status = plan.status
-    if plan.status == "feasible" and plan.gap is not None:
-        status += f" (time limit; within {plan.gap:.2%} of the best possible, >= {format_ms(plan.lower_bound_ms)} ms)"
+    if plan.status in ("feasible", "interrupted") and plan.gap is not None:
+        reason = "time limit" if plan.status == "feasible" else "the best found before the interrupt"
+        status += f" ({reason}; within {plan.gap:.2%} of the best possible, >= {format_ms(plan.lower_bound_ms)} ms)"
     if plan.solve_seconds is not None:
         status += f", {plan.solve_seconds:.2f} s"
     lines = [

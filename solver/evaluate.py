@@ -1,0 +1,103 @@
+"""Plans from a split and recompute choice, checked and simulated: given, read back from JSON or
+MindFormers' keys, or the even split people start from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from simulator import simulate
+from simulator.errors import InputError
+from solver.costs import pipeline_costs
+from solver.fields import Fields
+from solver.mindformers import mindformers_split
+from solver.plan import Plan
+from solver.profile import HEAD, NONE, TAIL, ModelProfile
+from solver.spec import PipelineSpec, spec_from_dict
+
+
+def evaluate_plan(
+    profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...] | list[int], modes: tuple[str, ...] | list[str]
+) -> Plan:
+    """Check a split and recompute choice against the profile and spec, and simulate it."""
+    counts, modes = tuple(counts), tuple(modes)
+    schedule = spec.pipeline_schedule
+    layers = profile.layers
+    if len(counts) != schedule.num_virtual_stages:
+        raise InputError("stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
+    if sum(counts) != len(layers):
+        raise InputError("stage_layer_counts", f"sum to {sum(counts)}; the profile has {len(layers)} layers")
+    heads = sum(1 for layer in layers if layer.kind == HEAD)
+    tails = sum(1 for layer in layers if layer.kind == TAIL)
+    if counts[0] < heads:
+        raise InputError("stage_layer_counts", f"the first virtual stage must hold all {heads} head layers")
+    if counts[-1] < tails:
+        raise InputError("stage_layer_counts", f"the last virtual stage must hold all {tails} tail layers")
+    if not spec.allow_empty_chunks and 0 in counts:
+        raise InputError("stage_layer_counts", f"virtual stage {counts.index(0)} is empty (allow empty chunks to permit it)")
+    if len(modes) != len(layers):
+        raise InputError("layer_modes", f"expected one recompute mode per layer ({len(layers)}), got {len(modes)}")
+    for index, (layer, mode) in enumerate(zip(layers, modes)):
+        if not isinstance(mode, str) or mode not in layer.recompute:
+            raise InputError(
+                f"layer_modes[{index}]", f"{layer.name} offers {', '.join(layer.modes)}; got {mode!r}"
+            )
+    result = simulate(schedule, pipeline_costs(profile, spec, counts, modes))
+    return Plan(
+        spec=spec,
+        layer_names=tuple(layer.name for layer in layers),
+        layer_kinds=tuple(layer.kind for layer in layers),
+        stage_layer_counts=counts,
+        layer_modes=modes,
+        iteration_time_ms=result.iteration_time_ms,
+        bubble=result.bubble,
+        stage_peak_memory_bytes=result.stage_peak_memory_bytes,
+        weight_split_assumed=result.weight_split_assumed,
+        simulation=result,
+    )
+
+
+def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]) -> Plan:
+    """A user's hand-made plan from MindFormers' keys (offset and the three recompute counts)."""
+    return evaluate_plan(profile, spec, *mindformers_split(profile, spec, keys))
+
+
+def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
+    """Read back a plan JSON (Plan.to_dict) and re-simulate it against `profile`."""
+    fields = Fields(data, "")
+    spec = spec_from_dict(fields.raw("spec"))
+    plan = Fields(fields.raw("plan"), "plan")
+    counts = plan.raw("virtual_stage_layers")
+    layer_items = plan.raw("layers")
+    if not isinstance(layer_items, list) or len(layer_items) != len(profile.layers):
+        raise InputError("plan.layers", f"expected {len(profile.layers)} layers like the profile")
+    modes = []
+    for index, item in enumerate(layer_items):
+        layer = Fields(item, f"plan.layers[{index}]")
+        name = layer.text("name", required=True)
+        if name != profile.layers[index].name:
+            raise InputError(layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}")
+        modes.append(layer.text("recompute", required=True))
+    if not isinstance(counts, list):
+        raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {counts!r}")
+    return evaluate_plan(profile, spec, counts, modes)
+
+
+def even_counts(layers: int, parts: int) -> list[int]:
+    """`layers` spread evenly over `parts`, the first ones taking one more where they do not divide."""
+    return [layers // parts + (1 if v < layers % parts else 0) for v in range(parts)]
+
+
+def even_plan(profile: ModelProfile, spec: PipelineSpec, mode: str = NONE) -> Plan:
+    """The split people start from: body layers spread evenly over the virtual stages (the first ones
+    take one more where they do not divide), head layers on the first, tail layers on the last, every
+    body layer under recompute `mode`. Simulated like any plan; it may not fit."""
+    heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
+    tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
+    body = len(profile.layers) - heads - tails
+    counts = even_counts(body, spec.pipeline_schedule.num_virtual_stages)
+    counts[0] += heads
+    counts[-1] += tails
+    modes = [mode if layer.is_body and mode in layer.recompute else NONE for layer in profile.layers]
+    return evaluate_plan(profile, spec, counts, modes)

@@ -1,0 +1,138 @@
+"""MindFormers' plan keys: per chunk and stage, the offset from the even share and the recompute
+counts, read and written; and the order of recompute modes inside a stage those counts imply."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from simulator import Schedule
+from simulator.errors import InputError
+from solver.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, ModelProfile
+from solver.spec import PipelineSpec
+
+# the order MindFormers' per-stage counts imply within a stage: full, select+comm, select or comm, none
+MODE_ORDER = (FULL, SELECTIVE_COMM, SELECTIVE, COMM, NONE)
+MINDFORMERS_KEYS = ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num")
+
+
+def ordered_modes(counts: Mapping[str, int]) -> list[str]:
+    """One mode per layer, in MODE_ORDER."""
+    return [mode for mode in MODE_ORDER for _ in range(counts.get(mode, 0))]
+
+
+def mindformers_view(
+    schedule: Schedule, layer_kinds: Sequence[str], layer_modes: Sequence[str], stage_layer_counts: Sequence[int]
+) -> dict[str, object]:
+    """MindFormers' keys: per chunk and stage, body layers held minus the even share
+    floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
+    body = sum(1 for kind in layer_kinds if kind not in (HEAD, TAIL))
+    share = body // schedule.num_virtual_stages
+    starts = [0, *itertools.accumulate(stage_layer_counts)]
+    keys: dict[str, list[list[int]]] = {key: [] for key in MINDFORMERS_KEYS[:4]}
+    for chunk in range(schedule.chunks):
+        rows: dict[str, list[int]] = {key: [] for key in keys}
+        for stage in range(schedule.ranks):
+            virtual = schedule.stage_index(stage, chunk)
+            counts = dict.fromkeys(MODE_ORDER, 0)
+            for index in range(starts[virtual], starts[virtual] + stage_layer_counts[virtual]):
+                if layer_kinds[index] not in (HEAD, TAIL):
+                    counts[layer_modes[index]] += 1
+            full_or_both = counts[FULL] + counts[SELECTIVE_COMM]
+            rows["offset"].append(sum(counts.values()) - share)
+            rows["recompute"].append(counts[FULL])
+            rows["select_recompute"].append(full_or_both + counts[SELECTIVE])
+            rows["select_comm_recompute"].append(full_or_both + counts[COMM])
+        for key in keys:
+            keys[key].append(rows[key])
+    flat = schedule.chunks == 1
+    view: dict[str, object] = {key: value[0] if flat else value for key, value in keys.items()}
+    view["pp_interleave_num"] = schedule.chunks
+    return view
+
+
+def mindformers_split(
+    profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]
+) -> tuple[list[int], list[str]]:
+    """The layers per virtual stage and each layer's recompute mode that MindFormers' keys (offset
+    and the three recompute counts) state for `profile` under `spec`."""
+    unknown = sorted(set(keys) - set(MINDFORMERS_KEYS))
+    if unknown:
+        raise InputError(unknown[0], f"unknown key; expected {', '.join(MINDFORMERS_KEYS)}")
+    schedule = spec.pipeline_schedule
+    stages, chunks = schedule.ranks, schedule.chunks
+    interleave = keys.get("pp_interleave_num", chunks)
+    if interleave != chunks:
+        raise InputError("pp_interleave_num", f"the plan has {interleave!r} chunks; the spec runs {chunks}")
+    body = [i for i, layer in enumerate(profile.layers) if layer.is_body]
+    share = len(body) // schedule.num_virtual_stages
+    offset = _per_chunk_and_stage(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
+    body_counts = [[share + offset[c][s] for s in range(stages)] for c in range(chunks)]
+    for c in range(chunks):
+        for s in range(stages):
+            if body_counts[c][s] < 0:
+                raise InputError(f"offset[{c}][{s}]", f"leaves {body_counts[c][s]} layers (even share {share})")
+    total = sum(map(sum, body_counts))
+    if total != len(body):
+        raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
+    full = _per_chunk_and_stage(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
+    # Fully recomputed layers count in both select lists; a list not given holds just those.
+    select = _per_chunk_and_stage(keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts)
+    comm = _per_chunk_and_stage(keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts)
+
+    counts = [0] * schedule.num_virtual_stages
+    virtual_stage_modes: list[list[str]] = [[] for _ in range(schedule.num_virtual_stages)]
+    for c in range(chunks):
+        for s in range(stages):
+            where = f"[{c}][{s}]"
+            held, f, sel, com = body_counts[c][s], full[c][s], select[c][s], comm[c][s]
+            for key, value in (("select_recompute", sel), ("select_comm_recompute", com)):
+                if value < f:
+                    raise InputError(f"{key}{where}", f"is {value}, below recompute ({f}): full recompute counts in it too")
+            both = max(0, min(sel - f, com - f))
+            modes = {FULL: f, SELECTIVE_COMM: both, SELECTIVE: sel - f - both, COMM: com - f - both}
+            if sum(modes.values()) > held:
+                raise InputError(f"select_recompute{where}", f"recomputes {sum(modes.values())} layers of a stage holding {held}")
+            modes[NONE] = held - sum(modes.values())
+            virtual = schedule.stage_index(s, c)
+            counts[virtual] = held
+            virtual_stage_modes[virtual] = ordered_modes(modes)
+    layer_modes = [NONE] * len(profile.layers)
+    position = 0
+    for virtual in range(schedule.num_virtual_stages):
+        for mode in virtual_stage_modes[virtual]:
+            index = body[position]
+            if mode not in profile.layers[index].recompute:
+                raise InputError("recompute", f"asks for {mode} recompute of {profile.layers[index].name}, which the profile does not offer")
+            layer_modes[index] = mode
+            position += 1
+    heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
+    tails = sum(1 for layer in profile.layers if layer.kind == TAIL)
+    counts[0] += heads
+    counts[-1] += tails
+    return counts, layer_modes
+
+
+def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
+    """MindFormers' forms: a bool (true: every layer of each stage), 0, a list per stage, or a list per chunk of lists."""
+    if isinstance(value, bool):
+        if per_stage is None:
+            raise InputError(key, f"expected integers, got {value!r}")
+        return [[held if value else 0 for held in row] for row in per_stage]
+    if value == 0 and not isinstance(value, list):
+        return [[0] * stages for _ in range(chunks)]
+    if isinstance(value, list) and value and not isinstance(value[0], list):
+        value = [value]
+    if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
+        raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {value!r}")
+    rows = []
+    for c, row in enumerate(value):
+        rows.append([])
+        for s, item in enumerate(row):
+            if isinstance(item, bool) and per_stage is not None:
+                item = per_stage[c][s] if item else 0
+            elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
+                raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {item!r}")
+            rows[c].append(item)
+    return rows
+
