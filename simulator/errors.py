@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import math
+import reprlib
 
 # beyond any real cost (11.6 days an action, a pebibyte): typos, and beyond what HiGHS solves reliably
 MAX_MS = 1e9
 MAX_BYTES = 2.0**50
+
+
+_SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict = 2, 4, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 40
+
+
+def shown(value: object) -> str:
+    """`value` as an error line quotes it: nested and long values cut short, so the line stays one line."""
+    return _SHORT.repr(value)
 
 
 class InputError(ValueError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from simulator import simulate
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from solver.costs import pipeline_costs
 from solver.fields import Fields
 from solver.mindformers import mindformers_split
@@ -80,7 +80,7 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
             raise InputError(layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}")
         modes.append(layer.text("recompute", required=True))
     if not isinstance(counts, list):
-        raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {counts!r}")
+        raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {shown(counts)}")
     return evaluate_plan(profile, spec, counts, modes)
 
 

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from simulator import Schedule
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from solver.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, ModelProfile
 from solver.spec import PipelineSpec
 
@@ -117,14 +117,14 @@ def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_
     """MindFormers' forms: a bool (true: every layer of each stage), 0, a list per stage, or a list per chunk of lists."""
     if isinstance(value, bool):
         if per_stage is None:
-            raise InputError(key, f"expected integers, got {value!r}")
+            raise InputError(key, f"expected integers, got {shown(value)}")
         return [[held if value else 0 for held in row] for row in per_stage]
     if value == 0 and not isinstance(value, list):
         return [[0] * stages for _ in range(chunks)]
     if isinstance(value, list) and value and not isinstance(value[0], list):
         value = [value]
     if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
-        raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {value!r}")
+        raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {shown(value)}")
     rows = []
     for c, row in enumerate(value):
         rows.append([])
@@ -132,7 +132,7 @@ def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_
             if isinstance(item, bool) and per_stage is not None:
                 item = per_stage[c][s] if item else 0
             elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
-                raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {item!r}")
+                raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {shown(item)}")
             rows[c].append(item)
     return rows
 

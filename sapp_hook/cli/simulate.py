@@ -181,7 +181,12 @@ def _replay_plan(args: argparse.Namespace) -> int:
             receive_buffers=args.receive_buffers,
         )
         keys = mindformers_keys(read_document(args.mindformers_plan, "--mindformers-plan"), "--mindformers-plan")
-        plan = plan_from_mindformers(profile, spec, keys)
+        try:
+            plan = plan_from_mindformers(profile, spec, keys)
+        except InputError as error:
+            if error.field.startswith("--"):
+                raise
+            raise InputError("--mindformers-plan", f"{args.mindformers_plan}: {error}") from None
     say(notes, talk)
     written = write_replay_outputs(plan.simulation, outputs, talk)
     return finish(args, plan.to_dict(), plan_report(plan), written)
