@@ -7,12 +7,17 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from simulator import build_schedule
-from simulator.errors import InputError, check_bytes, check_ms, check_non_negative
+from simulator.errors import InputError, check_bytes, check_ms, check_non_negative, shown
 from simulator.schedule import Schedule
 from simulator.schedules import schedule_kind
 from solver.fields import Fields
 
 ZERO_STAGES = (0, 1, 2, 3)
+# How many token copies an expert-parallel rank's experts receive: the even share T k / e, the most a
+# dropless router can send (T min(k, E / e)), or a capacity factor over the even share ("capacity:1.25").
+EXPERT_TOKENS = ("balanced", "dropless")
+DEGREES = ("data_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
+FLAGS = ("allow_empty_chunks", "receive_buffers", "fsdp", "fsdp_reshard_after_forward", "sequence_parallel")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,13 @@ class PipelineSpec:
     allow_empty_chunks: bool = False
     microbatch_group_size: int | None = None  # Interleaved1F1B only (Megatron's)
     receive_buffers: bool = False
+    fsdp: bool = False
+    fsdp_reshard_after_forward: bool = False
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tokens: str = "balanced"
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes != math.inf:
@@ -50,13 +62,31 @@ class PipelineSpec:
         check_bytes(self.stage_constant_bytes, "stage_constant_bytes")
         check_ms(self.p2p_ms, "p2p_ms")
         check_ms(self.action_overhead_ms, "action_overhead_ms")
-        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
-            raise InputError("data_parallel", f"expected an integer >= 1, got {self.data_parallel!r}")
-        if not isinstance(self.receive_buffers, bool):
-            raise InputError("receive_buffers", f"expected true or false, got {self.receive_buffers!r}")
+        for name in DEGREES:
+            degree = getattr(self, name)
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise InputError(name, f"expected an integer >= 1, got {shown(degree)}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(name, f"expected true or false, got {shown(getattr(self, name))}")
         if self.zero_stage not in ZERO_STAGES:
-            raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {self.zero_stage!r}")
+            raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {shown(self.zero_stage)}")
+        self._check_layout()
         self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
+
+    def _check_layout(self) -> None:
+        """Combinations of the parallel degrees no engine runs."""
+        if self.fsdp and self.zero_stage in (1, 2):
+            raise InputError("zero_stage", f"FSDP shards parameters, gradients and optimizer state; expected 0 or 3 "
+                                           f"with fsdp, got {self.zero_stage}")
+        if self.fsdp_reshard_after_forward and not self.fsdp:
+            raise InputError("fsdp_reshard_after_forward", "needs fsdp")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise InputError("sequence_parallel", "needs tensor_parallel > 1 (it splits what tensor parallelism "
+                                                  "leaves whole)")
+        if self.expert_tokens not in EXPERT_TOKENS and capacity_factor(self.expert_tokens) is None:
+            raise InputError("expert_tokens", f"expected balanced, dropless or capacity:FACTOR (a number >= 1), "
+                                              f"got {shown(self.expert_tokens)}")
 
     @cached_property
     def pipeline_schedule(self) -> Schedule:
@@ -90,6 +120,17 @@ class PipelineSpec:
         )
 
 
+def capacity_factor(expert_tokens: object) -> float | None:
+    """FACTOR of "capacity:FACTOR" (at least 1), else None."""
+    if not isinstance(expert_tokens, str) or not expert_tokens.startswith("capacity:"):
+        return None
+    try:
+        factor = float(expert_tokens.partition(":")[2])
+    except ValueError:
+        return None
+    return factor if math.isfinite(factor) and factor >= 1 else None
+
+
 def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
     return {
         "stages": spec.stages,
@@ -105,6 +146,13 @@ def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
         "allow_empty_chunks": spec.allow_empty_chunks,
         "microbatch_group_size": spec.microbatch_group_size,
         "receive_buffers": spec.receive_buffers,
+        "fsdp": spec.fsdp,
+        "fsdp_reshard_after_forward": spec.fsdp_reshard_after_forward,
+        "tensor_parallel": spec.tensor_parallel,
+        "sequence_parallel": spec.sequence_parallel,
+        "context_parallel": spec.context_parallel,
+        "expert_parallel": spec.expert_parallel,
+        "expert_tokens": spec.expert_tokens,
     }
 
 
@@ -112,7 +160,7 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
     fields = Fields(data, where)
     budget = fields.raw("memory_budget_bytes")
     flags = {}
-    for name in ("allow_empty_chunks", "receive_buffers"):
+    for name in FLAGS:
         flags[name] = fields.raw(name, False)
         if not isinstance(flags[name], bool):
             raise InputError(fields.at(name), f"expected true or false, got {flags[name]!r}")
@@ -126,6 +174,10 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         p2p_ms=fields.number("p2p_ms", 0.0),
         action_overhead_ms=fields.number("action_overhead_ms", 0.0),
         data_parallel=fields.integer("data_parallel", 1, least=1),
+        tensor_parallel=fields.integer("tensor_parallel", 1, least=1),
+        context_parallel=fields.integer("context_parallel", 1, least=1),
+        expert_parallel=fields.integer("expert_parallel", 1, least=1),
+        expert_tokens=fields.text("expert_tokens", "balanced"),
         zero_stage=fields.integer("zero_stage", 0),
         microbatch_group_size=fields.raw("microbatch_group_size"),
         **flags,

@@ -29,6 +29,13 @@ FLAGS = {
     "time_limit_s": "--time-limit",
     "data_parallel": "--data-parallel",
     "zero_stage": "--zero-stage",
+    "fsdp": "--fsdp",
+    "fsdp_reshard_after_forward": "--reshard-after-forward",
+    "tensor_parallel": "--tensor-parallel",
+    "sequence_parallel": "--sequence-parallel",
+    "context_parallel": "--context-parallel",
+    "expert_parallel": "--expert-parallel",
+    "expert_tokens": "--expert-tokens",
     "steps": "--steps",
     "micro_batch_size": "--micro-batch-size",
     "seq_len": "--seq-len",
@@ -91,6 +98,42 @@ def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> No
         metavar="G",
         help="Interleaved1F1B: Megatron's microbatch_group_size_per_vp_stage (default S, or what fits M)",
     )
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """The job's other parallel degrees, around the pipeline: what each rank holds depends on them."""
+    group = parser.add_argument_group("parallel layout (per pipeline rank)")
+    group.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
+    group.add_argument(
+        "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+        help="shard optimizer state (1), also gradients (2), also parameters (3) over --data-parallel",
+    )
+    group.add_argument("--fsdp", action="store_true",
+                       help="torch FSDP2 (fully_shard) on each stage over --data-parallel, as TorchTitan runs it")
+    group.add_argument("--reshard-after-forward", action="store_true",
+                       help="with --fsdp: free the gathered parameters after each forward (TorchTitan's PP default: not)")
+    group.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="tensor-parallel degree")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tensor-parallel: split the norms' and dropout's activations too")
+    group.add_argument("--context-parallel", type=int, default=1, metavar="C", help="context-parallel degree")
+    group.add_argument("--expert-parallel", type=int, default=1, metavar="E", help="expert-parallel degree")
+    group.add_argument("--expert-tokens", default="balanced", metavar="RULE",
+                       help="token copies an expert-parallel rank receives: balanced, dropless or capacity:FACTOR")
+
+
+def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The PipelineSpec fields of `add_parallel_flags`' flags."""
+    return {
+        "data_parallel": args.data_parallel,
+        "zero_stage": args.zero_stage,
+        "fsdp": args.fsdp,
+        "fsdp_reshard_after_forward": args.reshard_after_forward,
+        "tensor_parallel": args.tensor_parallel,
+        "sequence_parallel": args.sequence_parallel,
+        "context_parallel": args.context_parallel,
+        "expert_parallel": args.expert_parallel,
+        "expert_tokens": args.expert_tokens,
+    }
 
 
 def add_overhead_flag(parser: argparse.ArgumentParser) -> None:

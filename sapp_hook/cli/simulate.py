@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from sapp_hook.cli.common import (
+    FLAGS,
     add_output_flags,
     add_overhead_flag,
+    add_parallel_flags,
     add_pipeline_flags,
     add_receive_buffers_flag,
     check_milliseconds,
     command,
+    parallel_fields,
     fail,
     finish,
     output_paths,
@@ -58,8 +62,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory", default="0", metavar="SIZE", help="with --mindformers-plan: the budget to check")
     add_receive_buffers_flag(parser)
     add_overhead_flag(parser)
+    add_parallel_flags(parser)
     add_output_flags(parser)
     parser.set_defaults(run=command(PROG, _run))
+
+
+_PARALLEL_DEFAULTS = {field.name: field.default for field in dataclasses.fields(PipelineSpec)}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -81,6 +89,10 @@ def _replay_uniform(args: argparse.Namespace) -> int:
     if args.action_overhead:
         fail(PROG, "--action-overhead needs --profile and --mindformers-plan "
                    "(with --forward and --backward, add it to them)")
+    for name, value in parallel_fields(args).items():
+        if value != _PARALLEL_DEFAULTS[name]:
+            fail(PROG, f"{FLAGS[name]} needs --profile and --mindformers-plan (with --forward and --backward, give "
+                       "one rank's sizes as they are)")
     for flag in ("forward", "backward", "weight", "recompute", "p2p"):
         check_milliseconds(f"--{flag}", getattr(args, flag))
     if args.weight is not None and args.weight > args.backward:
@@ -127,8 +139,9 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
         "p2p_ms": args.p2p or None,
         "memory_budget_bytes": parse_bytes(args.memory, "--memory") or None,
         "receive_buffers": args.receive_buffers or None,
+        **{name: value for name, value in parallel_fields(args).items() if value != _PARALLEL_DEFAULTS[name]},
     }
-    flags = {"p2p_ms": "--p2p", "memory_budget_bytes": "--memory"}
+    flags = {"p2p_ms": "--p2p", "memory_budget_bytes": "--memory", **FLAGS}
     resolved = {"schedule": schedule_kind(spec.schedule).name, "chunks": spec.pipeline_schedule.chunks}
     for name, value in given.items():
         stated = resolved[name] if name in resolved else getattr(spec, name)
@@ -179,6 +192,7 @@ def _replay_plan(args: argparse.Namespace) -> int:
             action_overhead_ms=args.action_overhead,
             microbatch_group_size=args.microbatch_group_size,
             receive_buffers=args.receive_buffers,
+            **parallel_fields(args),
         )
         keys = mindformers_keys(read_document(args.mindformers_plan, "--mindformers-plan"), "--mindformers-plan")
         try:

@@ -11,10 +11,12 @@ import yaml
 from sapp_hook.cli.common import (
     add_output_flags,
     add_overhead_flag,
+    add_parallel_flags,
     add_pipeline_flags,
     add_receive_buffers_flag,
     check_milliseconds,
     command,
+    parallel_fields,
     configure_logging,
     finish,
     mode_list,
@@ -48,11 +50,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_pipeline_flags(parser, required=True)
     parser.add_argument("--memory", required=True, metavar="SIZE", help="memory per device, e.g. 56GB or 52GiB")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60; inf for none")
-    parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
-    parser.add_argument(
-        "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
-        help="shard optimizer state (1), also gradients (2), also parameters (3, FSDP) over --data-parallel",
-    )
+    add_parallel_flags(parser)
     add_overhead_flag(parser)
     parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
@@ -91,11 +89,10 @@ def _run(args: argparse.Namespace) -> int:
         stage_constant_bytes=constant,
         p2p_ms=args.p2p,
         action_overhead_ms=args.action_overhead,
-        data_parallel=args.data_parallel,
-        zero_stage=args.zero_stage,
         allow_empty_chunks=args.allow_empty_chunks,
         microbatch_group_size=args.microbatch_group_size,
         receive_buffers=args.receive_buffers,
+        **parallel_fields(args),
     )
     check_seconds(args.time_limit, "--time-limit")
     say(notes, talk)
