@@ -95,7 +95,8 @@ def _one_d_profile(s: TransformerShape, flops_per_second: float, bytes_per_secon
         backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
         # keeps the token ids; its working set is the dense weight gradient each later micro-batch adds into .grad
         recompute={NONE: RecomputeCost(0.0, ids, vocab_elements * p, tp_whole_activation_bytes=ids,
-                                       sp_whole_activation_bytes=ids, expert_activation_bytes=0.0)},
+                                       sp_whole_activation_bytes=ids, expert_activation_bytes=0.0,
+                                       expert_working_bytes=0.0)},
         # the embedding's gradient stays whole under tensor parallelism (torch's DTensor embedding backward)
         **static(vocab_elements, 1, 0, vocab_elements),
     ))
@@ -176,7 +177,7 @@ def _tail(s: TransformerShape, tokens: int, p: int, seconds_ms, static, normed_i
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
         recompute={NONE: RecomputeCost(0.0, kept, working, saved_input_bytes=normed_input,
                                        tp_whole_activation_bytes=kept, sp_whole_activation_bytes=kept - norm_inner,
-                                       expert_activation_bytes=0.0)},
+                                       expert_activation_bytes=0.0, expert_working_bytes=0.0)},
         **static(h + vocab_elements, 2, h, h),
     )
 

@@ -144,8 +144,8 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
                                         saved_input_bytes=saved_input,
                                         **parts.of_mode(memory, mode, kept, 0 if mode == NONE else checkpoint_state))
     static = parts.of_parameters(_unique(params), recorder)
-    if static.get("expert_parameter_bytes"):
-        gradients = parts.expert_gradient_bytes()
+    if "expert_parameter_bytes" in static:
+        gradients = parts.expert_gradient_bytes() if static["expert_parameter_bytes"] else 0.0
         recompute = {mode: dataclasses.replace(cost, expert_working_bytes=min(gradients, cost.working_bytes))
                      for mode, cost in recompute.items()}
     input_ms = weight_ms = None

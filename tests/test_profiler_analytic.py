@@ -68,14 +68,23 @@ def assert_same_memory(measured, estimated):
     assert [layer.kind.split(":")[0] for layer in estimated.layers] == [layer.kind.split(":")[0] for layer in measured.layers]
     assert estimated.stage_shared_bytes == measured.stage_shared_bytes  # the rotary tables
     assert estimated.checkpoint_state_bytes == 0 < measured.checkpoint_state_bytes  # the CPU's
+    assert estimated.dimensions == measured.dimensions
     hidden_fp32_bytes = estimated.stage_output_bytes * 4 / DTYPE_BYTES[estimated.dtype]
     for got, want in zip(estimated.layers, measured.layers):
         assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
             want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
+        # what tensor and expert parallelism treat apart: the profiler tags it by module, the estimate counts it
+        for name in ("parameter_tensors", "replicated_parameter_bytes", "replicated_gradient_bytes",
+                     "expert_parameter_bytes"):
+            assert getattr(got, name) == getattr(want, name), (got.name, name)
         for mode, cost in want.recompute.items():
             # an estimate is for an accelerator, where checkpointing keeps nothing beside the saved tensors
             state = 0 if mode == "none" else measured.checkpoint_state_bytes
             assert got.recompute[mode].activation_bytes == cost.activation_bytes - state, (got.name, mode)
+            for name in ("tp_whole_activation_bytes", "sp_whole_activation_bytes"):
+                assert getattr(got.recompute[mode], name) == getattr(cost, name) - state, (got.name, mode, name)
+            assert got.recompute[mode].expert_activation_bytes == cost.expert_activation_bytes, (got.name, mode)
+            assert got.recompute[mode].expert_working_bytes == cost.expert_working_bytes, (got.name, mode)
             assert got.recompute[mode].saved_input_bytes == cost.saved_input_bytes, (got.name, mode)
             # a split backward's pending gradients: exact for dense blocks; an upper bound for MoE blocks,
             # whose input gradients free part of what the routing saved (measured: 9-19% less held)
