@@ -64,10 +64,11 @@ class Network:
 
 @dataclass
 class _Pass:
-    """A layer's collectives as they are added up: each, and what the forward, backward and a re-run
-    forward (recompute) are made longer by."""
+    """A layer's collectives as they are added up: one per mesh dimension, operation and period (its
+    forward's and backward's together), and what the forward, backward and a re-run forward
+    (recompute) are made longer by."""
 
-    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    collectives: dict[tuple[str, str, str], Collective] = dataclasses.field(default_factory=dict)
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     rerun_ms: float = 0.0  # of forward_ms, what a recomputed forward runs again (not FSDP's gathers)
@@ -83,12 +84,18 @@ class _Pass:
         total = calls * each_bytes
         ms = 1e3 * ((share * total / link if link else 0.0) + calls * network.latency_s)
         exposed = max(0.0, ms - hidden_ms)
-        self.collectives.append(Collective(dimension, operation, per, calls, total, ms, exposed))
+        self._time(dimension, per, when, exposed)
+        was = self.collectives.get((dimension, operation, per))
+        if was is not None:
+            calls, total, ms, exposed = was.calls + calls, was.bytes + total, was.ms + ms, was.exposed_ms + exposed
+        self.collectives[dimension, operation, per] = Collective(dimension, operation, per, calls, total, ms, exposed)
+
+    def _time(self, dimension: str, per: str, when: str, exposed_ms: float) -> None:
         if per == MICRO_BATCH and when == "forward":
-            self.forward_ms += exposed
-            self.rerun_ms += exposed if dimension != "data" else 0.0
+            self.forward_ms += exposed_ms
+            self.rerun_ms += exposed_ms if dimension != "data" else 0.0
         elif per == MICRO_BATCH:
-            self.backward_ms += exposed
+            self.backward_ms += exposed_ms
 
 
 def with_collectives(profile: ModelProfile, s: TransformerShape, network: Network, flops_per_second: float) -> ModelProfile:
@@ -180,5 +187,5 @@ def _timed(layer: LayerProfile, work: _Pass) -> LayerProfile:
                  for mode, cost in layer.recompute.items()}
     return dataclasses.replace(layer, forward_ms=layer.forward_ms + work.forward_ms,
                                backward_ms=layer.backward_ms + work.backward_ms, recompute=recompute,
-                               collectives=tuple(work.collectives))
+                               collectives=tuple(work.collectives.values()))
 

@@ -149,10 +149,10 @@ def _network(args: argparse.Namespace) -> Network | None:
     """The links and data-parallel side the flags give; None where none is given (no collectives stated)."""
     if all(getattr(args, name) is None for name in NETWORK):
         return None
-    return Network(link_bytes_per_second=args.link_bandwidth or 0.0, data_link_bytes_per_second=args.data_link_bandwidth,
-                   latency_s=args.link_latency or 0.0, data_parallel=args.data_parallel or 1,
-                   zero_stage=args.zero_stage or 0, fsdp=bool(args.fsdp),
-                   reshard_after_forward=bool(args.reshard_after_forward))
+    given = {"link_bytes_per_second": args.link_bandwidth, "data_link_bytes_per_second": args.data_link_bandwidth,
+             "latency_s": args.link_latency, "data_parallel": args.data_parallel, "zero_stage": args.zero_stage,
+             "fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
+    return Network(**{name: value for name, value in given.items() if value is not None})
 
 
 def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
