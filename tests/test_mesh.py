@@ -110,6 +110,11 @@ def test_what_stages_pass_is_split_only_under_sequence_parallel(measured_profile
     rank = rank_profile(measured_profile, tp_spec(True))
     assert rank.model_output_bytes == measured_profile.model_output_bytes
     assert rank.stage_shared_bytes == measured_profile.stage_shared_bytes
+    # a stage's first block keeps its input, which is then the received sequence shard
+    for sp, divisor in ((False, 1), (True, 2)):
+        block = rank_profile(measured_profile, tp_spec(sp)).layers[1]
+        for mode, cost in measured_profile.layers[1].recompute.items():
+            assert block.recompute[mode].saved_input_bytes == cost.saved_input_bytes / divisor, (sp, mode)
 
 
 def test_backward_working_sets_split_in_blocks_and_stay_whole_in_the_head_and_tail(measured_profile):
@@ -124,6 +129,11 @@ def test_backward_working_sets_split_in_blocks_and_stay_whole_in_the_head_and_ta
     rebuilt = rank.layers[1].recompute[NONE].activation_bytes - rank.layers[1].recompute[FULL].activation_bytes
     assert rank.layers[1].recompute[FULL].working_bytes == gradients / 2 + rebuilt
     assert rank.layers[1].forward_ms == one_d[1].forward_ms / 2
+    # a split backward's held gradients (not measured under DTensor: zero-bubble schedules were not run) / t
+    # in blocks, whole in the tail
+    for name in ("pending_bytes", "input_held_bytes", "input_working_bytes", "weight_working_bytes", "weight_freed_bytes"):
+        assert getattr(rank.layers[1].recompute[NONE], name) == getattr(one_d[1].recompute[NONE], name) / 2, name
+        assert getattr(rank.layers[-1].recompute[NONE], name) == getattr(one_d[-1].recompute[NONE], name), name
 
 
 def test_the_transform_applies_once(measured_profile):
