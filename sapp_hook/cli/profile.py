@@ -238,6 +238,10 @@ def profile_report(profile: ModelProfile) -> str:
     if body_modes:
         lines.append("act MODE: activation bytes kept per micro-batch; +ms: what the mode adds to forward+backward")
     lines.extend(collectives_report(profile))
+    unmeasured = [name for name, degree in (("context", profile.mesh.context_parallel),
+                                             ("expert", profile.mesh.expert_parallel)) if degree > 1]
+    if unmeasured:
+        lines.append(f"{' and '.join(unmeasured)} parallel: by rule, not measured on a run (torch 2.13 runs neither on a CPU)")
     return "\n".join(lines)
 
 
