@@ -19,7 +19,13 @@ from profiler.analytic import analytic_profile, shape_from_config
 from sapp_hook.validate import predictions
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan, load_profile, solve
-from solver.mesh import expert_replicas, layer_static_bytes, profile_for_mesh, rank_profile, token_copies_ratio
+from solver.mesh import (
+    expert_replicas,
+    layer_static_bytes,
+    profile_for_mesh,
+    rank_profile,
+    token_copies_ratio,
+)
 from solver.profile import FULL, NONE
 from solver.profile_parts import Mesh
 
