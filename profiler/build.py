@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from profiler.analytic_blocks import expert_gradient_bytes
 from profiler.layers import Block
 from profiler.recompute import checkpoint_state_bytes
 from profiler.recorder import HEAD, TAIL, Recorder, unique_bytes
 from profiler.samples import LayerSamples, median, spread
+from profiler.shape import model_dimensions
 from profiler.split import SplitBackward
-from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
+from profiler.tp_roles import parameter_roles, tagged
+from solver.profile import (
+    NONE,
+    LayerProfile,
+    ModelProfile,
+    RecomputeCost,
+    TiedParameter,
+)
 
 
 def build_profile(
@@ -44,6 +55,9 @@ def build_profile(
             by_kind[kind] = by_kind[kind].merged(samples[index]) if kind in by_kind else samples[index]
         timing.update({index: by_kind[blocks[index].kind] for index in structure.body_order})
     state = checkpoint_state_bytes(device)  # in every recompute mode's activations, and stated
+    dimensions = model_dimensions(model.config.to_dict()) if tagged(model) else {}
+    roles = parameter_roles(model) if tagged(model) else None
+    parts = _Parts(roles, dimensions, _tokens(micro_batch or _micro_batch(recorder.input_shape)), _dtype_size(model))
     layers = []
     for slot in slots:
         params = structure.slot_parameters.get(slot, [])
@@ -52,7 +66,7 @@ def build_profile(
         else:
             name, kind, layer_modes = blocks[slot].name, blocks[slot].kind, modes
         layers.append(_layer(name, kind, layer_modes, samples[slot], timing[slot], params, recorder,
-                             backward_splits.get(kind), state))
+                             backward_splits.get(kind), state, parts))
     return ModelProfile(
         layers=tuple(layers),
         model=model_name,
@@ -68,6 +82,7 @@ def build_profile(
         stage_shared_bytes=_shared_bytes(samples, structure.body_order),
         checkpoint_state_bytes=state,
         tied_parameters=tied_parameters(model, structure.slot_parameters, dict(zip(slots, layers))),
+        dimensions=dimensions,
     )
 
 
@@ -84,7 +99,7 @@ def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) ->
 
 def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, timing: LayerSamples,
            params: list[nn.Parameter], recorder: Recorder, split: SplitBackward | None,
-           checkpoint_state: int) -> LayerProfile:
+           checkpoint_state: int, parts: _Parts) -> LayerProfile:
     """One layer's profile from its samples. `split`: the layer kind's split backward, where it was
     measured. `checkpoint_state`: what each checkpointed call keeps beside its saved tensors
     (`checkpoint_state_bytes`).
@@ -126,7 +141,13 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
                                         output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
                                         weight_freed_bytes=min(split.weight_freed_bytes, split.pending_bytes + kept)
                                         if halves else None,
-                                        saved_input_bytes=saved_input)
+                                        saved_input_bytes=saved_input,
+                                        **parts.of_mode(memory, mode, kept, 0 if mode == NONE else checkpoint_state))
+    static = parts.of_parameters(_unique(params), recorder)
+    if "expert_parameter_bytes" in static:
+        gradients = parts.expert_gradient_bytes() if static["expert_parameter_bytes"] else 0.0
+        recompute = {mode: dataclasses.replace(cost, expert_working_bytes=min(gradients, cost.working_bytes))
+                     for mode, cost in recompute.items()}
     input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
@@ -148,7 +169,54 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
             "forward_ms": spread(timing.forward_ms.get(NONE, [])),
             "backward_ms": spread(timing.backward_ms.get(NONE, [])),
         },
+        **static,
     )
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What tensor and expert parallelism treat apart in a layer (`tp_roles`), for the models it tags:
+    `roles` None for others, whose layers state only their parameter tensors."""
+
+    roles: dict[int, tuple[bool, bool, bool]] | None
+    dimensions: dict[str, int]
+    tokens: int
+    dtype_bytes: int
+
+    def of_mode(self, memory: LayerSamples, mode: str, kept: float, checkpoint_state: int) -> dict[str, float]:
+        """A recompute mode's parts; what a checkpoint holds besides its saved tensors stays whole."""
+        if self.roles is None or mode not in memory.tp_whole_bytes:
+            return {}
+        return {"tp_whole_activation_bytes": min(median(memory.tp_whole_bytes[mode]) + checkpoint_state, kept),
+                "sp_whole_activation_bytes": min(median(memory.sp_whole_bytes[mode]) + checkpoint_state, kept),
+                "expert_activation_bytes": min(median(memory.expert_bytes[mode]), kept)}
+
+    def of_parameters(self, params: list[nn.Parameter], recorder: Recorder) -> dict[str, float]:
+        if self.roles is None:
+            return {"parameter_tensors": len(params)}
+        roles = [self.roles.get(id(p), (False, False, False)) for p in params]
+        return {
+            "parameter_tensors": len(params),
+            "replicated_parameter_bytes": float(unique_bytes([p for p, role in zip(params, roles) if role[0]])),
+            "expert_parameter_bytes": float(unique_bytes([p for p, role in zip(params, roles) if role[1]])),
+            "replicated_gradient_bytes": float(sum(recorder.gradient_bytes.get(id(p), 0)
+                                                   for p, role in zip(params, roles) if role[2])),
+        }
+
+    def expert_gradient_bytes(self) -> float:
+        """The routed experts' gradients alive in a MoE layer's backward, as profiler.analytic counts them
+        (an allocator peak is not split by module)."""
+        dims = self.dimensions
+        return expert_gradient_bytes(self.tokens, dims.get("hidden", 0), dims.get("moe_ffn", 0),
+                                     dims.get("experts_per_token", 0), self.dtype_bytes)
+
+
+def _tokens(micro_batch: dict[str, int]) -> int:
+    return micro_batch.get("size", 0) * micro_batch.get("sequence", 0)
+
+
+def _dtype_size(model: nn.Module) -> int:
+    return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
 
 
 def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],

@@ -36,6 +36,7 @@ from profiler.recompute import TORCH_MODES
 from profiler.recorder import TAIL, Recorder
 from profiler.samples import LayerSamples
 from profiler.split import SplitBackward, measure_split_backward
+from profiler.tp_roles import role_bytes
 from simulator.errors import InputError
 from solver.profile import NONE, ModelProfile
 
@@ -217,6 +218,7 @@ class LayerProfiler:
                 backward_peak_bytes=record.backward_peak_bytes,
                 saved_input_bytes=record.kept_bytes.get(record.input_key, 0),
                 shared_bytes=shared,
+                parts=role_bytes(record.kept_bytes, record.roles, record.shared_keys) if self.recorder.owners else None,
             )
 
     def _collect_working_sets(self, mode: str) -> None:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 from profiler.clock import DeviceMemory, EventClock, WallClock
 from profiler.layers import Block
 from profiler.recompute import set_recompute
+from profiler.tp_roles import Owners, tagged
 from simulator.errors import InputError
 from solver.profile import NONE
 
@@ -43,6 +44,7 @@ class Pass:
     backward_end: object = None
     parameter_marks: list[object] = field(default_factory=list)  # gradients of the slot's parameters accumulated
     kept_bytes: dict[int, int] = field(default_factory=dict)  # storage -> bytes kept for backward
+    roles: dict[int, str] = field(default_factory=dict)  # storage -> what tensor parallelism does to it (tp_roles)
     input_bytes: int = 0  # the activation a block receives (its gradient flows back out of the block)
     input_key: int | None = None  # the storage of that activation (kept_bytes says whether the layer saved it)
     shared_keys: frozenset[int] = frozenset()  # storages of the other tensors it is handed (rotary tables)
@@ -111,6 +113,7 @@ class Recorder:
         self._runs_in_forward: dict[int, int] | None = None  # block index -> runs, while the model's forward runs
         self._repeated: set[int] = set()  # blocks that ran twice in one forward of the model
         self._excluded_storages: set[int] = set()  # parameters and buffers: not activations
+        self.owners: Owners | None = None  # the modules running, for tp_roles (Llama-family models)
         self.gradient_bytes: dict[int, int] = {}  # id(param) -> bytes of its .grad
         self.optimizer_bytes: dict[int, int] = {}  # id(param) -> bytes of its optimizer state
         self.captured_inputs: dict[int, tuple[tuple, dict]] = {}  # body index -> (args, kwargs), for split_backward
@@ -141,6 +144,8 @@ class Recorder:
             if id(module) not in inside_blocks and any(True for _ in module.parameters(recurse=False)):
                 self._discovery_handles.append(module.register_forward_pre_hook(self._owner_pre(module)))
         if self.count_memory:
+            if tagged(self.model):
+                self.owners = Owners(self.model, storage_key)
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saved_hooks.__enter__()
 
@@ -151,6 +156,9 @@ class Recorder:
             handle.remove()
         self._handles.clear()
         self._discovery_handles.clear()
+        if self.owners is not None:
+            self.owners.remove()
+            self.owners = None
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -213,6 +221,8 @@ class Recorder:
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._body_started = -1
+        if self.owners is not None:
+            self.owners.reset()
         self._runs_in_forward = {}
         if self.input_shape is None:
             first = next((v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)), None)
@@ -416,6 +426,8 @@ class Recorder:
         step = forward.passes.get(slot)
         if step is not None:
             step.kept_bytes[key] = size
+            if self.owners is not None:
+                step.roles[key] = self.owners.role(key, body=isinstance(slot, int))
 
     def _add_passes(self, passes: dict[object, Pass]) -> None:
         self.passes.extend(passes.items())

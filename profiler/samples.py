@@ -6,6 +6,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+PARTS = ("tp_whole_bytes", "sp_whole_bytes", "expert_bytes")
+
 
 @dataclass
 class LayerSamples:
@@ -18,15 +20,24 @@ class LayerSamples:
     saved_input_bytes: dict[str, list[int]] = field(default_factory=dict)  # of kept_bytes, the layer's input
     shared_bytes: dict[str, list[int]] = field(default_factory=dict)  # kept of what a stage computes for its blocks
     backward_peak_bytes: dict[str, list[int]] = field(default_factory=dict)  # allocator peaks over the backward
+    # of kept_bytes, per tp_roles: what tensor parallelism leaves whole, without and with sequence
+    # parallelism, and the routed experts' (only for the models tp_roles tags)
+    tp_whole_bytes: dict[str, list[int]] = field(default_factory=dict)
+    sp_whole_bytes: dict[str, list[int]] = field(default_factory=dict)
+    expert_bytes: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, mode: str, forward_ms: float, backward_ms: float, kept_bytes: int, input_bytes: int,
-            backward_peak_bytes: int | None, saved_input_bytes: int = 0, shared_bytes: int = 0) -> None:
+            backward_peak_bytes: int | None, saved_input_bytes: int = 0, shared_bytes: int = 0,
+            parts: tuple[int, int, int] | None = None) -> None:
         self.forward_ms.setdefault(mode, []).append(forward_ms)
         self.backward_ms.setdefault(mode, []).append(backward_ms)
         self.kept_bytes.setdefault(mode, []).append(kept_bytes)
         self.saved_input_bytes.setdefault(mode, []).append(saved_input_bytes)
         self.shared_bytes.setdefault(mode, []).append(shared_bytes)
         self.input_bytes.append(input_bytes)
+        if parts is not None:
+            for name, value in zip(PARTS, parts):
+                getattr(self, name).setdefault(mode, []).append(value)
         if backward_peak_bytes is not None:
             self.add_working_set(mode, backward_peak_bytes)
 
@@ -36,7 +47,8 @@ class LayerSamples:
     def merged(self, other: LayerSamples) -> LayerSamples:
         """This layer's samples and another's together (pooling the layers of one kind)."""
         out = LayerSamples()
-        for name in ("forward_ms", "backward_ms", "kept_bytes", "saved_input_bytes", "shared_bytes", "backward_peak_bytes"):
+        for name in ("forward_ms", "backward_ms", "kept_bytes", "saved_input_bytes", "shared_bytes", "backward_peak_bytes",
+                     *PARTS):
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(out, name, {m: mine.get(m, []) + theirs.get(m, []) for m in {*mine, *theirs}})
         out.input_bytes = self.input_bytes + other.input_bytes

@@ -33,6 +33,7 @@ from solver.calibrate import Run
 from solver.costs import buffered_input_bytes
 from solver.engine_memory import boundary_bytes, torch_1f1b_held_bytes
 from solver.fields import Fields
+from solver.mesh import rank_profile
 from solver.profile import FULL, NONE, SELECTIVE
 from solver.spec import spec_from_dict
 
@@ -164,6 +165,7 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     counted in); the static bytes (without those sends);
     the part of them that is the engine's receive buffers (`spec.receive_buffers`); and what is held
     above the static bytes once the last action has run (what the engine keeps to the step's end)."""
+    profile = rank_profile(profile, plan.spec)  # the numbers of one rank of the plan's mesh, as the plan's
     result = plan.simulation
     schedule = result.schedule
     ends = [result.rank_finish_ms(rank) for rank in range(schedule.ranks)]

@@ -15,6 +15,7 @@ from solver.engine_memory import (
     torch_hands_gradient_over,
     torch_splits_backward,
 )
+from solver.mesh import layer_static_bytes
 from solver.profile import HEAD, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 
@@ -60,10 +61,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
             + torch_pending[virtual] - handed_gradient,
-            static_bytes=sum(
-                spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
-                for layer, _ in layers
-            )
+            static_bytes=sum(layer_static_bytes(layer, spec) for layer, _ in layers)
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual]
             + held_sends[virtual],

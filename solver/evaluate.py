@@ -9,6 +9,7 @@ from simulator import simulate
 from simulator.errors import InputError, shown
 from solver.costs import pipeline_costs
 from solver.fields import Fields
+from solver.mesh import rank_profile
 from solver.mindformers import mindformers_split
 from solver.plan import Plan
 from solver.profile import HEAD, NONE, TAIL, ModelProfile
@@ -18,7 +19,9 @@ from solver.spec import PipelineSpec, spec_from_dict
 def evaluate_plan(
     profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...] | list[int], modes: tuple[str, ...] | list[str]
 ) -> Plan:
-    """Check a split and recompute choice against the profile and spec, and simulate it."""
+    """Check a split and recompute choice against the profile and spec, and simulate it (for one rank
+    of the spec's mesh: `solver.mesh.rank_profile`)."""
+    profile = rank_profile(profile, spec)
     counts, modes = tuple(counts), tuple(modes)
     schedule = spec.pipeline_schedule
     layers = profile.layers

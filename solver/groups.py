@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from simulator.errors import InputError
 from simulator.schedule import Schedule
 from simulator.units import MIB
+from solver.mesh import layer_static_bytes
 from solver.profile import HEAD, TAIL, LayerProfile, ModelProfile
 from solver.spec import PipelineSpec
 
@@ -66,7 +67,7 @@ def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: 
                 backward_ms=layer.backward_ms,
                 weight_ms=layer.split_weight_ms(),
                 input_ms=layer.split_input_ms(),
-                static_mib=spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes) / MIB,
+                static_mib=layer_static_bytes(layer, spec) / MIB,
                 extra_ms={m: layer.recompute[m].extra_ms for m in modes},
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
                 working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
@@ -104,7 +105,8 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
 def _costs_key(layer: LayerProfile) -> tuple:
     return (
         layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.split_input_ms(),
-        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, tuple(sorted(layer.recompute.items())),
+        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, layer.expert_parameter_bytes,
+        tuple(sorted(layer.recompute.items())),
     )
 
 

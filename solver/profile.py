@@ -14,6 +14,13 @@ from pathlib import Path
 from simulator.errors import InputError, check_bytes, check_ms, check_non_negative
 from simulator.files import atomic_write_text
 from solver.fields import Fields
+from solver.profile_parts import (
+    Collective,
+    Mesh,
+    check_dimensions,
+    collectives_from_list,
+    dimensions_from_dict,
+)
 
 SCHEMA_VERSION = 1
 NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL = "none", "selective", "comm", "selective+comm", "full"
@@ -22,6 +29,10 @@ RECOMPUTE_MODES = (NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL)
 HEAD, TAIL, BODY_PREFIX = "head", "tail", "body:"
 MAX_FILE_BYTES = 64 * 2**20
 MAX_LAYERS = 100_000
+LAYER_MESH_FIELDS = ("parameter_tensors", "replicated_parameter_bytes", "replicated_gradient_bytes",
+                     "expert_parameter_bytes")
+COST_MESH_FIELDS = ("tp_whole_activation_bytes", "sp_whole_activation_bytes", "expert_activation_bytes",
+                    "expert_working_bytes")
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ class RecomputeCost:
     output_gradient_freed_bytes: float = 0.0
     saved_input_bytes: float = 0.0
     weight_freed_bytes: float | None = None
+    tp_whole_activation_bytes: float | None = None
+    sp_whole_activation_bytes: float | None = None
+    expert_activation_bytes: float | None = None
+    expert_working_bytes: float | None = None
 
     def split_input_working_bytes(self) -> float:
         return self.working_bytes if self.input_working_bytes is None else self.input_working_bytes
@@ -88,7 +103,12 @@ class RecomputeCost:
 class LayerProfile:
     """One layer in model order. `kind` is `head`, `tail` or `body:<type>` (e.g. `body:decoder`).
     `input_ms`: the input-gradient half (I) where the backward runs split in two, where measured;
-    with `weight_ms` it may add up to more than `backward_ms` (torch's two calls cost more than one)."""
+    with `weight_ms` it may add up to more than `backward_ms` (torch's two calls cost more than one).
+    For tensor and expert parallelism (`solver.mesh`), where measured or stated (None: not): the
+    parameter tensors (each has its own optimizer step count), the parameter bytes tensor parallelism
+    leaves whole (norms, row-parallel biases, the router), the gradient bytes it leaves whole (those
+    parameters' and the embedding's: torch's DTensor embedding backward returns a whole gradient), the
+    routed experts' parameter bytes; and the collectives the layer runs (an estimate states them)."""
 
     name: str
     kind: str
@@ -101,6 +121,11 @@ class LayerProfile:
     gradient_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     spread: Mapping[str, float] = field(default_factory=dict)  # spread over the measured steps, per field
+    parameter_tensors: int | None = None
+    replicated_parameter_bytes: float | None = None
+    replicated_gradient_bytes: float | None = None
+    expert_parameter_bytes: float | None = None
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def is_body(self) -> bool:
@@ -118,6 +143,11 @@ class LayerProfile:
     def split_input_ms(self) -> float:
         """The input-gradient time of a split backward; the rest of the backward where not measured."""
         return self.backward_ms - self.split_weight_ms() if self.input_ms is None else self.input_ms
+
+    def optimizer_tensor_bytes(self) -> float:
+        """Of optimizer_bytes, what is kept per parameter tensor rather than per element: Adam's 4-byte
+        step count, whatever the tensor's size or shard (0 where the tensors are not counted)."""
+        return min(4.0 * (self.parameter_tensors or 0), self.optimizer_bytes)
 
 
 @dataclass(frozen=True)
@@ -143,6 +173,8 @@ class ModelProfile:
     stage holding a block; `checkpoint_state_bytes`, what each recomputed layer's checkpoint holds
     besides the tensors it saves (the CPU generator's state, on the CPU), counted in the recompute
     modes' activation_bytes.
+    `mesh`: the parallel layout the numbers are per rank of (1-D: measured on one process);
+    `dimensions`: the model's sizes that layout must divide (`profile_parts.DIMENSIONS`).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -159,6 +191,8 @@ class ModelProfile:
     stage_shared_bytes: float = 0.0
     checkpoint_state_bytes: float = 0.0
     tied_parameters: tuple[TiedParameter, ...] = ()
+    mesh: Mesh = field(default_factory=Mesh)
+    dimensions: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -221,6 +255,8 @@ class ModelProfile:
             "tied_parameters": [
                 {"names": list(t.names), "layers": list(t.layers), "bytes": t.bytes} for t in self.tied_parameters
             ],
+            "mesh": self.mesh.to_dict(),
+            **({"dimensions": dict(self.dimensions)} if self.dimensions else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -255,6 +291,8 @@ class ModelProfile:
             model_output_bytes=fields.number("model_output_bytes", 0.0),
             loss_bytes=fields.number("loss_bytes", 0.0),
             tied_parameters=_tied_from_list(fields.raw("tied_parameters", [])),
+            mesh=Mesh.from_dict(fields.raw("mesh", {})),
+            dimensions=dimensions_from_dict(fields.raw("dimensions", {})),
         )
         fields.done()
         return profile
@@ -318,13 +356,19 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
     }
     if layer.spread:
         data["spread"] = dict(layer.spread)
+    for name in LAYER_MESH_FIELDS:
+        if getattr(layer, name) is not None:
+            data[name] = getattr(layer, name)
+    if layer.collectives:
+        data["collectives"] = [collective.to_dict() for collective in layer.collectives]
     return data
 
 
 def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
     data = {"extra_ms": cost.extra_ms, "activation_bytes": cost.activation_bytes, "working_bytes": cost.working_bytes,
             "retained_bytes": cost.retained_bytes, "pending_bytes": cost.pending_bytes}
-    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes", "weight_freed_bytes"):
+    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes", "weight_freed_bytes",
+                 *COST_MESH_FIELDS):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
     for name in ("output_gradient_freed_bytes", "saved_input_bytes"):
@@ -353,6 +397,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             output_gradient_freed_bytes=cost.number("output_gradient_freed_bytes", 0.0),
             saved_input_bytes=cost.number("saved_input_bytes", 0.0),
             weight_freed_bytes=cost.number("weight_freed_bytes"),
+            **{name: cost.number(name) for name in COST_MESH_FIELDS},
         )
         cost.done()
     spread = fields.raw("spread", {})
@@ -370,6 +415,11 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
         optimizer_bytes=fields.number("optimizer_bytes", 0.0),
         recompute=recompute,
         spread={str(k): check_non_negative(v, f"{where}.spread.{k}") for k, v in spread.items()},
+        parameter_tensors=fields.integer("parameter_tensors"),
+        replicated_parameter_bytes=fields.number("replicated_parameter_bytes"),
+        replicated_gradient_bytes=fields.number("replicated_gradient_bytes"),
+        expert_parameter_bytes=fields.number("expert_parameter_bytes"),
+        collectives=collectives_from_list(fields.raw("collectives", []), f"{where}.collectives"),
     )
     fields.done()
     return layer
@@ -389,6 +439,7 @@ def _check_profile(profile: ModelProfile) -> None:
     if profile.loss_bytes > profile.model_output_bytes:
         raise InputError("loss_bytes", f"expected at most model_output_bytes ({profile.model_output_bytes:,.0f}), "
                                        f"got {profile.loss_bytes:,.0f}")
+    check_dimensions(profile.dimensions)
     layers = profile.layers
     check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
     for index, layer in enumerate(layers):
@@ -423,6 +474,7 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         check_ms(getattr(layer, name), f"{where}.{name}")
     for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
         check_bytes(getattr(layer, name), f"{where}.{name}")
+    _check_parts(layer, where)
     if layer.input_ms is not None:
         check_ms(layer.input_ms, f"{where}.input_ms")
     if layer.weight_ms is not None:
@@ -438,7 +490,7 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
         for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
                      "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes", "saved_input_bytes",
-                     "weight_freed_bytes"):
+                     "weight_freed_bytes", *COST_MESH_FIELDS):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:
@@ -455,6 +507,7 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         if cost.retained_bytes > cost.activation_bytes:
             raise InputError(f"{where}.recompute.{mode}.retained_bytes",
                              f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")
+        _check_parts_of(cost, f"{where}.recompute.{mode}")
         if cost.activation_bytes > kept:
             raise InputError(
                 f"{where}.recompute.{mode}.activation_bytes",
@@ -464,3 +517,39 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         raise InputError(f"{where}.recompute.none.extra_ms", f"expected 0 (no recompute redoes nothing), got {layer.recompute[NONE].extra_ms:g}")
     if not layer.is_body and set(layer.recompute) != {NONE}:
         raise InputError(f"{where}.recompute", "head and tail layers are not recomputed; give only \"none\"")
+
+
+def _check_parts(layer: LayerProfile, where: str) -> None:
+    """The parts of a layer's parameter and gradient bytes that tensor and expert parallelism treat apart."""
+    if layer.parameter_tensors is not None and (isinstance(layer.parameter_tensors, bool)
+                                                or not isinstance(layer.parameter_tensors, int) or layer.parameter_tensors < 0):
+        raise InputError(f"{where}.parameter_tensors", f"expected an integer >= 0, got {layer.parameter_tensors!r}")
+    apart = 0.0
+    for name in ("replicated_parameter_bytes", "expert_parameter_bytes"):
+        if getattr(layer, name) is not None:
+            check_bytes(getattr(layer, name), f"{where}.{name}")
+            apart += getattr(layer, name)
+    if apart > layer.parameter_bytes:
+        raise InputError(f"{where}.replicated_parameter_bytes", f"with expert_parameter_bytes, expected at most "
+                                                                f"parameter_bytes ({layer.parameter_bytes:,.0f}), got {apart:,.0f}")
+    if layer.replicated_gradient_bytes is not None:
+        check_bytes(layer.replicated_gradient_bytes, f"{where}.replicated_gradient_bytes")
+        if layer.replicated_gradient_bytes > layer.gradient_bytes:
+            raise InputError(f"{where}.replicated_gradient_bytes", f"expected at most gradient_bytes "
+                                                                   f"({layer.gradient_bytes:,.0f}), got {layer.replicated_gradient_bytes:,.0f}")
+
+
+def _check_parts_of(cost: RecomputeCost, where: str) -> None:
+    """Each part of a mode's activation (working) bytes is at most the whole; with sequence
+    parallelism, less stays whole than without."""
+    for name in ("tp_whole_activation_bytes", "sp_whole_activation_bytes", "expert_activation_bytes"):
+        if getattr(cost, name) is not None and getattr(cost, name) > cost.activation_bytes:
+            raise InputError(f"{where}.{name}", f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), "
+                                                f"got {getattr(cost, name):,.0f}")
+    if cost.expert_working_bytes is not None and cost.expert_working_bytes > cost.working_bytes:
+        raise InputError(f"{where}.expert_working_bytes", f"expected at most working_bytes ({cost.working_bytes:,.0f}), "
+                                                          f"got {cost.expert_working_bytes:,.0f}")
+    whole, sequence_whole = cost.tp_whole_activation_bytes, cost.sp_whole_activation_bytes
+    if whole is not None and sequence_whole is not None and sequence_whole > whole:
+        raise InputError(f"{where}.sp_whole_activation_bytes", f"expected at most tp_whole_activation_bytes "
+                                                               f"({whole:,.0f}), got {sequence_whole:,.0f}")

@@ -29,6 +29,7 @@ from solver.evaluate import evaluate_plan
 from solver.formulation import PATHS, START_TIMES, IntegerProgram
 from solver.groups import LayerGroup, check_room, layer_groups
 from solver.infeasible import infeasible_error
+from solver.mesh import rank_profile
 from solver.milp import INF, MilpResult, dot, within
 from solver.plan import Plan
 from solver.profile import ModelProfile
@@ -66,6 +67,7 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     check_seconds(time_limit_s, "time_limit_s")
     if not callable(on_interrupt) and on_interrupt not in ON_INTERRUPT:
         raise InputError("on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}")
+    profile = rank_profile(profile, spec)  # one rank of the spec's mesh from here on
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
         log.info("searching with every time x %g (the median layer's forward and backward take %s ms)", scale,

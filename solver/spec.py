@@ -84,6 +84,11 @@ class PipelineSpec:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise InputError("sequence_parallel", "needs tensor_parallel > 1 (it splits what tensor parallelism "
                                                   "leaves whole)")
+        carved_from = self.data_parallel * self.tensor_parallel * self.context_parallel
+        if self.expert_parallel > 1 and carved_from % self.expert_parallel:
+            raise InputError("expert_parallel", f"expected a divisor of data_parallel x tensor_parallel x "
+                                                f"context_parallel ({carved_from}): expert-parallel ranks are carved "
+                                                f"from those, got {self.expert_parallel}")
         if self.expert_tokens not in EXPERT_TOKENS and capacity_factor(self.expert_tokens) is None:
             raise InputError("expert_tokens", f"expected balanced, dropless or capacity:FACTOR (a number >= 1), "
                                               f"got {shown(self.expert_tokens)}")
@@ -110,9 +115,11 @@ class PipelineSpec:
         splits = schedule_kind(self.schedule).splits_backward
         return overhead, overhead * (2 if splits else 1), overhead
 
-    def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float) -> float:
-        """A layer's resident bytes on one device after data-parallel sharding."""
-        dp = self.data_parallel
+    def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
+                     replicas: int | None = None) -> float:
+        """A layer's resident bytes on one device after sharding over `replicas` (default: the
+        data-parallel replicas; `solver.mesh.layer_static_bytes` gives routed experts their own)."""
+        dp = self.data_parallel if replicas is None else replicas
         return (
             parameter_bytes / (dp if self.zero_stage >= 3 else 1)
             + gradient_bytes / (dp if self.zero_stage >= 2 else 1)

@@ -11,8 +11,10 @@ from cli_args import with_flags
 from profiler_cases import LLAMA
 
 from profiler.analytic import analytic_profile, shape_from_config
+from profiler.collectives import Network
 from sapp_hook.cli import main
 from solver import load_profile
+from solver.profile_parts import Mesh
 
 FAST = ["--steps", "1", "--micro-batch-size", "1", "--seq-len", "16"]
 
@@ -100,6 +102,14 @@ ESTIMATE = ["--estimate"]
         (ESTIMATE, ["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
         (ESTIMATE, ["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
         (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
+        (FAST, ["--link-bandwidth", "1e9"], "--link-bandwidth: needs --estimate"),
+        (FAST, ["--expert-parallel", "2"], "--expert-parallel: needs --estimate"),
+        (ESTIMATE, ["--expert-parallel", "2", "--data-parallel", "2"],
+         "--expert-parallel: the model has no routed experts; expected 1, got 2"),
+        (ESTIMATE, ["--expert-parallel", "2", "--expert-tokens", "most"], "--expert-tokens: expected balanced, dropless"),
+        (ESTIMATE, ["--zero-stage", "2", "--data-parallel", "0"], "--data-parallel: expected an integer >= 1, got 0"),
+        (ESTIMATE, ["--link-bandwidth", "-1"], "--link-bandwidth: expected a finite number >= 0, got -1.0"),
+        (ESTIMATE, ["--link-latency", "nan"], "--link-latency: expected a finite number >= 0, got nan"),
     ],
 )
 def test_bad_input_is_one_line(capsys, tmp_path, config_json, base, flags, message):
@@ -151,6 +161,37 @@ def test_an_estimate_runs_nothing_and_writes_the_analytic_profile(tmp_path, conf
     estimated = load_profile(out)
     assert estimated.layers == analytic_profile(shape, flops_per_second=4e14).layers
     assert estimated.model == f"{config_json} (estimated)" and estimated.source == "analytic"
+
+
+@pytest.mark.parametrize(("switches", "message"), [
+    (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
+    (["--fsdp", "--zero-stage", "1"], "--zero-stage: FSDP shards parameters, gradients and optimizer state"),
+    (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
+])
+def test_a_layout_no_engine_runs_is_one_line(capsys, tmp_path, config_json, switches, message):
+    with pytest.raises(SystemExit) as caught:
+        main(["profile", "--model", str(config_json), *ESTIMATE, *switches, "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.startswith(f"sapp-hook profile: error: {message}") and err.count("\n") == 1
+
+
+def test_an_estimate_for_one_rank_of_a_mesh_says_so_and_states_its_collectives(capsys, tmp_path, config_json):
+    out = tmp_path / "estimate.json"
+    argv = ["profile", "--model", str(config_json), "--estimate", "--dtype", "float32", "--seq-len", "64",
+            "--tensor-parallel", "2", "--sequence-parallel", "--data-parallel", "4", "--fsdp",
+            "--link-bandwidth", "1e11", "--data-link-bandwidth", "2.5e10", "--link-latency", "1e-5", "--out", str(out)]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    assert "one rank of tensor_parallel 2 (sequence parallel)" in report
+    assert "collectives (in the forward and backward times): tensor all-reduce x" in report
+    assert "collectives (once a step, in no layer time): data reduce-scatter x" in report
+    shape = shape_from_config({"model_type": "llama", **LLAMA}, sequence=64, micro_batch_size=2, dtype="float32",
+                              tensor_parallel=2, sequence_parallel=True)
+    network = Network(link_bytes_per_second=1e11, data_link_bytes_per_second=2.5e10, latency_s=1e-5, data_parallel=4,
+                      fsdp=True)
+    estimated = load_profile(out)
+    assert estimated.layers == analytic_profile(shape, network=network).layers
+    assert estimated.mesh == Mesh(tensor_parallel=2, sequence_parallel=True)
 
 
 def test_an_estimate_names_a_size_the_config_lacks(capsys, tmp_path, config_json):

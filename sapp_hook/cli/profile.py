@@ -9,7 +9,15 @@ import sys
 from profiler.analytic import BYTES_PER_SECOND as BANDWIDTH
 from profiler.analytic import FLOPS_PER_SECOND as FLOPS
 from profiler.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
-from sapp_hook.cli.common import command, configure_logging, finish, mode_list, output_paths, write_output
+from profiler.collectives import Network
+from sapp_hook.cli.common import (
+    command,
+    configure_logging,
+    finish,
+    mode_list,
+    output_paths,
+    write_output,
+)
 from sapp_hook.torch_engine import check_torch
 from simulator import InputError
 from simulator.units import format_bytes
@@ -18,7 +26,10 @@ from solver.profile import NONE, ModelProfile
 PROG = "sapp-hook profile"
 STEPS, WARMUP_STEPS, MODES = 2, 1, "none,selective,full"
 MEASURING = ("steps", "warmup_steps", "modes", "layers", "device")
-ESTIMATING = ("flops", "bandwidth", "tensor_parallel", "context_parallel", "optimizer_bytes")
+LAYOUT = ("tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel", "expert_tokens")
+NETWORK = ("link_bandwidth", "data_link_bandwidth", "link_latency", "data_parallel", "zero_stage", "fsdp",
+           "reshard_after_forward")
+ESTIMATING = ("flops", "bandwidth", "optimizer_bytes", *LAYOUT, *NETWORK)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -60,8 +71,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            help=f"FLOP/s one device sustains: its peak times the utilisation expected (default {FLOPS:g})")
     estimated.add_argument("--bandwidth", type=float, metavar="RATE",
                            help=f"bytes/s of device memory for elementwise work (default {BANDWIDTH:g})")
-    estimated.add_argument("--tensor-parallel", type=int, metavar="N", help="tensor-parallel degree (default 1)")
+    estimated.add_argument("--tensor-parallel", type=int, metavar="N",
+                           help="estimate one rank of a tensor-parallel job of N (default 1)")
+    estimated.add_argument("--sequence-parallel", action="store_true", default=None,
+                           help="with --tensor-parallel: sequence parallel too")
     estimated.add_argument("--context-parallel", type=int, metavar="N", help="context-parallel degree (default 1)")
+    estimated.add_argument("--expert-parallel", type=int, metavar="N", help="expert-parallel degree (default 1)")
+    estimated.add_argument("--expert-tokens", metavar="RULE",
+                           help="token copies an expert-parallel rank receives: balanced (default), dropless or "
+                                "capacity:FACTOR")
+    estimated.add_argument("--data-parallel", type=int, metavar="N",
+                           help="data-parallel replicas, for their collectives (default 1; solve shards memory)")
+    estimated.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, for its collectives")
+    estimated.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP2 over --data-parallel")
+    estimated.add_argument("--reshard-after-forward", action="store_true", default=None,
+                           help="with --fsdp: gather the parameters again in every forward and backward")
+    estimated.add_argument("--link-bandwidth", type=float, metavar="RATE",
+                           help="bytes/s a rank's link moves within a node (tensor, context, expert parallel); "
+                                "with it each layer's collectives and their exposed time are estimated")
+    estimated.add_argument("--data-link-bandwidth", type=float, metavar="RATE",
+                           help="bytes/s between nodes, where data parallelism runs (default --link-bandwidth)")
+    estimated.add_argument("--link-latency", type=float, metavar="SECONDS", help="per collective call (default 0)")
     estimated.add_argument("--optimizer-bytes", type=float, metavar="N",
                            help=f"optimizer state per parameter (default {OPTIMIZER_BYTES:g}: Adam's two fp32 states; "
                                 "12 with an fp32 master copy of 16-bit weights)")
@@ -93,25 +123,36 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
 
     data, where = config_data(args.model)
     flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype",
-             "tensor_parallel": "--tensor-parallel", "context_parallel": "--context-parallel",
              "flops_per_second": "--flops", "bytes_per_second": "--bandwidth",
-             "optimizer_bytes_per_parameter": "--optimizer-bytes"}
+             "optimizer_bytes_per_parameter": "--optimizer-bytes", "link_bytes_per_second": "--link-bandwidth",
+             "data_link_bytes_per_second": "--data-link-bandwidth", "latency_s": "--link-latency",
+             "fsdp_reshard_after_forward": "--reshard-after-forward",
+             **{name: "--" + name.replace("_", "-") for name in (*LAYOUT, *NETWORK)}}
+    layout = {name: getattr(args, name) for name in LAYOUT if getattr(args, name) is not None}
     try:
-        shape = shape_from_config(
-            data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-            tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
-            context_parallel=1 if args.context_parallel is None else args.context_parallel,
-        )
+        shape = shape_from_config(data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
+                                  **layout)
         profile = analytic_profile(
             shape, flops_per_second=FLOPS if args.flops is None else args.flops,
             bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
             optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
+            network=_network(args),
         )
     except InputError as exc:
         if exc.field in flags:
             raise InputError(flags[exc.field], exc.detail) from None
         raise InputError("--model", f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
+
+
+def _network(args: argparse.Namespace) -> Network | None:
+    """The links and data-parallel side the flags give; None where none is given (no collectives stated)."""
+    if all(getattr(args, name) is None for name in NETWORK):
+        return None
+    given = {"link_bytes_per_second": args.link_bandwidth, "data_link_bytes_per_second": args.data_link_bandwidth,
+             "latency_s": args.link_latency, "data_parallel": args.data_parallel, "zero_stage": args.zero_stage,
+             "fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
+    return Network(**{name: value for name, value in given.items() if value is not None})
 
 
 def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
@@ -184,7 +225,7 @@ def profile_report(profile: ModelProfile) -> str:
     kind_width = max(4, *(len(layer.kind) for layer in profile.layers))
     lines = [
         f"{profile.model}: {len(profile.layers)} layers, {profile.dtype}{' on ' + profile.device if profile.device else ''}, "
-        f"micro-batch {batch}",
+        f"micro-batch {batch}" + ("" if profile.mesh.is_one_d else f"; one rank of {profile.mesh.describe()}"),
         f"{'layers':<{name_width}}  {'kind':<{kind_width}}  {'fwd ms':>8} {'bwd ms':>8} {'params':>10} "
         + " ".join(f"{'act ' + mode:>14} {'+ms':>7}" for mode in modes),
     ]
@@ -196,4 +237,27 @@ def profile_report(profile: ModelProfile) -> str:
     body_modes = [m for m in modes if m != NONE]
     if body_modes:
         lines.append("act MODE: activation bytes kept per micro-batch; +ms: what the mode adds to forward+backward")
+    lines.extend(collectives_report(profile))
+    unmeasured = [name for name, degree in (("context", profile.mesh.context_parallel),
+                                             ("expert", profile.mesh.expert_parallel)) if degree > 1]
+    if unmeasured:
+        lines.append(f"{' and '.join(unmeasured)} parallel: by rule, not measured on a run (torch 2.13 runs neither on a CPU)")
     return "\n".join(lines)
+
+
+def collectives_report(profile: ModelProfile) -> list[str]:
+    """One line per mesh dimension and operation: the model's collectives, their time and what is exposed."""
+    totals: dict[tuple[str, str, str], list[float]] = {}
+    for layer in profile.layers:
+        for collective in layer.collectives:
+            total = totals.setdefault((collective.dimension, collective.operation, collective.per), [0, 0.0, 0.0, 0.0])
+            total[0] += collective.calls
+            total[1] += collective.bytes
+            total[2] += collective.ms
+            total[3] += collective.exposed_ms
+    lines = [f"collectives ({'in the forward and backward times' if per == 'micro-batch' else 'once a step, in no layer time'}): "
+             f"{dimension} {operation} x{calls:.0f} per {per}, {format_bytes(moved)}, {ms:.2f} ms ({exposed:.2f} ms exposed)"
+             for (dimension, operation, per), (calls, moved, ms, exposed) in totals.items()]
+    if not lines and not profile.mesh.is_one_d and profile.source == "analytic":
+        lines.append("collectives: not estimated (give --link-bandwidth)")
+    return lines

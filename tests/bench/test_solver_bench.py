@@ -113,7 +113,7 @@ def test_solve_real_model_shapes(benchmark, case):
     profile = analytic_profile(shape_from_config(config, sequence=4096, tensor_parallel=tensor_parallel),
                                flops_per_second=4e14)
     spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule,
-                        memory_budget_bytes=1e6)
+                        memory_budget_bytes=1e6, tensor_parallel=tensor_parallel)  # the rank the profile is for
     if isinstance(budget, str):  # the least that fits, from the infeasibility report, times the factor
         with pytest.raises(InfeasibleError) as nothing_fits:
             solve(profile, spec)
