@@ -188,6 +188,7 @@ class ModelProfile:
 
     def with_times_scaled(self, factor: float) -> ModelProfile:
         """This profile with every layer time (forward, backward, weight gradient, recompute) x `factor`."""
+        check_non_negative(factor, "factor")
         layers = tuple(
             dataclasses.replace(
                 layer,
@@ -230,7 +231,7 @@ class ModelProfile:
     def from_dict(cls, data: object) -> ModelProfile:
         fields = Fields(data, "")
         version = fields.raw("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
             raise InputError("schema_version", f"expected {SCHEMA_VERSION}, got {version!r}")
         layers_data = fields.raw("layers")
         if not isinstance(layers_data, list) or not layers_data:
