@@ -396,6 +396,7 @@ def _check_profile(profile: ModelProfile) -> None:
         _check_layer(layer, f"layers[{index}] ({layer.name})")
     names = {layer.name for layer in layers}
     for index, tied in enumerate(profile.tied_parameters):
+        check_bytes(tied.bytes, f"tied_parameters[{index}].bytes")
         unknown = [name for name in tied.layers if name not in names]
         if unknown:
             raise InputError(f"tied_parameters[{index}].layers", f"{unknown[0]!r} is not a layer of this profile")

@@ -63,7 +63,8 @@ class StdoutError(Exception):
 
 
 def say_error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    with contextlib.suppress(OSError, ValueError):  # stderr full or closed: the exit status still says it
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
 def fail(prog: str, message: str, status: int = EXIT_INPUT) -> NoReturn:

@@ -4,6 +4,7 @@ ending any command promptly, with one line, its temp files removed."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import select
 import signal
@@ -106,10 +107,13 @@ def standard_streams() -> Iterator[None]:
         sys.stdout = _Closed()
     if "stderr" in replaced:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    else:
+        replaced["stderr"] = sys.stderr
+        sys.stderr = _Forgiving(sys.stderr)
     try:
         yield
     finally:
-        if "stderr" in replaced:
+        if isinstance(sys.stderr, io.IOBase):
             sys.stderr.close()
         for name, stream in replaced.items():
             setattr(sys, name, stream)
@@ -152,6 +156,26 @@ class _Guarded:
             raise
         except (OSError, ValueError) as exc:  # ValueError: the stream was closed
             raise StdoutError(getattr(exc, "strerror", None) or str(exc)) from None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
+
+
+class _Forgiving:
+    """sys.stderr, whose failures (a full disk, a terminal gone) are let go: what it says is a courtesy,
+    and the exit status says how the command ended."""
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return self.stream.write(text)
+        return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.stream, name)
