@@ -1,29 +1,26 @@
 """sapp-hook: balance pipeline-parallel training from inside the run.
 
 The public face: `autotune` (profile, solve, simulate, write the launch config), `write_config`,
-`torchtitan_module_names` (a plan's module names per model part, as TorchTitan takes them), and the schedule simulator's names. The
-torch parts are imported on first use, so planning and simulation work where torch is not installed.
+`torchtitan_module_names` (a plan's module names per model part, as TorchTitan takes them), and the schedule
+simulator's names. Each is imported on first use: planning and simulation work where torch is not installed,
+and the `sapp-hook` command starts without loading what it does not run.
 """
 
+import importlib
 from typing import Any
 
 from sapp_hook.protocol import REPLAN_EXIT_CODE
-from sapp_hook.writeback import layout_from_dict, layout_of, write_config
-from sapp_hook.writeback.torchtitan import torchtitan_module_names
-from simulator import (
-    SCHEDULES,
-    ChunkCosts,
-    InputError,
-    PipelineCosts,
-    Schedule,
-    ScheduleError,
-    SimulationResult,
-    build_schedule,
-    critical_path,
-    simulate,
-)
 
-# Imported on first use: these need torch.
+# Imported on first use, so that `import sapp_hook` (and the `sapp-hook` command starting) loads nothing
+# heavy: name -> the module that has it.
+_EXPORTS = {
+    **{name: "sapp_hook.writeback" for name in ("layout_from_dict", "layout_of", "write_config")},
+    "torchtitan_module_names": "sapp_hook.writeback.torchtitan",
+    **{name: "simulator" for name in ("SCHEDULES", "ChunkCosts", "InputError", "PipelineCosts", "Schedule",
+                                      "ScheduleError", "SimulationResult", "build_schedule", "critical_path",
+                                      "simulate")},
+}
+# These need torch.
 _TORCH_EXPORTS = {
     "autotune": "sapp_hook.tune",
     "AutoTuner": "sapp_hook.tune",
@@ -35,14 +32,18 @@ _TORCH_EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name not in _TORCH_EXPORTS:
         raise AttributeError(f"module 'sapp_hook' has no attribute {name!r}")
-    import importlib
-
     from sapp_hook.torch_engine import check_torch
 
     check_torch()
     return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_TORCH_EXPORTS})
 
 
 __all__ = [

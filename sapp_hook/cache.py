@@ -32,6 +32,8 @@ class PlanCache:
 
     def __init__(self, folder: str | Path | None = None) -> None:
         self.folder = Path(folder) if folder is not None else default_cache_dir()
+        if self.folder.exists() and not self.folder.is_dir():  # found now, not when the first plan is stored
+            raise InputError("cache_dir", f"{self.folder} is not a folder")
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.json"
@@ -50,8 +52,16 @@ class PlanCache:
             return None
         return entry
 
-    def store(self, key: str, parts: Mapping[str, object], plan: Mapping[str, object], profile: Mapping[str, object]) -> Path:
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def store(self, key: str, parts: Mapping[str, object], plan: Mapping[str, object],
+              profile: Mapping[str, object]) -> Path | None:
+        """Remember the plan; None where the folder cannot take it (read-only, full): the plan is used all
+        the same, and found again only by solving again."""
         path = self.path(key)
-        atomic_write_text(path, json.dumps({"key": dict(parts), "plan": dict(plan), "profile": dict(profile)}, indent=1) + "\n")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"key": dict(parts), "plan": dict(plan), "profile": dict(profile)},
+                                               indent=1) + "\n")
+        except OSError as exc:
+            log.warning("sapp-hook: the plan is not cached: cannot write %s: %s", path, exc.strerror or exc)
+            return None
         return path

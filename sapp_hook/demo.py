@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from sapp_hook.writeback import TARGETS, write_config
+from simulator.files import atomic_write_text
 from simulator.units import format_bytes
 from solver import InfeasibleError, PipelineSpec, solve
 
@@ -68,7 +69,7 @@ def run_demo(out: str | Path) -> dict[str, object]:
         notes += [f"{name}: {note}" for note in back.notes]
     written += write_config("plan", out / "plan.yaml", result.layout).written
     report = out / "report.md"
-    report.write_text(_report(result.report, written, notes, budget))
+    atomic_write_text(report, _report(result.report, written, notes, budget))
     log.info("demo: wrote %s", ", ".join([*written, str(report), str(out / "plan.png")]))
     return {"plan": result.plan_data, "written": [*written, str(report)], "notes": notes, "budget_bytes": budget}
 

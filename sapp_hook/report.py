@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
-from simulator import SimulationResult
+from simulator import InputError, SimulationResult
 from simulator.result import BubbleSplit
 from simulator.units import format_bytes, format_ms
 from solver import ModelProfile, Plan, even_plan
@@ -82,10 +82,14 @@ def plan_report(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, object]]:
+def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, object] | None]:
     """How the plan compares with the split people start from (layers spread evenly, no recompute,
-    else full recompute where that does not fit): a report line, and the same as JSON."""
-    even = even_plan(profile, plan.spec)
+    else full recompute where that does not fit): a report line, and the same as JSON (None where
+    the even split leaves a virtual stage empty, which the plan does not)."""
+    try:
+        even = even_plan(profile, plan.spec)
+    except InputError as error:
+        return f"even split      none: {error.detail}", None
     recomputed = even if even.fits else even_plan(profile, plan.spec, FULL)
     data = {
         "iteration_time": even.iteration_time_ms,

@@ -151,6 +151,11 @@ class PipelineCosts:
         for name, value in (("stages", stages), ("chunks", chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"expected an integer >= 1, got {value!r}")
+        for name, value in (("forward_ms", forward_ms), ("backward_ms", backward_ms), ("weight_ms", weight_ms),
+                            ("recompute_ms", recompute_ms), ("activation_bytes", activation_bytes),
+                            ("static_bytes", static_bytes), ("working_bytes", working_bytes)):
+            if value is not None or name != "weight_ms":
+                check_non_negative(value, name)
         share = ChunkCosts(
             forward_ms=forward_ms / chunks,
             backward_ms=backward_ms / chunks,

@@ -38,6 +38,12 @@ class ScheduleError(InputError):
     """An action list that cannot run: a missing, repeated or misplaced action, or a deadlock."""
 
 
+def check_instance(value: object, kind: type | tuple[type, ...], field: str, expected: str) -> None:
+    """InputError naming `field` unless `value` is a `kind` (`expected` says which, as the error line does)."""
+    if not isinstance(value, kind):
+        raise InputError(field, f"expected {expected}, got {'None' if value is None else type(value).__name__}")
+
+
 def check_non_negative(value: object, field: str) -> float:
     """`value` as a float if it is a finite number >= 0; InputError naming `field` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -31,6 +31,25 @@ def write_target(path: str | Path) -> Path:
     return target
 
 
+def writable_target(path: str | Path) -> Path:
+    """`write_target(path)`, checked to be writable before any work: OSError saying why (in its strerror,
+    the path named) where the file is not a regular one, is read-only or its folder is missing or
+    read-only, or where the path itself cannot be looked up (too long, a loop of links)."""
+    try:
+        target = write_target(path)
+        exists = os.path.lexists(target)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror) from None
+    folder = target.parent
+    if not os.path.isdir(folder):
+        raise OSError(errno.ENOENT, f"folder {folder} does not exist")
+    if exists and not os.access(target, os.W_OK):
+        raise OSError(errno.EACCES, f"{path} is read-only")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"folder {folder} is read-only")
+    return target
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
     """Write `data` to `path` through a temp file in the same folder, fsync, then rename; returns the
     file written (through symbolic links, their target). A file rewritten keeps its permission bits

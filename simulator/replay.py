@@ -15,7 +15,7 @@ import dataclasses
 from simulator.actions import BACKWARD_INPUT, FORWARD
 from simulator.compiled import CompiledSchedule
 from simulator.costs import ChunkCosts, PipelineCosts
-from simulator.errors import InputError
+from simulator.errors import InputError, check_instance
 from simulator.result import BubbleSplit, SimulationResult
 from simulator.schedule import Schedule
 
@@ -66,6 +66,8 @@ def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
 
 
 def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
+    check_instance(schedule, Schedule, "schedule", "a Schedule (simulator.build_schedule)")
+    check_instance(costs, PipelineCosts, "costs", "a PipelineCosts")
     if (costs.ranks, costs.chunks) != (schedule.ranks, schedule.chunks):
         raise InputError(
             "costs",

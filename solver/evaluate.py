@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from simulator import simulate
-from simulator.errors import InputError, shown
+from simulator.errors import InputError, check_instance, shown
 from solver.costs import pipeline_costs
 from solver.fields import Fields
 from solver.mesh import rank_profile
@@ -21,6 +21,8 @@ def evaluate_plan(
 ) -> Plan:
     """Check a split and recompute choice against the profile and spec, and simulate it (for one rank
     of the spec's mesh: `solver.mesh.rank_profile`)."""
+    check_instance(profile, ModelProfile, "profile", "a ModelProfile (solver.load_profile)")
+    check_instance(spec, PipelineSpec, "spec", "a PipelineSpec")
     profile = rank_profile(profile, spec)
     counts, modes = tuple(counts), tuple(modes)
     schedule = spec.pipeline_schedule
@@ -63,11 +65,13 @@ def evaluate_plan(
 
 def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]) -> Plan:
     """A user's hand-made plan from MindFormers' keys (offset and the three recompute counts)."""
+    check_instance(keys, Mapping, "keys", "a mapping of MindFormers keys (offset, recompute, ...)")
     return evaluate_plan(profile, spec, *mindformers_split(profile, spec, keys))
 
 
 def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
     """Read back a plan JSON (Plan.to_dict) and re-simulate it against `profile`."""
+    check_instance(profile, ModelProfile, "profile", "a ModelProfile (solver.load_profile)")
     fields = Fields(data, "")
     spec = spec_from_dict(fields.raw("spec"))
     plan = Fields(fields.raw("plan"), "plan")

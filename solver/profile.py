@@ -222,6 +222,7 @@ class ModelProfile:
 
     def with_times_scaled(self, factor: float) -> ModelProfile:
         """This profile with every layer time (forward, backward, weight gradient, recompute) x `factor`."""
+        check_non_negative(factor, "factor")
         layers = tuple(
             dataclasses.replace(
                 layer,
@@ -266,7 +267,7 @@ class ModelProfile:
     def from_dict(cls, data: object) -> ModelProfile:
         fields = Fields(data, "")
         version = fields.raw("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
             raise InputError("schema_version", f"expected {SCHEMA_VERSION}, got {version!r}")
         layers_data = fields.raw("layers")
         if not isinstance(layers_data, list) or not layers_data:
@@ -446,6 +447,7 @@ def _check_profile(profile: ModelProfile) -> None:
         _check_layer(layer, f"layers[{index}] ({layer.name})")
     names = {layer.name for layer in layers}
     for index, tied in enumerate(profile.tied_parameters):
+        check_bytes(tied.bytes, f"tied_parameters[{index}].bytes")
         unknown = [name for name in tied.layers if name not in names]
         if unknown:
             raise InputError(f"tied_parameters[{index}].layers", f"{unknown[0]!r} is not a layer of this profile")

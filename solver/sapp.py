@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from simulator.errors import InputError
+from simulator.errors import InputError, check_bytes
 from simulator.units import MIB
 from solver.fields import Fields
 from solver.profile import (
@@ -61,7 +61,7 @@ def profile_from_sapp(data: Mapping) -> ModelProfile:
         layers=tuple(layers),
         model=top.text("name"),
         source="sapp-json",
-        stage_constant_bytes=(top.number("stage_const_mem", 0.0) or 0.0) * MIB,
+        stage_constant_bytes=_mib(top, "stage_const_mem"),
     )
     top.done()
     return profile
@@ -80,7 +80,7 @@ def _layers(item: object, where: str) -> list[LayerProfile]:
     forward_ms = fields.number("forward_time")
     time_ms = fields.number("time", required=True)
     forward_ms = time_ms if forward_ms is None else forward_ms
-    parameter_bytes = fields.number("memory_parameter", 0.0) * MIB
+    parameter_bytes = _mib(fields, "memory_parameter")
     backward_ms = BACKWARD_RATIO * time_ms
 
     if kind_name in ("HEAD", "TAIL"):
@@ -106,9 +106,9 @@ def _layers(item: object, where: str) -> list[LayerProfile]:
         explicit = fields.number(time_key)
         coef = fields.number(coef_key, default_coef)
         backward[mode] = explicit if explicit is not None else backward_ms * (1.0 + coef)
-        kept = fields.number(memory_key, 0.0)
+        kept = _mib(fields, memory_key)
         if kept > 0:
-            activation[mode] = kept * MIB
+            activation[mode] = kept
     if NONE not in activation:
         raise InputError(
             f"{where}.memory_activation",
@@ -134,3 +134,10 @@ def _layers(item: object, where: str) -> list[LayerProfile]:
         )
         for i in range(count)
     ]
+
+
+def _mib(fields: Fields, key: str) -> float:
+    """A size SAPP states in MiB (0 where missing), in bytes; InputError naming the key beyond MAX_BYTES."""
+    size = (fields.number(key, 0.0) or 0.0) * MIB
+    check_bytes(size, fields.at(key))
+    return size

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from simulator.errors import MAX_MS, InputError, check_seconds
+from simulator.errors import MAX_MS, InputError, check_instance, check_seconds
 from simulator.schedule import Schedule
 from simulator.units import format_ms
 from solver.evaluate import evaluate_plan
@@ -64,6 +64,8 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     "interrupted" with its gap; a function, called with that plan before the exception propagates.
     Where no plan that fits is known yet, the exception propagates whatever `on_interrupt` says.
     """
+    check_instance(profile, ModelProfile, "profile", "a ModelProfile (solver.load_profile)")
+    check_instance(spec, PipelineSpec, "spec", "a PipelineSpec")
     check_seconds(time_limit_s, "time_limit_s")
     if not callable(on_interrupt) and on_interrupt not in ON_INTERRUPT:
         raise InputError("on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}")

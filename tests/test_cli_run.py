@@ -109,3 +109,10 @@ def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path
     for rank in (0, 1):  # the planning launch exited before logging; the second trained from the plan
         assert [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()] == [{"from_cache": True}]
     assert json.loads(plan.read_text())["spec"]["stages"] == 2
+
+
+def test_a_command_ended_by_a_signal_is_said_as_a_shell_says_it(capsys):
+    # SIGKILL (9) before planning: the status a shell reports, 128 + 9, not Python's -9 (which exits as 247)
+    status = main(["run", "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert status == 128 + 9
+    assert "the planning launch failed with status 137" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -28,11 +29,15 @@ import pytest
 from solver_cases import SAPP, small_profile
 
 from sapp_hook.cli import main
+from sapp_hook.writeback import write_config
+from sapp_hook.writeback.layout import even_layout
+from simulator import PipelineCosts, build_schedule, simulate
 from simulator.errors import InputError, Terminated
+from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers, solve
 
 ROOT = Path(__file__).parents[1]
 TEMPLATES = ROOT / "sapp_hook" / "templates"
-EXIT_OUTPUT, EXIT_INPUT, EXIT_NO_PLAN, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 3, 130, 143
+EXIT_OUTPUT, EXIT_INPUT, EXIT_NO_PLAN, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HUNG_UP = 1, 2, 3, 130, 143, 129
 SOLVE = ["solve", "--profile", "{profile}", "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
          "--memory", "1TB"]
 SIMULATE = ["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1",
@@ -121,6 +126,39 @@ def _read_only_folder(folder: Path) -> Path:
     return path
 
 
+def _plan_recomputing(folder: Path) -> Path:
+    """A plan whose per-layer recompute TorchTitan cannot say: its write leaves a side file."""
+    profile = _input(folder, "profile")
+    plan = folder / "plan-recomputing.json"
+    argv = [a.replace("{profile}", str(profile)) for a in SOLVE[:-1]] + ["300MiB", "--plan-out", str(plan), "--quiet"]
+    assert main(argv) == 0
+    assert any(layer["recompute"] != "none" for layer in json.loads(plan.read_text())["plan"]["layers"])
+    return plan
+
+
+def _read_only_file(name: str, text: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = _text(name, text)(folder)
+        path.chmod(0o444)
+        return path
+    return make
+
+
+def _folder(name: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        (folder / name).mkdir()
+        return folder / name
+    return make
+
+
+def _with_bom(template: str, name: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = folder / name
+        path.write_bytes(b"\xef\xbb\xbf" + (TEMPLATES / template).read_bytes())
+        return path
+    return make
+
+
 MAKERS: dict[str, Callable[[Path], Path]] = {
     "profile": lambda folder: small_profile(8).save(folder / "profile.json") or folder / "profile.json",
     "plan": _plan,
@@ -148,7 +186,48 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "read_only_config": _read_only_config,
     "read_only_folder": _read_only_folder,
     "deep_config": _text("deep-config.json", "{\"a\": " * 50_000 + "1" + "}" * 50_000),
+    "plan_recomputing": _plan_recomputing,
+    "read_only_plan": _read_only_file("old-plan.json", "{}"),
+    "backup_folder": _folder("train.yaml.sapp-hook.bak"),
+    "side_file_folder": _folder("train.toml.sapp-hook.json"),
+    "empty_yaml": _text("empty.yaml", "# nothing but a comment\n"),
+    "layers_as_text": _text("text-layers.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
+                            .replace("num_layers: 8", "num_layers: '8'")),
+    "stages_as_text": _text("text-stages.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
+                            .replace("pipeline_stage: 4", "pipeline_stage: '4'")),
+    "bom_python": lambda folder: _python_config(folder, bom=True),
+    "twice_python": lambda folder: _python_config(folder, twice=True),
+    "bom_toml": _with_bom("torchtitan_llama.toml", "bom.toml"),
+    "nan_constant_profile": lambda folder: _profile_with(folder, "nan-constant.json",
+                                                         lambda data: data.update(stage_constant_bytes=float("nan"))),
+    "huge_tied_profile": lambda folder: _profile_with(folder, "huge-tied.json", lambda data: data.update(
+        tied_parameters=[{"names": ["w"], "layers": ["embed", "lm_head"], "bytes": 1e30}])),
+    "bool_version_profile": lambda folder: _profile_with(folder, "bool-version.json",
+                                                         lambda data: data.update(schema_version=True)),
+    "sapp_overflow": _text("sapp-overflow.json", json.dumps({"layers_description": [
+        {"name": "H", "type": "HEAD", "time": 1}, {"name": "B", "type": "BODY", "time": 1, "nb_layer": 4,
+                                                   "memory_activation": 1, "memory_parameter": 1e305},
+        {"name": "T", "type": "TAIL", "time": 1}]})),
+    "plan_offset_true": lambda folder: _changed_plan(folder, lambda data: data["plan"]["offset"].__setitem__(1, True)),
 }
+
+
+def _python_config(folder: Path, *, bom: bool = False, twice: bool = False) -> Path:
+    """A TorchTitan Python config (one function, as pytorch/torchtitan's config_registry.py writes them)."""
+    text = (ROOT / "tests" / "fixtures" / "torchtitan" / "my_llama_job.py").read_text()
+    if twice:
+        text += "\n\ndef llama3_pp():\n    return None\n"
+    path = folder / ("bom-job.py" if bom else "twice-job.py")
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
+    return path
+
+
+def _changed_plan(folder: Path, change: Callable[[dict], None]) -> Path:
+    data = json.loads(_input(folder, "plan").read_text())
+    change(data)
+    path = folder / "changed-plan.json"
+    path.write_text(json.dumps(data))
+    return path
 
 
 def _sparse(path: Path, size: int) -> Path:
@@ -207,9 +286,11 @@ class Case:
     stop: tuple[int, str] | None = None  # process: the signal, sent once this text is on stderr
     read_only: bool = False  # process: without root's power to write read-only files (CAP_DAC_OVERRIDE)
     unchanged: bool = True  # every file in the folder as it was (a refusal or an interruption)
-    fault: str | None = None  # main: an exception os.fsync raises, as a signal mid-write would; or torch-2.8
+    fault: str | None = None  # main: an exception os.fsync raises, as a signal mid-write would; torch-2.8; or
+    # EIO-on-config: the config's rename fails (a disk error) once its backup is written
     check: Callable[[Path], None] | None = None  # main: what a success must have done
     prepare: tuple[str, ...] = ()  # inputs to make before the snapshot (those argv names are made anyway)
+    printed: str | None = None  # what stdout must say
 
 
 def _symlink_written_through(folder: Path) -> None:
@@ -227,6 +308,13 @@ def _crlf_kept(name: str) -> Callable[[Path], None]:
         assert data != (TEMPLATES / name).read_bytes().replace(b"\n", b"\r\n")  # the plan is in
         assert data.count(b"\r\n") == data.count(b"\n") > 10
     return check
+
+
+def _bom_kept(folder: Path) -> None:
+    data = (folder / "bom-job.py").read_bytes()
+    assert data.startswith(b"\xef\xbb\xbf") and not data[3:].startswith(b"\xef\xbb\xbf")
+    assert b"pipeline_parallel_module_fqns_per_model_part" in data
+    assert (folder / "bom-job.py.sapp-hook.bak").read_bytes().startswith(b"\xef\xbb\xbf")
 
 
 def _plan_written(folder: Path) -> None:
@@ -258,7 +346,21 @@ CASES = [
     Case("no-plan-fits", [*SOLVE, "--memory", "1KB", "--quiet"], EXIT_NO_PLAN, "--memory: no plan fits"),
     Case("size-beyond-floats", [*SOLVE, "--memory", "1" + "0" * 400 + "GB", "--quiet"], EXIT_INPUT, "--memory"),
     Case("time-limit-nan", [*SOLVE, "--time-limit", "nan", "--quiet"], EXIT_INPUT, "--time-limit"),
-    Case("astronomic-pipeline", [*SIMULATE, "--stages", "10" + "0" * 20, "--quiet"], EXIT_INPUT, "actions"),
+    Case("astronomic-pipeline", [*SIMULATE, "--stages", "10" + "0" * 20, "--quiet"], EXIT_INPUT, "--stages: "),
+    Case("schedule-name-a-page-long", [*SIMULATE, "--schedule", "x" * 10_000], EXIT_INPUT, "--schedule: expected one of"),
+    Case("stages-as-many-as-layers", [*SOLVE, "--stages", "10", "--micro-batches", "10"], 0, None,
+         printed="even split      none: virtual stage 8 is empty"),
+    Case("profile-field-named-with-its-file", [*SOLVE, "--profile", "{nan_constant_profile}"], EXIT_INPUT,
+         "--profile: " + "{dir}/nan-constant.json: stage_constant_bytes: expected a finite number"),
+    Case("estimate-past-a-pebibyte", ["profile", "--estimate", "--model", "tiny-llama", "--out", "{dir}/p.json",
+                                      "--micro-batch-size", "1" + "0" * 30], EXIT_INPUT, "--micro-batch-size"),
+    Case("tied-bytes-past-a-pebibyte", [*SOLVE, "--profile", "{huge_tied_profile}"], EXIT_INPUT,
+         "tied_parameters[0].bytes: expected at most 2**50 bytes"),
+    Case("schema-version-true", [*SOLVE, "--profile", "{bool_version_profile}"], EXIT_INPUT, "schema_version"),
+    Case("sapp-size-past-floats", [*SOLVE, "--profile", "{sapp_overflow}"], EXIT_INPUT,
+         "layers_description[1].memory_parameter"),
+    Case("plan-key-true-for-1", ["apply", "--plan", "{plan_offset_true}", "--target", "plan", "--config",
+                                 "{dir}/out.json"], EXIT_INPUT, "plan.offset: is [0, True, 0, -1]"),
     Case("plan-for-other-stages", ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "8",
                                    "--schedule", "1F1B", "--plan", "{plan}", "--quiet"], EXIT_INPUT, "--plan"),
     # outputs that are not regular files, through links or not: refused, the node left as it was
@@ -267,6 +369,18 @@ CASES = [
     Case("yaml-out-fifo", [*SOLVE, "--mindformers-yaml", "{fifo}", "--quiet"], EXIT_INPUT, "--mindformers-yaml"),
     Case("profile-out-device", ["profile", "--estimate", "--model", "tiny-llama", "--out", "{null}", "--quiet"],
          EXIT_INPUT, "--out"),
+    Case("plan-out-name-too-long", [*SOLVE, "--plan-out", "{dir}/" + "x" * 300 + ".json"], EXIT_INPUT,
+         "--plan-out: {dir}/xxx"),
+    Case("one-file-for-two-outputs", [*SOLVE, "--plan-out", "{dir}/out.json", "--trace", "{dir}/out.json"], EXIT_INPUT,
+         "--plan-out: {dir}/out.json is --trace's file too"),
+    Case("backup-slot-a-folder", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+         EXIT_INPUT, "train.yaml.sapp-hook.bak is a folder", prepare=("backup_folder",)),
+    Case("side-file-slot-a-folder", ["apply", "--plan", "{plan_recomputing}", "--target", "torchtitan", "--config",
+                                     "{toml}"], EXIT_INPUT, "train.toml.sapp-hook.json is a folder",
+         prepare=("side_file_folder",)),
+    Case("config-rename-fails", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+         EXIT_INPUT, "Input/output error; it was left as it was", fault="EIO-on-config"),
+    Case("run-cache-dir-a-file", ["run", "--cache-dir", "{profile}", "--", "true"], EXIT_INPUT, "--cache-dir"),
     Case("apply-onto-device", ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{zero}"],
          EXIT_INPUT, "--config"),
     Case("apply-onto-fifo", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{fifo}"],
@@ -283,6 +397,15 @@ CASES = [
                               "{read_only_config}"], EXIT_INPUT, "--config", run="process", read_only=True),
     Case("read-only-folder", [*SOLVE, "--plan-out", "{read_only_folder}/plan.json", "--quiet"], EXIT_INPUT,
          "--plan-out", run="process", read_only=True),
+    Case("read-only-output", [*SOLVE, "--plan-out", "{read_only_plan}", "--quiet"], EXIT_INPUT,
+         "old-plan.json is read-only", run="process", read_only=True),
+    Case("read-only-plan-target", ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{read_only_plan}"],
+         EXIT_INPUT, "old-plan.json is read-only", run="process", read_only=True),
+    Case("dry-run-of-read-only-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
+                                         "{read_only_config}", "--dry-run", "--quiet"], 0, None, run="process",
+         read_only=True),
+    Case("demo-into-read-only-folder", ["demo", "--out", "{read_only_folder}/demo", "--quiet"], EXIT_INPUT,
+         "--out: cannot make the folder", run="process", read_only=True),
     # Ctrl-C and SIGTERM: mid-search, mid-profile, mid-write
     Case("ctrl-c-in-search", LONG_SOLVE, EXIT_INTERRUPTED, "sapp-hook solve: interrupted", run="process",
          stop=(signal.SIGINT, "moving layers")),
@@ -290,6 +413,8 @@ CASES = [
          stop=(signal.SIGTERM, "moving layers")),
     Case("ctrl-c-in-profile", ["profile", "--model", "tiny-llama", "--steps", "100", "--out", "{dir}/p.json"],
          EXIT_INTERRUPTED, "sapp-hook profile: interrupted", run="process", stop=(signal.SIGINT, "profiling: step 2/")),
+    Case("hang-up-in-search", LONG_SOLVE, EXIT_HUNG_UP, "sapp-hook solve: hung up", run="process",
+         stop=(signal.SIGHUP, "moving layers")),
     Case("ctrl-c-mid-write", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
          EXIT_INTERRUPTED, "sapp-hook apply: interrupted", fault="KeyboardInterrupt"),
     Case("sigterm-mid-write", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{toml}"],
@@ -303,6 +428,19 @@ CASES = [
          run="process", stdout="closed", unchanged=False, check=_plan_written),
     Case("reader-left", [*SIMULATE, "--json"], EXIT_OUTPUT, None, run="process", stdout="left"),
     Case("quiet-with-closed-stdout", [*SIMULATE, "--quiet"], 0, None, run="process", stdout="closed"),
+    # configs the writers refuse, or read as Python does
+    Case("empty-yaml-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{empty_yaml}"],
+         EXIT_INPUT, "is not a MindFormers config"),
+    Case("layer-count-as-text", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
+                                 "{layers_as_text}"], EXIT_INPUT, "model.model_config.num_layers is '8'; expected an integer"),
+    Case("stage-count-as-text", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
+                                 "{stages_as_text}"], EXIT_INPUT, "parallel_config.pipeline_stage is '4'"),
+    Case("python-config-with-bom", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config",
+                                    "{bom_python}:llama3_pp", "--quiet"], 0, None, unchanged=False, check=_bom_kept),
+    Case("python-config-defined-twice", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config",
+                                         "{twice_python}:llama3_pp"], EXIT_INPUT, "defines llama3_pp 2 times"),
+    Case("toml-with-bom", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bom_toml}"],
+         EXIT_INPUT, "starts with a UTF-8 byte-order mark"),
     # the environment
     Case("torch-too-old", ["profile", "--model", "tiny-llama", "--out", "{dir}/p.json", "--quiet"], EXIT_INPUT,
          "torch: found 2.8.0+cpu; sapp-hook needs torch >= 2.9", fault="torch-2.8"),
@@ -358,6 +496,15 @@ def _run_main(case: Case, argv: list[str], capsys, monkeypatch) -> tuple[int, st
         import torch
 
         monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    elif case.fault == "EIO-on-config":
+        replace = os.replace
+
+        def failing(source: str, target: str) -> None:
+            if not str(target).endswith(".bak"):
+                raise OSError(errno.EIO, "Input/output error")
+            replace(source, target)
+
+        monkeypatch.setattr(os, "replace", failing)
     elif case.fault is not None:
         exception = {"KeyboardInterrupt": KeyboardInterrupt, "Terminated": Terminated}[case.fault]
 
@@ -390,12 +537,14 @@ def test_corpus(case, tmp_path, capsys, monkeypatch):
     if case.names is None:
         assert said == [], err
     else:
-        assert len(said) == 1 and case.names in said[0], err
+        assert len(said) == 1 and case.names.replace("{dir}", str(tmp_path)) in said[0], err
     assert status == case.status, err
     if case.unchanged:
         assert _snapshot(tmp_path) == before
     if case.check is not None:
         case.check(tmp_path)
+    if case.printed is not None:
+        assert case.printed in out, out
     if case.id == "version":
         assert out.startswith("sapp-hook ") and len(out.splitlines()) == 1
     with contextlib.suppress(OSError):  # read-only folders: let pytest remove them
@@ -404,7 +553,48 @@ def test_corpus(case, tmp_path, capsys, monkeypatch):
                 path.chmod(0o755)
 
 
+def test_an_error_into_a_full_stderr_still_says_its_status(tmp_path):
+    """stderr on a full disk: the one line cannot be said, the status says it, and nothing else fails."""
+    profile = small_profile(8).save(tmp_path / "profile.json") or tmp_path / "profile.json"
+    argv = [a.replace("{profile}", str(profile)) for a in SOLVE]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "sapp_hook", *argv, "--stages", "0"], stderr=full,
+                              stdout=subprocess.PIPE, env=environment, timeout=60)
+    assert (done.returncode, done.stdout) == (EXIT_INPUT, b"")
+
+
+# -- a signal before any command has loaded ---------------------------------------------------------------------------
+
+# The signal arrives as Python looks for the module holding the commands, the moment it would on a slow disk.
+LOADING = """
+import importlib.abc, os, sys
+class Signal(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "sapp_hook.cli.app":
+            os.kill(os.getpid(), int(sys.argv[1]))
+        return None
+sys.meta_path.insert(0, Signal())
+from sapp_hook.cli import main
+raise SystemExit(main(["--version"]))
+"""
+
+
+@pytest.mark.parametrize(("number", "status", "word"), [(signal.SIGINT, EXIT_INTERRUPTED, "interrupted"),
+                                                        (signal.SIGTERM, EXIT_TERMINATED, "terminated"),
+                                                        (signal.SIGHUP, EXIT_HUNG_UP, "hung up")])
+def test_a_signal_while_the_commands_load_ends_with_its_line(number, status, word):
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", LOADING, str(int(number))], capture_output=True, text=True,
+                          env=environment, timeout=60)
+    assert (done.returncode, done.stderr, done.stdout) == (status, f"sapp-hook: {word}\n", "")
+
+
 # -- the Python API: one InputError naming the argument -------------------------------------------------------------
+
+SPEC = PipelineSpec(stages=4, micro_batches=8)
+UNIFORM = PipelineCosts.uniform(4, 1, forward_ms=1.0, backward_ms=2.0)
+
 
 def _autotune(**options):
     import torch
@@ -436,6 +626,27 @@ API_CASES = [
         "plan", tmp_path / "plan.json", None), "layout"),
     ("apply-no-plan", lambda tmp_path, monkeypatch: __import__("sapp_hook").apply(None, None, 0), "plan"),
     ("older-torch", _older_torch, "torch"),
+    ("autotune-cache-dir-a-file", lambda tmp_path, monkeypatch: _autotune(cache_dir=ROOT / "pyproject.toml"),
+     "cache_dir"),
+    ("solve-no-profile", lambda tmp_path, monkeypatch: solve(None, SPEC), "profile"),
+    ("solve-spec-as-dict", lambda tmp_path, monkeypatch: solve(small_profile(8), {"stages": 4}), "spec"),
+    ("simulate-arguments-swapped", lambda tmp_path, monkeypatch: simulate(UNIFORM, build_schedule("1F1B", 4, 8)),
+     "schedule"),
+    ("uniform-forward-none", lambda tmp_path, monkeypatch: PipelineCosts.uniform(4, 1, forward_ms=None,
+                                                                                 backward_ms=2.0), "forward_ms"),
+    ("build-schedule-no-name", lambda tmp_path, monkeypatch: build_schedule(None, 4, 8), "schedule"),
+    ("spec-schedule-number", lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, schedule=5),
+     "schedule"),
+    ("write-config-target-list", lambda tmp_path, monkeypatch: write_config(["plan"], tmp_path / "p.json",
+                                                                            even_layout(SPEC, 8)), "target"),
+    ("write-config-dry-run-text", lambda tmp_path, monkeypatch: write_config("plan", tmp_path / "p.json",
+                                                                             even_layout(SPEC, 8), dry_run="no"),
+     "dry_run"),
+    ("load-profile-none", lambda tmp_path, monkeypatch: load_profile(None), "profile"),
+    ("plan-from-dict-no-profile", lambda tmp_path, monkeypatch: plan_from_dict(None, {}), "profile"),
+    ("mindformers-keys-none", lambda tmp_path, monkeypatch: plan_from_mindformers(small_profile(8), SPEC, None),
+     "keys"),
+    ("times-scaled-by-nan", lambda tmp_path, monkeypatch: small_profile(8).with_times_scaled(float("nan")), "factor"),
 ]
 
 
@@ -445,3 +656,15 @@ def test_api_corpus(call, field, tmp_path, monkeypatch):
         call(tmp_path, monkeypatch)
     assert caught.value.field == field and "\n" not in str(caught.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cache_that_takes_no_plan_costs_only_the_cache(tmp_path, monkeypatch, caplog):
+    """A full disk or read-only cache folder: the plan goes on into the config, only uncached."""
+    from sapp_hook.cache import PlanCache
+
+    def full(path: object, text: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("sapp_hook.cache.atomic_write_text", full)
+    assert PlanCache(tmp_path / "cache").store("key", {}, {"plan": {}}, {}) is None
+    assert "the plan is not cached" in caplog.text and "No space left on device" in caplog.text

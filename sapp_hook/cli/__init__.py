@@ -1,79 +1,65 @@
 """The `sapp-hook` command. The CLI owns the terminal: tables and progress on stderr, `--json` on stdout.
 
 Exit statuses (`sapp_hook.cli.common`): 0 done, 1 the result could not be printed (stdout closed or
-full), 2 bad input, 3 no plan fits, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); `run` passes
-on its training command's own status.
+full), 2 bad input, 3 no plan fits, 129 hung up (SIGHUP), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM); `run` passes on its training command's own status.
+
+This module loads nothing of sapp-hook itself: a signal while the commands and the libraries under
+them load (half a second) ends the command with its one line too, not with a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import signal
 import sys
-from typing import NoReturn
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
-from sapp_hook.cli.common import (
-    EXIT_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_NO_PLAN,
-    EXIT_OUTPUT,
-    EXIT_TERMINATED,
-    StdoutError,
-    fail,
-    say_error,
-)
-from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
-from sapp_hook.protocol import installed_version
-from simulator.errors import Terminated
+if TYPE_CHECKING:
+    import argparse
+
+# While loading, what each signal ends the command with: nothing has been read or written yet.
+_LOADING = {signal.SIGHUP: (129, "hung up"), signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors are one line on stderr and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(self.prog, message)
+class _Stopped(BaseException):
+    """A signal arrived while the commands loaded."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="sapp-hook",
-        description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
-        epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
-               f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
-               f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM). `run` passes on its command's status.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    profile.add_parser(commands)
-    solve.add_parser(commands)
-    simulate.add_parser(commands)
-    apply.add_parser(commands)
-    run.add_parser(commands)
-    validate.add_parser(commands)
-    calibrate.add_parser(commands)
-    demo.add_parser(commands)
-    return parser
+def _stop(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals_while_loading() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    handlers = {number: signal.signal(number, _stop) for number in _LOADING}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (bad input raises SystemExit(2), no plan SystemExit(3))."""
-    prog = "sapp-hook"
-    with standard_streams(), signals_end_the_command(lambda: prog) as stopping, guarded_stdout():
-        try:
-            args = build_parser().parse_args(argv)
-            prog = f"sapp-hook {args.command}"
-            status = args.run(args)
-            sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
-            return status
-        except KeyboardInterrupt:
-            return stopping(EXIT_INTERRUPTED)
-        except Terminated:
-            return stopping(EXIT_TERMINATED)
-        except BrokenPipeError:  # `sapp-hook ... | head`: the reader left; no message, and none at exit
-            stop_printing()
-            return EXIT_OUTPUT
-        except StdoutError as error:
-            stop_printing()
-            say_error(prog, f"stdout: cannot print the result ({error}); any files asked for were written before")
-            return EXIT_OUTPUT
+    try:
+        with _signals_while_loading():
+            from sapp_hook.cli.app import run_command
+    except _Stopped as stop:
+        status, word = _LOADING[signal.Signals(stop.args[0])]
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr may be closed
+            print(f"sapp-hook: {word}", file=sys.stderr, flush=True)
+        return status
+    return run_command(argv)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command (for `--help` and the docs' checks)."""
+    from sapp_hook.cli.app import build_parser as build
+
+    return build()

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from sapp_hook.cli.common import command
+from sapp_hook.cli.common import command, file_errors
 from sapp_hook.inputs import read_plan_json
 from sapp_hook.writeback import TARGETS, layout_from_dict, write_config
 
@@ -34,7 +34,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    layout = layout_from_dict(read_plan_json(args.plan, "--plan"))
+    with file_errors("--plan", args.plan):
+        layout = layout_from_dict(read_plan_json(args.plan, "--plan"))
     result = write_config(args.target, args.config, layout, dry_run=args.dry_run)
     if args.json:
         print(json.dumps({"target": args.target, "config": str(result.path), "dry_run": args.dry_run,

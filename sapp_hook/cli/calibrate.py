@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sapp_hook.cli.common import command, configure_logging, finish, output_paths, write_output
-from solver import load_profile
+from sapp_hook.cli.common import command, configure_logging, finish, output_paths, read_profile, write_output
 from solver.calibrate import calibrate
 from solver.profile import read_json
 
@@ -37,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
 
     configure_logging(not (args.json or args.quiet))
     outputs = output_paths(args, ("profile_out",))
-    profile = load_profile(args.profile)
+    profile = read_profile(args.profile)
     runs = [measured_run(read_json(Path(path), "REPORT"), profile, where=path) for path in args.reports]
     fit = calibrate(runs)
     data = {

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
 from simulator import SCHEDULES, InputError, SimulationResult
 from simulator.errors import check_ms
-from simulator.files import write_target
+from simulator.files import writable_target
 from simulator.plot import check_plot_path
 from simulator.units import format_bytes, parse_bytes
+from solver import ModelProfile, load_profile
 from solver.errors import InfeasibleError
 
 # Library field names as the flags a CLI user typed.
@@ -43,6 +45,7 @@ FLAGS = {
     "action_overhead_ms": "--action-overhead",
     "stage_constant_bytes": "--stage-constant",
     "profile": "--profile",
+    "target": "--target",
 }
 
 
@@ -52,6 +55,7 @@ EXIT_INPUT = 2  # bad input: a flag, a file, a field in a file, or an output tha
 EXIT_NO_PLAN = 3  # no plan fits the memory budget (solver.InfeasibleError)
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2, as shells report it
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
+EXIT_HUNG_UP = 129  # SIGHUP (the terminal went away): 128 + 1
 
 
 class StdoutError(Exception):
@@ -59,7 +63,8 @@ class StdoutError(Exception):
 
 
 def say_error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    with contextlib.suppress(OSError, ValueError):  # stderr full or closed: the exit status still says it
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
 def fail(prog: str, message: str, status: int = EXIT_INPUT) -> NoReturn:
@@ -84,6 +89,26 @@ def command(prog: str, body: Callable[[argparse.Namespace], int]) -> Callable[[a
             fail_input(prog, exc)
 
     return run
+
+
+@contextlib.contextmanager
+def file_errors(flag: str, path: str | Path) -> Iterator[None]:
+    """Bad input found in the file `path` that `flag` names (a field of a profile or plan JSON) is said
+    as `FLAG: PATH: FIELD: what was expected`, not as a flag of the same name."""
+    try:
+        yield
+    except InputError as error:
+        if error.field.startswith("--"):
+            raise
+        if error.field in ("profile", "plan"):  # the reader's own name for the file: its detail names it
+            raise InputError(flag, error.detail) from None
+        raise InputError(flag, f"{path}: {error.field}: {error.detail}") from None
+
+
+def read_profile(path: str, flag: str = "--profile") -> ModelProfile:
+    """The profile (sapp-hook's JSON or SAPP's layer JSON) at `path`, its errors naming `flag` and the file."""
+    with file_errors(flag, path):
+        return load_profile(path)
 
 
 def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -192,16 +217,17 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
     """The output files asked for, checked before any work: the folder exists, the name is a regular
     file or a new one (a symbolic link is written through; a device, a pipe or a folder is refused)."""
     outputs = {name: Path(getattr(args, name)) for name in names if getattr(args, name, None)}
+    taken: dict[Path, str] = {}
     for name, path in outputs.items():
         flag = "--" + name.replace("_", "-")
-        if not path.parent.is_dir():
-            raise InputError(flag, f"folder {path.parent} does not exist")
-        if path.is_dir():
-            raise InputError(flag, f"{path} is a folder; expected a file name")
         try:
-            write_target(path)
+            target = writable_target(path)
         except OSError as exc:
-            raise InputError(flag, f"{exc.strerror}; expected a regular file or a new path") from None
+            raise InputError(flag, f"{exc.strerror}; expected a regular file or a new path, in a writable "
+                                   "folder") from None
+        if target in taken:
+            raise InputError(flag, f"{path} is {taken[target]}'s file too; expected a file of its own")
+        taken[target] = flag
     if "plot" in outputs:
         check_plot_path(outputs["plot"], "--plot")
     return outputs

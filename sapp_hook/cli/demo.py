@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,20 +35,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
-    existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise InputError("--out", f"{existing} is a file; expected a folder to write the demo into")
     configure_logging(talk)
     check_torch()
+    _make_folder(Path(args.out))
     import transformers
 
     from sapp_hook.demo import run_demo
 
     transformers.logging.set_verbosity_error()
     started = time.perf_counter()
-    outcome = run_demo(args.out)
+    try:
+        outcome = run_demo(args.out)
+    except OSError as exc:  # the folder filled up or changed under the demo
+        raise InputError("--out", f"cannot write {exc.filename or args.out}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps(outcome, indent=2))
     elif talk:
         print(f"demo done in {time.perf_counter() - started:.0f} s; read {args.out}/report.md", file=sys.stderr)
     return 0
+
+
+def _make_folder(folder: Path) -> None:
+    """The demo's folder, made now, before any work; InputError where it cannot be or is read-only."""
+    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        raise InputError("--out", f"{existing} is not a folder; expected a folder to write the demo into")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError("--out", f"cannot make the folder {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError("--out", f"folder {folder} is read-only")

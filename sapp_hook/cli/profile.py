@@ -141,6 +141,10 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
     except InputError as exc:
         if exc.field in flags:
             raise InputError(flags[exc.field], exc.detail) from None
+        if exc.field.startswith("layers") or exc.field.endswith(("_bytes", "_ms")):  # what the estimate came to
+            shape = f"--micro-batch-size {args.micro_batch_size:,}, --seq-len {args.seq_len:,}" + (
+                f", --optimizer-bytes {args.optimizer_bytes:g}" if args.optimizer_bytes is not None else "")
+            raise InputError("--model", f"{where} at {shape}: the estimate's {exc.field}: {exc.detail}") from None
         raise InputError("--model", f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
 

@@ -49,6 +49,8 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError("--target" if args.target is None else "--config", "give --config and --target together")
     if args.target is not None:
         check_destination(args.target, args.config, target_field="--target", config_field="--config")
+    if args.cache_dir is not None:
+        _check_cache_dir(Path(args.cache_dir))
     environment = dict(os.environ)
     for name in ("config", "target", "cache_dir"):
         if getattr(args, name):
@@ -72,6 +74,16 @@ def _run(args: argparse.Namespace) -> int:
     return _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "continue", ENVIRONMENT["force"]: "0"})
 
 
+def _check_cache_dir(folder: Path) -> None:
+    """The plan cache's folder, made now (the job would fail on it only after profiling)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError("--cache-dir", f"cannot make the folder {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError("--cache-dir", f"folder {folder} is read-only")
+
+
 def _launch(argv: list[str], environment: dict[str, str]) -> int:
     try:
         job = subprocess.Popen(argv, env=environment)
@@ -80,10 +92,11 @@ def _launch(argv: list[str], environment: dict[str, str]) -> int:
     except OSError as exc:
         raise InputError("COMMAND", f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
     try:
-        return job.wait()
+        status = job.wait()
     except BaseException:  # Ctrl-C or SIGTERM: the job is asked to end too, and waited for a while
         _stop(job)
         raise
+    return 128 - status if status < 0 else status  # ended by signal N: 128 + N, as a shell says it
 
 
 def _stop(job: subprocess.Popen, grace_s: float = 3.0) -> None:

@@ -17,8 +17,10 @@ from sapp_hook.cli.common import (
     command,
     parallel_fields,
     fail,
+    file_errors,
     finish,
     output_paths,
+    read_profile,
     say,
     size_flag,
     write_replay_outputs,
@@ -28,7 +30,7 @@ from sapp_hook.report import plan_report, replay_report
 from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
 from simulator.errors import check_bytes
 from simulator.units import parse_bytes
-from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers
+from solver import PipelineSpec, plan_from_dict, plan_from_mindformers
 
 PROG = "sapp-hook simulate"
 
@@ -167,13 +169,14 @@ def _replay_plan(args: argparse.Namespace) -> int:
     if bool(args.mindformers_plan) == bool(args.plan):
         fail(PROG, "--profile needs one of --mindformers-plan FILE or --plan FILE")
     outputs = output_paths(args, ("plot", "trace", "csv"))
-    profile = load_profile(args.profile)
+    profile = read_profile(args.profile)
     notes: list[str] = []
     if args.plan:
         if args.action_overhead:
             raise InputError("--action-overhead", "a plan JSON states its own (spec.action_overhead_ms); "
                                                   "give it with --mindformers-plan")
-        plan = plan_from_dict(profile, read_plan_json(args.plan, "--plan"))
+        with file_errors("--plan", args.plan):
+            plan = plan_from_dict(profile, read_plan_json(args.plan, "--plan"))
         _check_flags_agree(args, plan.spec)
     else:
         for name in ("schedule", "stages", "micro_batches"):

@@ -21,6 +21,7 @@ from sapp_hook.cli.common import (
     finish,
     mode_list,
     output_paths,
+    read_profile,
     say,
     size_flag,
     write_output,
@@ -30,7 +31,7 @@ from sapp_hook.report import against_even, plan_report
 from simulator import InputError
 from simulator.errors import check_seconds
 from simulator.files import atomic_write_text
-from solver import PipelineSpec, Plan, load_profile, solve
+from solver import PipelineSpec, Plan, solve
 
 PROG = "sapp-hook solve"
 
@@ -74,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = size_flag(args, "memory", notes)
     constant = size_flag(args, "stage_constant", notes)
     outputs = output_paths(args, ("plot", "trace", "csv", "mindformers_yaml", "plan_out"))
-    profile = load_profile(args.profile)
+    profile = read_profile(args.profile)
     if args.modes is not None:
         try:
             profile = profile.with_modes(mode_list(args.modes))

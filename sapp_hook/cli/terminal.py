@@ -1,9 +1,10 @@
-"""The process around a command: standard streams that may be closed or full, and Ctrl-C or SIGTERM
+"""The process around a command: standard streams that may be closed or full, and Ctrl-C, SIGTERM or SIGHUP
 ending any command promptly, with one line, its temp files removed."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import select
 import signal
@@ -19,26 +20,28 @@ from simulator.files import remove_pending
 # A command still running this long after Ctrl-C or SIGTERM (code that swallowed the exception, a C
 # loop that never returns) is ended without waiting; so is one signalled a second time.
 GRACE_S = 5.0
-_STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+_STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+ENDING = (signal.SIGTERM, signal.SIGHUP)  # raise Terminated(number); SIGINT raises KeyboardInterrupt
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def signals_end_the_command(prog: Callable[[], str]) -> Iterator[Callable[[int], int]]:
-    """Within the block, SIGTERM raises Terminated (Ctrl-C raises KeyboardInterrupt, as always), so that
-    clean-up runs on the way out; yields `stopping(status)`, which the command's handler of either calls:
-    it removes temp files, says `PROG: interrupted` (or `terminated`) and returns `status`. A watchdog
-    thread ends the process itself where the exception does not arrive in GRACE_S."""
+    """Within the block, SIGTERM and SIGHUP raise Terminated(number) (Ctrl-C raises KeyboardInterrupt, as
+    always), so that clean-up runs on the way out; yields `stopping(status)`, which the command's handler
+    of either calls: it removes temp files, says `PROG: interrupted` (`terminated`, `hung up`) and returns
+    `status`. A watchdog thread ends the process itself where the exception does not arrive in GRACE_S."""
 
     def stopping(status: int) -> int:
         for number in _STOPPING:  # a second signal must not break the clean-up
             with contextlib.suppress(ValueError):
                 signal.signal(number, signal.SIG_IGN)
         remove_pending()
-        print(f"{prog()}: {_STOPPING[signal.Signals(status - 128)]}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # a terminal that hung up takes no line
+            print(f"{prog()}: {_STOPPING[signal.Signals(status - 128)]}", file=sys.stderr, flush=True)
         return status
 
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
@@ -48,7 +51,8 @@ def signals_end_the_command(prog: Callable[[], str]) -> Iterator[Callable[[int],
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     done = threading.Event()
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    for number in ENDING:
+        signal.signal(number, _raise_terminated)
     wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     watchdog = threading.Thread(target=_watch, args=(reader, done, prog), name="sapp-hook signals", daemon=True)
     watchdog.start()
@@ -103,10 +107,13 @@ def standard_streams() -> Iterator[None]:
         sys.stdout = _Closed()
     if "stderr" in replaced:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    else:
+        replaced["stderr"] = sys.stderr
+        sys.stderr = _Forgiving(sys.stderr)
     try:
         yield
     finally:
-        if "stderr" in replaced:
+        if isinstance(sys.stderr, io.IOBase):
             sys.stderr.close()
         for name, stream in replaced.items():
             setattr(sys, name, stream)
@@ -149,6 +156,26 @@ class _Guarded:
             raise
         except (OSError, ValueError) as exc:  # ValueError: the stream was closed
             raise StdoutError(getattr(exc, "strerror", None) or str(exc)) from None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
+
+
+class _Forgiving:
+    """sys.stderr, whose failures (a full disk, a terminal gone) are let go: what it says is a courtesy,
+    and the exit status says how the command ended."""
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return self.stream.write(text)
+        return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.stream, name)

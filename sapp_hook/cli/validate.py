@@ -12,13 +12,13 @@ from sapp_hook.cli.common import (
     command,
     configure_logging,
     output_paths,
+    read_profile,
     say,
     size_flag,
     write_output,
 )
 from sapp_hook.torch_engine import check_torch
 from simulator.units import format_bytes
-from solver import load_profile
 
 PROG = "sapp-hook validate"
 
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     setup = Setup(model=args.model, stages=args.stages, chunks=args.chunks, schedule=args.schedule,
                   micro_batches=args.micro_batches, steps=args.steps, micro_batch_size=args.micro_batch_size,
                   seq_len=args.seq_len, memory_budget_bytes=budget, plan=plan)
-    profile = load_profile(args.profile) if args.profile else profile_for(setup)
+    profile = read_profile(args.profile) if args.profile else profile_for(setup)
     if "profile_out" in outputs:
         written = write_output(outputs, "profile_out", profile.save)
         if talk:

@@ -11,13 +11,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from sapp_hook.writeback.files import WriteBack, read_config
+from sapp_hook.writeback.files import WriteBack, check_writable, read_config
 from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
 from sapp_hook.writeback.mindformers import write_mindformers
 from sapp_hook.writeback.plain import write_plan
 from sapp_hook.writeback.torchtitan import config_path, write_torchtitan
-from simulator.errors import InputError
+from simulator.errors import InputError, check_instance, shown
 from solver import PipelineSpec
 
 TARGETS: dict[str, Callable[..., WriteBack]] = {
@@ -30,27 +30,30 @@ TARGETS: dict[str, Callable[..., WriteBack]] = {
 
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     """Write `layout` into the `target` config at `path`."""
-    check_target(target, "--target")
-    if not isinstance(path, (str, os.PathLike)):
-        raise InputError("path", f"expected a path (str or os.PathLike), got {type(path).__name__}")
-    if not isinstance(layout, Layout):
-        raise InputError("layout", f"expected a Layout (sapp_hook.layout_of(plan) or layout_from_dict(plan JSON)), "
-                                   f"got {type(layout).__name__}")
+    check_target(target, "target")
+    check_instance(path, (str, os.PathLike), "path", "a path (str or os.PathLike)")
+    check_instance(layout, Layout, "layout", "a Layout (sapp_hook.layout_of(plan) or layout_from_dict(plan JSON))")
+    check_instance(dry_run, bool, "dry_run", "True or False")
     return TARGETS[target](Path(path), layout, dry_run=dry_run)
 
 
 def check_target(target: str, field: str) -> None:
-    if target not in TARGETS:
-        raise InputError(field, f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    if not isinstance(target, str) or target not in TARGETS:
+        raise InputError(field, f"unknown target {shown(target)}; expected one of {', '.join(TARGETS)}")
 
 
 def check_destination(target: str, path: str | Path, *, target_field: str, config_field: str) -> None:
     """Refuse, before any work, a target sapp-hook does not know or a config it cannot rewrite (a plan
     file, the `plan` target, may be new)."""
     check_target(target, target_field)
+    # a TorchTitan Python config may name its config function: FILE.py:FUNCTION
+    file = config_path(path)[0] if target == "torchtitan" else Path(path)
     if target != "plan":
-        # a TorchTitan Python config may name its config function: FILE.py:FUNCTION
-        read_config(config_path(path)[0] if target == "torchtitan" else Path(path), config_field)
+        read_config(file, config_field)
+    try:
+        check_writable(file)
+    except OSError as exc:
+        raise InputError(config_field, f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: int, *, config_field: str) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from simulator.errors import InputError
-from simulator.files import atomic_write_bytes, atomic_write_text, write_target
+from simulator.files import atomic_write_bytes, atomic_write_text, writable_target, write_target
 from solver.profile import read_limited
 
 BOM = "\ufeff"
@@ -27,12 +29,11 @@ class WriteBack:
 
 
 def read_config(path: Path, flag: str = "--config") -> str:
-    """The text of a config to rewrite; InputError if it cannot be read or written back."""
+    """The text of a config to rewrite; InputError if it is not a regular file or cannot be read (one that
+    cannot be written back is refused when it would be written: a dry run reads it all the same)."""
     target = _target(path, flag)
     if not target.is_file():
         raise InputError(flag, f"{path} does not exist or is not a file")
-    if not all(os.access(place, os.W_OK) for place in (target, target.parent, path.parent)):
-        raise InputError(flag, f"{path} is read-only (or its folder is); nothing was written")
     try:
         return read_limited(target, flag).decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -55,16 +56,43 @@ def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack
     if dry_run or new == old:
         return result
     backup = path.with_name(path.name + ".sapp-hook.bak") if target.exists() else None
+    made: Path | None = None
     try:
-        if backup is not None and not backup.exists():
+        check_writable(path, backup)
+        if backup is not None and not os.path.lexists(backup):
             # exactly the bytes the config holds (at most read_limited's cap), whole or not at all
-            atomic_write_bytes(backup, read_limited(target, "--config"), mode=stat.S_IMODE(target.stat().st_mode))
+            made = atomic_write_bytes(backup, read_limited(target, "--config"),
+                                      mode=stat.S_IMODE(target.stat().st_mode))
+        elif backup is not None:
+            write_target(backup)  # the backup there stays; a folder or a device there is refused
         atomic_write_text(target, new)
-    except OSError as exc:
+    except BaseException as exc:
+        _drop_backup_of_unchanged(made, target)
+        if not isinstance(exc, OSError):
+            raise
         raise InputError("--config", f"cannot write {path}: {exc.strerror or exc}; it was left as it was") from None
     result.backup = backup
     result.written.append(str(path))
     return result
+
+
+def check_writable(path: Path, backup: Path | None = None) -> None:
+    """OSError saying why where the config `path` (through its links) or the folder its backup goes in
+    (beside `path`) cannot be written."""
+    writable_target(path)
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"folder {path.parent} (for {backup or 'the backup'}) is read-only")
+    side = side_file_path(path)
+    if os.path.lexists(side):  # written after the config: found now, while the config is as it was
+        writable_target(side)
+
+
+def _drop_backup_of_unchanged(backup: Path | None, target: Path) -> None:
+    """Remove the backup just made where the config was left as it was (the write failed or was
+    interrupted before its rename): the folder then is as it was."""
+    with contextlib.suppress(OSError):
+        if backup is not None and backup.read_bytes() == target.read_bytes():
+            os.unlink(backup)
 
 
 def in_form_of(old: str, new: str) -> str:
@@ -85,9 +113,13 @@ def _target(path: Path, flag: str) -> Path:
         raise InputError(flag, f"{exc.strerror}; expected a regular file") from None
 
 
+def side_file_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sapp-hook.json")
+
+
 def write_side_file(result: WriteBack, text: str, *, dry_run: bool) -> None:
     """The plan JSON next to the config (`NAME.sapp-hook.json`), for `sapp_hook.apply`."""
-    side = result.path.with_name(result.path.name + ".sapp-hook.json")
+    side = side_file_path(result.path)
     result.notes.append(f"the exact per-layer recompute plan is in {side}")
     if not dry_run:
         try:

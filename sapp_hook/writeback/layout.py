@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from solver import PipelineSpec, Plan
 from solver.evaluate import even_counts
 from solver.fields import Fields
@@ -144,8 +144,8 @@ def layout_from_dict(data: object) -> Layout:
     mindformers = mindformers_view(schedule, kinds, [layer.recompute for layer in layers], counts)
     for key, derived in mindformers.items():
         given = plan.raw(key)
-        if given is not None and given != derived:
-            raise InputError(f"plan.{key}", f"is {given!r}; the plan's layers say {derived!r}")
+        if given is not None and json.dumps(given) != json.dumps(derived):  # true is not 1 here
+            raise InputError(f"plan.{key}", f"is {shown(given)}; the plan's layers say {derived!r}")
     return Layout(schedule=schedule.name, stages=schedule.stages, chunks=schedule.chunks,
                   micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers, plan_data=data,
                   microbatch_group_size=spec.microbatch_group_size)

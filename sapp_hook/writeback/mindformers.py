@@ -17,6 +17,7 @@ from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers_v2 import TEMPLATE_V2_SECTIONS, write_template_v2
 from sapp_hook.writeback.mindformers_values import (
+    check_count,
     check_layers,
     check_scheduler,
     note_interleave,
@@ -67,6 +68,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     document = edit.data
     parallel = section(document, ("parallel_config",), path)
     stages = parallel.get("pipeline_stage")
+    check_count(stages, "parallel_config.pipeline_stage", path)
     if stages is not None and stages != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has parallel_config.pipeline_stage {stages}")
     model = section(document, ("model", "model_config"), path, required=True)

@@ -12,6 +12,7 @@ from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers_values import (
     cells,
+    check_count,
     check_layers,
     check_scheduler,
     held_layers,
@@ -38,6 +39,7 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     pipeline = section(document, PIPELINE, path)
     section(document, ("recompute_config",), path)
     stages = parallel.get("pipeline_model_parallel_size")
+    check_count(stages, "distribute_parallel_config.pipeline_model_parallel_size", path)
     if stages is not None and stages != layout.stages:
         raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
                                    f"distribute_parallel_config.pipeline_model_parallel_size {stages}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.yaml_edit import MISSING, YamlEdit
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 
 # The orders MindSpore runs, as its pipeline_scheduler names them; with pipeline_interleave on, 1f1b
 # runs the chunks interleaved.
@@ -54,10 +54,18 @@ def section(data: object, place: tuple[str, ...], path: Path, *, required: bool 
     return node
 
 
+def check_count(value: object, where: str, path: Path) -> None:
+    """A count the config states (a stage or layer count) is an integer, or not stated (None)."""
+    if value is not None and not is_int(value):
+        raise InputError("--config", f"{path}: {where} is {shown(value)}; expected an integer")
+
+
 def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result: WriteBack) -> None:
     """The decoder and multi-token-prediction layers the config declares are the plan's body layers
     (MindFormers spreads both by the offsets, the MTP layers last); where it declares none (mcore
     configs take them from pretrained_model_dir's config.json), a note says so."""
+    for name in (*DECODER_KEYS, *MTP_KEYS):
+        check_count(model.get(name), f"{where}.{name}", path)
     key = next((name for name in DECODER_KEYS if is_int(model.get(name))), None)
     mtp_key = next((name for name in MTP_KEYS if is_int(model.get(name)) and model.get(name)), None)
     mtp = model[mtp_key] if mtp_key else 0

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sapp_hook.writeback.files import WriteBack, commit, write_side_file
+from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan_dialects import (
     FQNS,
@@ -143,7 +143,8 @@ def inherited(tree: ast.Module, sites: Sites, section: str, depth: int = 0) -> d
     return said
 
 
-def write_python(path: Path, function: str | None, old: str, layout: Layout, *, dry_run: bool) -> WriteBack:
+def write_python(path: Path, function: str | None, as_read: str, layout: Layout, *, dry_run: bool) -> WriteBack:
+    old = as_read.removeprefix(BOM)  # Python reads a source's byte-order mark; commit puts it back
     try:
         tree = ast.parse(old)
     except SyntaxError as exc:
@@ -183,7 +184,7 @@ def write_python(path: Path, function: str | None, old: str, layout: Layout, *, 
     result.notes += [f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
                      f"beside it): wrote {what}" for what in dialect.assumed]
     result.notes += list(choice.notes)
-    commit(result, old, new, dry_run=dry_run)
+    commit(result, as_read, new, dry_run=dry_run)
     if not choice.exact:
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
@@ -194,9 +195,12 @@ def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.Func
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
     public = [node.name for node in functions if not node.name.startswith("_")]
     if name is not None:
-        for node in functions:
-            if node.name == name:
-                return node
+        found = [node for node in functions if node.name == name]
+        if len(found) > 1:  # Python runs the last; the writer edits the first
+            raise InputError("--config", f"{path} defines {name} {len(found)} times (lines "
+                                         f"{', '.join(str(node.lineno) for node in found)}): expected one")
+        if found:
+            return found[0]
         raise InputError("--config", f"{path} has no config function {name!r}; it defines {_listed(public)}")
     if len(public) == 1:
         return next(node for node in functions if node.name == public[0])

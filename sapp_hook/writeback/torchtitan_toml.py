@@ -10,7 +10,7 @@ from pathlib import Path
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from sapp_hook.writeback.files import WriteBack, commit, write_side_file
+from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan_dialects import (
     LOWERCASE_SCHEDULES,
@@ -38,6 +38,9 @@ except ModuleNotFoundError:  # Python 3.10: tomlkit's reading is the check
 
 
 def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteBack:
+    if old.startswith(BOM):
+        raise InputError("--config", f"{path} starts with a UTF-8 byte-order mark, which TorchTitan's TOML reader "
+                                     "(tomllib) refuses: remove it")
     try:
         document = tomlkit.parse(old)
     except TOMLKitError as exc:

@@ -80,6 +80,8 @@ def read_spots(text: str) -> Spot:
         return spot
 
     for event in events:
+        if isinstance(event, (yaml.DocumentEndEvent, yaml.StreamEndEvent)):
+            break  # an empty document
         if not isinstance(event, (yaml.StreamStartEvent, yaml.DocumentStartEvent)):
             return node(event)
     return Spot("scalar", 0, 0)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.actions import Action
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from simulator.schedule import Schedule
 from simulator.schedules.dualpipev import dualpipev_actions
 from simulator.schedules.gpipe import gpipe_actions
@@ -95,11 +95,13 @@ SCHEDULES: dict[str, ScheduleKind] = {
 
 def schedule_kind(name: str) -> ScheduleKind:
     """Look a schedule up by name, case-insensitive, with or without torch's `Schedule` prefix."""
+    if not isinstance(name, str):
+        raise InputError("schedule", f"expected a schedule's name (one of {', '.join(SCHEDULES)}), got {shown(name)}")
     wanted = name.strip().lower().removeprefix("schedule")
     for kind in SCHEDULES.values():
         if kind.name.lower() == wanted:
             return kind
-    raise InputError("schedule", f"expected one of {', '.join(SCHEDULES)}, got {name!r}")
+    raise InputError("schedule", f"expected one of {', '.join(SCHEDULES)}, got {shown(name)}")
 
 
 def build_schedule(
@@ -129,8 +131,10 @@ def build_schedule(
         raise InputError("chunks", f"{kind.name} runs {allowed} per stage, got {chunks}")
     actions = stages * chunks * micro_batches * (3 if kind.splits_backward else 2)
     if actions > MAX_ACTIONS:
+        counts = {"micro_batches": micro_batches, "stages": stages, "chunks": chunks}
+        largest = max(counts, key=counts.__getitem__)  # the count that went astray, most likely
         raise InputError(
-            "micro_batches", f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
+            largest, f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
             f"{actions:,} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)"
         )
     fewest = kind.min_micro_batches(stages, chunks)

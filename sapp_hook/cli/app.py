@@ -1,0 +1,78 @@
+"""The `sapp-hook` command's parser and its run, once every command is loaded (`sapp_hook.cli.main`
+loads them)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import NoReturn
+
+from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
+from sapp_hook.cli.common import (
+    EXIT_HUNG_UP,
+    EXIT_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NO_PLAN,
+    EXIT_OUTPUT,
+    EXIT_TERMINATED,
+    StdoutError,
+    fail,
+    say_error,
+)
+from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
+from sapp_hook.protocol import installed_version
+from simulator.errors import Terminated
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="sapp-hook",
+        description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
+        epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
+               f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
+               f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM); {EXIT_HUNG_UP} hung up (SIGHUP). "
+               "`run` passes on its command's status.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    profile.add_parser(commands)
+    solve.add_parser(commands)
+    simulate.add_parser(commands)
+    apply.add_parser(commands)
+    run.add_parser(commands)
+    validate.add_parser(commands)
+    calibrate.add_parser(commands)
+    demo.add_parser(commands)
+    return parser
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status (bad input raises SystemExit(2), no plan SystemExit(3))."""
+    prog = "sapp-hook"
+    with standard_streams(), signals_end_the_command(lambda: prog) as stopping, guarded_stdout():
+        try:
+            args = build_parser().parse_args(argv)
+            prog = f"sapp-hook {args.command}"
+            status = args.run(args)
+            sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
+            return status
+        except KeyboardInterrupt:
+            return stopping(EXIT_INTERRUPTED)
+        except Terminated as stop:  # SIGTERM or SIGHUP: the handler passes the signal's number
+            return stopping(128 + (stop.args[0] if stop.args else signal.SIGTERM))
+        except BrokenPipeError:  # `sapp-hook ... | head`: the reader left; no message, and none at exit
+            stop_printing()
+            return EXIT_OUTPUT
+        except StdoutError as error:
+            stop_printing()
+            say_error(prog, f"stdout: cannot print the result ({error}); any files asked for were written before")
+            return EXIT_OUTPUT
+
