@@ -19,7 +19,7 @@ from sapp_hook.writeback.mindformers_v2 import TEMPLATE_V2_SECTIONS, write_templ
 from sapp_hook.writeback.mindformers_values import (
     check_layers,
     check_scheduler,
-    note_interleave,
+    interleave_value,
     section,
     set_counts,
     set_offset,
@@ -74,7 +74,8 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     section(document, ("recompute_config",), path)
     pipeline = section(document, ("parallel", "pipeline_config"), path)
     where = "parallel.pipeline_config.pipeline_scheduler"
-    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result)
+    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result,
+                                parallel.get("seq_split_num", MISSING))
 
     if "parallel_config" in document:
         edit.set(("parallel_config", "pipeline_stage"), layout.stages)
@@ -94,6 +95,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     # order pipeline_scheduler names; a one-chunk 1F1B plan needs neither where the config says neither.
     if layout.chunks == 1 and layout.schedule == "1F1B" and not pipeline:
         return
-    note_interleave(pipeline.get("pipeline_interleave"), layout, "parallel.pipeline_config.pipeline_interleave", result)
-    edit.set(("parallel", "pipeline_config", "pipeline_interleave"), layout.chunks > 1)
+    where = "parallel.pipeline_config.pipeline_interleave"
+    edit.set(("parallel", "pipeline_config", "pipeline_interleave"),
+             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler, where, result))
     edit.set(("parallel", "pipeline_config", "pipeline_scheduler"), scheduler)

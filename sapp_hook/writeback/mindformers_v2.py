@@ -15,8 +15,8 @@ from sapp_hook.writeback.mindformers_values import (
     check_layers,
     check_scheduler,
     held_layers,
+    interleave_value,
     is_int,
-    note_interleave,
     section,
     set_counts,
     set_offset,
@@ -44,12 +44,13 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     check_layers(section(document, ("model_config",), path), "model_config", layout, path, result)
     _check_micro_batches(document, parallel, layout, path, result)
     scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING),
-                                "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler", path, result)
+                                "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler", path, result,
+                                pipeline.get("seq_split_num", MISSING))
 
     edit.set((*PARALLEL, "pipeline_model_parallel_size"), layout.stages)
-    note_interleave(pipeline.get("pipeline_interleave"), layout,
-                    "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave", result)
-    edit.set((*PIPELINE, "pipeline_interleave"), layout.chunks > 1)
+    edit.set((*PIPELINE, "pipeline_interleave"),
+             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler,
+                              "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave", result))
     edit.set((*PIPELINE, "pipeline_scheduler"), scheduler)
     edit.set((*PIPELINE, "virtual_pipeline_model_parallel_size"), layout.chunks)
     set_offset(edit, (*PIPELINE, "pipeline_stage_offset"), layout)
