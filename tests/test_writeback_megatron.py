@@ -120,6 +120,12 @@ CASES = {
              {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["3"],
               "--recompute-activations": None},
              ["CRLF line ends"]),
+    "a string srun's sh -c reads again": (
+        "gpt3_175b_srun.sh", "gpt3_175b_srun.sh", {"modes": FIRST_STAGE_FULL},
+        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
+         "--checkpoint-activations": None, "--num-layers": ["8"], "--vocab-file": ["gpt2-vocab.json"]},
+        ["in the string options (gpt3_175b_srun.sh line 20), next to --pipeline-model-parallel-size",
+         "--checkpoint-activations (gpt3_175b_srun.sh line 29) is a legacy flag"]),
     "arguments file through $(cat)": (
         "train_from_args_file.sh", "train_from_args_file.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"], "--bf16": []},
@@ -134,7 +140,8 @@ HARNESS = r"""
 launch() { { printf '%s\n' "$@"; printf '%s\n' '<end of launch>'; } >> "$SAPP_LAUNCHED"; }
 torchrun() { launch "$@"; }
 python() { launch "$@"; }
-export -f launch torchrun python
+srun() { while [ $# -gt 0 ] && [ "$1" != sh ]; do shift; done; shift; bash "$@"; }  # sh -c TEXT, TEXT read again
+export -f launch torchrun python srun
 bash "$0"
 """
 
