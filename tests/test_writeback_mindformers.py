@@ -493,6 +493,24 @@ def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
     assert plan["offset"] == [-1, 0, 0, 1] and plan["recompute"] == plan["select_recompute"] == [1, 2, 2, 3]
 
 
+def test_simulate_reads_lists_per_stage_under_chunks_as_mindformers_does(tmp_path, capsys):
+    """telechat3 with 2 chunks per stage and its offsets and full recompute per stage: MindFormers takes the offsets
+    for every chunk and hands each stage's count out over its chunks one layer at a time; `simulate
+    --mindformers-plan` reads them so (it refused lists per stage under chunks)."""
+    from solver_cases import small_profile
+
+    profile = tmp_path / "profile.json"
+    small_profile(8).save(profile)
+    config = copied(tmp_path, "telechat3_36b_seqpipe.yaml", ("num_hidden_layers: 64", "num_hidden_layers: 8"))
+    config.write_text(config.read_text().replace("offset: 0", "offset: [1, -1]")
+                      .replace("recompute: [[14, 14], [14, 14]]", "recompute: [3, 1]"))
+    argv = ["simulate", "--profile", str(profile), "--stages", "2", "--chunks", "2", "--micro-batches", "4",
+            "--schedule", "Interleaved1F1B", "--mindformers-plan", str(config), "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["offset"] == [[1, -1], [1, -1]] and plan["recompute"] == [[2, 1], [1, 0]]
+
+
 @st.composite
 def plans_for(draw, body: int, stages: int, chunks: int, mtp: int = 0):
     """A plan of `body` layers over stages x chunks, each virtual stage holding one or more, with any full and
