@@ -350,6 +350,35 @@ def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.sh"]
 
 
+@pytest.mark.parametrize(("fixture", "chosen", "message"), [
+    ("t5_220m_strings.sh", {}, "splits one stack of 8 layers; {path} trains an encoder-decoder model "
+     "(--encoder-num-layers and --decoder-num-layers), whose stacks Megatron-LM's layout and first/last-stage flags "
+     "do not split: sapp-hook plans decoder-only models"),
+    ("mamba_hybrid.sh", {}, "places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
+     "(--hybrid-attention-ratio, --hybrid-mlp-ratio, ../../examples/classes/pretrain_mamba.py), whose MambaStack gives "
+     "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages"),
+    ("mamba_hybrid.sh", {"chunks": 2}, "places [1, 1, 1, 1, 1, 1, 2, 0] layers on its 8 virtual"),
+])
+def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixture, chosen, message):
+    """T5's two stacks, and Mamba hybrid models, whose MambaStack splits --num-layers evenly over the ranks
+    (megatron/core/ssm/mamba_block.py, _select_layers_for_pipeline_parallel), cannot run an uneven plan."""
+    path = fixtures / fixture
+    before = path.read_bytes()
+    with pytest.raises(InputError) as caught:
+        write_config("megatron", path, layout_of(plan(**chosen)))
+    assert caught.value.field == "--plan" and message.format(path=path) in caught.value.detail
+    assert path.read_bytes() == before
+
+
+def test_a_mamba_hybrid_model_takes_an_even_plan(fixtures):
+    """What MambaStack runs: the plan's pipeline size, no split flags, the recompute."""
+    notes = write_config("megatron", fixtures / "mamba_hybrid.sh", layout_of(plan(ALL_FULL, counts=[3, 2, 2, 3]))).notes
+    got = flags_of(launched(fixtures / "mamba_hybrid.sh")[0])
+    assert got[PP] == [["4"]] and LAYOUT not in got and "--decoder-first-pipeline-num-layers" not in got
+    assert got[GRANULARITY] == [["full"]] and got[RECOMPUTE_LAYERS] == [["2"]]
+    assert any("set in branches to 56 or 8: the plan is for the branch that sets 8" in note for note in notes)
+
+
 def test_mtp_layers_split_over_two_stages_cannot_be_said(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("#!/bin/bash\ntorchrun t.py --num-layers 6 --mtp-num-layers 2 --pipeline-model-parallel-size 4\n")

@@ -31,6 +31,9 @@ GROUPED_GEMM = "--moe-grouped-gemm"
 NO_OVERLAP_P2P = "--no-overlap-p2p-communication"
 EMBEDDING_IN_SPLIT = "--account-for-embedding-in-pipeline-split"
 LOSS_IN_SPLIT = "--account-for-loss-in-pipeline-split"
+ENCODER_LAYERS, DECODER_LAYERS = "--encoder-num-layers", "--decoder-num-layers"  # T5's encoder-decoder stacks
+# A Mamba hybrid model's layer mix (megatron/core/ssm/mamba_block.py)
+HYBRID = ("--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern")
 
 # Legacy recompute flags and what replaced them (Megatron-LM exits on --checkpoint-activations; the
 # others are gone from its parser, which then refuses the script)
@@ -48,7 +51,8 @@ FLAGS = {
     GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
     GRANULARITY: ONE, METHOD: ONE, RECOMPUTE_LAYERS: ONE, MODULES: MANY, RECOMPUTE_ACTIVATIONS: SWITCH,
     DISTRIBUTE: SWITCH, GROUPED_GEMM: SWITCH, NO_OVERLAP_P2P: SWITCH, EMBEDDING_IN_SPLIT: SWITCH,
-    LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH,
+    LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH, ENCODER_LAYERS: ONE, DECODER_LAYERS: ONE,
+    **dict.fromkeys(HYBRID, ONE),
     "--checkpoint-activations": SWITCH, "--checkpoint-num-layers": ONE, "--activations-checkpoint-method": ONE,
     "--activations-checkpoint-num-layers": ONE, "--distribute-checkpointed-activations": SWITCH,
     "--moe-layer-recompute": SWITCH,
