@@ -155,6 +155,14 @@ CASES = [
              "virtual_pipeline_model_parallel_size": 2, "pipeline_stage_offset": 0},  # 0: even, as the plan
           "recompute_config.recompute": False},
          ["pipeline_scheduler 1f1b -> zero_bubble_v: the plan is for ZBVZeroBubble"]),
+    Case("llama2 7b finetune without pipeline parallelism: the plan's stages", "llama2_7b_finetune_no_pp.yaml",
+         dict(counts=[7, 9, 9, 7], micro_batches=8, full=[2, 2, 0, 0]),
+         {"parallel_config.pipeline_stage": 4, "parallel_config.micro_batch_num": 8, "parallel_config.data_parallel": 8,
+          "model.model_config.offset": [-1, 1, 1, -1], "recompute_config.recompute": [2, 2, 0, 0],
+          "recompute_config.select_recompute": False},
+         ["parallel_config.pipeline_stage was 1 (no pipeline parallelism); set to the plan's 4: the job then takes "
+          "data_parallel x model_parallel x 4 = 32 devices (was 8); for 8 set data_parallel to 2",
+          "parallel_config.micro_batch_num 1 -> 8"]),
     Case("telechat3 seqpipe, no sequence split: Megatron's interleaved order, kept", "telechat3_36b_seqpipe.yaml",
          dict(counts=[15, 17, 17, 15], chunks=2, schedule="Interleaved1F1B", micro_batches=4, full=[15, 14, 14, 14]),
          {"parallel.pipeline_config": {"pipeline_interleave": True, "pipeline_scheduler": "seqpipe"},

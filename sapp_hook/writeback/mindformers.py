@@ -20,6 +20,7 @@ from sapp_hook.writeback.mindformers_values import (
     check_layers,
     check_scheduler,
     interleave_value,
+    note_stages,
     section,
     set_counts,
     set_offset,
@@ -66,9 +67,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     """The plan in the classic training config's places; every check before the first change."""
     document = edit.data
     parallel = section(document, ("parallel_config",), path)
-    stages = parallel.get("pipeline_stage")
-    if stages is not None and stages != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has parallel_config.pipeline_stage {stages}")
+    note_stages(parallel, "parallel_config.pipeline_stage", ("data_parallel", "model_parallel"), layout, path, result)
     model = section(document, ("model", "model_config"), path, required=True)
     check_layers(model, "model.model_config", layout, path, result)
     section(document, ("recompute_config",), path)

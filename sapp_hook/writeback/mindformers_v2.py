@@ -17,6 +17,7 @@ from sapp_hook.writeback.mindformers_values import (
     held_layers,
     interleave_value,
     is_int,
+    note_stages,
     section,
     set_counts,
     set_offset,
@@ -37,10 +38,8 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     parallel = section(document, PARALLEL, path)
     pipeline = section(document, PIPELINE, path)
     section(document, ("recompute_config",), path)
-    stages = parallel.get("pipeline_model_parallel_size")
-    if stages is not None and stages != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
-                                   f"distribute_parallel_config.pipeline_model_parallel_size {stages}")
+    note_stages(parallel, "distribute_parallel_config.pipeline_model_parallel_size",
+                ("data_parallel_size", "tensor_model_parallel_size"), layout, path, result)
     check_layers(section(document, ("model_config",), path), "model_config", layout, path, result)
     _check_micro_batches(document, parallel, layout, path, result)
     scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING),

@@ -67,6 +67,26 @@ def section(data: object, place: tuple[str, ...], path: Path, *, required: bool 
     return node
 
 
+def note_stages(parallel: Mapping, where: str, sizes: tuple[str, str], layout: Layout, path: Path,
+                result: WriteBack) -> None:
+    """A pipeline size other than the plan's is set to the plan's, with a note of the device count it
+    then takes (MindFormers runs data x model x pipeline parallel devices; `sizes` the other two keys)."""
+    value = parallel.get(where.rsplit(".", 1)[-1])
+    if value is None or value == layout.stages:
+        return
+    if not is_int(value) or value < 1:
+        raise InputError("--config", f"{path}: {where} is {value!r}; expected a whole number of pipeline stages")
+    others = [parallel.get(key) for key in sizes]
+    devices = ""
+    if all(is_int(size) and size > 0 for size in others):
+        before, after = others[0] * others[1] * value, others[0] * others[1] * layout.stages
+        keep = before // (others[1] * layout.stages) if before % (others[1] * layout.stages) == 0 else None
+        devices = (f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {after} devices (was {before})"
+                   + (f"; for {before} set {sizes[0]} to {keep}" if keep else ""))
+    result.notes.append(f"{where} was {value}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
+                        f"{layout.stages}{devices}")
+
+
 def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result: WriteBack) -> None:
     """The decoder and multi-token-prediction layers the config declares are the plan's body layers
     (MindFormers spreads both by the offsets, the MTP layers last); where it declares none (mcore
