@@ -484,6 +484,19 @@ def test_a_failure_while_writing_leaves_the_config_byte_identical(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".bak")) == [path.name]
 
 
+def test_a_comment_set_in_a_column_stays_in_it(tmp_path):
+    """llm_pretrain_moe_template.yaml aligns its end-of-line comments; a value written longer or shorter than the
+    one it replaces takes its room from the spaces before the comment, not the comment's column."""
+    path = copied(tmp_path, "llm_pretrain_moe_template.yaml")
+    before = path.read_text()
+    write_config("mindformers", path, layout([5, 3, 4, 4], micro_batches=8, full=[2, 1, 0, 0]))
+    columns = {line.split(":")[0].strip(): line.index("#") for line in before.splitlines() if "  #" in line}
+    changed = [line for line in path.read_text().splitlines() if line not in before.splitlines() and "  #" in line]
+    assert {line.split(":")[0].strip() for line in changed} >= {"offset", "recompute", "micro_batch_num"}
+    for line in changed:
+        assert line.index("#") == columns[line.split(":")[0].strip()], line
+
+
 def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
     """`simulate --mindformers-plan` takes the keys from a config with anchors and aliases, as MindFormers reads them."""
     from solver_cases import small_profile
