@@ -351,12 +351,12 @@ def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_pa
 
 
 @pytest.mark.parametrize(("fixture", "chosen", "message"), [
-    ("t5_220m_strings.sh", {}, "splits one stack of 8 layers; {path} trains an encoder-decoder model "
+    ("t5_220m_strings.sh", {}, ("splits one stack of 8 layers; {path} trains an encoder-decoder model "
      "(--encoder-num-layers and --decoder-num-layers), whose stacks Megatron-LM's layout and first/last-stage flags "
-     "do not split: sapp-hook plans decoder-only models"),
-    ("mamba_hybrid.sh", {}, "places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
+     "do not split: sapp-hook plans decoder-only models")),
+    ("mamba_hybrid.sh", {}, ("places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
      "(--hybrid-attention-ratio, --hybrid-mlp-ratio, ../../examples/classes/pretrain_mamba.py), whose MambaStack gives "
-     "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages"),
+     "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages")),
     ("mamba_hybrid.sh", {"chunks": 2}, "places [1, 1, 1, 1, 1, 1, 2, 0] layers on its 8 virtual"),
 ])
 def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixture, chosen, message):
@@ -527,3 +527,14 @@ def test_flags_passed_on_as_arguments_are_changed_where_the_caller_writes_them(t
     assert outer.read_text() == '#!/bin/bash\nbash "$(dirname "$0")/inner.sh" --lr 1\n'
     got = flags_of(launched(outer)[0])
     assert "--recompute-activations" not in got and got[GRANULARITY] == [["selective"]] and got["--lr"] == [["1"]]
+
+
+def test_a_batch_size_ramp_is_said_with_the_micro_batches(tmp_path):
+    """`--rampup-batch-size 16 16 5859375` (examples/pretrain_gpt3_175B.sh, Megatron-LM 2021): the global batch
+    grows to --global-batch-size, so the plan's micro-batch count holds once the ramp is done."""
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\ntorchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size 4 "
+                      "--micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 5859375 --lr 1e-4\n")
+    notes = write_config("megatron", script, layout_of(plan())).notes
+    assert any(note.startswith("--rampup-batch-size 16 16 5859375: the global batch grows to 64") for note in notes)
+    assert flags_of(launched(script)[0])["--rampup-batch-size"] == [["16", "16", "5859375"]]

@@ -20,6 +20,7 @@ MTP_LAYERS = "--mtp-num-layers"
 LAYOUT = "--pipeline-model-parallel-layout"
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 GLOBAL_BATCH, MICRO_BATCH = "--global-batch-size", "--micro-batch-size"
+RAMPUP = "--rampup-batch-size"  # start, increment, samples: the global batch grows to --global-batch-size
 LAYERS_PER_VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
 VIRTUAL_STAGES = "--num-virtual-stages-per-pipeline-rank"
 GROUP_SIZE = "--microbatch-group-size-per-virtual-pipeline-stage"
@@ -48,7 +49,7 @@ LEGACY = {
 
 FLAGS = {
     PP_SIZE: ONE, TP_SIZE: ONE, NUM_LAYERS: ONE, MTP_LAYERS: ONE, LAYOUT: ONE, FIRST: ONE, LAST: ONE,
-    GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
+    GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, RAMPUP: MANY, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
     GRANULARITY: ONE, METHOD: ONE, RECOMPUTE_LAYERS: ONE, MODULES: MANY, RECOMPUTE_ACTIVATIONS: SWITCH,
     DISTRIBUTE: SWITCH, GROUPED_GEMM: SWITCH, NO_OVERLAP_P2P: SWITCH, EMBEDDING_IN_SPLIT: SWITCH,
     LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH, ENCODER_LAYERS: ONE, DECODER_LAYERS: ONE,

@@ -32,6 +32,7 @@ from sapp_hook.writeback.megatron_flags import (
     NO_OVERLAP_P2P,
     NUM_LAYERS,
     PP_SIZE,
+    RAMPUP,
     RECOMPUTE_ACTIVATIONS,
     RECOMPUTE_LAYERS,
     VIRTUAL_STAGES,
@@ -216,6 +217,10 @@ def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: L
     if fitting:
         notes.append(f"{said} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size "
                      f"{global_batch // micro_batch // layout.micro_batches}" + (f" ({caveat})" if caveat else ""))
+        if RAMPUP in last:  # Megatron steps the global batch up from the ramp's start: fewer micro-batches until then
+            ramp = value_of(reading, last[RAMPUP]).text or "?"
+            notes.append(f"{RAMPUP} {ramp}: the global batch grows to {global_batch} over the ramp's samples, with "
+                         f"fewer micro-batches per step until then; the plan's {layout.micro_batches} hold after it")
     else:
         notes.append(f"{said} make {layout.micro_batches} micro-batches per step at no data-parallel size ({caveat})")
 
