@@ -23,13 +23,13 @@ SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "1f1b", "Inte
 # choice of an order the plan was not made for.
 PLAIN_SCHEDULERS = ("1f1b", "gpipe")
 OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the plan's
-    "seqpipe": ("MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
-                "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)", ""),
-    "seqvpp": ("MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
-               "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)", ""),
-    "seqsmartvpp": ("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only without "
-                    "a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches a "
-                    "multiple of the stages)", ""),
+    "seqpipe": (("MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
+                 "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
+    "seqvpp": (("MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
+                "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
+    "seqsmartvpp": (("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only "
+                     "without a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches "
+                     "a multiple of the stages)"), ""),
     "zero_bubble_v": ("the order of a ZBVZeroBubble plan", "solve with --schedule ZBVZeroBubble --chunks 2, or "),
 }
 # With seq_split_num 1 (MindFormers' default) MindSpore's sequence schedulers split no sequence and run known
