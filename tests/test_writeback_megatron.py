@@ -370,6 +370,15 @@ def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixt
     assert path.read_bytes() == before
 
 
+def test_a_hybrid_layer_pattern_marks_a_hybrid_model(tmp_path):
+    """--hybrid-layer-pattern (Megatron-LM's HybridModel, which replaced the ratio flags) is the same model."""
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\ntorchrun pretrain_hybrid.py --num-layers 8 --pipeline-model-parallel-size 4 "
+                      "--hybrid-layer-pattern M*M-M*M-\n")
+    with pytest.raises(InputError, match=r"\(--hybrid-layer-pattern\), whose MambaStack"):
+        write_config("megatron", script, layout_of(plan()))
+
+
 def test_a_mamba_hybrid_model_takes_an_even_plan(fixtures):
     """What MambaStack runs: the plan's pipeline size, no split flags, the recompute."""
     notes = write_config("megatron", fixtures / "mamba_hybrid.sh", layout_of(plan(ALL_FULL, counts=[3, 2, 2, 3]))).notes

@@ -186,7 +186,8 @@ def check_model(reading: Reading, last: dict[str, Occurrence], launchers: list[i
         raise InputError("--plan", f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} "
                                    f"trains a Mamba hybrid model ({', '.join(hybrid)}), whose MambaStack gives every "
                                    "pipeline rank --num-layers / pipeline size layers and runs no virtual stages: only "
-                                   "an even split of one chunk per rank runs there")
+                                   "an even split of one chunk per rank runs there (newer Megatron-LM's HybridModel "
+                                   "also takes stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)")
 
 
 def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path,
