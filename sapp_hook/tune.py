@@ -256,17 +256,23 @@ class AutoTuner:
             if self.out_dir is not None:
                 self._write_outputs(result)
         self.result = result
-        if self.on_plan == "exit":
-            planned_file = os.environ.get(ENVIRONMENT["planned_file"])
-            if planned_file and _rank() == 0:
-                written = None if self.config is None else str(self.config)
-                atomic_write_text(Path(planned_file), json.dumps({"config": written}) + "\n")
-            # torchrun stops every worker once one exits: none may leave before rank 0 has written
-            _everyone(b"")
-            where = f" into {self.config}" if self.config else ""
-            log.warning("sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
-                        where, REPLAN_EXIT_CODE)
-            raise SystemExit(REPLAN_EXIT_CODE)
+        if self.on_plan != "exit":
+            return
+        # a config that already said the plan was not written: the job runs it now, so it trains on
+        restart = _from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
+        planned_file = os.environ.get(ENVIRONMENT["planned_file"])
+        if planned_file and _rank() == 0:
+            written = None if self.config is None else str(self.config)
+            atomic_write_text(Path(planned_file), json.dumps({"config": written, "restart": restart}) + "\n")
+        if not restart:
+            log.warning("sapp-hook: %s already says the plan (nothing written); training goes on with it", self.config)
+            return
+        # torchrun stops every worker once one exits: none may leave before rank 0 has written
+        _everyone(b"")
+        where = f" into {self.config}" if self.config else ""
+        log.warning("sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
+                    where, REPLAN_EXIT_CODE)
+        raise SystemExit(REPLAN_EXIT_CODE)
 
     def _report(self, result: TuneResult) -> str:
         lines = []

@@ -114,25 +114,46 @@ def mindformers_split(
 
 
 def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
-    """MindFormers' forms: a bool (true: every layer of each stage), 0, a list per stage, or a list per chunk of lists."""
+    """MindFormers' forms, as its LayerSetting reads them: a bool (true: every layer of each stage), 0, a list
+    per stage, or a list per chunk of lists. Offsets (`per_stage` None) in a list per stage hold for every
+    chunk; recompute counts (`per_stage` the layers each chunk and stage holds) in a list per stage are
+    handed out over the chunks one layer at a time, and every count is capped at the layers held."""
     if isinstance(value, bool):
         if per_stage is None:
             raise InputError(key, f"expected integers, got {shown(value)}")
         return [[held if value else 0 for held in row] for row in per_stage]
     if value == 0 and not isinstance(value, list):
         return [[0] * stages for _ in range(chunks)]
-    if isinstance(value, list) and value and not isinstance(value[0], list):
-        value = [value]
+    if isinstance(value, list) and len(value) == stages and all(not isinstance(item, list) for item in value):
+        row = [_count(item, f"{key}[{s}]", per_stage, None) for s, item in enumerate(value)]
+        return [list(row) for _ in range(chunks)] if per_stage is None else _spread(row, per_stage)
     if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
-        raise InputError(key, f"expected {chunks} list(s) of {stages} integers (one per stage), got {shown(value)}")
-    rows = []
-    for c, row in enumerate(value):
-        rows.append([])
-        for s, item in enumerate(row):
-            if isinstance(item, bool) and per_stage is not None:
-                item = per_stage[c][s] if item else 0
-            elif isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
-                raise InputError(f"{key}[{c}][{s}]", f"expected an integer{' >= 0' if per_stage else ''}, got {shown(item)}")
-            rows[c].append(item)
-    return rows
+        raise InputError(key, f"expected {stages} integers (one per stage) or {chunks} list(s) of them, got {shown(value)}")
+    return [[_count(item, f"{key}[{c}][{s}]", per_stage, None if per_stage is None else per_stage[c][s]) for s, item in enumerate(row)]
+            for c, row in enumerate(value)]
 
+
+def _count(item: object, where: str, per_stage: list[list[int]] | None, held: int | None) -> int:
+    """One offset, or one recompute count (a bool: all or none of the `held` layers; None: of the stage's)."""
+    if isinstance(item, bool) and per_stage is not None:
+        return (held if held is not None else _ALL) if item else 0
+    if isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
+        raise InputError(where, f"expected an integer{' >= 0' if per_stage else ''}, got {shown(item)}")
+    return item if held is None else min(item, held)
+
+
+_ALL = 2**31 - 1  # MindFormers' count for `True` in a list per stage: every layer the stage holds
+
+
+def _spread(counts: list[int], held: list[list[int]]) -> list[list[int]]:
+    """MindFormers' LayerSetting._alloc_recompute_layer: each stage's count, at most the layers it holds,
+    handed out over its chunks one layer at a time."""
+    rows = [[0] * len(counts) for _ in held]
+    for stage, count in enumerate(counts):
+        left = min(count, sum(row[stage] for row in held))
+        while left:
+            for chunk, row in enumerate(rows):
+                if left and row[stage] < held[chunk][stage]:
+                    row[stage] += 1
+                    left -= 1
+    return rows

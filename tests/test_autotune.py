@@ -95,13 +95,32 @@ def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage
     assert train(llama(), 3, cache_dir=tmp_path).result.plan_data == again.result.plan_data  # cached anew
 
 
-def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml):
+def test_exit_after_writing_so_the_launcher_restarts(tmp_path, mindformers_yaml, monkeypatch):
     # a config the plan changes (one that already says the plan is left as it is, without a backup)
     mindformers_yaml.write_text(mindformers_yaml.read_text().replace("micro_batch_num: 8", "micro_batch_num: 4"))
+    monkeypatch.setenv("SAPP_HOOK_PLANNED_FILE", str(tmp_path / "planned.json"))
     with pytest.raises(SystemExit) as caught:
         train(llama(), PROFILING + 1, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, on_plan="exit")
     assert caught.value.code == REPLAN_EXIT_CODE
     assert mindformers_yaml.with_name("train.yaml.sapp-hook.bak").exists()
+    assert json.loads((tmp_path / "planned.json").read_text()) == {"config": str(mindformers_yaml), "restart": True}
+
+
+def test_a_config_that_already_says_the_plan_trains_on(tmp_path, mindformers_yaml, monkeypatch, caplog):
+    """on_plan="exit" restarts a job only to run a changed config: one that already said the plan is not
+    written, and the job, already running that plan, trains on; the file for `sapp-hook run` says so."""
+    options = {"config": mindformers_yaml, "target": "mindformers", "cache_dir": tmp_path}
+    assert train(llama(), PROFILING + 1, **options).result.writeback.written == [str(mindformers_yaml)]
+    planned = tmp_path / "planned.json"
+    monkeypatch.setenv("SAPP_HOOK_PLANNED_FILE", str(planned))
+    before = mindformers_yaml.read_bytes()
+    tuner = train(llama(), 4, **options, on_plan="exit")  # the cached plan, after one step
+    assert tuner.done and tuner.result.from_cache and tuner.result.writeback.written == []
+    assert mindformers_yaml.read_bytes() == before
+    assert tuner.profiler.steps_done == 1  # the steps after the plan trained on, unprofiled
+    assert json.loads(planned.read_text()) == {"config": str(mindformers_yaml), "restart": False}
+    assert "already says the plan (nothing written); training goes on" in caplog.text
+    assert "wrote the plan" not in caplog.text
 
 
 def test_a_crash_while_profiling_leaves_the_config_and_no_hooks(tmp_path, mindformers_yaml):

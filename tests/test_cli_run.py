@@ -56,6 +56,26 @@ def test_run_plans_writes_and_relaunches(tmp_path):
     assert isinstance(offset, list) and sum(offset) == 0
 
 
+def test_run_launches_once_where_the_config_already_says_the_plan(tmp_path):
+    """A second `sapp-hook run` of the same job: its cached plan is already in the config, so the planning
+    launch trains on with it and is the only launch."""
+    script, log, config = tmp_path / "train.py", tmp_path / "runs.jsonl", tmp_path / "train.yaml"
+    script.write_text(TRAIN)
+    config.write_text((TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 4"))
+    argv = [sys.executable, "-m", "sapp_hook", "run", "--config", str(config), "--target", "mindformers",
+            "--cache-dir", str(tmp_path / "cache"), "--", sys.executable, str(script), str(log)]
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
+    assert subprocess.run(argv, capture_output=True, text=True, env=env, check=False).returncode == 0  # plans, trains
+    written = config.read_bytes()
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "sapp-hook run: the config already said the plan; the job trained with it" in done.stderr
+    assert "planned; training" not in done.stderr
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert runs == [{"from_cache": True, "steps": 8}] * 2  # one per `sapp-hook run`: no second launch the second time
+    assert config.read_bytes() == written
+
+
 def test_run_needs_a_command(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--config", "x.yaml", "--target", "mindformers"])

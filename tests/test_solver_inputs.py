@@ -252,6 +252,21 @@ def test_mindformers_true_means_every_layer_of_the_stage():
     assert plan.layer_modes == ("none",) + ("full",) * 6 + ("none",)
 
 
+def test_mindformers_lists_per_stage_with_chunks_read_as_mindformers_does():
+    """MindFormers' LayerSetting with chunks: offsets per stage hold for every chunk; a recompute count per stage is
+    handed out over the stage's chunks one layer at a time (_alloc_recompute_layer), capped at the layers held; a
+    bool in such a list is all or none of the stage's layers."""
+    profile = small_profile(12)
+    spec = PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B")
+    plan = plan_from_mindformers(profile, spec, {"offset": [-1, 1], "recompute": [3, True], "pp_interleave_num": 2})
+    # virtual stages in model order: chunk 0 of ranks 0, 1, then chunk 1; 2 + 4 + 2 + 4 body layers
+    assert plan.stage_layer_counts == (3, 4, 2, 5)
+    modes = plan.layer_modes[1:-1]
+    assert modes == ("full", "full", "full", "full", "full", "full", "full", "none", "full", "full", "full", "full")
+    capped = plan_from_mindformers(profile, spec, {"recompute": [[9, 0], [0, 1]], "pp_interleave_num": 2})
+    assert capped.layer_modes[1:-1] == ("full",) * 3 + ("none",) * 6 + ("full", "none", "none")
+
+
 @pytest.mark.parametrize("receive_buffers", [False, True])
 def test_plan_json_round_trip(receive_buffers):
     profile = dataclasses.replace(small_profile(6), stage_output_bytes=2 * MIB)

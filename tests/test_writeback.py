@@ -474,15 +474,21 @@ def test_a_failure_between_write_and_rename_leaves_the_old_file(config, target, 
     assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(".bak")) == [path.name]
 
 
-@pytest.mark.parametrize(("target", "name"), [("mindformers", FILES["mindformers"]), ("mindformers", TEMPLATE_V2)],
-                         ids=["mindformers", "mindformers-v2"])
-def test_a_plan_for_another_stage_count_is_refused(config, target, name):
-    """(TorchTitan and Megatron configs take the plan's pipeline size: their own test files.)"""
+@pytest.mark.parametrize(("target", "name", "said"), [
+    ("mindformers", FILES["mindformers"], "parallel_config.pipeline_stage was 4; set to the plan's 2: the job then "
+     "takes data_parallel x model_parallel x 2 = 2 devices (was 4); for 4 set data_parallel to 2"),
+    ("mindformers", TEMPLATE_V2, "distribute_parallel_config.pipeline_model_parallel_size was 4; set to the plan's 2")],
+    ids=["mindformers", "mindformers-v2"])
+def test_a_plan_for_another_stage_count_sets_the_configs(config, target, name, said):
+    """As TorchTitan's and Megatron's configs do (their own test files): the plan's pipeline size, with the
+    device count it then takes."""
     path = config(target, name)
-    before = path.read_bytes()
-    with pytest.raises(InputError, match="is for 2 pipeline stages") as caught:
-        write_config(target, path, layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B")))
-    assert caught.value.field == "--plan" and path.read_bytes() == before
+    result = write_config(target, path, layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B")))
+    assert any(note.startswith(said) for note in result.notes), result.notes
+    data = yaml.safe_load(path.read_text())
+    stages = data["parallel_config"]["pipeline_stage"] if name != TEMPLATE_V2 else \
+        data["distribute_parallel_config"]["pipeline_model_parallel_size"]
+    assert stages == 2
 
 
 @pytest.mark.parametrize(("target", "name", "declared", "said"), [

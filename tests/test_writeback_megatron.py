@@ -120,6 +120,12 @@ CASES = {
              {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["3"],
               "--recompute-activations": None},
              ["CRLF line ends"]),
+    "a string srun's sh -c reads again": (
+        "gpt3_175b_srun.sh", "gpt3_175b_srun.sh", {"modes": FIRST_STAGE_FULL},
+        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
+         "--checkpoint-activations": None, "--num-layers": ["8"], "--vocab-file": ["gpt2-vocab.json"]},
+        ["in the string options (gpt3_175b_srun.sh line 20), next to --pipeline-model-parallel-size",
+         "--checkpoint-activations (gpt3_175b_srun.sh line 29) is a legacy flag"]),
     "arguments file through $(cat)": (
         "train_from_args_file.sh", "train_from_args_file.sh", {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"], "--bf16": []},
@@ -134,7 +140,8 @@ HARNESS = r"""
 launch() { { printf '%s\n' "$@"; printf '%s\n' '<end of launch>'; } >> "$SAPP_LAUNCHED"; }
 torchrun() { launch "$@"; }
 python() { launch "$@"; }
-export -f launch torchrun python
+srun() { while [ $# -gt 0 ] && [ "$1" != sh ]; do shift; done; shift; bash "$@"; }  # sh -c TEXT, TEXT read again
+export -f launch torchrun python srun
 bash "$0"
 """
 
@@ -343,6 +350,44 @@ def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.sh"]
 
 
+@pytest.mark.parametrize(("fixture", "chosen", "message"), [
+    ("t5_220m_strings.sh", {}, ("splits one stack of 8 layers; {path} trains an encoder-decoder model "
+     "(--encoder-num-layers and --decoder-num-layers), whose stacks Megatron-LM's layout and first/last-stage flags "
+     "do not split: sapp-hook plans decoder-only models")),
+    ("mamba_hybrid.sh", {}, ("places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
+     "(--hybrid-attention-ratio, --hybrid-mlp-ratio, ../../examples/classes/pretrain_mamba.py), whose MambaStack gives "
+     "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages")),
+    ("mamba_hybrid.sh", {"chunks": 2}, "places [1, 1, 1, 1, 1, 1, 2, 0] layers on its 8 virtual"),
+])
+def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixture, chosen, message):
+    """T5's two stacks, and Mamba hybrid models, whose MambaStack splits --num-layers evenly over the ranks
+    (megatron/core/ssm/mamba_block.py, _select_layers_for_pipeline_parallel), cannot run an uneven plan."""
+    path = fixtures / fixture
+    before = path.read_bytes()
+    with pytest.raises(InputError) as caught:
+        write_config("megatron", path, layout_of(plan(**chosen)))
+    assert caught.value.field == "--plan" and message.format(path=path) in caught.value.detail
+    assert path.read_bytes() == before
+
+
+def test_a_hybrid_layer_pattern_marks_a_hybrid_model(tmp_path):
+    """--hybrid-layer-pattern (Megatron-LM's HybridModel, which replaced the ratio flags) is the same model."""
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\ntorchrun pretrain_hybrid.py --num-layers 8 --pipeline-model-parallel-size 4 "
+                      "--hybrid-layer-pattern M*M-M*M-\n")
+    with pytest.raises(InputError, match=r"\(--hybrid-layer-pattern\), whose MambaStack"):
+        write_config("megatron", script, layout_of(plan()))
+
+
+def test_a_mamba_hybrid_model_takes_an_even_plan(fixtures):
+    """What MambaStack runs: the plan's pipeline size, no split flags, the recompute."""
+    notes = write_config("megatron", fixtures / "mamba_hybrid.sh", layout_of(plan(ALL_FULL, counts=[3, 2, 2, 3]))).notes
+    got = flags_of(launched(fixtures / "mamba_hybrid.sh")[0])
+    assert got[PP] == [["4"]] and LAYOUT not in got and "--decoder-first-pipeline-num-layers" not in got
+    assert got[GRANULARITY] == [["full"]] and got[RECOMPUTE_LAYERS] == [["2"]]
+    assert any("set in branches to 56 or 8: the plan is for the branch that sets 8" in note for note in notes)
+
+
 def test_mtp_layers_split_over_two_stages_cannot_be_said(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("#!/bin/bash\ntorchrun t.py --num-layers 6 --mtp-num-layers 2 --pipeline-model-parallel-size 4\n")
@@ -491,3 +536,14 @@ def test_flags_passed_on_as_arguments_are_changed_where_the_caller_writes_them(t
     assert outer.read_text() == '#!/bin/bash\nbash "$(dirname "$0")/inner.sh" --lr 1\n'
     got = flags_of(launched(outer)[0])
     assert "--recompute-activations" not in got and got[GRANULARITY] == [["selective"]] and got["--lr"] == [["1"]]
+
+
+def test_a_batch_size_ramp_is_said_with_the_micro_batches(tmp_path):
+    """`--rampup-batch-size 16 16 5859375` (examples/pretrain_gpt3_175B.sh, Megatron-LM 2021): the global batch
+    grows to --global-batch-size, so the plan's micro-batch count holds once the ramp is done."""
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\ntorchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size 4 "
+                      "--micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 5859375 --lr 1e-4\n")
+    notes = write_config("megatron", script, layout_of(plan())).notes
+    assert any(note.startswith("--rampup-batch-size 16 16 5859375: the global batch grows to 64") for note in notes)
+    assert flags_of(launched(script)[0])["--rampup-batch-size"] == [["16", "16", "5859375"]]

@@ -67,6 +67,7 @@ class Case:
     plan: dict
     expected: dict[str, object]  # dotted path -> what MindFormers reads there after the write
     notes: list[str] = field(default_factory=list)  # words each of some note
+    prepare: tuple[str, str] | None = None  # text replaced in the fixture before the plan (else PREPARE's)
 
 
 DEEPSEEK_COUNTS = [3] + [4] * 14 + [3]  # 61 decoder layers + 1 MTP over 16 stages: 3 each and 14 more
@@ -154,6 +155,38 @@ CASES = [
              "virtual_pipeline_model_parallel_size": 2, "pipeline_stage_offset": 0},  # 0: even, as the plan
           "recompute_config.recompute": False},
          ["pipeline_scheduler 1f1b -> zero_bubble_v: the plan is for ZBVZeroBubble"]),
+    Case("llama2 7b finetune without pipeline parallelism: the plan's stages", "llama2_7b_finetune_no_pp.yaml",
+         dict(counts=[7, 9, 9, 7], micro_batches=8, full=[2, 2, 0, 0]),
+         {"parallel_config.pipeline_stage": 4, "parallel_config.micro_batch_num": 8, "parallel_config.data_parallel": 8,
+          "model.model_config.offset": [-1, 1, 1, -1], "recompute_config.recompute": [2, 2, 0, 0],
+          "recompute_config.select_recompute": False},
+         ["parallel_config.pipeline_stage was 1 (no pipeline parallelism); set to the plan's 4: the job then takes "
+          "data_parallel x model_parallel x 4 = 32 devices (was 8); for 8 set data_parallel to 2",
+          "parallel_config.micro_batch_num 1 -> 8"]),
+    Case("telechat3 seqpipe, no sequence split: Megatron's interleaved order, kept", "telechat3_36b_seqpipe.yaml",
+         dict(counts=[15, 17, 17, 15], chunks=2, schedule="Interleaved1F1B", micro_batches=4, full=[15, 14, 14, 14]),
+         {"parallel.pipeline_config": {"pipeline_interleave": True, "pipeline_scheduler": "seqpipe"},
+          "model.model_config.offset": [[-1, 1], [1, -1]], "model.model_config.pp_interleave_num": 2,
+          "recompute_config.recompute": [[15, 14], [14, 14]], "parallel.dataset_strategy": [[1, 1]] * 4},
+         ["pipeline_scheduler seqpipe kept: with seq_split_num unset (1) it splits no sequence and runs the plan's "
+          "Interleaved1F1B order"]),
+    Case("telechat3 seqpipe, seq_split_num 1, one chunk: 1F1B", "telechat3_36b_seqpipe.yaml",
+         dict(counts=[31, 33], micro_batches=4),
+         {"parallel.pipeline_config": {"pipeline_interleave": True, "pipeline_scheduler": "seqpipe"},
+          "parallel_config.seq_split_num": 1, "model.model_config.offset": [-1, 1],
+          "model.model_config.pp_interleave_num": 1, "recompute_config.recompute": [[0, 0]]},
+         ["seqpipe kept: with seq_split_num 1 it splits no sequence and runs the plan's 1F1B order"],
+         prepare=("  micro_batch_num: 4\n", "  micro_batch_num: 4\n  seq_split_num: 1\n")),
+    Case("telechat3 seqsmartvpp (as the 105B config), one chunk: 1F1B", "telechat3_36b_seqpipe.yaml",
+         dict(counts=[32, 32], micro_batches=4, full=[32, 32]),
+         {"parallel.pipeline_config": {"pipeline_interleave": True, "pipeline_scheduler": "seqsmartvpp"},
+          "model.model_config.pp_interleave_num": 1, "recompute_config.recompute": [[32, 32]]},
+         ["seqsmartvpp kept"], prepare=("'seqpipe'", "seqsmartvpp")),
+    Case("telechat3 seqsmartvpp, no sequence split: MindFormers' small-memory order", "telechat3_36b_seqpipe.yaml",
+         dict(counts=[16, 16, 16, 16], chunks=2, schedule="Interleaved1F1B-less-memory", micro_batches=4),
+         {"parallel.pipeline_config": {"pipeline_interleave": True, "pipeline_scheduler": "seqsmartvpp"},
+          "recompute_config.recompute": [[0, 0], [0, 0]], "model.model_config.offset": 0},
+         ["seqsmartvpp kept"], prepare=("'seqpipe'", "seqsmartvpp")),
     Case("llm_template_v2 DeepSeek-V3: num_nextn_predict_layers counted", "template_v2_deepseek3_mtp.yaml",
          dict(counts=DEEPSEEK_COUNTS, mtp=1, micro_batches=32, full=DEEPSEEK_FULL, selective=DEEPSEEK_SELECTIVE),
          {"distribute_parallel_config.pipeline_parallel_config.pipeline_stage_offset": [0] + [1] * 14 + [0],
@@ -164,11 +197,11 @@ CASES = [
 PREPARE = {"deepseek3_mcore_seqpipe.yaml": ("pipeline_scheduler: seqpipe", "pipeline_scheduler: 1f1b")}
 
 
-def copied(tmp_path: Path, name: str) -> Path:
+def copied(tmp_path: Path, name: str, prepare: tuple[str, str] | None = None) -> Path:
     path = tmp_path / name
     path.write_bytes((FIXTURES / name).read_bytes())
-    if name in PREPARE:
-        old, new = PREPARE[name]
+    old, new = prepare or PREPARE.get(name, ("", ""))
+    if old:
         path.write_bytes(path.read_bytes().replace(old.encode(), new.encode()))
     return path
 
@@ -249,7 +282,7 @@ def check_written(case: Case, before: bytes, after: bytes, plan) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_every_fixture_takes_its_plan(tmp_path, case):
-    path = copied(tmp_path, case.file)
+    path = copied(tmp_path, case.file, case.prepare)
     path.chmod(0o640)
     before = path.read_bytes()
     plan = layout(**case.plan)
@@ -265,7 +298,7 @@ def test_every_fixture_takes_its_plan(tmp_path, case):
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_sapp_hook_apply_writes_every_fixture(tmp_path, capsys, case):
-    path = copied(tmp_path, case.file)
+    path = copied(tmp_path, case.file, case.prepare)
     before = path.read_bytes()
     plan = layout(**case.plan)
     plan_file = tmp_path / "plan.json"
@@ -290,14 +323,37 @@ def refused(path: Path, plan, words: str, field: str = "--plan") -> InputError:
     return caught.value
 
 
-def test_an_order_the_plan_was_not_made_for_is_refused_not_overwritten(tmp_path, capsys):
+def test_a_sequence_scheduler_that_runs_the_plan_stays(tmp_path):
+    """deepseek3_mcore_seqpipe.yaml as shipped (seqpipe, no seq_split_num): MindSpore runs its 8 x 2 chunks on 32
+    micro-batches in Megatron's interleaved order, so the plan goes in with the scheduler as it was."""
     path = tmp_path / "deepseek3_mcore_seqpipe.yaml"
     shutil.copy(FIXTURES / path.name, path)
     plan = layout([3] + [4] * 14 + [3], chunks=2, schedule="Interleaved1F1B", mtp=1, micro_batches=32)
-    error = refused(path, plan, "is for Interleaved1F1B (pipeline_scheduler 1f1b); ")
-    assert error.detail.endswith("has parallel.pipeline_config.pipeline_scheduler 'seqpipe', MindSpore's sequence-pipeline "
-                                 "order (seq_split_num), which sapp-hook does not plan: set "
-                                 "parallel.pipeline_config.pipeline_scheduler to 1f1b to run this plan")
+    result = write_config("mindformers", path, plan)
+    data = yaml.safe_load(path.read_text())
+    assert data["parallel"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": "seqpipe"}
+    assert layer_setting(data, plan) == plan_cells(plan)
+    assert any("seqpipe kept" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(("prepare", "plan", "words"), [
+    (("  micro_batch_num: 4\n", "  micro_batch_num: 4\n  seq_split_num: 4\n"),
+     dict(counts=[32, 32], micro_batches=4), "'seqpipe', with seq_split_num 4, MindSpore's sequence-pipeline order"),
+    (None, dict(counts=[16] * 4, chunks=2, schedule="Interleaved1F1B", micro_batches=5),
+     "'seqpipe', MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split"),
+    (None, dict(counts=[16] * 4, chunks=2, schedule="Interleaved1F1B-less-memory", micro_batches=4),
+     "'seqpipe', MindSpore's sequence-pipeline order"),
+    (("'seqpipe'", "seqvpp"), dict(counts=[32, 32], micro_batches=4), "'seqvpp', MindSpore's interleaved sequence"),
+    (("'seqpipe'", "seqsmartvpp"), dict(counts=[16] * 4, chunks=2, schedule="Interleaved1F1B", micro_batches=4),
+     "'seqsmartvpp', MindSpore's small-memory interleaved sequence-pipeline order"),
+])
+def test_a_sequence_scheduler_that_would_not_run_the_plan_is_refused(tmp_path, capsys, prepare, plan, words):
+    """A sequence split, micro-batches the stages do not divide, or another order than the scheduler's: refused
+    with what to set, the file byte-identical, one line from the CLI."""
+    path = copied(tmp_path, "telechat3_36b_seqpipe.yaml", prepare)
+    plan = layout(**plan)
+    error = refused(path, plan, words)
+    assert error.detail.endswith("set parallel.pipeline_config.pipeline_scheduler to 1f1b to run this plan")
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan.plan_data))
     with pytest.raises(SystemExit) as caught:
@@ -428,6 +484,19 @@ def test_a_failure_while_writing_leaves_the_config_byte_identical(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".bak")) == [path.name]
 
 
+def test_a_comment_set_in_a_column_stays_in_it(tmp_path):
+    """llm_pretrain_moe_template.yaml aligns its end-of-line comments; a value written longer or shorter than the
+    one it replaces takes its room from the spaces before the comment, not the comment's column."""
+    path = copied(tmp_path, "llm_pretrain_moe_template.yaml")
+    before = path.read_text()
+    write_config("mindformers", path, layout([5, 3, 4, 4], micro_batches=8, full=[2, 1, 0, 0]))
+    columns = {line.split(":")[0].strip(): line.index("#") for line in before.splitlines() if "  #" in line}
+    changed = [line for line in path.read_text().splitlines() if line not in before.splitlines() and "  #" in line]
+    assert {line.split(":")[0].strip() for line in changed} >= {"offset", "recompute", "micro_batch_num"}
+    for line in changed:
+        assert line.index("#") == columns[line.split(":")[0].strip()], line
+
+
 def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
     """`simulate --mindformers-plan` takes the keys from a config with anchors and aliases, as MindFormers reads them."""
     from solver_cases import small_profile
@@ -443,6 +512,24 @@ def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)["plan"]
     # recompute: True is every layer; select_recompute: False selects nothing more (was refused: "below recompute")
     assert plan["offset"] == [-1, 0, 0, 1] and plan["recompute"] == plan["select_recompute"] == [1, 2, 2, 3]
+
+
+def test_simulate_reads_lists_per_stage_under_chunks_as_mindformers_does(tmp_path, capsys):
+    """telechat3 with 2 chunks per stage and its offsets and full recompute per stage: MindFormers takes the offsets
+    for every chunk and hands each stage's count out over its chunks one layer at a time; `simulate
+    --mindformers-plan` reads them so (it refused lists per stage under chunks)."""
+    from solver_cases import small_profile
+
+    profile = tmp_path / "profile.json"
+    small_profile(8).save(profile)
+    config = copied(tmp_path, "telechat3_36b_seqpipe.yaml", ("num_hidden_layers: 64", "num_hidden_layers: 8"))
+    config.write_text(config.read_text().replace("offset: 0", "offset: [1, -1]")
+                      .replace("recompute: [[14, 14], [14, 14]]", "recompute: [3, 1]"))
+    argv = ["simulate", "--profile", str(profile), "--stages", "2", "--chunks", "2", "--micro-batches", "4",
+            "--schedule", "Interleaved1F1B", "--mindformers-plan", str(config), "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["offset"] == [[1, -1], [1, -1]] and plan["recompute"] == [[2, 1], [1, 0]]
 
 
 @st.composite

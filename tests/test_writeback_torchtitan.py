@@ -149,17 +149,19 @@ def test_every_toml_fixture_takes_the_plan(tmp_path, capsys, via, name, table, k
     assert notes == [note for note in notes if "pipeline_parallel_" in note or "which TorchTitan" in note]
 
 
+# ActivationCheckpointConfig (2026-02..06) keeps selective_ac_option: every second block of a rank, exactly
+EVERY_SECOND_AC = "ActivationCheckpointConfig(mode='selective', selective_ac_option='2')"
 # fixture, function, ParallelismConfig fields read back, checkpointing read back, fields that must be gone, side file
 PYTHON_CASES = [
     ("llama3_config_registry_2026_03.py", "llama3_debugmodel",  # the head named in the file: filter_fqns=["output"]
      {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": "ActivationCheckpointConfig(mode='full')"}, (), True),
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": EVERY_SECOND_AC}, (), False),
     ("llama3_config_registry_2026_03.py", "llama3_8b",  # no ParallelismConfig: one added; 16 in 8
      {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 2,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": "ActivationCheckpointConfig(mode='full')"}, (), True),
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": EVERY_SECOND_AC}, (), False),
     ("llama3_config_registry_2026_03.py", "llama3_debugmodel_float8",  # changes llama3_debugmodel's config
      {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "full"}, (), True),
+      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"}, (), False),
     ("qwen3_config_registry_main.py", "qwen3_debugmodel",
      {"data_parallel_shard_degree": -1, "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B",
       "num_pp_microbatches": 8, "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD},
@@ -332,6 +334,13 @@ def test_apply_dry_run_shows_the_python_diff_and_writes_nothing(tmp_path, capsys
     assert path.read_bytes() == before and not Path(f"{path}.sapp-hook.bak").exists()
 
 
+OLD_PYTHON_CONFIG = (
+    "from torchtitan.config import ActivationCheckpointConfig, TrainingConfig\n\n\n"
+    "def llama3_8b() -> Trainer.Config:\n    return Trainer.Config(\n"
+    "        training=TrainingConfig(local_batch_size=8),\n"
+    '        activation_checkpoint=ActivationCheckpointConfig(mode="selective", selective_ac_option="op"),\n    )\n')
+
+
 def _checkout(root: Path, head: str, fields: list[str]) -> None:
     """A TorchTitan source tree, as much of it as sapp-hook reads: its parallelism config class and
     its pipeline code."""
@@ -347,25 +356,39 @@ def _checkout(root: Path, head: str, fields: list[str]) -> None:
 def test_an_old_python_config_takes_the_head_name_of_the_torchtitan_it_runs_on(tmp_path, head):
     """A config of 2026-02..06 (ActivationCheckpointConfig, local_batch_size) that names no module does
     not say whether its head is `output` or `lm_head` (renamed 2026-04): the checkout above it does."""
-    source = "from torchtitan.config import ActivationCheckpointConfig, TrainingConfig\n\n\n" \
-             "def llama3_8b() -> Trainer.Config:\n    return Trainer.Config(\n" \
-             "        training=TrainingConfig(local_batch_size=8),\n" \
-             '        activation_checkpoint=ActivationCheckpointConfig(mode="selective"),\n    )\n'
-    alone = tmp_path / "alone" / "config_registry.py"
-    alone.parent.mkdir()
-    alone.write_text(source)
-    with pytest.raises(InputError, match="cannot tell whether its TorchTitan names the output projection 'lm_head'"):
-        write_config("torchtitan", alone, layout_of(plan()))
-    assert alone.read_text() == source
     _checkout(tmp_path / "titan", head, ["pipeline_parallel_degree", "module_fqns_per_model_part",
                                          "pipeline_parallel_microbatch_size"])
     inside = tmp_path / "titan" / "torchtitan" / "models" / "llama3" / "config_registry.py"
     inside.parent.mkdir(parents=True)
-    inside.write_text(source)
+    inside.write_text(OLD_PYTHON_CONFIG)
     write_config("torchtitan", inside, layout_of(plan()))
     parallelism, checkpoint = settings(inside, "llama3_8b")
     assert parallelism["module_fqns_per_model_part"][-1] == ["layers.7", "norm", head]
-    assert parallelism["pipeline_parallel_microbatch_size"] == 1 and checkpoint == {"expr": "ActivationCheckpointConfig(mode='none')"}
+    assert parallelism["pipeline_parallel_microbatch_size"] == 1
+    assert checkpoint == {"expr": "ActivationCheckpointConfig(mode='none', selective_ac_option='op')"}
+
+
+@pytest.mark.parametrize("via", ["api", "cli"])
+def test_an_old_python_config_alone_lists_both_head_names(tmp_path, capsys, via):
+    """qwen3_config_registry_2026_05.py names no module and no TorchTitan is beside it: nothing says the head's
+    name. The last part lists `output` and `lm_head`: TorchTitan's pipeline_module_split keeps the children a
+    part names and passes over a name its model lacks, so the head stays in either version (it was refused).
+    Its ActivationCheckpointConfig takes selective_ac_option: every second block of a rank, exactly."""
+    path = copy(tmp_path, "qwen3_config_registry_2026_05.py")
+    before = path.read_text()
+    notes = apply(path, "qwen3_14b", plan(EVERY_SECOND), via, capsys)
+    parallelism, checkpoint = settings(path, "qwen3_14b")
+    assert parallelism["module_fqns_per_model_part"] == [*PARTS_OUTPUT[:3], ["layers.7", "norm", "output", "lm_head"]]
+    assert parallelism["pipeline_parallel_degree"] == 4 and parallelism["pipeline_parallel_microbatch_size"] == 1
+    assert checkpoint == {"expr": EVERY_SECOND_AC}
+    assert not Path(f"{path}.sapp-hook.json").exists()  # said exactly
+    assert any("the last model part lists both" in note for note in notes)
+    after = path.read_text()
+    assert [line for line in before.splitlines() if line.lstrip().startswith("#")] == [
+        line for line in after.splitlines() if line.lstrip().startswith("#")]
+    untouched = {node.name: ast.dump(node) for node in ast.parse(before).body if isinstance(node, ast.FunctionDef)}
+    changed = {node.name: ast.dump(node) for node in ast.parse(after).body if isinstance(node, ast.FunctionDef)}
+    assert {name for name in untouched if untouched[name] != changed[name]} == {"qwen3_14b"}
 
 
 def test_an_installed_torchtitan_answers_where_no_checkout_is_above_the_config(tmp_path, monkeypatch):

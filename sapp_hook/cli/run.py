@@ -3,12 +3,13 @@
 The first launch runs with `on_plan="exit"`: the job profiles its first steps, writes the plan into
 the config and exits with status 75 (and leaves a file saying so, for launchers such as torchrun that
 report that status as 1). The second launch finds the plan in the cache after one step, and trains
-with it.
+with it. A job whose config already said the plan writes nothing and trains on: there is no second launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,10 @@ def _run(args: argparse.Namespace) -> int:
                     ENVIRONMENT["planned_file"]: str(planned_file)}
         first = _launch(argv, planning)
         planned = first == REPLAN_EXIT_CODE or planned_file.exists()
+        trained = planned_file.exists() and not _restart(planned_file)
+    if trained:  # the config already said the plan: the job went on training with it
+        print(f"{PROG}: the config already said the plan; the job trained with it", file=sys.stderr)
+        return first
     if not planned:
         if first == 0:
             print(f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)", file=sys.stderr)
@@ -82,6 +87,15 @@ def _check_cache_dir(folder: Path) -> None:
         raise InputError("--cache-dir", f"cannot make the folder {folder}: {exc.strerror or exc}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError("--cache-dir", f"folder {folder} is read-only")
+
+
+def _restart(planned_file: Path) -> bool:
+    """Whether the job that planned asks to be launched again (its config changed); a file from an older
+    sapp-hook, without the answer, does."""
+    try:
+        return json.loads(planned_file.read_text()).get("restart", True) is not False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _launch(argv: list[str], environment: dict[str, str]) -> int:

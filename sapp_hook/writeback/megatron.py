@@ -54,6 +54,7 @@ from sapp_hook.writeback.megatron_plan import (
     check_interleaving,
     check_layers,
     check_micro_batches,
+    check_model,
     check_stages,
     layout_string,
     plan_flags,
@@ -92,6 +93,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
     if anchor_flag == TP_SIZE or check_stages(reading, last[PP_SIZE], layout, path, notes):
         wanted.append((PP_SIZE, [str(layout.stages)]))
+    check_model(reading, last, launchers, layout, path)
     mtp = check_layers(reading, last, layout, path, notes)
     check_micro_batches(reading, last, layout, path, notes)
     check_interleaving(reading, last, layout)

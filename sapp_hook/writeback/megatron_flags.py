@@ -20,6 +20,7 @@ MTP_LAYERS = "--mtp-num-layers"
 LAYOUT = "--pipeline-model-parallel-layout"
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
 GLOBAL_BATCH, MICRO_BATCH = "--global-batch-size", "--micro-batch-size"
+RAMPUP = "--rampup-batch-size"  # start, increment, samples: the global batch grows to --global-batch-size
 LAYERS_PER_VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
 VIRTUAL_STAGES = "--num-virtual-stages-per-pipeline-rank"
 GROUP_SIZE = "--microbatch-group-size-per-virtual-pipeline-stage"
@@ -31,6 +32,9 @@ GROUPED_GEMM = "--moe-grouped-gemm"
 NO_OVERLAP_P2P = "--no-overlap-p2p-communication"
 EMBEDDING_IN_SPLIT = "--account-for-embedding-in-pipeline-split"
 LOSS_IN_SPLIT = "--account-for-loss-in-pipeline-split"
+ENCODER_LAYERS, DECODER_LAYERS = "--encoder-num-layers", "--decoder-num-layers"  # T5's encoder-decoder stacks
+# A Mamba hybrid model's layer mix (megatron/core/ssm/mamba_block.py)
+HYBRID = ("--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern", "--hybrid-layer-pattern")
 
 # Legacy recompute flags and what replaced them (Megatron-LM exits on --checkpoint-activations; the
 # others are gone from its parser, which then refuses the script)
@@ -45,10 +49,11 @@ LEGACY = {
 
 FLAGS = {
     PP_SIZE: ONE, TP_SIZE: ONE, NUM_LAYERS: ONE, MTP_LAYERS: ONE, LAYOUT: ONE, FIRST: ONE, LAST: ONE,
-    GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
+    GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, RAMPUP: MANY, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
     GRANULARITY: ONE, METHOD: ONE, RECOMPUTE_LAYERS: ONE, MODULES: MANY, RECOMPUTE_ACTIVATIONS: SWITCH,
     DISTRIBUTE: SWITCH, GROUPED_GEMM: SWITCH, NO_OVERLAP_P2P: SWITCH, EMBEDDING_IN_SPLIT: SWITCH,
-    LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH,
+    LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH, ENCODER_LAYERS: ONE, DECODER_LAYERS: ONE,
+    **dict.fromkeys(HYBRID, ONE),
     "--checkpoint-activations": SWITCH, "--checkpoint-num-layers": ONE, "--activations-checkpoint-method": ONE,
     "--activations-checkpoint-num-layers": ONE, "--distribute-checkpointed-activations": SWITCH,
     "--moe-layer-recompute": SWITCH,

@@ -10,13 +10,16 @@ from pathlib import Path
 
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.megatron_flags import (
+    DECODER_LAYERS,
     DISTRIBUTE,
     EMBEDDING_IN_SPLIT,
+    ENCODER_LAYERS,
     FIRST,
     GLOBAL_BATCH,
     GRANULARITY,
     GROUP_SIZE,
     GROUPED_GEMM,
+    HYBRID,
     LAST,
     LAYERS_PER_VIRTUAL,
     LAYOUT,
@@ -29,6 +32,7 @@ from sapp_hook.writeback.megatron_flags import (
     NO_OVERLAP_P2P,
     NUM_LAYERS,
     PP_SIZE,
+    RAMPUP,
     RECOMPUTE_ACTIVATIONS,
     RECOMPUTE_LAYERS,
     VIRTUAL_STAGES,
@@ -37,7 +41,7 @@ from sapp_hook.writeback.megatron_flags import (
     value_of,
 )
 from sapp_hook.writeback.megatron_layout import LayoutError, check, layout_text
-from sapp_hook.writeback.megatron_trace import Reading
+from sapp_hook.writeback.megatron_trace import Reading, text_of
 from simulator.errors import InputError
 from simulator.schedules.interleaved import default_group_size
 from solver.profile import FULL, HEAD, NONE, SELECTIVE, TAIL
@@ -166,6 +170,26 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     return mtp
 
 
+def check_model(reading: Reading, last: dict[str, Occurrence], launchers: list[int], layout: Layout, path: Path) -> None:
+    """Models whose layers Megatron-LM does not split by the layout or the first/last-stage flags: T5's
+    encoder and decoder stacks; a Mamba hybrid model, whose MambaStack gives every rank --num-layers /
+    pipeline size layers and runs no virtual stages (only an even plan of one chunk runs there)."""
+    stacks = [flag for flag in (ENCODER_LAYERS, DECODER_LAYERS) if flag in last]
+    if stacks:
+        raise InputError("--plan", f"splits one stack of {layout.body_layers} layers; {path} trains an encoder-decoder "
+                                   f"model ({' and '.join(stacks)}), whose stacks Megatron-LM's layout and first/last-"
+                                   "stage flags do not split: sapp-hook plans decoder-only models")
+    words = [text_of(field) or "" for index in launchers for field in reading.commands[index].argv]
+    hybrid = [flag for flag in HYBRID if flag in last] + [word for word in words if word.endswith("pretrain_mamba.py")]
+    body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
+    if hybrid and (layout.chunks > 1 or len(set(body)) > 1):
+        raise InputError("--plan", f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} "
+                                   f"trains a Mamba hybrid model ({', '.join(hybrid)}), whose MambaStack gives every "
+                                   "pipeline rank --num-layers / pipeline size layers and runs no virtual stages: only "
+                                   "an even split of one chunk per rank runs there (newer Megatron-LM's HybridModel "
+                                   "also takes stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)")
+
+
 def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path,
                          notes: list[str]) -> None:
     """Megatron runs global / (micro-batch size x data-parallel size) micro-batches per step: a script
@@ -194,6 +218,10 @@ def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: L
     if fitting:
         notes.append(f"{said} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size "
                      f"{global_batch // micro_batch // layout.micro_batches}" + (f" ({caveat})" if caveat else ""))
+        if RAMPUP in last:  # Megatron steps the global batch up from the ramp's start: fewer micro-batches until then
+            ramp = value_of(reading, last[RAMPUP]).text or "?"
+            notes.append(f"{RAMPUP} {ramp}: the global batch grows to {global_batch} over the ramp's samples, with "
+                         f"fewer micro-batches per step until then; the plan's {layout.micro_batches} hold after it")
     else:
         notes.append(f"{said} make {layout.micro_batches} micro-batches per step at no data-parallel size ({caveat})")
 

@@ -253,6 +253,8 @@ class _Run:
             self.include(argv[1], unit, scope, conditional, evaluated, depth, child=None)
         elif name in ("bash", "sh") and len(argv) > 1:
             self.child_shell(argv, prefix, unit, scope, conditional, depth)
+        elif (shell := _shell_c(argv)) is not None:  # srun/docker/mpirun ... sh -c TEXT: TEXT is read again
+            self.child_shell(argv[shell:], prefix, unit, scope, conditional, depth)
         elif name == "eval":
             joined: list[Ch] = []
             for number, part in enumerate(argv[1:]):
@@ -485,6 +487,15 @@ class _Run:
         if unit.trails is None:
             return unit.source.offset(start), unit.source.offset(max(start, end - 1)) + 1  # type: ignore[union-attr]
         return start, end  # an eval's text: the span is of its own text
+
+
+def _shell_c(argv: list[Field]) -> int | None:
+    """Where a launcher's arguments end in a shell running a string (`srun ... sh -c TEXT`, `docker run
+    IMAGE /bin/bash -c TEXT`): the index of that shell's word; None where they do not."""
+    for index in range(1, len(argv) - 2):
+        if (text_of(argv[index]) or "").rsplit("/", 1)[-1] in ("bash", "sh") and text_of(argv[index + 1]) == "-c":
+            return index
+    return None
 
 
 def _split(pieces: list[tuple[Ch, bool] | None], keep_empty: bool = False) -> list[Field]:

@@ -17,10 +17,10 @@ from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers_v2 import TEMPLATE_V2_SECTIONS, write_template_v2
 from sapp_hook.writeback.mindformers_values import (
-    check_count,
     check_layers,
     check_scheduler,
-    note_interleave,
+    interleave_value,
+    note_stages,
     section,
     set_counts,
     set_offset,
@@ -67,16 +67,14 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     """The plan in the classic training config's places; every check before the first change."""
     document = edit.data
     parallel = section(document, ("parallel_config",), path)
-    stages = parallel.get("pipeline_stage")
-    check_count(stages, "parallel_config.pipeline_stage", path)
-    if stages is not None and stages != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has parallel_config.pipeline_stage {stages}")
+    note_stages(parallel, "parallel_config.pipeline_stage", ("data_parallel", "model_parallel"), layout, path, result)
     model = section(document, ("model", "model_config"), path, required=True)
     check_layers(model, "model.model_config", layout, path, result)
     section(document, ("recompute_config",), path)
     pipeline = section(document, ("parallel", "pipeline_config"), path)
     where = "parallel.pipeline_config.pipeline_scheduler"
-    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result)
+    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result,
+                                parallel.get("seq_split_num", MISSING))
 
     if "parallel_config" in document:
         edit.set(("parallel_config", "pipeline_stage"), layout.stages)
@@ -96,6 +94,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     # order pipeline_scheduler names; a one-chunk 1F1B plan needs neither where the config says neither.
     if layout.chunks == 1 and layout.schedule == "1F1B" and not pipeline:
         return
-    note_interleave(pipeline.get("pipeline_interleave"), layout, "parallel.pipeline_config.pipeline_interleave", result)
-    edit.set(("parallel", "pipeline_config", "pipeline_interleave"), layout.chunks > 1)
+    where = "parallel.pipeline_config.pipeline_interleave"
+    edit.set(("parallel", "pipeline_config", "pipeline_interleave"),
+             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler, where, result))
     edit.set(("parallel", "pipeline_config", "pipeline_scheduler"), scheduler)

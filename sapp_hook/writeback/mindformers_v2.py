@@ -12,12 +12,12 @@ from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers_values import (
     cells,
-    check_count,
     check_layers,
     check_scheduler,
     held_layers,
+    interleave_value,
     is_int,
-    note_interleave,
+    note_stages,
     section,
     set_counts,
     set_offset,
@@ -38,20 +38,18 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     parallel = section(document, PARALLEL, path)
     pipeline = section(document, PIPELINE, path)
     section(document, ("recompute_config",), path)
-    stages = parallel.get("pipeline_model_parallel_size")
-    check_count(stages, "distribute_parallel_config.pipeline_model_parallel_size", path)
-    if stages is not None and stages != layout.stages:
-        raise InputError("--plan", f"is for {layout.stages} pipeline stages; {path} has "
-                                   f"distribute_parallel_config.pipeline_model_parallel_size {stages}")
+    note_stages(parallel, "distribute_parallel_config.pipeline_model_parallel_size",
+                ("data_parallel_size", "tensor_model_parallel_size"), layout, path, result)
     check_layers(section(document, ("model_config",), path), "model_config", layout, path, result)
     _check_micro_batches(document, parallel, layout, path, result)
     scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING),
-                                "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler", path, result)
+                                "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler", path, result,
+                                pipeline.get("seq_split_num", MISSING))
 
     edit.set((*PARALLEL, "pipeline_model_parallel_size"), layout.stages)
-    note_interleave(pipeline.get("pipeline_interleave"), layout,
-                    "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave", result)
-    edit.set((*PIPELINE, "pipeline_interleave"), layout.chunks > 1)
+    edit.set((*PIPELINE, "pipeline_interleave"),
+             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler,
+                              "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave", result))
     edit.set((*PIPELINE, "pipeline_scheduler"), scheduler)
     edit.set((*PIPELINE, "virtual_pipeline_model_parallel_size"), layout.chunks)
     set_offset(edit, (*PIPELINE, "pipeline_stage_offset"), layout)

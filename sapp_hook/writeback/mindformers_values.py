@@ -23,11 +23,24 @@ SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "1f1b", "Inte
 # choice of an order the plan was not made for.
 PLAIN_SCHEDULERS = ("1f1b", "gpipe")
 OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the plan's
-    "seqpipe": ("MindSpore's sequence-pipeline order (seq_split_num), which sapp-hook does not plan", ""),
-    "seqvpp": ("MindSpore's interleaved sequence-pipeline order, which sapp-hook does not plan", ""),
-    "seqsmartvpp": ("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook does not plan", ""),
+    "seqpipe": (("MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
+                 "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
+    "seqvpp": (("MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
+                "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
+    "seqsmartvpp": (("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only "
+                     "without a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches "
+                     "a multiple of the stages)"), ""),
     "zero_bubble_v": ("the order of a ZBVZeroBubble plan", "solve with --schedule ZBVZeroBubble --chunks 2, or "),
 }
+# With seq_split_num 1 (MindFormers' default) MindSpore's sequence schedulers split no sequence and run known
+# orders (mindspore/ccsrc/frontend/parallel/pipeline_transformer/seqpipe_scheduler.cc): forwards in groups
+# ("cycles") of S micro-batches, each group through chunk 0, then chunk 1 ..., the M mod S leftovers spread
+# over the groups; rank r runs (S-1-r) x bias + (V-1) x (first group) forwards first, then one forward and
+# one backward (the earliest micro-batch's latest chunk). bias is 2 with chunks (1 for seqsmartvpp), so on M a
+# multiple of S: one chunk is 1F1B, seqpipe and seqvpp are Megatron's interleaved order (warm-up
+# 2(S-1-r) + (V-1)S), seqsmartvpp MindFormers' small-memory one ((V-1)S + S-1-r). seqvpp refuses one chunk.
+SEQUENCE_ORDERS = {"seqpipe": ("1F1B", "Interleaved1F1B"), "seqvpp": ("Interleaved1F1B",),
+                   "seqsmartvpp": ("1F1B", "Interleaved1F1B-less-memory")}
 DECODER_KEYS = ("num_layers", "num_hidden_layers")  # the legacy models' name, then mcore's and Hugging Face's
 # The multi-token-prediction depth: research/deepseek3's classic key, mcore's, Hugging Face's (DeepSeek-V3).
 # MindFormers spreads these layers with the decoder layers: LayerSetting(num_layers + depth, offset, ...).
@@ -60,6 +73,26 @@ def check_count(value: object, where: str, path: Path) -> None:
         raise InputError("--config", f"{path}: {where} is {shown(value)}; expected an integer")
 
 
+def note_stages(parallel: Mapping, where: str, sizes: tuple[str, str], layout: Layout, path: Path,
+                result: WriteBack) -> None:
+    """A pipeline size other than the plan's is set to the plan's, with a note of the device count it
+    then takes (MindFormers runs data x model x pipeline parallel devices; `sizes` the other two keys)."""
+    value = parallel.get(where.rsplit(".", 1)[-1])
+    if value is None or value == layout.stages:
+        return
+    if not is_int(value) or value < 1:
+        raise InputError("--config", f"{path}: {where} is {shown(value)}; expected a whole number of pipeline stages")
+    others = [parallel.get(key) for key in sizes]
+    devices = ""
+    if all(is_int(size) and size > 0 for size in others):
+        before, after = others[0] * others[1] * value, others[0] * others[1] * layout.stages
+        keep = before // (others[1] * layout.stages) if before % (others[1] * layout.stages) == 0 else None
+        devices = (f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {after} devices (was {before})"
+                   + (f"; for {before} set {sizes[0]} to {keep}" if keep else ""))
+    result.notes.append(f"{where} was {value}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
+                        f"{layout.stages}{devices}")
+
+
 def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result: WriteBack) -> None:
     """The decoder and multi-token-prediction layers the config declares are the plan's body layers
     (MindFormers spreads both by the offsets, the MTP layers last); where it declares none (mcore
@@ -85,10 +118,12 @@ def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result:
                                    "the decoder layers")
 
 
-def check_scheduler(layout: Layout, configured: object, where: str, path: Path, result: WriteBack) -> str:
+def check_scheduler(layout: Layout, configured: object, where: str, path: Path, result: WriteBack,
+                    seq_split: object = MISSING) -> str:
     """The pipeline_scheduler MindSpore runs the plan's schedule under. A config naming another plain
-    order gets the plan's, with a note; one naming any other order (seqpipe, zero_bubble_v ...) is
-    refused, as is a plan for an order MindSpore does not run."""
+    order gets the plan's, with a note; a sequence scheduler without a sequence split (`seq_split`, the
+    config's seq_split_num) stays where it runs the plan's order; any other order (seqpipe splitting
+    sequences, zero_bubble_v ...) is refused, as is a plan for an order MindSpore does not run."""
     wanted = SCHEDULERS.get(layout.schedule)
     if wanted is None:
         known = ", ".join(f"{name} ({scheduler})" for name, scheduler in SCHEDULERS.items())
@@ -99,15 +134,34 @@ def check_scheduler(layout: Layout, configured: object, where: str, path: Path, 
     if configured in PLAIN_SCHEDULERS:
         result.notes.append(f"{where} {configured} -> {wanted}: the plan is for {layout.schedule}")
         return wanted
+    unsplit = seq_split in (MISSING, None, 1)
+    if configured in SEQUENCE_ORDERS and unsplit and _sequence_order_runs(configured, layout):
+        result.notes.append(f"{where} {configured} kept: with seq_split_num {'unset (1)' if seq_split in (MISSING, None) else 1} "
+                            f"it splits no sequence and runs the plan's {layout.schedule} order")
+        return configured
     what, advice = OTHER_SCHEDULERS.get(configured, ("which MindSpore does not know", "")) \
         if isinstance(configured, str) else ("which is not a scheduler's name", "")
+    if configured in SEQUENCE_ORDERS and not unsplit:
+        what = f"with seq_split_num {seq_split}, {what}"
     raise InputError("--plan", f"is for {layout.schedule} (pipeline_scheduler {wanted}); {path} has {where} {configured!r}, "
                                f"{what}: {advice}set {where} to {wanted} to run this plan")
 
 
-def note_interleave(before: object, layout: Layout, where: str, result: WriteBack) -> None:
-    if isinstance(before, bool) and before != (layout.chunks > 1):
-        result.notes.append(f"{where} {before} -> {not before}: the plan has {layout.chunks} chunk(s) per stage")
+def _sequence_order_runs(scheduler: str, layout: Layout) -> bool:
+    """Whether a sequence scheduler without a sequence split runs the plan's order (SEQUENCE_ORDERS)."""
+    if layout.schedule not in SEQUENCE_ORDERS[scheduler]:
+        return False
+    grouped = layout.micro_batches % layout.stages == 0 and layout.microbatch_group_size in (None, layout.stages)
+    return layout.chunks == 1 or grouped
+
+
+def interleave_value(before: object, layout: Layout, scheduler: str, where: str, result: WriteBack) -> bool:
+    """pipeline_interleave for the plan: on for chunks; kept on for a sequence scheduler (it runs in
+    MindSpore's interleaved pipeline, one chunk too). A change is noted."""
+    value = layout.chunks > 1 or (scheduler in SEQUENCE_ORDERS and before is True)
+    if isinstance(before, bool) and before != value:
+        result.notes.append(f"{where} {before} -> {value}: the plan has {layout.chunks} chunk(s) per stage")
+    return value
 
 
 def cells(value: object) -> list[list[int]]:

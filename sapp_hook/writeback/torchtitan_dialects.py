@@ -14,7 +14,8 @@ run. The names by version:
   of every model part) replaces the split points, which are then refused; `training.local_batch_size`.
 - Python configs (`config_registry.py`, 2026-02 on): `ParallelismConfig(module_fqns_per_model_part=...,
   pipeline_parallel_microbatch_size=...)` and `ActivationCheckpointConfig(mode=...)`; the head module is
-  `lm_head` from 2026-04 (#2937), `output` before; later `pipeline_parallel_module_fqns_per_model_part`,
+  `lm_head` from 2026-04 (#2937), `output` before (a config that says neither gets both names in its
+  last part: TorchTitan passes over a listed name its model lacks); later `pipeline_parallel_module_fqns_per_model_part`,
   `num_pp_microbatches` (a count) and `FullAC.Config()` / `SelectiveAC.Config()` / `None` (#3674).
 
 What decides, in order: the TorchTitan source the config runs on (a checkout above the config, or the
@@ -235,7 +236,8 @@ def python_dialect(tree: ast.Module, source: Source | None) -> Dialect:
     else:
         ac_classes = not older and "ActivationCheckpointConfig" not in names
     known = None if source is None else source.knows("activation_checkpoint", "selective_ac_option")
-    layer_checkpointing = ("selective_ac_option" in names) if known is None else known
+    # ActivationCheckpointConfig keeps TOML-era TorchTitan's selective_ac_option (its configs set "2" and "op")
+    layer_checkpointing = (not ac_classes or "selective_ac_option" in names) if known is None else known
     # the prefixed name came after `lm_head` (2026-04): a TorchTitan that takes it names its head so
     head = python_head(tree, source) or ("lm_head" if split == FQNS_PREFIXED else "")
     return Dialect(table="parallelism", split_key=split, micro_key=micro, head=head,

@@ -18,7 +18,10 @@ NORM = "norm"
 MODE_NAMES = {NONE: "none", SELECTIVE: "selective", FULL: "full"}
 
 
-def module_names(layout: Layout, head: str) -> list[list[str]]:
+def module_names(layout: Layout, head: str | tuple[str, ...]) -> list[list[str]]:
+    """Every model part's modules; `head` the output projection's name (or names: TorchTitan keeps the
+    modules a part names and passes over names its model lacks)."""
+    heads = (head,) if isinstance(head, str) else head
     parts, body = [], 0
     for cell in layout.virtual_stages():
         names: list[str] = []
@@ -26,7 +29,7 @@ def module_names(layout: Layout, head: str) -> list[list[str]]:
             if layer.kind == "head":
                 names += HEAD_MODULES
             elif layer.kind == "tail":
-                names += [NORM, head]
+                names += [NORM, *heads]
             else:
                 names.append(f"layers.{body}")
                 body += 1

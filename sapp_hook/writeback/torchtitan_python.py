@@ -143,6 +143,9 @@ def inherited(tree: ast.Module, sites: Sites, section: str, depth: int = 0) -> d
     return said
 
 
+BOTH_HEADS = ("output", "lm_head")
+
+
 def write_python(path: Path, function: str | None, as_read: str, layout: Layout, *, dry_run: bool) -> WriteBack:
     old = as_read.removeprefix(BOM)  # Python reads a source's byte-order mark; commit puts it back
     try:
@@ -154,11 +157,8 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     chosen = _config_function(tree, function, path)
     dialect = python_dialect(tree, find_source(path))
     where = f"{path}: {chosen.name}"
-    if not dialect.head:
-        raise InputError("--config", f"{where}: cannot tell whether its TorchTitan names the output projection 'lm_head' "
-                                     "(since 2026-04) or 'output', and the wrong name would drop it from the pipeline: "
-                                     "run apply inside the TorchTitan checkout the job runs, or where that torchtitan "
-                                     "is installed, for sapp-hook to read it there")
+    # neither its TorchTitan nor its text names the head: list both names, of which the model has one
+    heads = (dialect.head,) if dialect.head else BOTH_HEADS
     sites, text = Sites.of(chosen), Text(old)
     parallelism = inherited(tree, sites, "parallelism")
     # an expression (not a literal) is what it is at launch: no note, no check
@@ -173,7 +173,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
               # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
               dialect.micro_key: _micro_batches({**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")},
                                                 dialect, layout, where),
-              dialect.split_key: module_names(layout, dialect.head)}
+              dialect.split_key: module_names(layout, heads)}
     drop = {FQNS, FQNS_PREFIXED, *MICRO_KEYS, *SHAPING_KEYS} - set(wanted)
     change = Change(text, tree, sites, where)
     _set_parallelism(change, wanted, drop)
@@ -183,6 +183,11 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     _read_back(new, path, chosen.name, wanted, checked)
     result.notes += [f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
                      f"beside it): wrote {what}" for what in dialect.assumed]
+    if not dialect.head:
+        result.notes.append(f"{where}: neither the config nor a TorchTitan source beside it says whether its TorchTitan "
+                            "names the output projection 'output' or 'lm_head' (since 2026-04): the last model part "
+                            "lists both; TorchTitan keeps the modules a part names and passes over a name its model "
+                            "lacks, so the head stays on the last stage in either")
     result.notes += list(choice.notes)
     commit(result, as_read, new, dry_run=dry_run)
     if not choice.exact:

@@ -25,6 +25,7 @@ from simulator.errors import InputError
 
 MISSING = object()
 PLAIN_TEXT = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+ALIGNED_COMMENT = re.compile(r"( {2,})#")  # a value's comment set in a column by spaces
 
 
 @dataclass(eq=False)
@@ -216,7 +217,7 @@ class YamlEdit:
         if node.kind == "scalar" and node.start == node.end:  # `key:` with nothing after it
             self._edits.append((node.start, node.end, " " + anchor + self.render(value)))
         elif node.kind in ("scalar", "alias") or node.flow:
-            self._edits.append((node.start, node.end, anchor + self.render(value, node)))
+            self._edits.append(self._aligned(node.start, node.end, anchor + self.render(value, node)))
         else:  # a block collection: a flow one on the key's line where nothing else is there
             colon = self.text.index(":", key_spot.end) + 1 if key_spot else node.start
             line_end = self._line_end(colon)
@@ -224,6 +225,14 @@ class YamlEdit:
                 self._edits.append((colon, node.end, " " + self.render(value)))
             else:
                 self._edits.append((node.start, node.end, anchor + self.render(value)))
+
+    def _aligned(self, start: int, end: int, replacement: str) -> tuple[int, int, str]:
+        """An edit of text[start:end] that keeps an aligned end-of-line comment after it in its column."""
+        gap = ALIGNED_COMMENT.match(self.text, end)
+        if gap is None:
+            return start, end, replacement
+        spaces = max(1, len(gap.group(1)) - (len(replacement) - (end - start)))
+        return start, gap.end(1), replacement + " " * spaces
 
     def _line_end(self, index: int) -> int:
         end = self.text.find("\n", index)
