@@ -162,7 +162,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         # keeps the token ids; its working set is the dense weight gradient each later micro-batch adds into .grad
         recompute={NONE: RecomputeCost(0.0, 8.0 * tokens, vocab_elements * p / tp)},
         parameter_bytes=vocab_elements * p / tp, gradient_bytes=vocab_elements * p / tp,
-        optimizer_bytes=optimizer_bytes(vocab_elements, 1),
+        optimizer_bytes=optimizer_bytes(vocab_elements, 1), optimizer_scalar_bytes=4.0,
     ))
     attention_elements = s.hidden_size * (q_width + 2 * kv_width) + q_width * s.hidden_size
     bias_elements, bias_tensors = (q_width + 2 * kv_width, 3) if s.qkv_bias else (0, 0)
@@ -208,7 +208,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
                                     pending_bytes=pending, saved_input_bytes=hidden_bytes),
             },
             parameter_bytes=elements * p / tp, gradient_bytes=elements * p / tp,
-            optimizer_bytes=optimizer_bytes(elements, tensors),
+            optimizer_bytes=optimizer_bytes(elements, tensors), optimizer_scalar_bytes=4.0 * tensors,
         ))
     tail_elements = s.hidden_size + vocab_elements
     logits_flops = 2 * tokens * vocab_elements
@@ -227,7 +227,7 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
             0.0, _norm_bytes(tokens, s.hidden_size, p) / tp + log_probs_bytes / tp + labels_bytes, tail_working,
             saved_input_bytes=normed_input)},
         parameter_bytes=tail_elements * p / tp, gradient_bytes=tail_elements * p / tp,
-        optimizer_bytes=optimizer_bytes(tail_elements, 2),
+        optimizer_bytes=optimizer_bytes(tail_elements, 2), optimizer_scalar_bytes=8.0,
     ))
     return ModelProfile(
         layers=tuple(layers), model=f"analytic {s.num_layers}x{s.hidden_size}", source="analytic", dtype=s.dtype,

@@ -144,6 +144,7 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
         parameter_bytes=unique_bytes(params),
         gradient_bytes=sum(recorder.gradient_bytes.get(id(p), 0) for p in _unique(params)),
         optimizer_bytes=sum(recorder.optimizer_bytes.get(id(p), 0) for p in _unique(params)),
+        optimizer_scalar_bytes=sum(recorder.optimizer_scalar_bytes.get(id(p), 0) for p in _unique(params)),
         spread={
             "forward_ms": spread(timing.forward_ms.get(NONE, [])),
             "backward_ms": spread(timing.backward_ms.get(NONE, [])),

@@ -113,6 +113,7 @@ class Recorder:
         self._excluded_storages: set[int] = set()  # parameters and buffers: not activations
         self.gradient_bytes: dict[int, int] = {}  # id(param) -> bytes of its .grad
         self.optimizer_bytes: dict[int, int] = {}  # id(param) -> bytes of its optimizer state
+        self.optimizer_scalar_bytes: dict[int, int] = {}  # id(param) -> of those, its 0-dim state (a step count)
         self.captured_inputs: dict[int, tuple[tuple, dict]] = {}  # body index -> (args, kwargs), for split_backward
         self.capture_for: set[int] = set()
         self.captured_tail_input: torch.Tensor | None = None  # the last block's output, for the tail's split_backward
@@ -384,14 +385,16 @@ class Recorder:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 counted: set[int] = set()
-                total = 0
+                total = scalars = 0
                 for value in optimizer.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor):
                         key, size = storage_key(value)
                         if key not in counted:
                             counted.add(key)
                             total += size
+                            scalars += size if value.dim() == 0 else 0  # per tensor, not per element
                 self.optimizer_bytes[id(param)] = total
+                self.optimizer_scalar_bytes[id(param)] = scalars
 
     # -- what autograd keeps ----------------------------------------------------------------------
 

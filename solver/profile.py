@@ -88,7 +88,9 @@ class RecomputeCost:
 class LayerProfile:
     """One layer in model order. `kind` is `head`, `tail` or `body:<type>` (e.g. `body:decoder`).
     `input_ms`: the input-gradient half (I) where the backward runs split in two, where measured;
-    with `weight_ms` it may add up to more than `backward_ms` (torch's two calls cost more than one)."""
+    with `weight_ms` it may add up to more than `backward_ms` (torch's two calls cost more than one).
+    `optimizer_scalar_bytes`: of `optimizer_bytes`, what the optimizer keeps per parameter tensor
+    (AdamW's step count, 4 bytes each), which FSDP does not shard; 0 where not given."""
 
     name: str
     kind: str
@@ -101,6 +103,9 @@ class LayerProfile:
     gradient_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     spread: Mapping[str, float] = field(default_factory=dict)  # spread over the measured steps, per field
+    # of optimizer_bytes, the state kept per parameter tensor rather than per element (AdamW's 4-byte step
+    # count), which sharding a tensor over data-parallel ranks does not divide
+    optimizer_scalar_bytes: float = 0.0
 
     @property
     def is_body(self) -> bool:
@@ -316,6 +321,8 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
             mode: _cost_to_dict(c) for mode, c in layer.recompute.items()
         },
     }
+    if layer.optimizer_scalar_bytes:
+        data["optimizer_scalar_bytes"] = layer.optimizer_scalar_bytes
     if layer.spread:
         data["spread"] = dict(layer.spread)
     return data
@@ -368,6 +375,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
         parameter_bytes=fields.number("parameter_bytes", 0.0),
         gradient_bytes=fields.number("gradient_bytes", 0.0),
         optimizer_bytes=fields.number("optimizer_bytes", 0.0),
+        optimizer_scalar_bytes=fields.number("optimizer_scalar_bytes", 0.0),
         recompute=recompute,
         spread={str(k): check_non_negative(v, f"{where}.spread.{k}") for k, v in spread.items()},
     )
@@ -421,8 +429,11 @@ def check_kinds(kinds: Sequence[str], names: Sequence[str]) -> None:
 def _check_layer(layer: LayerProfile, where: str) -> None:
     for name in ("forward_ms", "backward_ms"):
         check_ms(getattr(layer, name), f"{where}.{name}")
-    for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"):
+    for name in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "optimizer_scalar_bytes"):
         check_bytes(getattr(layer, name), f"{where}.{name}")
+    if layer.optimizer_scalar_bytes > layer.optimizer_bytes:
+        raise InputError(f"{where}.optimizer_scalar_bytes", f"expected at most optimizer_bytes "
+                                                           f"({layer.optimizer_bytes:,.0f}), got {layer.optimizer_scalar_bytes:,.0f}")
     if layer.input_ms is not None:
         check_ms(layer.input_ms, f"{where}.input_ms")
     if layer.weight_ms is not None:
