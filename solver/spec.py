@@ -11,7 +11,6 @@ from simulator.errors import InputError, check_bytes, check_ms, check_non_negati
 from simulator.schedule import Schedule
 from simulator.schedules import schedule_kind
 from solver.fields import Fields
-from solver.sharding import static_split
 
 ZERO_STAGES = (0, 1, 2, 3)
 # How many token copies an expert-parallel rank's experts receive: the even share T k / e, the most a
@@ -152,6 +151,48 @@ class PipelineSpec:
                      optimizer_scalar_bytes: float = 0.0) -> float:
         """A layer's resident bytes on one device after data-parallel sharding (`solver.sharding.static_split`)."""
         return static_split(self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_scalar_bytes).total
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What one layer holds on one rank for the whole run, per kind, after sharding."""
+
+    parameter: float
+    gradient: float
+    optimizer: float
+    buckets: float = 0.0  # DDP's bucket copies of the gradients
+
+    @property
+    def total(self) -> float:
+        return self.parameter + self.gradient + self.optimizer + self.buckets
+
+
+def shards_parameters(spec: PipelineSpec) -> bool:
+    """Parameters sharded at rest: FSDP, or ZeRO stage 3."""
+    return spec.fsdp or spec.zero_stage == 3
+
+
+def static_split(spec: PipelineSpec, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
+                 optimizer_scalar_bytes: float = 0.0) -> StaticBytes:
+    """A layer's resident bytes on one rank, per kind. FSDP and ZeRO-3 shard every tensor: parameters,
+    gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars (AdamW's step
+    counts) whole. ZeRO-1 and 2 give each rank whole tensors' state (and gradients): the mean, O / d
+    (a rank's share is within one tensor's of it). Gradients persist between steps where
+    `spec.gradients_persist` (`zero_grad(set_to_none=False)`); else they come within a step
+    (`step_gradient_bytes`). DDP keeps bucket copies of the gradients for the whole run unless its
+    gradients are views into them (`ddp_bucket_view`)."""
+    dp = spec.data_parallel
+    sharded = shards_parameters(spec)
+    gradient = gradient_bytes / dp if sharded or spec.zero_stage >= 2 else gradient_bytes
+    if spec.ddp and spec.ddp_bucket_view:
+        gradient_kept, buckets = 0.0, gradient_bytes  # the gradients are the buckets, kept whatever zero_grad does
+    else:
+        gradient_kept, buckets = (gradient if spec.gradients_persist else 0.0), (gradient_bytes if spec.ddp else 0.0)
+    if sharded:
+        optimizer = (optimizer_bytes - optimizer_scalar_bytes) / dp + optimizer_scalar_bytes
+    else:
+        optimizer = optimizer_bytes / (dp if spec.zero_stage >= 1 else 1)
+    return StaticBytes(parameter_bytes / dp if sharded else parameter_bytes, gradient_kept, optimizer, buckets)
 
 
 def capacity_factor(expert_tokens: object) -> float | None:
