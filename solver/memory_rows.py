@@ -4,6 +4,7 @@ expressions in the layer counts; and one row per distinct point of each rank's a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -209,10 +210,7 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
         first = compiled.rank_offsets[rank]
         ops = list(zip(compiled.chunk[first:compiled.rank_offsets[rank + 1]], compiled.op[first:compiled.rank_offsets[rank + 1]]))
         states = ShardedStates(placement, memory.sharded, ops)  # held counts, then these states' flags
-
-        def point(working: WorkingAt) -> None:
-            points.add((tuple(held + states.flags), working))
-
+        point = functools.partial(_add_point, points, held, states.flags)
         for index, (chunk, op) in enumerate(ops):
             regathers = states.before(index, chunk, op)
             if op == FORWARD:
@@ -262,6 +260,11 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
                         row.add_expression(memory.sharded.working[virtual][BACKWARD_EXTRA])
             rows.append((rank, row))
     return rows
+
+
+def _add_point(points: set[tuple[tuple[int, ...], WorkingAt]], held: list[int], flags: list[int],
+               working: WorkingAt) -> None:
+    points.add((tuple(held + flags), working))
 
 
 def _undominated(points: set[tuple[tuple[int, ...], WorkingAt]]) -> list[tuple[tuple[int, ...], WorkingAt]]:

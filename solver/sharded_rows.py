@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
+from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from simulator.sharded import UNSHARD, torch_unshard_events
 from simulator.units import MIB
 from solver.engine_memory import torch_unshard_lookahead
