@@ -18,8 +18,8 @@ from simulator.compiled import CompiledSchedule
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError
 from simulator.result import BubbleSplit, SimulationResult
-from simulator.sharded import memory_points
 from simulator.schedule import Schedule
+from simulator.sharded import memory_points
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:

@@ -101,7 +101,7 @@ class SimulationResult:
         sharded = 0.0
         for timed, point in zip(timeline, memory_points(ops, row, self.costs.unshard_lookahead)):
             if point.during_bytes is not None:
-                points.append((timed.start_ms, point.during_bytes, sharded))
+                points.append((timed.start_ms, point.during_bytes, point.during_sharded_bytes))
             memory, sharded = point.held_bytes, point.sharded_bytes
             points.append((timed.end_ms, memory, sharded))
         points.append((self.iteration_time_ms, memory, sharded))

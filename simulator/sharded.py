@@ -21,13 +21,16 @@ UNSHARD, RESHARD = "UNSHARD", "RESHARD"
 
 @dataclass(frozen=True)
 class MemoryPoint:
-    """One action of a rank: the most held while it ran (None: no more than before or after it), what
-    is held once it (and the reduce it ends with) is done, and of that what data parallelism holds
-    within the step (gathered parameters, step gradients)."""
+    """One action of a rank: what is held once it (and the reduce it ends with) is done, and of that what
+    data parallelism holds within the step (gathered parameters, step gradients); and the moment it held
+    the most: those bytes (None: no more than before or after it), what was held then beneath the working
+    set on top, and of that what data parallelism held."""
 
-    during_bytes: float | None
     held_bytes: float
     sharded_bytes: float
+    during_bytes: float | None = None
+    during_base_bytes: float = 0.0
+    during_sharded_bytes: float = 0.0
 
 
 @dataclass
@@ -65,31 +68,30 @@ def memory_points(ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], uns
     if all(chunk.sharded is None for chunk in row):
         for chunk_index, op in ops:
             chunk = row[chunk_index]
-            during = None if op == FORWARD else memory + chunk.working_bytes_during(op)
+            base = memory
             memory += chunk.held_change_bytes(op)
-            yield MemoryPoint(during, memory, 0.0)
+            yield MemoryPoint(memory, 0.0, *((None,) if op == FORWARD else (base + chunk.working_bytes_during(op), base)))
         return
     last_weight = {chunk: index for index, (chunk, op) in enumerate(ops) if op in (FULL_BACKWARD, BACKWARD_WEIGHT)}
     events = torch_unshard_events([chunk for chunk, _ in ops], unshard_lookahead)
     states = [_ChunkState() for _ in row]
     sharded = 0.0
     for index, (chunk_index, op) in enumerate(ops):
-        chunk, state = row[chunk_index], states[chunk_index]
-        costs = chunk.sharded
+        chunk, state, costs = row[chunk_index], states[chunk_index], row[chunk_index].sharded
         moved = _unshard_events(events[index], row, states)
         memory += moved
         sharded += moved
-        during = memory if moved > 0 else None
+        most: list[float] = [memory, memory, sharded] if moved > 0 else []  # (bytes, beneath the working set, sharded)
         if costs is None:
             if op != FORWARD:
-                during = max(during or 0.0, memory + chunk.working_bytes_during(op))
+                _see(most, memory, chunk.working_bytes_during(op), sharded)
             memory += chunk.held_change_bytes(op)
-            yield MemoryPoint(during, memory, sharded)
+            yield MemoryPoint(memory, sharded, *most)
             continue
         if op == FORWARD:
             working = _forward_working(costs, state.gathered)
             if working:
-                during = max(during or 0.0, memory + working)
+                _see(most, memory, working, sharded)
             change = costs.forward_kept_bytes - state.gathered
             state.gathered = costs.forward_kept_bytes
         else:
@@ -97,20 +99,25 @@ def memory_points(ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], uns
                 state.gradients = True
                 memory += costs.gradient_bytes
                 sharded += costs.gradient_bytes
-            working = (costs.backward_gather_working_bytes if state.gathered < costs.gathered_bytes
-                       else chunk.working_bytes_during(op)) + costs.layer_gather_bytes
-            during = max(during or 0.0, memory + working)
+            _see(most, memory, (costs.backward_gather_working_bytes if state.gathered < costs.gathered_bytes
+                                else chunk.working_bytes_during(op)) + costs.layer_gather_bytes, sharded)
             change = costs.gathered_bytes - state.gathered
             state.gathered = costs.gathered_bytes
         memory += change + chunk.held_change_bytes(op)
         sharded += change
         if last_weight.get(chunk_index) == index:  # the chunk's reduce
-            during = max(during or 0.0, memory, memory + costs.reduce_working_bytes)
+            _see(most, memory, costs.reduce_working_bytes, sharded)
             released = state.gathered + (costs.gradient_bytes if state.gradients else 0.0) - costs.reduced_gradient_bytes
             memory -= released
             sharded -= released
             state.gathered, state.gradients = 0.0, False
-        yield MemoryPoint(during, memory, sharded)
+        yield MemoryPoint(memory, sharded, *most)
+
+
+def _see(most: list[float], memory: float, working: float, sharded: float) -> None:
+    """Keep in `most` the moment holding the most: (bytes, beneath the working set, of them sharded)."""
+    if not most or memory + working > most[0]:
+        most[:] = [memory + working, memory, sharded]
 
 
 def _forward_working(costs: ShardedCosts, gathered: float) -> float:
