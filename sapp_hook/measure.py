@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SYNCHRONOUS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "all_gather",
-               "broadcast", "reduce_scatter", "all_to_all")
+SYNCHRONOUS = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_reduce", "all_to_all_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all")
 FUNCTIONAL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 LINGER_S = 0.005  # how long past its wait a work is held: gloo's worker lets go of it first
 FUNCTIONAL_TIMEOUT_S = 1.0

@@ -81,7 +81,12 @@ def block_plan(sequence_parallel: bool) -> dict[str, Any]:
     sequence parallelism the norms split over the sequence and the attention's and MLP's inputs
     gathered whole (transformers passes the attention's by keyword)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     output = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan: dict[str, Any] = {
@@ -104,7 +109,12 @@ def tensor_parallelize(module: nn.Module, tp_mesh: Any, sequence_parallel: bool)
     """Split a stage module's blocks, embedding (vocabulary rows) and LM head (vocabulary columns, whole
     logits: no loss parallelism) over `tp_mesh`."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     sequence = Shard(1) if sequence_parallel else Replicate()
     for block in module.layers:
