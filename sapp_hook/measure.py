@@ -27,7 +27,7 @@ LINGER_S = 0.005  # how long past its wait a work is held: gloo's worker lets go
 FUNCTIONAL_TIMEOUT_S = 1.0
 # torch.profiler's names of collectives and FSDP's ranges around them
 COLLECTIVE_PREFIXES = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::pre_backward", "c10d::",
-                       "_c10d_functional::", "gloo:")
+                       "_c10d_functional::", "c10d_functional::")
 
 
 @contextlib.contextmanager
@@ -92,14 +92,16 @@ def ddp_bucket_bytes(modules: Iterable[Any]) -> int:
     return total
 
 
-def collective_times(events: Iterable[Any], start_ns: int, end_ns: int) -> list[dict[str, Any]]:
-    """Per collective (or FSDP range) and layer, the calls torch.profiler recorded in [start_ns, end_ns]
-    and their milliseconds on the rank's training thread, which is the time the step waits on them
-    (exposed: on gloo every collective runs as the thread waits)."""
+def collective_times(events: Iterable[Any], start_ns: int, end_ns: int, thread: int) -> list[dict[str, Any]]:
+    """Per collective (or FSDP range around collectives) and layer, the calls torch.profiler recorded in
+    [start_ns, end_ns] on the rank's training thread `thread`, and their milliseconds there: the time
+    the step waits on them, exposed (on gloo every collective runs as that thread waits). FSDP's ranges
+    hold the c10d ops they run (`FSDP::pre_backward` the all-gathers it waits for)."""
     totals: dict[tuple[str, str], list[float]] = {}
     for event in events:
         name = event.name()
-        if not name.startswith(COLLECTIVE_PREFIXES) or not start_ns <= event.start_ns() <= end_ns:
+        if (not name.startswith(COLLECTIVE_PREFIXES) or event.start_thread_id() != thread
+                or not start_ns <= event.start_ns() <= end_ns):
             continue
         found = re.match(r"(.*?) \((.*)\)$", name)
         key = (found.group(1), found.group(2)) if found else (name, "")

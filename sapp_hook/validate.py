@@ -189,6 +189,8 @@ def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
 
 
 def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
+    """The plan to run: solved, the even split, or a plan JSON's split and recompute modes, each predicted
+    for the run's layout (`spec`)."""
     if which == "solve":
         return solve(profile, spec, time_limit_s=60)
     if which in ("even", "even-full"):
@@ -198,7 +200,8 @@ def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
 
     data = read_plan_json(which, "--plan")
     check_no_recompute(spec.schedule, layout_from_dict(data).body_modes(), "--plan")
-    return plan_from_dict(profile, data)
+    planned = plan_from_dict(profile, data)
+    return evaluate_plan(profile, spec, planned.stage_layer_counts, planned.layer_modes)
 
 
 def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict[str, Any]]) -> dict[str, Any]:

@@ -216,7 +216,7 @@ def _collective_times(step: Callable[[], object]) -> list[dict[str, Any]]:
         step()
     events = prof.profiler.kineto_results.events()
     measured = next(event for event in events if event.name() == MEASURED_STEP)
-    return collective_times(events, measured.start_ns(), measured.end_ns())
+    return collective_times(events, measured.start_ns(), measured.end_ns(), measured.start_thread_id())
 
 
 def _p2p_ms(rank: int, peer: int | None, shape: tuple[int, ...], repeats: int = 20) -> float:
@@ -258,7 +258,7 @@ def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
             step()
     events = prof.profiler.kineto_results.events()
     measured_start = next(event.start_ns() for event in events if event.name() == MEASURED_STEP)
-    changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    changes = memory_changes(prof.profiler.kineto_results.experimental_event_tree())
     last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)
                            and event.start_ns() >= measured_start), default=None)
     start = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
@@ -272,6 +272,31 @@ def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
         if held is not None and time_ns <= last_action_end:
             held = live
     return peak - floor, None if held is None else held - floor
+
+
+def memory_changes(tree: list[Any]) -> list[tuple[int, int]]:
+    """(time, bytes) of every allocation (+) and free (-) in torch.profiler's event `tree`, in order. A
+    block allocated again at an address the trace holds live was freed where the profiler did not see
+    it (on a thread it does not watch: gloo's, which may drop a collective's last reference): its free
+    is counted there, when its address is taken again, at the latest."""
+    allocations = []
+    nodes = list(tree)
+    while nodes:
+        node = nodes.pop()
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+        nodes.extend(node.children)
+    live: dict[int, int] = {}
+    changes = []
+    for time_ns, size, address in sorted(allocations):
+        if size > 0:
+            if address in live:
+                changes.append((time_ns, -live[address]))
+            live[address] = size
+        else:
+            live.pop(address, None)
+        changes.append((time_ns, size))
+    return changes
 
 
 @contextlib.contextmanager
