@@ -19,6 +19,7 @@ from solver import PipelineSpec, evaluate_plan
 from solver.costs import pipeline_costs
 from solver.formulation import PATHS, IntegerProgram
 from solver.groups import layer_groups
+from solver.milp import Linear
 from solver.sharding import Unit, _backward_walk, _forward_walk, step_gradient_bytes
 from solver.spec import spec_from_dict, spec_to_dict, static_split
 
@@ -278,3 +279,60 @@ def test_uniform_costs_still_replay_without_sharding():
     result = simulate(PipelineSpec(stages=2, micro_batches=4).pipeline_schedule,
                       PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, activation_bytes=5.0))
     assert result.stage_peak_memory_bytes == (10.0, 5.0) and not math.isnan(result.iteration_time_ms)
+
+
+def test_units_hand_each_layer_its_output_gradient_and_free_the_later_activations():
+    """A chunk's backward, last layer first: each layer but the last is handed its output's gradient (a
+    stage output's size); before its backward the later layers' activations are freed, and before the
+    head's the rotary tables the blocks used."""
+    from solver.costs import _units
+
+    profile = _fsdp_profile()
+    layers = [(layer, "none") for layer in profile.layers[:3]]  # the head and two blocks
+    units = _units(spec(fsdp=True, fsdp_reshard_after_forward=True), layers, 2 * MIB, 0.5 * MIB, 1 * MIB)
+    activation = [layer.recompute["none"].activation_bytes for layer, _ in layers]
+    assert [u.handed_bytes for u in units] == [2 * MIB, 2 * MIB, 0.0]
+    assert [u.freed_bytes for u in units] == [activation[1] + activation[2] + 0.5 * MIB, activation[2], 0.0]
+    assert [u.activation_bytes for u in units] == [activation[0] - 1 * MIB, *activation[1:]]  # the buffer it saved
+    assert all(u.reshards_after_forward for u in units)
+
+
+def test_torch_runtime_schedules_gather_every_chunk_before_the_first_action():
+    """Interleaved1F1B runs on torch's runtime, which unshards a rank's chunks ahead of their actions:
+    both are gathered when the step starts; Schedule1F1B gathers a chunk at its first forward."""
+    profile = _fsdp_profile()
+    for schedule, counts, lookahead in (("Interleaved1F1B", (2, 1, 1, 2), 3), ("1F1B", (3, 3), 0)):
+        pipeline = PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2,
+                                fsdp=True)
+        plan = evaluate_plan(profile, pipeline, counts, ("none",) * len(profile.layers))
+        assert plan.simulation.costs.unshard_lookahead == lookahead
+        first = plan.simulation.memory_split(0)[1]  # the point after the first action
+        gathered = sum(c.sharded.gathered_bytes for c in plan.simulation.costs.chunk_costs[0])
+        assert (first[2] == gathered) == (lookahead > 0)
+
+
+def test_the_programs_states_follow_a_rank_through_its_step():
+    """Per chunk: gathered from its first forward, step gradients from its first backward, and after its
+    reduce what the reduce leaves in their place (gradients freed between steps: the shards)."""
+    from solver.sharded_rows import GATHER, REDUCE, ShardedStates
+
+    pipeline = PipelineSpec(stages=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True,
+                            gradients_persist=False)
+    profile = _fsdp_profile()
+    program = IntegerProgram(profile, pipeline, pipeline.pipeline_schedule,
+                             layer_groups(profile, pipeline, 1), with_budget=False, timing=PATHS)
+    ops = [(0, FORWARD), (0, FORWARD), (0, FULL_BACKWARD), (0, FULL_BACKWARD)]
+    states = ShardedStates(program, program.memory.sharded, ops)
+    seen = []
+    for index, (chunk, op) in enumerate(ops):
+        states.before(index, chunk, op)
+        key = states.after(index, chunk, op)
+        seen.append((tuple(states.flags), key))
+        if key == REDUCE:
+            states.reduce(chunk)
+    assert seen == [((1, 0, 0), GATHER), ((1, 0, 0), None), ((1, 1, 0), None), ((1, 1, 0), REDUCE)]
+    row = Linear()
+    states.add_to(row, tuple(states.flags), [0])
+    whole = sum(layer.gradient_bytes for layer in profile.layers)
+    every_layer = program.point({variable: 4 for (_, _, mode), variable in program.count.items() if mode == "none"})
+    assert tuple(states.flags) == (0, 0, 1) and row.value(every_layer) == pytest.approx(whole / 2 / MIB)
