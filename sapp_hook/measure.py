@@ -88,7 +88,8 @@ def ddp_bucket_bytes(modules: Iterable[Any]) -> int:
     total = 0
     for module in modules:
         if hasattr(module, "reducer") and not module.gradient_as_bucket_view:
-            total += sum(module._get_ddp_logging_data().get("bucket_sizes", []) or [])
+            sizes = str(module._get_ddp_logging_data().get("bucket_sizes", ""))  # "bytes, bytes, ..."
+            total += sum(int(size) for size in sizes.split(",") if size.strip())
     return total
 
 
