@@ -301,6 +301,9 @@ def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
         schedule=fields.text("schedule", required=True),
         p2p_ms=fields.number("p2p_ms", 0.0),
     )
+    for name in ("data_parallel", "tensor_parallel"):  # the layer times it fits are those of one pipeline
+        if fields.integer(name, 1, least=1) > 1:
+            raise InputError(fields.at(name), f"is {fields.raw(name)}: calibrate fits runs of the pipeline alone")
     counts, modes, ranks = (fields.raw(key) for key in ("stage_layer_counts", "layer_modes", "ranks"))
     if not isinstance(ranks, list) or len(ranks) != spec.stages:
         raise InputError(fields.at("ranks"), f"expected a list of {spec.stages} ranks, got {ranks!r:.80}")

@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,8 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     from sapp_hook.stages import TiedGradients, apply, schedule_class
 
     transformers.logging.set_verbosity_error()
+    # FSDP over tensor-parallel stages warns of views it returns; nothing here writes into them in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     shape = mesh_shape(setup)
     pp, dp, tp = shape.coordinates(rank)
     mesh = None if shape.plain and not shape.ddp and shape.zero_stage == 0 else device_mesh(shape)

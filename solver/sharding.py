@@ -29,18 +29,20 @@ def tracks_step(spec: PipelineSpec) -> bool:
     return spec.fsdp or spec.zero_stage == 3 or not spec.gradients_persist
 
 
-def step_gradient_bytes(spec: PipelineSpec, gradient_bytes: float) -> tuple[float, float]:
+def step_gradient_bytes(spec: PipelineSpec, gradient_bytes: float, parameter_bytes: float | None = None
+                        ) -> tuple[float, float]:
     """(what a layer's gradients add at its chunk's first weight-gradient action of a step, what
     stays of them after the chunk's reduce to the step's end), above its static bytes. FSDP: the
-    whole gradient, then its shard where gradients do not persist (else counted at rest). Without
-    FSDP, where gradients do not persist: the gradient a rank keeps (its shard under ZeRO 2 and 3),
-    from its first backward on."""
+    whole gradient, then its shard, shaped as its parameter's (`parameter_bytes`, default the
+    gradient's), where gradients do not persist (else counted at rest). Without FSDP, where gradients
+    do not persist: the gradient a rank keeps (its shard under ZeRO 2 and 3), from its first backward on."""
     if spec.ddp and spec.ddp_bucket_view:
         return 0.0, 0.0
     dp = spec.data_parallel
     kept = gradient_bytes / dp if shards_parameters(spec) or spec.zero_stage >= 2 else gradient_bytes
     if spec.fsdp:
-        return gradient_bytes, 0.0 if spec.gradients_persist else kept
+        shard = (gradient_bytes if parameter_bytes is None else parameter_bytes) / dp
+        return gradient_bytes, 0.0 if spec.gradients_persist else shard
     return (0.0, 0.0) if spec.gradients_persist else (kept, kept)
 
 
@@ -66,7 +68,8 @@ def sharded_costs(spec: PipelineSpec, units: Sequence[Unit], *, start_bytes: flo
     `simulator.sharded` replays it; None where nothing. `start_bytes`: what its forward holds before the
     first layer (the rotary tables); `seed_bytes`: what its backward holds throughout (the loss's
     gradient, on the last stage)."""
-    gradient, reduced = zip(*(step_gradient_bytes(spec, unit.gradient_bytes) for unit in units)) if units else ((), ())
+    gradient, reduced = zip(*(step_gradient_bytes(spec, unit.gradient_bytes, unit.parameter_bytes)
+                              for unit in units)) if units else ((), ())
     if spec.fsdp:
         gloo = spec.collective_backend == "gloo"
         whole = sum(unit.parameter_bytes for unit in units)

@@ -177,13 +177,17 @@ def static_split(spec: PipelineSpec, parameter_bytes: float, gradient_bytes: flo
     """A layer's resident bytes on one rank, per kind. FSDP and ZeRO-3 shard every tensor: parameters,
     gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars (AdamW's step
     counts) whole. ZeRO-1 and 2 give each rank whole tensors' state (and gradients): the mean, O / d
-    (a rank's share is within one tensor's of it). Gradients persist between steps where
+    (a rank's share is within one tensor's of it). FSDP's gradient shard has its parameter's shape
+    (P / d), where the whole gradient it reduces may be larger (a tensor-parallel embedding's, which
+    torch leaves whole: `step_gradient_bytes`). Gradients persist between steps where
     `spec.gradients_persist` (`zero_grad(set_to_none=False)`); else they come within a step
     (`step_gradient_bytes`). DDP keeps bucket copies of the gradients for the whole run unless its
     gradients are views into them (`ddp_bucket_view`)."""
     dp = spec.data_parallel
     sharded = shards_parameters(spec)
     gradient = gradient_bytes / dp if sharded or spec.zero_stage >= 2 else gradient_bytes
+    if spec.fsdp:
+        gradient = parameter_bytes / dp
     if spec.ddp and spec.ddp_bucket_view:
         gradient_kept, buckets = 0.0, gradient_bytes  # the gradients are the buckets, kept whatever zero_grad does
     else:

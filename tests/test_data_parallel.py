@@ -64,6 +64,15 @@ def test_gradients_within_a_step(fields, within_step, after_reduce):
     assert step_gradient_bytes(spec(**fields), G) == (within_step, after_reduce)
 
 
+def test_fsdps_gradient_shard_has_its_parameters_shape():
+    """Under tensor parallelism torch leaves the embedding's gradient whole (twice its parameter's local
+    shard, measured on 8 processes, PP2 x DP2 x TP2): FSDP reduces that whole gradient, and keeps the
+    shard of its parameter's shape."""
+    assert static_split(spec(fsdp=True), P, 2 * G, O, S).gradient == P / 4
+    assert step_gradient_bytes(spec(fsdp=True, gradients_persist=False), 2 * G, P) == (2 * G, P / 4)
+    assert static_split(spec(zero_stage=2), P, 2 * G, O, S).gradient == 2 * G / 4
+
+
 def _row(**sharded) -> tuple[ChunkCosts, ...]:
     base = {"gathered_bytes": 50.0, "forward_kept_bytes": 50.0, "gradient_bytes": 40.0,
             "forward_gather_working_bytes": 70.0, "reduce_working_bytes": 60.0}
