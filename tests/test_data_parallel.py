@@ -9,9 +9,13 @@ import dataclasses
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from solver_cases import MIB, small_profile
+from test_solver_properties import problems
 
 from simulator import ChunkCosts, InputError, PipelineCosts, simulate
+from simulator import schedule_kind
 from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from simulator.costs import ShardedCosts
 from simulator.sharded import RESHARD, UNSHARD, memory_points, torch_unshard_events
@@ -345,3 +349,64 @@ def test_the_programs_states_follow_a_rank_through_its_step():
     whole = sum(layer.gradient_bytes for layer in profile.layers)
     every_layer = program.point({variable: 4 for (_, _, mode), variable in program.count.items() if mode == "none"})
     assert tuple(states.flags) == (0, 0, 1) and row.value(every_layer) == pytest.approx(whole / 2 / MIB)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from([{"fsdp": True}, {"fsdp": True, "fsdp_reshard_after_forward": True},
+                                    {"fsdp": True, "gradients_persist": False, "collective_backend": "gloo"},
+                                    {"zero_stage": 3}, {"gradients_persist": False}]),
+       st.randoms(use_true_random=False))
+def test_no_plan_the_program_allows_holds_more_than_it_says(problem, layout, rng):
+    """For any split and modes, each rank's largest row is at least the replay's peak (exactly it but
+    for gathering's working sets): a plan the program fits within a budget fits in the replay."""
+    profile, base = problem
+    if layout.get("fsdp_reshard_after_forward") and schedule_kind(base.schedule).splits_backward:
+        return  # refused: torch drops gradients there
+    profile = dataclasses.replace(profile, layers=tuple(dataclasses.replace(
+        layer, gradient_bytes=layer.parameter_bytes, optimizer_bytes=2 * layer.parameter_bytes) for layer in profile.layers))
+    pipeline = dataclasses.replace(base, data_parallel=2, **layout)
+    schedule = pipeline.pipeline_schedule
+    groups = layer_groups(profile, pipeline, schedule.num_virtual_stages)
+    program = IntegerProgram(profile, pipeline, schedule, groups, with_budget=False, timing=PATHS)
+    body = sum(g.size for g in groups if g.pinned_virtual_stage is None)
+    cuts = sorted(rng.sample(range(1, body), schedule.num_virtual_stages - 1))
+    virtual_of = [sum(1 for cut in cuts if cut <= i) for i in range(body)]
+    counts, index = {}, 0
+    for g, group in enumerate(groups):
+        for _ in range(group.size if group.pinned_virtual_stage is None else 0):
+            key = (g, virtual_of[index], rng.choice(group.modes))
+            key = key if key in program.count else (*key[:2], "none")  # a mode this stage cannot take
+            counts[program.count[key]] = counts.get(program.count[key], 0) + 1
+            index += 1
+    values = program.point(counts)
+    plan = program.plan(values)
+    for rank in range(schedule.ranks):
+        rows = max(row.value(values) for r, row in program.memory_rows if r == rank)
+        assert rows >= plan.stage_peak_memory_bytes[rank] / MIB - 1e-6
+
+
+def test_a_forwards_gathering_can_set_the_peak_and_the_program_states_it():
+    """Three 100 MiB blocks without gradients (frozen) and small activations: the first forward's
+    gathering of the last block (the two before it gathered, the middle one's flat output still there,
+    its own flat output and copy) is the rank's peak; the program's bound is exact for identical blocks."""
+    from solver import LayerProfile, ModelProfile, RecomputeCost
+
+    def block(name, kind, parameter_mib, activation_mib):
+        return LayerProfile(name=name, kind=kind, forward_ms=1.0, backward_ms=2.0, parameter_bytes=parameter_mib * MIB,
+                            recompute={"none": RecomputeCost(0.0, activation_mib * MIB, 1 * MIB)})
+
+    profile = ModelProfile(layers=(block("embed", "head", 0, 0), *(block(f"b{i}", "body:a", 100, 1) for i in range(3)),
+                                   block("tail", "tail", 0, 0)))
+    pipeline = PipelineSpec(stages=1, micro_batches=1, data_parallel=2, fsdp=True)
+    plan = evaluate_plan(profile, pipeline, (5,), ("none",) * 5)
+    static = plan.simulation.costs.chunk_costs[0][0].static_bytes
+    assert plan.stage_peak_memory_bytes[0] == static + (200 + 2) * MIB + 100 * MIB + 200 * MIB  # 2 blocks kept, flat, copy
+    _check_one(profile, pipeline, (5,))
+
+
+def _check_one(profile, pipeline, counts):
+    program = IntegerProgram(profile, pipeline, pipeline.pipeline_schedule,
+                             layer_groups(profile, pipeline, 1), with_budget=False, timing=PATHS)
+    values = program.point({variable: counts[0] - 2 for (_, _, mode), variable in program.count.items() if mode == "none"})
+    rows = max(row.value(values) for _, row in program.memory_rows)
+    assert rows == pytest.approx(evaluate_plan(profile, pipeline, counts, ("none",) * 5).stage_peak_memory_bytes[0] / MIB)
