@@ -2,14 +2,15 @@
 
 Each saved tensor is wrapped in a small holder when autograd saves it; the holder goes when autograd
 frees it (after the backward that used it). Storages are counted once however many tensors share
-them; parameters and buffers are left out. What checkpointing keeps in its own cache (selective
-recompute's saved op outputs) the hooks do not see: `keep` counts it, handed each such tensor.
+them (a DTensor's local shard); parameters and buffers are left out, FSDP's gathered parameters too,
+whose storages are new at every all-gather (`moving`). What checkpointing keeps in its own cache
+(selective recompute's saved op outputs) the hooks do not see: `keep` counts it, handed each such tensor.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import torch
@@ -30,8 +31,9 @@ class _Held:
 class HeldActivations:
     """`with HeldActivations(model.parameters()) as held: ...`; then `held.peak_bytes`."""
 
-    def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, excluded: Iterable[torch.Tensor] = (), moving: Callable[[], set[int]] | None = None) -> None:
         self.excluded = {storage_key(t)[0] for t in excluded}
+        self.moving = moving  # the storage keys to leave out as they are at each save
         self.live_bytes = 0
         self.peak_bytes = 0
         self._counts: dict[int, list[int]] = {}  # storage -> [holders, bytes]
@@ -57,7 +59,7 @@ class HeldActivations:
 
     def _pack(self, tensor: torch.Tensor) -> object:
         key, size = storage_key(tensor)
-        if key in self.excluded:
+        if key in self.excluded or (self.moving is not None and key in self.moving()):
             return tensor
         self._hold(key, size)
         # detached: holding the pack hook's tensor with its grad_fn closes a cycle a kept graph never frees

@@ -438,7 +438,9 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """A key for the memory behind `tensor` and its size in bytes (views share their base's key)."""
+    """A key for the memory behind `tensor` and its size in bytes (views share their base's key; a
+    DTensor's are its local shard's)."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
     try:
         storage = tensor.untyped_storage()
         return storage.data_ptr() or id(storage), storage.nbytes()

@@ -58,9 +58,10 @@ class PipelineStageModule(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = parts.norm if last else None
         self.head = parts.head if last else None
+        self.sequence_shards = 1  # sequence parallelism: a later stage receives its share of the sequence
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        sequence = inputs.shape[1]
+        sequence = inputs.shape[1] * (1 if self.first else self.sequence_shards)
         positions = torch.arange(sequence, device=inputs.device).unsqueeze(0)
         hidden = inputs
         if self.first:

@@ -9,6 +9,40 @@ from simulator.errors import InputError, check_non_negative
 
 
 @dataclass(frozen=True)
+class ShardedCosts:
+    """What a chunk's data parallelism holds within a step, per step rather than per micro-batch, where
+    its parameters are sharded (FSDP, ZeRO-3) or its gradients do not persist between steps; replayed by
+    `simulator.sharded`. All bytes, above what the chunk's other costs count.
+
+    `gathered_bytes`: the chunk's whole parameters, held once gathered (by its first forward, or the
+    engine's unshard before it) until its reduce; `forward_kept_bytes` of them stay gathered after a
+    forward (all, unless forwards re-shard). `gradient_bytes` come at the chunk's first weight-gradient
+    action (B, or W where the backward is split), counted from its start, and stay to its reduce, right
+    after its last one, which leaves `reduced_gradient_bytes` in their place to the step's end. While an
+    action runs: `forward_gather_working_bytes` where a forward finds the chunk not all gathered,
+    `backward_gather_working_bytes` where a backward does (in place of its working set),
+    `reduce_working_bytes` during the reduce, `layer_gather_bytes` on top of every backward action's working
+    set where each layer is gathered for its own backward (ZeRO-3 without FSDP). Working sets are above
+    what was held when the action began, like a backward's."""
+
+    gathered_bytes: float = 0.0
+    forward_kept_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+    reduced_gradient_bytes: float = 0.0
+    forward_gather_working_bytes: float = 0.0
+    backward_gather_working_bytes: float = 0.0
+    reduce_working_bytes: float = 0.0
+    layer_gather_bytes: float = 0.0
+
+    def check(self, where: str) -> None:
+        for name, value in vars(self).items():
+            check_non_negative(value, f"{where} sharded.{name}")
+        if self.forward_kept_bytes > self.gathered_bytes:
+            raise InputError(f"{where} sharded.forward_kept_bytes",
+                             f"expected at most gathered_bytes ({self.gathered_bytes:g}), got {self.forward_kept_bytes:g}")
+
+
+@dataclass(frozen=True)
 class ChunkCosts:
     """Costs of one chunk (virtual stage) on one rank, per micro-batch.
 
@@ -27,6 +61,7 @@ class ChunkCosts:
     gradient, left on its receive buffer; tensors sent to other ranks, whose requests torch keeps).
     `input_working_bytes` and `weight_working_bytes` take the place of `working_bytes` while an I
     and a W action runs (None: `working_bytes`): what each holds above what was held when it began.
+    `sharded`: what data parallelism holds within a step (None: nothing).
     """
 
     forward_ms: float
@@ -41,6 +76,7 @@ class ChunkCosts:
     input_ms: float | None = None
     input_working_bytes: float | None = None
     weight_working_bytes: float | None = None
+    sharded: ShardedCosts | None = None
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
@@ -52,6 +88,8 @@ class ChunkCosts:
         for name in ("input_ms", "input_working_bytes", "weight_working_bytes"):
             if getattr(self, name) is not None:
                 check_non_negative(getattr(self, name), f"{where} {name}")
+        if self.sharded is not None:
+            self.sharded.check(where)
         if self.weight_ms is not None:
             check_non_negative(self.weight_ms, f"{where} weight_ms")
             if self.weight_ms > self.backward_ms:
@@ -95,6 +133,8 @@ class PipelineCosts:
 
     chunk_costs: tuple[tuple[ChunkCosts, ...], ...]
     p2p_ms: float = 0.0
+    # torch's runtime schedules gather this many chunks ahead of their actions (FSDP), 0: each at its first forward
+    unshard_lookahead: int = 0
 
     def __post_init__(self) -> None:
         if not self.chunk_costs or not self.chunk_costs[0]:
@@ -106,6 +146,8 @@ class PipelineCosts:
             for chunk, costs in enumerate(row):
                 costs.check(f"stage {stage} chunk {chunk}")
         check_non_negative(self.p2p_ms, "p2p_ms")
+        if isinstance(self.unshard_lookahead, bool) or not isinstance(self.unshard_lookahead, int) or self.unshard_lookahead < 0:
+            raise InputError("unshard_lookahead", f"expected an integer >= 0, got {self.unshard_lookahead!r}")
 
     @property
     def ranks(self) -> int:

@@ -18,6 +18,7 @@ FORMATS = (".png", ".svg", ".pdf")
 OP_COLOURS = {"F": "#3b75af", "B": "#ef8636", "I": "#c2413b", "W": "#519e3e"}
 OP_LABELS = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 MEMORY_COLOUR = "#7f7f7f"
+SHARDED_COLOUR = "#8c564b"  # data parallelism's share of the memory curve (FSDP's gathered parameters and gradients)
 BAR_TOP, BAR_HEIGHT = 0.06, 0.5  # within a rank's row of height 1, measured downwards
 CURVE_BASE, CURVE_HEIGHT = 0.94, 0.32
 MAX_LABELS = 4000
@@ -77,20 +78,26 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
             axes.text(x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white")
 
     peak_bytes = max(result.stage_peak_memory_bytes)
-    curves = [result.memory_curve(rank) for rank in range(ranks)] if peak_bytes > 0 else []
+    curves = [result.memory_split(rank) for rank in range(ranks)] if peak_bytes > 0 else []
     # one scale for all rows, from the lowest level to the highest peak: activations show above large static memory
-    floor_bytes = min(m for curve in curves for _, m in curve) if curves else 0.0
+    floor_bytes = min(m for curve in curves for _, m, _ in curve) if curves else 0.0
     span_bytes = peak_bytes - floor_bytes
+    sharded_seen = False
     for rank, curve in enumerate(curves):
-        times = [t for t, _ in curve]
-        levels = [
-            rank + CURVE_BASE - CURVE_HEIGHT * ((m - floor_bytes) / span_bytes if span_bytes > 0 else 1.0)
-            for _, m in curve
-        ]
+        times = [t for t, _, _ in curve]
+
+        def level(m: float, rank: int = rank) -> float:
+            return rank + CURVE_BASE - CURVE_HEIGHT * ((m - floor_bytes) / span_bytes if span_bytes > 0 else 1.0)
+
+        levels = [level(m) for _, m, _ in curve]
         axes.fill_between(
             times, rank + CURVE_BASE, levels, step="post", color=MEMORY_COLOUR, alpha=0.45, linewidth=0,
             rasterized=rasterized,
         )
+        if any(sharded for _, _, sharded in curve):  # data parallelism's share, on top of the rest
+            sharded_seen = True
+            axes.fill_between(times, [level(max(m - sharded, floor_bytes)) for _, m, sharded in curve], levels,
+                              step="post", color=SHARDED_COLOUR, alpha=0.6, linewidth=0, rasterized=rasterized)
         axes.text(
             end_ms * 1.004, rank + 0.5, f"peak {format_bytes(result.stage_peak_memory_bytes[rank])}", va="center", fontsize=7
         )
@@ -112,6 +119,8 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
         handles.append(
             Patch(color=MEMORY_COLOUR, alpha=0.45, label=f"memory ({format_bytes(floor_bytes)} to {format_bytes(peak_bytes)})")
         )
+    if sharded_seen:
+        handles.append(Patch(color=SHARDED_COLOUR, alpha=0.6, label="of it, gathered parameters and whole gradients"))
     axes.legend(
         handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(handles), fontsize=8, frameon=False
     )

@@ -5,7 +5,8 @@ time when that action ran on another rank). Sends are asynchronous: they never h
 Memory of a rank: its static bytes, plus the activation of every (chunk, micro-batch) whose
 forward has ended and whose backward (B, or W when split) has not, plus, where the backward is
 split, the pending gradients of every one whose I has run and W has not, plus the chunk's working
-set while one of its backward actions runs (each half of a split backward may have its own).
+set while one of its backward actions runs (each half of a split backward may have its own), plus
+what data parallelism holds within the step (`simulator.sharded`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.errors import InputError, check_instance
 from simulator.result import BubbleSplit, SimulationResult
 from simulator.schedule import Schedule
+from simulator.sharded import memory_points
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
@@ -108,21 +110,17 @@ def _replay(compiled: CompiledSchedule, durations: list[float], p2p_ms: float) -
 def _rank_memory(compiled: CompiledSchedule, costs: PipelineCosts, rank: int) -> tuple[float, int]:
     """Peak bytes and peak number of activations held on `rank` (independent of timing)."""
     row: tuple[ChunkCosts, ...] = costs.chunk_costs[rank]
-    memory = sum(chunk.static_bytes for chunk in row)
-    peak = memory
+    peak = sum(chunk.static_bytes for chunk in row)
     held = peak_held = 0
     first, last = compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]
-    for chunk_index, op in zip(compiled.chunk[first:last], compiled.op[first:last]):
-        chunk = row[chunk_index]
+    ops = list(zip(compiled.chunk[first:last], compiled.op[first:last]))
+    for (_, op), point in zip(ops, memory_points(ops, row, costs.unshard_lookahead)):
         if op == FORWARD:
             held += 1
             peak_held = max(peak_held, held)
-        else:
-            peak = max(peak, memory + chunk.working_bytes_during(op))
-            if op != BACKWARD_INPUT:
-                held -= 1
-        memory += chunk.held_change_bytes(op)
-        peak = max(peak, memory)
+        elif op != BACKWARD_INPUT:
+            held -= 1
+        peak = max(peak, point.held_bytes, point.during_bytes or 0.0)
     return peak, peak_held
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from simulator.actions import BACKWARD_WEIGHT, FORWARD, Action
+from simulator.actions import BACKWARD_WEIGHT, Action
 from simulator.costs import PipelineCosts
 from simulator.schedule import Schedule
+from simulator.sharded import memory_points
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,22 @@ class SimulationResult:
 
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
         """(time, bytes) points of a step curve: the memory of `rank` from each point to the next."""
+        return [(time, total) for time, total, _ in self.memory_split(rank)]
+
+    def memory_split(self, rank: int) -> list[tuple[float, float, float]]:
+        """(time, bytes, of them what data parallelism holds within the step) points of `rank`'s step curve."""
         row = self.costs.chunk_costs[rank]
         memory = sum(chunk.static_bytes for chunk in row)
-        points = [(0.0, memory)]
-        for timed in self.rank_timeline(rank):
-            chunk = row[timed.chunk]
-            op = timed.action.op
-            if op != FORWARD:
-                points.append((timed.start_ms, memory + chunk.working_bytes_during(op)))
-            memory += chunk.held_change_bytes(op)
-            points.append((timed.end_ms, memory))
-        points.append((self.iteration_time_ms, memory))
+        points = [(0.0, memory, 0.0)]
+        timeline = self.rank_timeline(rank)
+        ops = [(timed.chunk, timed.action.op) for timed in timeline]
+        sharded = 0.0
+        for timed, point in zip(timeline, memory_points(ops, row, self.costs.unshard_lookahead)):
+            if point.during_bytes is not None:
+                points.append((timed.start_ms, point.during_bytes, point.during_sharded_bytes))
+            memory, sharded = point.held_bytes, point.sharded_bytes
+            points.append((timed.end_ms, memory, sharded))
+        points.append((self.iteration_time_ms, memory, sharded))
         return points
 
     def to_dict(self) -> dict[str, object]:

@@ -14,9 +14,10 @@ from solver.engine_memory import (
     torch_engine_bytes,
     torch_hands_gradient_over,
     torch_splits_backward,
+    torch_unshard_lookahead,
 )
-from solver.mesh import layer_static_bytes
 from solver.profile import HEAD, TAIL, LayerProfile, ModelProfile
+from solver.sharding import Unit, layer_static, sharded_costs, tracks_step
 from solver.spec import PipelineSpec
 
 
@@ -61,7 +62,7 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             + torch_retained[virtual],
             pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
             + torch_pending[virtual] - handed_gradient,
-            static_bytes=sum(layer_static_bytes(layer, spec) for layer, _ in layers)
+            static_bytes=sum(layer_static(spec, layer).total for layer, _ in layers)
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual]
             + held_sends[virtual],
@@ -70,8 +71,34 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             **(_split_working_bytes(layers, tail_weight_last=torch_split, seed_bytes=seed)
                if splits and not whole else {}),
             **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
+            sharded=sharded_costs(spec, _units(spec, layers, profile.stage_output_bytes, shared, in_buffers[virtual]),
+                                  start_bytes=shared, seed_bytes=seed) if tracks_step(spec) else None,
         )
-    return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms)
+    return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms,
+                         unshard_lookahead=torch_unshard_lookahead(spec))
+
+
+def _units(spec: PipelineSpec, layers: list[tuple[LayerProfile, str]], handed_bytes: float, shared_bytes: float,
+           buffered_bytes: float) -> list[Unit]:
+    """A chunk's layers as FSDP units (`solver.sharding.Unit`), in model order. Its backward runs the
+    layers last to first, each handed the gradient of its output by the one after it and freeing its
+    activations; the head's, last, when the blocks have freed what the stage computed for them too
+    (`shared_bytes`). The first layer's activation leaves out its input where that is one of torch's
+    receive buffers (`buffered_bytes`)."""
+    activations = [layer.recompute[mode].activation_bytes for layer, mode in layers]
+    if activations:
+        activations[0] -= buffered_bytes
+    units = []
+    for index, (layer, mode) in enumerate(layers):
+        later = sum(cost for cost in activations[index + 1:])
+        units.append(Unit(
+            parameter_bytes=layer.parameter_bytes, gradient_bytes=layer.gradient_bytes,
+            activation_bytes=activations[index], working_bytes=layer.recompute[mode].working_bytes,
+            handed_bytes=handed_bytes if index < len(layers) - 1 else 0.0,
+            freed_bytes=later + (shared_bytes if layer.kind == HEAD else 0.0),
+            reshards_after_forward=spec.fsdp_reshard_after_forward,
+        ))
+    return units
 
 
 def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool, handed_bytes: float,

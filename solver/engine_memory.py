@@ -118,3 +118,10 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
         whole_run.append(buffers * spec.micro_batches * size)
     return in_flight, whole_run
 
+
+
+def torch_unshard_lookahead(spec: PipelineSpec) -> int:
+    """How many chunks ahead of their actions torch's runtime schedules gather a rank's FSDP chunks
+    (`_add_unshard_reshard`: UNSHARD and RESHARD actions, 3 stages active); 0 where each chunk gathers
+    at its first forward (`Schedule1F1B`, `ScheduleGPipe`, engines other than torch's)."""
+    return 3 if spec.receive_buffers and spec.fsdp and spec.schedule not in ("1F1B", "GPipe") else 0

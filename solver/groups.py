@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from simulator.errors import InputError
 from simulator.schedule import Schedule
 from simulator.units import MIB
-from solver.mesh import layer_static_bytes
 from solver.profile import HEAD, TAIL, LayerProfile, ModelProfile
+from solver.sharding import layer_static, step_gradient_bytes
 from solver.spec import PipelineSpec
 
 
@@ -26,6 +26,10 @@ class LayerGroup:
     weight_ms: float
     input_ms: float
     static_mib: float
+    parameter_mib: float  # whole, as gathered (solver.sharding)
+    gradient_mib: float
+    step_gradient_mib: float  # what comes at its chunk's first weight-gradient action, and stays after the reduce
+    reduced_gradient_mib: float
     extra_ms: dict[str, float]
     activation_mib: dict[str, float]
     working_mib: dict[str, float]
@@ -67,7 +71,11 @@ def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: 
                 backward_ms=layer.backward_ms,
                 weight_ms=layer.split_weight_ms(),
                 input_ms=layer.split_input_ms(),
-                static_mib=layer_static_bytes(layer, spec) / MIB,
+                static_mib=layer_static(spec, layer).total / MIB,
+                parameter_mib=layer.parameter_bytes / MIB,
+                gradient_mib=layer.gradient_bytes / MIB,
+                step_gradient_mib=step_gradient_bytes(spec, layer.gradient_bytes, layer.parameter_bytes)[0] / MIB,
+                reduced_gradient_mib=step_gradient_bytes(spec, layer.gradient_bytes, layer.parameter_bytes)[1] / MIB,
                 extra_ms={m: layer.recompute[m].extra_ms for m in modes},
                 activation_mib={m: layer.recompute[m].activation_bytes / MIB for m in modes},
                 working_mib={m: layer.recompute[m].working_bytes / MIB for m in modes},
@@ -105,7 +113,7 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
 def _costs_key(layer: LayerProfile) -> tuple:
     return (
         layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.split_input_ms(),
-        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, layer.expert_parameter_bytes,
+        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, layer.parameter_tensors, layer.expert_parameter_bytes,
         tuple(sorted(layer.recompute.items())),
     )
 

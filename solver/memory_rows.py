@@ -4,6 +4,7 @@ expressions in the layer counts; and one row per distinct point of each rank's a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -21,8 +22,18 @@ from solver.engine_memory import (
 from solver.milp import INF, Linear
 from solver.placement import LayerPlacement
 from solver.profile import HEAD, NONE, TAIL
+from solver.sharded_rows import (
+    BACKWARD_EXTRA,
+    GATHER_FIRST,
+    REDUCE,
+    REGATHER_GATHER,
+    SHARDED_SETS,
+    ShardedMemory,
+    ShardedStates,
+    sharded_memory,
+)
 
-# A memory point's working set: (chunk, op) of the backward action running there, None for none.
+# A memory point's working set: (chunk, op) of the backward action running there (or GATHER, REDUCE), None for none.
 WorkingAt = tuple[int, str] | None
 
 
@@ -35,6 +46,7 @@ class StageMemory:
     retained: list[Linear]  # per micro-batch from its last backward action to the step's end
     pending: list[Linear]  # per micro-batch from its I to its W
     working: list[dict[str, Linear]]  # per backward op (B, I, W): what it holds while it runs
+    sharded: ShardedMemory | None = None  # data parallelism within a step
 
 
 def stage_memory(placement: LayerPlacement) -> StageMemory:
@@ -74,7 +86,7 @@ def stage_memory(placement: LayerPlacement) -> StageMemory:
     if profile.stage_shared_bytes:  # what each stage computes for its blocks, where it holds one
         for virtual in range(num_virtual_stages):
             activation[virtual].add_expression(placement.holds_body(virtual), profile.stage_shared_bytes / MIB)
-    return StageMemory(activation, static, retained, pending, working)
+    return StageMemory(activation, static, retained, pending, working, sharded_memory(placement, working))
 
 
 def _last_layers(placement: LayerPlacement) -> list[tuple[Linear, Linear]]:
@@ -195,15 +207,26 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
         chunks = schedule.chunks
         held = [0] * (3 * chunks)
         points: set[tuple[tuple[int, ...], WorkingAt]] = set()
-        for i in range(compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]):
-            chunk, op = compiled.chunk[i], compiled.op[i]
+        first = compiled.rank_offsets[rank]
+        ops = list(zip(compiled.chunk[first:compiled.rank_offsets[rank + 1]], compiled.op[first:compiled.rank_offsets[rank + 1]]))
+        states = ShardedStates(placement, memory.sharded, ops)  # held counts, then these states' flags
+        point = functools.partial(_add_point, points, held, states.flags)
+        for index, (chunk, op) in enumerate(ops):
+            regathers = states.before(index, chunk, op)
             if op == FORWARD:
+                if memory.sharded is not None and memory.sharded.regathers and states.gathers(chunk):
+                    point((chunk, GATHER_FIRST))
                 held[chunk] += 1
-                points.add((tuple(held), None))
+                gathering = states.after(index, chunk, op)
+                point(None)
+                if gathering is not None:
+                    point((chunk, gathering))
                 continue
             # the working sets of a chunk's actions, one where they are the same (a whole backward)
             same = memory.working[rank_stages[chunk]][op] is memory.working[rank_stages[chunk]][FULL_BACKWARD]
-            points.add((tuple(held), (chunk, FULL_BACKWARD if same else op)))
+            point((chunk, regathers or (FULL_BACKWARD if same else op)))
+            if regathers:
+                point((chunk, REGATHER_GATHER))
             if op == BACKWARD_INPUT:
                 if pends:
                     held[chunk] -= 1
@@ -212,8 +235,11 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
             held[2 * chunks + chunk if op == BACKWARD_WEIGHT and pends else chunk] -= 1
             if retains:
                 held[chunks + chunk] += 1
+            if states.after(index, chunk, op) == REDUCE:
+                point((chunk, REDUCE))
+                states.reduce(chunk)
         # the step's end: what is retained (torch's input gradients and sends) can outweigh the activations it was part of
-        points.add((tuple(held), None))
+        point(None)
         for counts, working in _undominated(points):
             row = Linear(constant=constant_mib)
             for chunk, virtual in enumerate(rank_stages):
@@ -222,11 +248,23 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
                                     (past_input[virtual], counts[2 * chunks + chunk])):
                     if scale:
                         row.add_expression(part, scale)
+            states.add_to(row, counts[3 * chunks:], rank_stages)
             if working is not None:
                 working_chunk, op = working
-                row.add_expression(memory.working[rank_stages[working_chunk]][op])
+                virtual = rank_stages[working_chunk]
+                if op in SHARDED_SETS:
+                    row.add_expression(memory.sharded.working[virtual][op])
+                else:
+                    row.add_expression(memory.working[virtual][op])
+                    if memory.sharded is not None:
+                        row.add_expression(memory.sharded.working[virtual][BACKWARD_EXTRA])
             rows.append((rank, row))
     return rows
+
+
+def _add_point(points: set[tuple[tuple[int, ...], WorkingAt]], held: list[int], flags: list[int],
+               working: WorkingAt) -> None:
+    points.add((tuple(held + flags), working))
 
 
 def _undominated(points: set[tuple[tuple[int, ...], WorkingAt]]) -> list[tuple[tuple[int, ...], WorkingAt]]:

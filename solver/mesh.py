@@ -98,20 +98,6 @@ def expert_replicas(spec: PipelineSpec) -> int:
     return spec.data_parallel * spec.tensor_parallel * spec.context_parallel // spec.expert_parallel
 
 
-def layer_static_bytes(layer: LayerProfile, spec: PipelineSpec) -> float:
-    """`spec.static_bytes` of a layer of a rank profile, its routed experts' share sharded over
-    `expert_replicas` instead of the data-parallel replicas."""
-    experts = layer.expert_parameter_bytes or 0.0
-    if not experts or spec.expert_parallel == 1:
-        return spec.static_bytes(layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
-    share = experts / layer.parameter_bytes
-    per_element = layer.optimizer_bytes - layer.optimizer_tensor_bytes()
-    expert_part = (experts, layer.gradient_bytes * share, per_element * share)
-    rest = (layer.parameter_bytes - expert_part[0], layer.gradient_bytes - expert_part[1],
-            layer.optimizer_bytes - expert_part[2])
-    return spec.static_bytes(*rest) + spec.static_bytes(*expert_part, replicas=expert_replicas(spec))
-
-
 def _to_apply(have: int, want: int, name: str) -> bool:
     if have == want:
         return False

@@ -17,7 +17,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 # dropless router can send (T min(k, E / e)), or a capacity factor over the even share ("capacity:1.25").
 EXPERT_TOKENS = ("balanced", "dropless")
 DEGREES = ("data_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
-FLAGS = ("allow_empty_chunks", "receive_buffers", "fsdp", "fsdp_reshard_after_forward", "sequence_parallel")
+FLAGS = ("allow_empty_chunks", "receive_buffers", "fsdp", "fsdp_reshard_after_forward", "sequence_parallel",
+         "gradients_persist", "ddp", "ddp_bucket_view")
+# gloo's all-gather allocates a temporary as large as its output while it runs; NCCL's does not
+COLLECTIVE_BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,16 @@ class PipelineSpec:
     what memory each device has.
 
     The profile's parameter, gradient and optimizer bytes are taken as unsharded; with
-    `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also gradients, 3 (FSDP)
-    also parameters, each by `data_parallel`. `stage_constant_bytes` is added to the profile's.
+    `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also
+    parameters, each by `data_parallel`, and each layer's parameters are gathered whole while its own
+    forward or backward runs. `fsdp`: torch's FSDP2 on each stage as TorchTitan applies it (a
+    `fully_shard` unit per layer), which under torch's pipelining keeps every chunk's gradients whole
+    from its first backward to the step's reduce and, unless `fsdp_reshard_after_forward`, its
+    parameters whole from its first forward (`solver.sharding`). `gradients_persist`: gradients stay
+    allocated between steps (`zero_grad(set_to_none=False)`); else they come within each step.
+    `ddp`: torch's DistributedDataParallel on each stage, whose buckets hold a copy of the gradients
+    unless `ddp_bucket_view` (`gradient_as_bucket_view=True`). `collective_backend`: "gloo" where
+    FSDP's all-gathers hold a temporary of their output's size. `stage_constant_bytes` is added to the profile's.
     `action_overhead_ms` is added to every forward, backward, input- and weight-gradient action: the
     engine's own cost per action (Python, scheduling), which a calibration measures.
     `receive_buffers`: the engine is torch.distributed.pipelining (TorchTitan's too), which holds
@@ -55,6 +66,10 @@ class PipelineSpec:
     context_parallel: int = 1
     expert_parallel: int = 1
     expert_tokens: str = "balanced"
+    gradients_persist: bool = True
+    ddp: bool = False
+    ddp_bucket_view: bool = False
+    collective_backend: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes != math.inf:
@@ -73,6 +88,7 @@ class PipelineSpec:
             raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {shown(self.zero_stage)}")
         self._check_layout()
         self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
+        self._check_data_parallel()
 
     def _check_layout(self) -> None:
         """Combinations of the parallel degrees no engine runs."""
@@ -92,6 +108,27 @@ class PipelineSpec:
         if self.expert_tokens not in EXPERT_TOKENS and capacity_factor(self.expert_tokens) is None:
             raise InputError("expert_tokens", f"expected balanced, dropless or capacity:FACTOR (a number >= 1), "
                                               f"got {shown(self.expert_tokens)}")
+
+    def _check_data_parallel(self) -> None:
+        """Data-parallel engines and options torch does not run together (the schedule is known here)."""
+        if self.collective_backend not in COLLECTIVE_BACKENDS:
+            raise InputError("collective_backend", f"expected one of {', '.join(COLLECTIVE_BACKENDS)}, "
+                                                   f"got {shown(self.collective_backend)}")
+        if self.ddp_bucket_view and not self.ddp:
+            raise InputError("ddp_bucket_view", "needs ddp")
+        if self.ddp and (self.fsdp or self.zero_stage >= 2):
+            raise InputError("ddp", "DDP replicates parameters and gradients; expected no fsdp and zero_stage 0 or 1 "
+                                    "with it")
+        splits = schedule_kind(self.schedule).splits_backward
+        if splits and self.fsdp_reshard_after_forward:
+            raise InputError("fsdp_reshard_after_forward", f"{self.schedule} splits the backward, and torch's split "
+                                                           "backward under FSDP with reshard after forward drops "
+                                                           "gradients; use a schedule without a split backward or "
+                                                           "keep the parameters gathered")
+        if splits and self.ddp:
+            raise InputError("ddp", f"{self.schedule} splits the backward, which torch's DDP reducer refuses (every "
+                                    "parameter is marked ready twice); use FSDP, or all-reduce the gradients after "
+                                    "the step")
 
     @cached_property
     def pipeline_schedule(self) -> Schedule:
@@ -116,15 +153,61 @@ class PipelineSpec:
         return overhead, overhead * (2 if splits else 1), overhead
 
     def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
-                     replicas: int | None = None) -> float:
-        """A layer's resident bytes on one device after sharding over `replicas` (default: the
-        data-parallel replicas; `solver.mesh.layer_static_bytes` gives routed experts their own)."""
-        dp = self.data_parallel if replicas is None else replicas
-        return (
-            parameter_bytes / (dp if self.zero_stage >= 3 else 1)
-            + gradient_bytes / (dp if self.zero_stage >= 2 else 1)
-            + optimizer_bytes / (dp if self.zero_stage >= 1 else 1)
-        )
+                     optimizer_tensor_bytes: float = 0.0, replicas: int | None = None) -> float:
+        """A layer's resident bytes on one device after data-parallel sharding (`static_split`)."""
+        return static_split(self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_tensor_bytes,
+                            replicas).total
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What one layer holds on one rank for the whole run, per kind, after sharding."""
+
+    parameter: float
+    gradient: float
+    optimizer: float
+    buckets: float = 0.0  # DDP's bucket copies of the gradients
+
+    @property
+    def total(self) -> float:
+        return self.parameter + self.gradient + self.optimizer + self.buckets
+
+    def __add__(self, other: StaticBytes) -> StaticBytes:
+        return StaticBytes(self.parameter + other.parameter, self.gradient + other.gradient,
+                           self.optimizer + other.optimizer, self.buckets + other.buckets)
+
+
+def shards_parameters(spec: PipelineSpec) -> bool:
+    """Parameters sharded at rest: FSDP, or ZeRO stage 3."""
+    return spec.fsdp or spec.zero_stage == 3
+
+
+def static_split(spec: PipelineSpec, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
+                 optimizer_tensor_bytes: float = 0.0, replicas: int | None = None) -> StaticBytes:
+    """A layer's resident bytes on one rank, per kind, sharded over `replicas` (default: the
+    data-parallel ranks; routed experts have their own: `solver.sharding.layer_static`). FSDP and ZeRO-3 shard every tensor: parameters,
+    gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars (AdamW's step
+    counts) whole. ZeRO-1 and 2 give each rank whole tensors' state (and gradients): the mean, O / d
+    (a rank's share is within one tensor's of it). FSDP's gradient shard has its parameter's shape
+    (P / d), where the whole gradient it reduces may be larger (a tensor-parallel embedding's, which
+    torch leaves whole: `step_gradient_bytes`). Gradients persist between steps where
+    `spec.gradients_persist` (`zero_grad(set_to_none=False)`); else they come within a step
+    (`step_gradient_bytes`). DDP keeps bucket copies of the gradients for the whole run unless its
+    gradients are views into them (`ddp_bucket_view`)."""
+    dp = spec.data_parallel if replicas is None else replicas
+    sharded = shards_parameters(spec)
+    gradient = gradient_bytes / dp if sharded or spec.zero_stage >= 2 else gradient_bytes
+    if spec.fsdp:
+        gradient = parameter_bytes / dp
+    if spec.ddp and spec.ddp_bucket_view:
+        gradient_kept, buckets = 0.0, gradient_bytes  # the gradients are the buckets, kept whatever zero_grad does
+    else:
+        gradient_kept, buckets = (gradient if spec.gradients_persist else 0.0), (gradient_bytes if spec.ddp else 0.0)
+    if sharded:
+        optimizer = (optimizer_bytes - optimizer_tensor_bytes) / dp + optimizer_tensor_bytes
+    else:
+        optimizer = optimizer_bytes / (dp if spec.zero_stage >= 1 else 1)
+    return StaticBytes(parameter_bytes / dp if sharded else parameter_bytes, gradient_kept, optimizer, buckets)
 
 
 def capacity_factor(expert_tokens: object) -> float | None:
@@ -160,6 +243,10 @@ def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
         "context_parallel": spec.context_parallel,
         "expert_parallel": spec.expert_parallel,
         "expert_tokens": spec.expert_tokens,
+        "gradients_persist": spec.gradients_persist,
+        "ddp": spec.ddp,
+        "ddp_bucket_view": spec.ddp_bucket_view,
+        "collective_backend": spec.collective_backend,
     }
 
 
@@ -168,7 +255,7 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
     budget = fields.raw("memory_budget_bytes")
     flags = {}
     for name in FLAGS:
-        flags[name] = fields.raw(name, False)
+        flags[name] = fields.raw(name, name == "gradients_persist")
         if not isinstance(flags[name], bool):
             raise InputError(fields.at(name), f"expected true or false, got {flags[name]!r}")
     values = dict(
@@ -185,6 +272,7 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         context_parallel=fields.integer("context_parallel", 1, least=1),
         expert_parallel=fields.integer("expert_parallel", 1, least=1),
         expert_tokens=fields.text("expert_tokens", "balanced"),
+        collective_backend=fields.text("collective_backend", "nccl"),
         zero_stage=fields.integer("zero_stage", 0),
         microbatch_group_size=fields.raw("microbatch_group_size"),
         **flags,

@@ -221,3 +221,16 @@ def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp
     (sapp_hook.torch_engine): no recompute mode is offered there."""
     tuner = autotune(llama(), stages=2, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", cache_dir=tmp_path)
     assert tuner.profiler.modes == ("none",)
+
+
+def test_the_jobs_parallel_layout_reaches_the_spec(tmp_path):
+    """autotune takes the degrees a spec does; a layout torch does not run is refused before profiling."""
+    layout = {"data_parallel": 2, "fsdp": True, "gradients_persist": False, "tensor_parallel": 2,
+              "sequence_parallel": True, "context_parallel": 2, "expert_parallel": 2, "expert_tokens": "dropless",
+              "collective_backend": "gloo"}
+    tuner = autotune(llama(), **SETTING, **layout, cache_dir=tmp_path)
+    assert {name: getattr(tuner.spec, name) for name in layout} == layout
+    with pytest.raises(InputError) as caught:
+        autotune(llama(), **{**SETTING, "schedule": "ZBVZeroBubble", "stages": 2, "micro_batches": 4}, fsdp=True,
+                 fsdp_reshard_after_forward=True)
+    assert caught.value.field == "fsdp_reshard_after_forward"

@@ -87,6 +87,7 @@ def test_solve_plans_with_the_overhead(runs, capsys):
     (lambda r: r.update(layer_modes=["none"] * 4), "run0.json.layer_modes: 4 layers, but the profile has 10"),
     (lambda r: r.update(stage_layer_counts=[3, 3, 3, 3]), "run0.json.stage_layer_counts: sum to 12"),
     (lambda r: r.update(schedule="Nope"), "run0.json.schedule"),
+    (lambda r: r.update(data_parallel=2), "run0.json.data_parallel: is 2: calibrate fits runs of the pipeline alone"),
 ])
 def test_a_bad_report_is_one_line_naming_the_field(runs, capsys, change, message):
     profile_path, reports = runs

@@ -21,13 +21,13 @@ from simulator import InputError
 from solver import PipelineSpec, evaluate_plan, load_profile, solve
 from solver.mesh import (
     expert_replicas,
-    layer_static_bytes,
     profile_for_mesh,
     rank_profile,
     token_copies_ratio,
 )
 from solver.profile import FULL, NONE
 from solver.profile_parts import Mesh
+from solver.sharding import layer_static
 
 PROFILE = Path(__file__).parent / "fixtures" / "nd" / "tiny-llama.profile.json"
 T, H, P = 128, 256, 4  # tokens per micro-batch, hidden size, fp32
@@ -265,9 +265,9 @@ def test_routed_experts_shard_their_state_over_the_ranks_holding_them():
     share = experts / layer.parameter_bytes
     expected = (layer.parameter_bytes + layer.gradient_bytes + per_element * (1 - share) / 8
                 + layer.optimizer_tensor_bytes() / 8 + per_element * share)
-    assert layer_static_bytes(layer, spec) == pytest.approx(expected, rel=1e-12)
+    assert layer_static(spec, layer).total == pytest.approx(expected, rel=1e-12)
     dense = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=8, zero_stage=1)
-    assert layer_static_bytes(layer, dense) == dense.static_bytes(layer.parameter_bytes, layer.gradient_bytes,
+    assert layer_static(dense, layer).total == dense.static_bytes(layer.parameter_bytes, layer.gradient_bytes,
                                                                   layer.optimizer_bytes)
 
 

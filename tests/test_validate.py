@@ -116,6 +116,8 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     # refused before the profiling, where the run once crashed after it
     (["--schedule", "ZBH1"], "--schedule: torch.distributed.pipelining has no ZBH1; it runs GPipe, 1F1B, "
                              "Interleaved1F1B, ZBVZeroBubble, DualPipeV"),
+    (["--tensor-parallel", "3"], "--tensor-parallel: 3 does not divide the model's num_attention_heads (8)"),
+    (["--data-parallel", "0"], "--data-parallel: expected an integer >= 1, got 0"),
 ])
 def test_cli_bad_input_names_the_flag(capsys, flags, message):
     from sapp_hook.cli import main
@@ -123,6 +125,26 @@ def test_cli_bad_input_names_the_flag(capsys, flags, message):
     argv = ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B"]
     with pytest.raises(SystemExit) as caught:
         main(with_flags(argv, flags))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
+    (["--data-parallel", "2", "--fsdp", "--reshard-after-forward", "--schedule", "ZBVZeroBubble"],
+     "--reshard-after-forward: ZBVZeroBubble splits the backward, and torch's split backward under FSDP with "
+     "reshard after forward drops gradients"),
+    (["--data-parallel", "2", "--ddp", "--schedule", "DualPipeV"], "--ddp: DualPipeV splits the backward, which torch's "
+                                                                   "DDP reducer refuses"),
+    (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
+    (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "127"],
+     "--sequence-parallel: --seq-len 127 is not a multiple of --tensor-parallel 2"),
+])
+def test_cli_a_layout_torch_does_not_run_is_refused_before_profiling(capsys, flags, message):
+    from sapp_hook.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B", *flags])
     err = capsys.readouterr().err
     assert caught.value.code == 2 and message in err and err.count("error:") == 1
 
@@ -146,7 +168,7 @@ def test_the_allocator_peak_of_a_step_is_counted_from_its_lowest_point():
     torch names ends (2 MiB) is the step's end; a step without named actions has none."""
     from torch.profiler import record_function
 
-    from sapp_hook.validate import _allocated_bytes
+    from sapp_hook.validate_rank import _allocated_bytes
 
     before = torch.empty(2**20)  # noqa: F841 (held: not counted)
 
@@ -168,7 +190,7 @@ def test_what_the_step_before_kept_is_freed_where_the_step_frees_it():
     free of a block allocated before it started: measured in one profiled step, this read 3 MiB."""
     from torch.profiler import record_function
 
-    from sapp_hook.validate import _allocated_bytes
+    from sapp_hook.validate_rank import _allocated_bytes
 
     kept = [torch.empty(2**18)]  # what the step before kept
 
@@ -180,3 +202,22 @@ def test_what_the_step_before_kept_is_freed_where_the_step_frees_it():
             del work
 
     assert _allocated_bytes(step) == (2 * 2**20, 0)
+
+
+def test_a_free_the_profiler_did_not_see_is_counted_where_its_address_is_taken_again():
+    """gloo's worker thread may drop a collective's last reference, and the profiler records no event on
+    that thread: the block then seems held forever. An allocation at its address says it was freed."""
+    from types import SimpleNamespace
+
+    from sapp_hook.validate_rank import memory_changes
+
+    class _ExtraFields_Allocation(SimpleNamespace):  # noqa: N801 (torch.profiler's name)
+        pass
+
+    def event(time_ns: int, size: int, address: int) -> SimpleNamespace:
+        return SimpleNamespace(start_time_ns=time_ns, children=[],
+                               extra_fields=_ExtraFields_Allocation(alloc_size=size, ptr=address))
+
+    other = SimpleNamespace(start_time_ns=0, extra_fields=None, children=[event(3, -100, 1)])  # a range holding a free
+    tree = [event(1, 100, 1), other, event(2, 50, 2), event(4, 80, 2), event(5, -80, 2)]
+    assert memory_changes(tree) == [(1, 100), (2, 50), (3, -100), (4, -50), (4, 80), (5, -80)]

@@ -38,6 +38,10 @@ FLAGS = {
     "context_parallel": "--context-parallel",
     "expert_parallel": "--expert-parallel",
     "expert_tokens": "--expert-tokens",
+    "ddp": "--ddp",
+    "ddp_bucket_view": "--ddp-bucket-view",
+    "gradients_persist": "--zero-grad-to-none",
+    "collective_backend": "--collective-backend",
     "steps": "--steps",
     "micro_batch_size": "--micro-batch-size",
     "seq_len": "--seq-len",
@@ -144,6 +148,14 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expert-parallel", type=int, default=1, metavar="E", help="expert-parallel degree")
     group.add_argument("--expert-tokens", default="balanced", metavar="RULE",
                        help="token copies an expert-parallel rank receives: balanced, dropless or capacity:FACTOR")
+    group.add_argument("--ddp", action="store_true",
+                       help="torch DistributedDataParallel on each stage: its buckets copy the gradients")
+    group.add_argument("--ddp-bucket-view", action="store_true",
+                       help="with --ddp: gradient_as_bucket_view=True, the gradients are the buckets")
+    group.add_argument("--zero-grad-to-none", action="store_true",
+                       help="zero_grad(set_to_none=True), TorchTitan's: gradients are freed between steps")
+    group.add_argument("--collective-backend", default="nccl", choices=("nccl", "gloo"),
+                       help="gloo's all-gathers hold a temporary of their output's size (default nccl)")
 
 
 def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -158,6 +170,10 @@ def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
         "context_parallel": args.context_parallel,
         "expert_parallel": args.expert_parallel,
         "expert_tokens": args.expert_tokens,
+        "ddp": args.ddp,
+        "ddp_bucket_view": args.ddp_bucket_view,
+        "gradients_persist": not args.zero_grad_to_none,
+        "collective_backend": args.collective_backend,
     }
 
 
