@@ -38,4 +38,4 @@ def test_demo_into_a_file_is_one_line(tmp_path, capsys):
     for out in ("taken", "taken/demo"):
         with pytest.raises(SystemExit):
             main(["demo", "--out", str(tmp_path / out)])
-        assert capsys.readouterr().err == f"sapp-hook demo: error: --out: {tmp_path / 'taken'} is a file; expected a folder to write the demo into\n"
+        assert capsys.readouterr().err == f"sapp-hook demo: error: --out: {tmp_path / 'taken'} is not a folder; expected a folder to write the demo into\n"

@@ -69,8 +69,14 @@ def _unsharded(profile, data_parallel: int):
     """The profile as the spec's ZeRO-3 division alone plans it: every layer's bytes / data_parallel."""
     return dataclasses.replace(profile, layers=tuple(dataclasses.replace(
         layer, parameter_bytes=layer.parameter_bytes / data_parallel, gradient_bytes=layer.gradient_bytes / data_parallel,
-        optimizer_bytes=layer.optimizer_bytes / data_parallel)
+        optimizer_bytes=layer.optimizer_bytes / data_parallel,
+        replicated_parameter_bytes=_divided(layer.replicated_parameter_bytes, data_parallel),
+        replicated_gradient_bytes=_divided(layer.replicated_gradient_bytes, data_parallel))
         for layer in profile.layers))
+
+
+def _divided(value: float | None, by: int) -> float | None:
+    return None if value is None else value / by
 
 
 def _held_at_peak(row: dict) -> float:

@@ -5,6 +5,7 @@ position and how it was quoted. `megatron_shell` reads the commands these words 
 
 from __future__ import annotations
 
+import abc
 import re
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ class Word:
 
 
 
-class WordReader:
+class WordReader(abc.ABC):
     """The word-level half of the parser: `s` the text, `i` the position, `n` where reading stops."""
 
     def __init__(self, text: str) -> None:
@@ -96,9 +97,9 @@ class WordReader:
         self.n = len(text)
         self.word_spans: set[tuple[int, int]] = set()
 
+    @abc.abstractmethod
     def commands(self, stops: frozenset[str]) -> list:
         """The commands up to a stop (in a `$(...)`): the command reader's."""
-        raise NotImplementedError
 
     def error(self, detail: str, position: int | None = None) -> ShellError:
         return ShellError(self.i if position is None else position, detail)
