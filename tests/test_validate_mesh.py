@@ -122,12 +122,21 @@ def test_pipeline_x_zero1_under_a_v_schedule_is_predicted(tmp_path):
     assert sum(replicas) / 2 == report["ranks"][0]["predicted_static_bytes"]
 
 
-def test_pipeline_x_tensor_parallel_runs_and_is_measured(llama_profile):
-    """TorchTitan's Llama plan on 2 tensor-parallel ranks per stage: the runner measures what the
-    research scripts measured (docs/results), rank by rank."""
-    report = validate(Setup(**LLAMA, plan="even", tensor_parallel=2), profile=llama_profile)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipeline_x_tensor_parallel_is_predicted(llama_profile, sequence_parallel):
+    """TorchTitan's Llama plan on 2 tensor-parallel ranks per stage, the 1-D profile turned into one
+    rank's (`solver.mesh.rank_profile`): what autograd holds and the static shards to the byte; the
+    allocator's peak within 1.5% (a collective's output, one hidden state, at the peak on either side)."""
+    report = validate(Setup(**LLAMA, plan="even", tensor_parallel=2, sequence_parallel=sequence_parallel),
+                      profile=llama_profile)
     assert [(row["stage"], row["tp_rank"]) for row in report["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    measured = [(row["measured_activation_peak_bytes"], row["measured_static_bytes"], row["measured_allocated_peak_bytes"])
-                for row in report["ranks"]]
-    assert measured == [(13_590_528, 44_204_180, 15_708_160)] * 2 + [(11_384_332, 40_013_976, 23_966_228)] * 2
+    hidden = 128 * 256 * 4  # one micro-batch's hidden state
+    for row in report["ranks"]:
+        assert row["measured_activation_peak_bytes"] == row["predicted_activation_peak_bytes"], row["rank"]
+        assert row["measured_static_bytes"] == row["predicted_static_bytes"], row["rank"]
+        assert row["measured_receive_buffer_bytes"] == row["predicted_receive_buffer_bytes"]
+        assert abs(row["measured_allocated_peak_bytes"] - row["predicted_peak_bytes"]) <= 2 * hidden, row["rank"]
+        assert row["allocated_error"] <= 0.015
+    # the static shards: the split weights / 2, the norms whole, the embedding's gradient whole
+    assert [row["measured_static_bytes"] for row in report["ranks"]] == [44_204_180] * 2 + [40_013_976] * 2
     assert report["losses"] and all(len(step) == 4 for step in report["losses"])
