@@ -25,6 +25,8 @@ demo: $(STAMP)
 	$(BIN)/sapp-hook demo --out $(DEMO_OUT)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q --benchmark-disable
 
 bench: $(STAMP)

@@ -35,8 +35,16 @@ def main() -> None:
     config = load_config("tiny-llama")
     model = build_model(config).to(device=args.device, dtype=parameter_dtype(args.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    with sapp_hook.autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B", memory_budget=args.memory,
-                            config=args.config, target=args.target) as tuner:
+    with sapp_hook.autotune(
+        model,
+        optimizer,
+        stages=4,
+        micro_batches=8,
+        schedule="1F1B",
+        memory_budget=args.memory,
+        config=args.config,
+        target=args.target,
+    ) as tuner:
         for step in range(args.steps):
             batch = random_batch(config, 2, 128, seed=step)
             ids = batch["input_ids"].to(args.device)

@@ -29,25 +29,40 @@ from solver import ModelProfile, PipelineSpec, even_plan, solve
 from solver.profile import FULL, NONE, SELECTIVE
 
 # Wide enough that activations dwarf the allocator's 512-byte rounding; untied, as tiny-llama.
-REPLAY_MODEL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-                "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000,
-                "max_position_embeddings": 2048, "tie_word_embeddings": False}
+REPLAY_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
 REPLAY_MICRO_BATCH_SIZE, REPLAY_SEQ_LEN = 2, 1024
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the report (gpu_check.json) and the replayed Llama's profile")
-    parser.add_argument("--dtype", default="float32", help="the replayed Llama's parameters: float32 (default), "
-                                                            "bfloat16 or float16")
+    parser.add_argument(
+        "--dtype", default="float32", help="the replayed Llama's parameters: float32 (default), bfloat16 or float16"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     layers, problems = check_layers()
     plans, profile, replay_problems = check_replays(dtype=args.dtype)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
-              "layers": layers, "plans": plans, "problems": problems + replay_problems}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "layers": layers,
+        "plans": plans,
+        "problems": problems + replay_problems,
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -62,13 +77,16 @@ def check_layers() -> tuple[list[dict], list[str]]:
     config = load_config("tiny-llama")
     profiles = {}
     for device in ("cuda", "cpu"):
-        profiles[device] = profile_example(config, steps=2, micro_batch_size=2, seq_len=128, model_name=device,
-                                           device=device)
+        profiles[device] = profile_example(
+            config, steps=2, micro_batch_size=2, seq_len=128, model_name=device, device=device
+        )
     rows, problems = [], []
     for gpu, cpu in zip(profiles["cuda"].layers, profiles["cpu"].layers):
         row = {
             "layer": gpu.name,
-            "cuda_forward_ms": gpu.forward_ms, "cuda_backward_ms": gpu.backward_ms, "cuda_weight_ms": gpu.weight_ms,
+            "cuda_forward_ms": gpu.forward_ms,
+            "cuda_backward_ms": gpu.backward_ms,
+            "cuda_weight_ms": gpu.weight_ms,
             "cuda_activation_bytes": gpu.recompute["none"].activation_bytes,
             "cpu_activation_bytes": cpu.recompute["none"].activation_bytes,
             "cuda_working_bytes": gpu.recompute["none"].working_bytes,
@@ -77,14 +95,19 @@ def check_layers() -> tuple[list[dict], list[str]]:
             "cuda_pending_bytes": gpu.recompute["none"].pending_bytes,
             "cpu_pending_bytes": cpu.recompute["none"].pending_bytes,
             # what each half holds at its peak (the CPU's counted op by op)
-            **{f"{device}_{half}": getattr(layer.recompute["none"], half) for device, layer in (("cuda", gpu), ("cpu", cpu))
-               for half in ("input_working_bytes", "weight_working_bytes")},
+            **{
+                f"{device}_{half}": getattr(layer.recompute["none"], half)
+                for device, layer in (("cuda", gpu), ("cpu", cpu))
+                for half in ("input_working_bytes", "weight_working_bytes")
+            },
         }
         rows.append(row)
         if not gpu.forward_ms > 0 or not gpu.backward_ms > 0:
             problems.append(f"{gpu.name}: times not measured on cuda")
         if gpu.parameter_bytes != cpu.parameter_bytes:
-            problems.append(f"{gpu.name}: parameter bytes differ ({gpu.parameter_bytes} on cuda, {cpu.parameter_bytes})")
+            problems.append(
+                f"{gpu.name}: parameter bytes differ ({gpu.parameter_bytes} on cuda, {cpu.parameter_bytes})"
+            )
         if gpu.is_body and not 0.5 < row["cuda_activation_bytes"] / row["cpu_activation_bytes"] < 1.5:
             problems.append(f"{gpu.name}: activation bytes far from the CPU's")
         if gpu.is_body and not 0.5 < row["cuda_pending_bytes"] / max(row["cpu_pending_bytes"], 1) < 1.5:
@@ -97,8 +120,16 @@ def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[di
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{k: v for k, v in REPLAY_MODEL.items() if k != "model_type"})
-    profile = profile_example(config, steps=3, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,
-                              modes=(NONE, SELECTIVE, FULL), model_name="llama-1024", device=device, dtype=dtype)
+    profile = profile_example(
+        config,
+        steps=3,
+        micro_batch_size=REPLAY_MICRO_BATCH_SIZE,
+        seq_len=REPLAY_SEQ_LEN,
+        modes=(NONE, SELECTIVE, FULL),
+        model_name="llama-1024",
+        device=device,
+        dtype=dtype,
+    )
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
     unbounded = even_plan(profile, spec, NONE)
     # a budget the plain split overruns, so that the solver mixes recompute modes
@@ -116,8 +147,9 @@ def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[di
         predicted = predictions(plan, profile, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
         ranks = []
         for rank in range(spec.stages):
-            replay = replay_rank(model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN,
-                                 steps=3)
+            replay = replay_rank(
+                model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN, steps=3
+            )
             costs = plan.simulation.costs.chunk_costs[rank]
             row = {
                 "rank": rank,
@@ -133,8 +165,14 @@ def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[di
             ranks.append(row)
             if not replay.allocated_peak_bytes or not replay.forward_ms > 0:
                 problems.append(f"{name} rank {rank}: nothing measured")
-        rows.append({"plan": name, "stage_layer_counts": list(plan.stage_layer_counts),
-                     "layer_modes": list(plan.layer_modes), "ranks": ranks})
+        rows.append(
+            {
+                "plan": name,
+                "stage_layer_counts": list(plan.stage_layer_counts),
+                "layer_modes": list(plan.layer_modes),
+                "ranks": ranks,
+            }
+        )
     return rows, profile, problems
 
 

@@ -77,7 +77,9 @@ def layer_costs(shape: LlamaShape) -> ChunkCosts:
 
 def head_costs(shape: LlamaShape) -> ChunkCosts:
     """The embedding: a lookup (no FLOPs worth counting), its table and optimizer state."""
-    return ChunkCosts(forward_ms=0.0, backward_ms=0.0, weight_ms=0.0, static_bytes=BYTES_PER_PARAMETER * shape.vocab * shape.hidden)
+    return ChunkCosts(
+        forward_ms=0.0, backward_ms=0.0, weight_ms=0.0, static_bytes=BYTES_PER_PARAMETER * shape.vocab * shape.hidden
+    )
 
 
 def tail_costs(shape: LlamaShape) -> ChunkCosts:
@@ -147,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def render_summary(shape: LlamaShape, results: list[SimulationResult]) -> str:
     lines = [
-        f"Llama-3-8B shape, {STAGES} ranks, {MICRO_BATCHES} micro-batches of {shape.sequence} tokens, even split "
-        f"(times at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s)",
+        (
+            f"Llama-3-8B shape, {STAGES} ranks, {MICRO_BATCHES} micro-batches of {shape.sequence} tokens, even split "
+            f"(times at an assumed {ASSUMED_FLOPS_PER_S / 1e12:.0f} TFLOP/s)"
+        ),
         "",
         "| schedule | chunks | iteration ms | bubble | ideal | imbalance | peak memory (rank) |",
         "|---|---|---|---|---|---|---|",

@@ -45,10 +45,14 @@ FLOPS_PER_SECOND, BYTES_PER_SECOND, OPTIMIZER_BYTES_PER_PARAMETER = 1e14, 2e12, 
 LOSS_BYTES = 4  # the loss, an fp32 scalar
 
 
-def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS_PER_SECOND,
-                     bytes_per_second: float = BYTES_PER_SECOND,
-                     optimizer_bytes_per_parameter: float = OPTIMIZER_BYTES_PER_PARAMETER,
-                     network: Network | None = None) -> ModelProfile:
+def analytic_profile(
+    shape: TransformerShape,
+    *,
+    flops_per_second: float = FLOPS_PER_SECOND,
+    bytes_per_second: float = BYTES_PER_SECOND,
+    optimizer_bytes_per_parameter: float = OPTIMIZER_BYTES_PER_PARAMETER,
+    network: Network | None = None,
+) -> ModelProfile:
     """Every layer's estimated costs on one rank of the shape's mesh (`ModelProfile.mesh` says which):
     the 1-D estimate, then `solver.mesh`'s rules, then, given a `network`, each layer's collectives
     with their exposed time in its forward and backward. Adam keeps two fp32 states per parameter (8
@@ -58,14 +62,17 @@ def analytic_profile(shape: TransformerShape, *, flops_per_second: float = FLOPS
         if not _finite(value) or not value > 0:
             raise InputError(name, f"expected a number > 0, got {value!r}")
     if not _finite(optimizer_bytes_per_parameter) or optimizer_bytes_per_parameter < 0:
-        raise InputError("optimizer_bytes_per_parameter", f"expected a number >= 0, got {optimizer_bytes_per_parameter!r}")
+        raise InputError(
+            "optimizer_bytes_per_parameter", f"expected a number >= 0, got {optimizer_bytes_per_parameter!r}"
+        )
     one_d = _one_d_profile(shape, flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
     rank = profile_for_mesh(one_d, shape.mesh)
     return rank if network is None else with_collectives(rank, shape, network, flops_per_second)
 
 
-def _one_d_profile(s: TransformerShape, flops_per_second: float, bytes_per_second: float,
-                   optimizer_bytes_per_parameter: float) -> ModelProfile:
+def _one_d_profile(
+    s: TransformerShape, flops_per_second: float, bytes_per_second: float, optimizer_bytes_per_parameter: float
+) -> ModelProfile:
     """The estimate on one process, with what each parallel dimension treats apart stated."""
     p = DTYPE_BYTES[s.dtype]
     tokens = s.micro_batch_size * s.sequence
@@ -77,10 +84,15 @@ def _one_d_profile(s: TransformerShape, flops_per_second: float, bytes_per_secon
         return 1e3 * (flops / flops_per_second + moved_bytes / bytes_per_second)
 
     def static(elements: float, tensors: int, replicated: float, whole_gradient: float, experts: float = 0.0) -> dict:
-        return {"parameter_bytes": elements * p, "gradient_bytes": elements * p, "parameter_tensors": tensors,
-                "optimizer_bytes": elements * optimizer_bytes_per_parameter + 4 * tensors,
-                "replicated_parameter_bytes": replicated * p, "replicated_gradient_bytes": whole_gradient * p,
-                "expert_parameter_bytes": float(experts * p)}
+        return {
+            "parameter_bytes": elements * p,
+            "gradient_bytes": elements * p,
+            "parameter_tensors": tensors,
+            "optimizer_bytes": elements * optimizer_bytes_per_parameter + 4 * tensors,
+            "replicated_parameter_bytes": replicated * p,
+            "replicated_gradient_bytes": whole_gradient * p,
+            "expert_parameter_bytes": float(experts * p),
+        }
 
     layers = []
     vocab_elements = s.vocab_size * h
@@ -90,16 +102,29 @@ def _one_d_profile(s: TransformerShape, flops_per_second: float, bytes_per_secon
     # input whatever its dtype
     normed_input = hidden_bytes if p == 4 else 0.0
     ids = 8.0 * tokens
-    layers.append(LayerProfile(
-        name="head", kind="head", forward_ms=seconds_ms(0, tokens * h * p),
-        backward_ms=seconds_ms(0, 2 * vocab_elements * p), weight_ms=seconds_ms(0, 2 * vocab_elements * p),
-        # keeps the token ids; its working set is the dense weight gradient each later micro-batch adds into .grad
-        recompute={NONE: RecomputeCost(0.0, ids, vocab_elements * p, tp_whole_activation_bytes=ids,
-                                       sp_whole_activation_bytes=ids, expert_activation_bytes=0.0,
-                                       expert_working_bytes=0.0)},
-        # the embedding's gradient stays whole under tensor parallelism (torch's DTensor embedding backward)
-        **static(vocab_elements, 1, 0, vocab_elements),
-    ))
+    layers.append(
+        LayerProfile(
+            name="head",
+            kind="head",
+            forward_ms=seconds_ms(0, tokens * h * p),
+            backward_ms=seconds_ms(0, 2 * vocab_elements * p),
+            weight_ms=seconds_ms(0, 2 * vocab_elements * p),
+            # keeps the token ids; its working set is the dense weight gradient each later micro-batch adds into .grad
+            recompute={
+                NONE: RecomputeCost(
+                    0.0,
+                    ids,
+                    vocab_elements * p,
+                    tp_whole_activation_bytes=ids,
+                    sp_whole_activation_bytes=ids,
+                    expert_activation_bytes=0.0,
+                    expert_working_bytes=0.0,
+                )
+            },
+            # the embedding's gradient stays whole under tensor parallelism (torch's DTensor embedding backward)
+            **static(vocab_elements, 1, 0, vocab_elements),
+        )
+    )
     attention_elements = h * (q_width + 2 * kv_width) + q_width * h
     bias_elements, bias_tensors = (q_width + 2 * kv_width, 3) if s.qkv_bias else (0, 0)
     norm_elements, norm_tensors = (2 * head_dim, 2) if s.qk_norm else (0, 0)
@@ -129,29 +154,48 @@ def _one_d_profile(s: TransformerShape, flops_per_second: float, bytes_per_secon
         # working set beyond what a mode rebuilds: the MLP gradients alive together (MoE: per token and expert)
         expert_gradients = expert_gradient_bytes(tokens, h, s.moe_ffn_size, s.experts_per_token, p) if moe else 0.0
         gradients = expert_gradients + tokens * p * (
-            (h if s.shared_expert_ffn_size else 0) if moe else 2 * max(h, s.ffn_size))
+            (h if s.shared_expert_ffn_size else 0) if moe else 2 * max(h, s.ffn_size)
+        )
 
         common = {"pending_bytes": pending, "expert_working_bytes": expert_gradients}
         extra_ms = {NONE: 0.0, SELECTIVE: elementwise_ms, FULL: forward_ms + elementwise_ms}
         saved_input = {NONE: normed_input, SELECTIVE: hidden_bytes, FULL: hidden_bytes}
-        recompute = {mode: RecomputeCost(extra_ms[mode], kept[mode], gradients + kept[NONE] - kept[mode],
-                                         saved_input_bytes=saved_input[mode], tp_whole_activation_bytes=parts[mode][0],
-                                         sp_whole_activation_bytes=parts[mode][1], expert_activation_bytes=parts[mode][2],
-                                         **common, **({"weight_freed_bytes": weight_freed} if mode == NONE else {}))
-                     for mode in (NONE, SELECTIVE, FULL)}
-        layers.append(LayerProfile(
-            name=f"layers.{index}", kind="body:moe" if moe else "body:dense",
-            forward_ms=forward_ms + elementwise_ms, backward_ms=2 * forward_ms + elementwise_ms,
-            weight_ms=seconds_ms(matmul_flops), recompute=recompute,
-            **static(elements, tensors, replicated, replicated, expert_elements),
-        ))
+        recompute = {
+            mode: RecomputeCost(
+                extra_ms[mode],
+                kept[mode],
+                gradients + kept[NONE] - kept[mode],
+                saved_input_bytes=saved_input[mode],
+                tp_whole_activation_bytes=parts[mode][0],
+                sp_whole_activation_bytes=parts[mode][1],
+                expert_activation_bytes=parts[mode][2],
+                **common,
+                **({"weight_freed_bytes": weight_freed} if mode == NONE else {}),
+            )
+            for mode in (NONE, SELECTIVE, FULL)
+        }
+        layers.append(
+            LayerProfile(
+                name=f"layers.{index}",
+                kind="body:moe" if moe else "body:dense",
+                forward_ms=forward_ms + elementwise_ms,
+                backward_ms=2 * forward_ms + elementwise_ms,
+                weight_ms=seconds_ms(matmul_flops),
+                recompute=recompute,
+                **static(elements, tensors, replicated, replicated, expert_elements),
+            )
+        )
     layers.append(_tail(s, tokens, p, seconds_ms, static, normed_input))
     return ModelProfile(
-        layers=tuple(layers), model=f"analytic {s.num_layers}x{h}", source="analytic", dtype=s.dtype,
+        layers=tuple(layers),
+        model=f"analytic {s.num_layers}x{h}",
+        source="analytic",
+        dtype=s.dtype,
         micro_batch={"size": s.micro_batch_size, "sequence": s.sequence},
         stage_output_bytes=hidden_bytes,
         # what the model returns: the logits (whole on every tensor-parallel rank: no loss parallel), the loss (fp32)
-        model_output_bytes=tokens * s.vocab_size * p + LOSS_BYTES, loss_bytes=LOSS_BYTES,
+        model_output_bytes=tokens * s.vocab_size * p + LOSS_BYTES,
+        loss_bytes=LOSS_BYTES,
         # cos and sin, computed by every stage for its blocks
         stage_shared_bytes=2 * s.sequence * head_dim * p,
         dimensions=shape_dimensions(s),
@@ -170,14 +214,24 @@ def _tail(s: TransformerShape, tokens: int, p: int, seconds_ms, static, normed_i
     kept = norm_bytes(tokens, h, p) + log_probs_bytes + labels_bytes
     norm_inner = tokens * (4 * h + 4 + p * h)  # what sequence parallelism splits: all but the norm's output
     return LayerProfile(
-        name="tail", kind="tail",
+        name="tail",
+        kind="tail",
         forward_ms=seconds_ms(logits_flops, 2 * log_probs_bytes),
         backward_ms=seconds_ms(2 * logits_flops, 2 * log_probs_bytes),
         weight_ms=seconds_ms(logits_flops),
         # the final RMSNorm as a block's (its output is the LM head's input), the loss, the labels
-        recompute={NONE: RecomputeCost(0.0, kept, working, saved_input_bytes=normed_input,
-                                       tp_whole_activation_bytes=kept, sp_whole_activation_bytes=kept - norm_inner,
-                                       expert_activation_bytes=0.0, expert_working_bytes=0.0)},
+        recompute={
+            NONE: RecomputeCost(
+                0.0,
+                kept,
+                working,
+                saved_input_bytes=normed_input,
+                tp_whole_activation_bytes=kept,
+                sp_whole_activation_bytes=kept - norm_inner,
+                expert_activation_bytes=0.0,
+                expert_working_bytes=0.0,
+            )
+        },
         **static(h + vocab_elements, 2, h, h),
     )
 
@@ -186,4 +240,11 @@ def _finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DTYPE_BYTES", "LLAMA_FAMILY", "TransformerShape", "analytic_profile", "model_dimensions", "shape_from_config"]
+__all__ = [
+    "DTYPE_BYTES",
+    "LLAMA_FAMILY",
+    "TransformerShape",
+    "analytic_profile",
+    "model_dimensions",
+    "shape_from_config",
+]

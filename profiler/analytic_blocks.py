@@ -39,8 +39,9 @@ def block_pending_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int,
     return tokens * (attention + 2 * s.hidden_size + mlp) * p  # the two norms
 
 
-def block_weight_only_bytes(tokens: int, s: TransformerShape, q_width: int, kv_width: int, p: int, *,
-                            moe: bool) -> float:
+def block_weight_only_bytes(
+    tokens: int, s: TransformerShape, q_width: int, kv_width: int, p: int, *, moe: bool
+) -> float:
     """What a block saved that only its weight gradients use, which its W frees while the rest of its
     stage's graph lives on (`RecomputeCost.weight_freed_bytes` less the pending bytes): each RMSNorm's
     normalised input and output (the projections' input), the down projection's input, and where q
@@ -50,8 +51,7 @@ def block_weight_only_bytes(tokens: int, s: TransformerShape, q_width: int, kv_w
     return tokens * per_token * p
 
 
-def block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *,
-                           moe: bool) -> dict[str, float]:
+def block_activation_bytes(tokens: int, s: TransformerShape, head_dim: int, p: int, *, moe: bool) -> dict[str, float]:
     """What a block keeps for backward, per recompute mode (a hand count of transformers' blocks)."""
     h = s.hidden_size
     kv_heads = s.num_kv_heads or s.num_heads
@@ -96,8 +96,9 @@ def router_bytes(tokens: int, s: TransformerShape) -> int:
     return kept
 
 
-def block_parts(tokens: int, s: TransformerShape, head_dim: int, p: int, *,
-                moe: bool) -> dict[str, tuple[float, float, float]]:
+def block_parts(
+    tokens: int, s: TransformerShape, head_dim: int, p: int, *, moe: bool
+) -> dict[str, tuple[float, float, float]]:
     """Per recompute mode, of `block_activation_bytes`: (whole on every tensor-parallel rank, whole with
     sequence parallelism too, the routed experts'). Whole: the norms' inner tensors and the block's
     input (split by sequence parallelism), the norms' outputs the column-parallel projections keep (all-

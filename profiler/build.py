@@ -44,8 +44,11 @@ def build_profile(
     """The profile of what `recorder` and `samples` measured of `model`'s head, `blocks` (each in
     `modes`) and tail; with `pool`, the blocks of each body kind take their kind's pooled times."""
     structure = recorder.structure
-    slots: list[object] = [*([HEAD] if recorder.has_head else []), *structure.body_order,
-                           *([TAIL] if recorder.has_tail else [])]
+    slots: list[object] = [
+        *([HEAD] if recorder.has_head else []),
+        *structure.body_order,
+        *([TAIL] if recorder.has_tail else []),
+    ]
     samples = {slot: samples.get(slot, LayerSamples()) for slot in slots}
     timing = dict(samples)
     if pool:
@@ -65,8 +68,20 @@ def build_profile(
             name, kind, layer_modes = str(slot), str(slot), (NONE,)
         else:
             name, kind, layer_modes = blocks[slot].name, blocks[slot].kind, modes
-        layers.append(_layer(name, kind, layer_modes, samples[slot], timing[slot], params, recorder,
-                             backward_splits.get(kind), state, parts))
+        layers.append(
+            _layer(
+                name,
+                kind,
+                layer_modes,
+                samples[slot],
+                timing[slot],
+                params,
+                recorder,
+                backward_splits.get(kind),
+                state,
+                parts,
+            )
+        )
     return ModelProfile(
         layers=tuple(layers),
         model=model_name,
@@ -97,9 +112,18 @@ def _shared_bytes(samples: dict[object, LayerSamples], body_order: list[int]) ->
     return sum(sum(samples[index].shared_bytes.get(NONE, [])) for index in body_order) / max(passes, 1)
 
 
-def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, timing: LayerSamples,
-           params: list[nn.Parameter], recorder: Recorder, split: SplitBackward | None,
-           checkpoint_state: int, parts: _Parts) -> LayerProfile:
+def _layer(
+    name: str,
+    kind: str,
+    modes: Sequence[str],
+    memory: LayerSamples,
+    timing: LayerSamples,
+    params: list[nn.Parameter],
+    recorder: Recorder,
+    split: SplitBackward | None,
+    checkpoint_state: int,
+    parts: _Parts,
+) -> LayerProfile:
     """One layer's profile from its samples. `split`: the layer kind's split backward, where it was
     measured. `checkpoint_state`: what each checkpointed call keeps beside its saved tensors
     (`checkpoint_state_bytes`).
@@ -133,21 +157,26 @@ def _layer(name: str, kind: str, modes: Sequence[str], memory: LayerSamples, tim
             working = 0.0
         # the halves' working sets are measured without recompute; with it the whole backward's stands for both
         halves = split is not None and mode == NONE
-        recompute[mode] = RecomputeCost(extra_ms=extra_ms, activation_bytes=kept, working_bytes=working,
-                                        pending_bytes=split.pending_bytes if split is not None else 0.0,
-                                        input_working_bytes=split.input_working_bytes if halves else None,
-                                        weight_working_bytes=split.weight_working_bytes if halves else None,
-                                        input_held_bytes=None if split is None else split.input_held_bytes,
-                                        output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
-                                        weight_freed_bytes=min(split.weight_freed_bytes, split.pending_bytes + kept)
-                                        if halves else None,
-                                        saved_input_bytes=saved_input,
-                                        **parts.of_mode(memory, mode, kept, 0 if mode == NONE else checkpoint_state))
+        recompute[mode] = RecomputeCost(
+            extra_ms=extra_ms,
+            activation_bytes=kept,
+            working_bytes=working,
+            pending_bytes=split.pending_bytes if split is not None else 0.0,
+            input_working_bytes=split.input_working_bytes if halves else None,
+            weight_working_bytes=split.weight_working_bytes if halves else None,
+            input_held_bytes=None if split is None else split.input_held_bytes,
+            output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
+            weight_freed_bytes=min(split.weight_freed_bytes, split.pending_bytes + kept) if halves else None,
+            saved_input_bytes=saved_input,
+            **parts.of_mode(memory, mode, kept, 0 if mode == NONE else checkpoint_state),
+        )
     static = parts.of_parameters(_unique(params), recorder)
     if "expert_parameter_bytes" in static:
         gradients = parts.expert_gradient_bytes() if static["expert_parameter_bytes"] else 0.0
-        recompute = {mode: dataclasses.replace(cost, expert_working_bytes=min(gradients, cost.working_bytes))
-                     for mode, cost in recompute.items()}
+        recompute = {
+            mode: dataclasses.replace(cost, expert_working_bytes=min(gradients, cost.working_bytes))
+            for mode, cost in recompute.items()
+        }
     input_ms = weight_ms = None
     if kind == HEAD:
         weight_ms = backward_ms  # the head's input is token ids: all its backward is weight gradients
@@ -187,9 +216,11 @@ class _Parts:
         """A recompute mode's parts; what a checkpoint holds besides its saved tensors stays whole."""
         if self.roles is None or mode not in memory.tp_whole_bytes:
             return {}
-        return {"tp_whole_activation_bytes": min(median(memory.tp_whole_bytes[mode]) + checkpoint_state, kept),
-                "sp_whole_activation_bytes": min(median(memory.sp_whole_bytes[mode]) + checkpoint_state, kept),
-                "expert_activation_bytes": min(median(memory.expert_bytes[mode]), kept)}
+        return {
+            "tp_whole_activation_bytes": min(median(memory.tp_whole_bytes[mode]) + checkpoint_state, kept),
+            "sp_whole_activation_bytes": min(median(memory.sp_whole_bytes[mode]) + checkpoint_state, kept),
+            "expert_activation_bytes": min(median(memory.expert_bytes[mode]), kept),
+        }
 
     def of_parameters(self, params: list[nn.Parameter], recorder: Recorder) -> dict[str, float]:
         if self.roles is None:
@@ -199,16 +230,22 @@ class _Parts:
             "parameter_tensors": len(params),
             "replicated_parameter_bytes": float(unique_bytes([p for p, role in zip(params, roles) if role[0]])),
             "expert_parameter_bytes": float(unique_bytes([p for p, role in zip(params, roles) if role[1]])),
-            "replicated_gradient_bytes": float(sum(recorder.gradient_bytes.get(id(p), 0)
-                                                   for p, role in zip(params, roles) if role[2])),
+            "replicated_gradient_bytes": float(
+                sum(recorder.gradient_bytes.get(id(p), 0) for p, role in zip(params, roles) if role[2])
+            ),
         }
 
     def expert_gradient_bytes(self) -> float:
         """The routed experts' gradients alive in a MoE layer's backward, as profiler.analytic counts them
         (an allocator peak is not split by module)."""
         dims = self.dimensions
-        return expert_gradient_bytes(self.tokens, dims.get("hidden", 0), dims.get("moe_ffn", 0),
-                                     dims.get("experts_per_token", 0), self.dtype_bytes)
+        return expert_gradient_bytes(
+            self.tokens,
+            dims.get("hidden", 0),
+            dims.get("moe_ffn", 0),
+            dims.get("experts_per_token", 0),
+            self.dtype_bytes,
+        )
 
 
 def _tokens(micro_batch: dict[str, int]) -> int:
@@ -219,8 +256,9 @@ def _dtype_size(model: nn.Module) -> int:
     return next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
 
 
-def tied_parameters(model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]],
-                    layers: dict[object, LayerProfile]) -> tuple[TiedParameter, ...]:
+def tied_parameters(
+    model: nn.Module, slot_parameters: dict[object, list[nn.Parameter]], layers: dict[object, LayerProfile]
+) -> tuple[TiedParameter, ...]:
     """Parameters used by more than one layer (a tied embedding and LM head): each layer counts them."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

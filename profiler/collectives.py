@@ -48,18 +48,28 @@ class Network:
     def __post_init__(self) -> None:
         for name in ("link_bytes_per_second", "data_link_bytes_per_second", "latency_s"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise InputError(name, f"expected a finite number >= 0, got {value!r}")
         # the same layout checks as a plan's spec
-        PipelineSpec(stages=1, micro_batches=1, schedule="1F1B", data_parallel=self.data_parallel,
-                     zero_stage=self.zero_stage, fsdp=self.fsdp, fsdp_reshard_after_forward=self.reshard_after_forward)
+        PipelineSpec(
+            stages=1,
+            micro_batches=1,
+            schedule="1F1B",
+            data_parallel=self.data_parallel,
+            zero_stage=self.zero_stage,
+            fsdp=self.fsdp,
+            fsdp_reshard_after_forward=self.reshard_after_forward,
+        )
         if self.zero_stage not in ZERO_STAGES:
             raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {self.zero_stage!r}")
 
     @property
     def data_link(self) -> float:
-        return self.link_bytes_per_second if self.data_link_bytes_per_second is None else self.data_link_bytes_per_second
+        return (
+            self.link_bytes_per_second if self.data_link_bytes_per_second is None else self.data_link_bytes_per_second
+        )
 
 
 @dataclass
@@ -73,8 +83,19 @@ class _Pass:
     backward_ms: float = 0.0
     rerun_ms: float = 0.0  # of forward_ms, what a recomputed forward runs again (not FSDP's gathers)
 
-    def add(self, network: Network, dimension: str, operation: str, ranks: int, calls: int, each_bytes: float, *,
-            when: str, per: str = MICRO_BATCH, hidden_ms: float = 0.0) -> None:
+    def add(
+        self,
+        network: Network,
+        dimension: str,
+        operation: str,
+        ranks: int,
+        calls: int,
+        each_bytes: float,
+        *,
+        when: str,
+        per: str = MICRO_BATCH,
+        hidden_ms: float = 0.0,
+    ) -> None:
         """`calls` of `operation` over `ranks`, each of `each_bytes`, in the forward, the backward or at
         the step's end (`when`); `hidden_ms` of compute it may hide behind."""
         if ranks == 1 or not calls:
@@ -98,7 +119,9 @@ class _Pass:
             self.backward_ms += exposed_ms
 
 
-def with_collectives(profile: ModelProfile, s: TransformerShape, network: Network, flops_per_second: float) -> ModelProfile:
+def with_collectives(
+    profile: ModelProfile, s: TransformerShape, network: Network, flops_per_second: float
+) -> ModelProfile:
     """`profile` (one rank of the shape's mesh) with each layer's collectives stated and their exposed
     time added to its forward and backward (a recompute re-runs the forward's)."""
     p = DTYPE_BYTES[s.dtype]
@@ -106,8 +129,15 @@ def with_collectives(profile: ModelProfile, s: TransformerShape, network: Networ
     tokens = s.micro_batch_size * s.sequence // c  # a rank's, before tensor parallelism
     hidden = tokens * s.hidden_size * p
     head_dim = s.head_dim or s.hidden_size // s.num_heads
-    spec = PipelineSpec(stages=1, micro_batches=1, schedule="1F1B", data_parallel=network.data_parallel,
-                        tensor_parallel=t, context_parallel=c, expert_parallel=e)
+    spec = PipelineSpec(
+        stages=1,
+        micro_batches=1,
+        schedule="1F1B",
+        data_parallel=network.data_parallel,
+        tensor_parallel=t,
+        context_parallel=c,
+        expert_parallel=e,
+    )
     layers = []
     for layer in profile.layers:
         work = _Pass()
@@ -121,7 +151,9 @@ def with_collectives(profile: ModelProfile, s: TransformerShape, network: Networ
             kv = 2 * tokens * (s.num_kv_heads or s.num_heads) * head_dim * p / t
             attention_ms = 1e3 * 2 * tokens * s.sequence * s.num_heads * head_dim / (t * c) / flops_per_second
             work.add(network, "context", "send-receive", c, c - 1, kv, when="forward", hidden_ms=attention_ms)
-            work.add(network, "context", "send-receive", c, 2 * (c - 1), kv, when="backward", hidden_ms=2 * attention_ms)
+            work.add(
+                network, "context", "send-receive", c, 2 * (c - 1), kv, when="backward", hidden_ms=2 * attention_ms
+            )
             if layer.kind == "body:moe" and e > 1:  # dispatch and combine; the busiest rank receives the most
                 ratio = token_copies_ratio(s.expert_tokens, s.num_experts, s.experts_per_token, e)
                 sent = tokens / t * s.experts_per_token * s.hidden_size * p * max(1.0, ratio)
@@ -175,7 +207,9 @@ def _data(work: _Pass, network: Network, layer: LayerProfile, spec: PipelineSpec
         work.add(network, "data", "reduce-scatter", replicas, 1, gradients, when="step", per=STEP)
         if network.reshard_after_forward:
             work.add(network, "data", "all-gather", replicas, 1, parameters, when="forward")
-            work.add(network, "data", "all-gather", replicas, 1, parameters, when="backward", hidden_ms=layer.backward_ms)
+            work.add(
+                network, "data", "all-gather", replicas, 1, parameters, when="backward", hidden_ms=layer.backward_ms
+            )
         else:
             work.add(network, "data", "all-gather", replicas, 1, parameters, when="step", per=STEP)
 
@@ -183,9 +217,14 @@ def _data(work: _Pass, network: Network, layer: LayerProfile, spec: PipelineSpec
 def _timed(layer: LayerProfile, work: _Pass) -> LayerProfile:
     if not work.collectives:
         return layer
-    recompute = {mode: dataclasses.replace(cost, extra_ms=cost.extra_ms + (work.rerun_ms if mode != NONE else 0.0))
-                 for mode, cost in layer.recompute.items()}
-    return dataclasses.replace(layer, forward_ms=layer.forward_ms + work.forward_ms,
-                               backward_ms=layer.backward_ms + work.backward_ms, recompute=recompute,
-                               collectives=tuple(work.collectives.values()))
-
+    recompute = {
+        mode: dataclasses.replace(cost, extra_ms=cost.extra_ms + (work.rerun_ms if mode != NONE else 0.0))
+        for mode, cost in layer.recompute.items()
+    }
+    return dataclasses.replace(
+        layer,
+        forward_ms=layer.forward_ms + work.forward_ms,
+        backward_ms=layer.backward_ms + work.backward_ms,
+        recompute=recompute,
+        collectives=tuple(work.collectives.values()),
+    )

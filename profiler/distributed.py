@@ -63,7 +63,11 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
 def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
     """Every rank's `payload`, in rank order, on every rank (byte tensors: nothing is pickled)."""
     world = dist.get_world_size(group)
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(torch.accelerator.current_accelerator())
+    device = (
+        torch.device("cpu")
+        if dist.get_backend(group) == "gloo"
+        else torch.device(torch.accelerator.current_accelerator())
+    )
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)

@@ -19,7 +19,7 @@ from profiler.recorder import storage_key
 
 
 class _Held:
-    __slots__ = ("tracker", "key", "tensor")
+    __slots__ = ("key", "tensor", "tracker")
 
     def __init__(self, tracker: HeldActivations, key: int, tensor: torch.Tensor) -> None:
         self.tracker, self.key, self.tensor = tracker, key, tensor
@@ -43,7 +43,9 @@ class HeldActivations:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self._hooks.__exit__(kind, error, trace)
 
     def reset_peak(self) -> None:

@@ -125,7 +125,9 @@ def checkpoint_function(mode: str, on_kept: Callable[[torch.Tensor], None] | Non
     raise ValueError(f"recompute mode {mode!r}: expected {FULL} or {SELECTIVE}")
 
 
-def set_recompute(module: nn.Module, mode: str, on_kept: Callable[[torch.Tensor], None] | None = None) -> Callable[[], None]:
+def set_recompute(
+    module: nn.Module, mode: str, on_kept: Callable[[torch.Tensor], None] | None = None
+) -> Callable[[], None]:
     """Run `module` under recompute `mode` from its next call on; returns the function that undoes it.
 
     transformers' layers (`GradientCheckpointingLayer`) are switched through their own checkpointing

@@ -26,9 +26,18 @@ class LayerSamples:
     sp_whole_bytes: dict[str, list[int]] = field(default_factory=dict)
     expert_bytes: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, mode: str, forward_ms: float, backward_ms: float, kept_bytes: int, input_bytes: int,
-            backward_peak_bytes: int | None, saved_input_bytes: int = 0, shared_bytes: int = 0,
-            parts: tuple[int, int, int] | None = None) -> None:
+    def add(
+        self,
+        mode: str,
+        forward_ms: float,
+        backward_ms: float,
+        kept_bytes: int,
+        input_bytes: int,
+        backward_peak_bytes: int | None,
+        saved_input_bytes: int = 0,
+        shared_bytes: int = 0,
+        parts: tuple[int, int, int] | None = None,
+    ) -> None:
         self.forward_ms.setdefault(mode, []).append(forward_ms)
         self.backward_ms.setdefault(mode, []).append(backward_ms)
         self.kept_bytes.setdefault(mode, []).append(kept_bytes)
@@ -47,8 +56,15 @@ class LayerSamples:
     def merged(self, other: LayerSamples) -> LayerSamples:
         """This layer's samples and another's together (pooling the layers of one kind)."""
         out = LayerSamples()
-        for name in ("forward_ms", "backward_ms", "kept_bytes", "saved_input_bytes", "shared_bytes", "backward_peak_bytes",
-                     *PARTS):
+        for name in (
+            "forward_ms",
+            "backward_ms",
+            "kept_bytes",
+            "saved_input_bytes",
+            "shared_bytes",
+            "backward_peak_bytes",
+            *PARTS,
+        ):
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(out, name, {m: mine.get(m, []) + theirs.get(m, []) for m in {*mine, *theirs}})
         out.input_bytes = self.input_bytes + other.input_bytes

@@ -44,13 +44,25 @@ class TransformerShape:
     expert_tokens: str = BALANCED
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "sequence", "ffn_size",
-                     "micro_batch_size", "tensor_parallel", "context_parallel", "expert_parallel"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "vocab_size",
+            "sequence",
+            "ffn_size",
+            "micro_batch_size",
+            "tensor_parallel",
+            "context_parallel",
+            "expert_parallel",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"expected an integer >= 1, got {value!r}")
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
-            raise InputError("head_dim", f"expected an integer >= 1, or 0 for hidden_size / num_heads, got {self.head_dim!r}")
+            raise InputError(
+                "head_dim", f"expected an integer >= 1, or 0 for hidden_size / num_heads, got {self.head_dim!r}"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if not self.head_dim and self.hidden_size % self.num_heads:
@@ -61,8 +73,11 @@ class TransformerShape:
             if count % self.tensor_parallel:
                 raise InputError("tensor_parallel", f"expected a divisor of {name} {count}, got {self.tensor_parallel}")
         if self.context_parallel > 1 and self.sequence % (2 * self.context_parallel):
-            raise InputError("context_parallel", f"expected sequence {self.sequence} to be a multiple of 2 x "
-                                                 f"context_parallel, got context_parallel {self.context_parallel}")
+            raise InputError(
+                "context_parallel",
+                f"expected sequence {self.sequence} to be a multiple of 2 x "
+                f"context_parallel, got context_parallel {self.context_parallel}",
+            )
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise InputError("experts_per_token", f"expected 1..{self.num_experts}, got {self.experts_per_token}")
         try:
@@ -72,13 +87,18 @@ class TransformerShape:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel,
-                    context_parallel=self.context_parallel, expert_parallel=self.expert_parallel,
-                    expert_tokens=self.expert_tokens if self.expert_parallel > 1 else BALANCED)
+        return Mesh(
+            tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+            context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel,
+            expert_tokens=self.expert_tokens if self.expert_parallel > 1 else BALANCED,
+        )
 
 
-def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batch_size: int = 1,
-                      dtype: str = "bfloat16", **layout: object) -> TransformerShape:
+def shape_from_config(
+    config: Mapping[str, object], *, sequence: int, micro_batch_size: int = 1, dtype: str = "bfloat16", **layout: object
+) -> TransformerShape:
     """A `TransformerShape` from a transformers `config.json` of the Llama family (dict form);
     `layout`: its tensor_parallel, sequence_parallel, context_parallel, expert_parallel, expert_tokens."""
     model_type = config.get("model_type")
@@ -95,8 +115,9 @@ def shape_from_config(config: Mapping[str, object], *, sequence: int, micro_batc
         raise InputError("config", f"expected integers for the sizes of a {model_type} config: {exc}") from None
 
 
-def _shape(config: Mapping[str, object], model_type: str, *, sequence: int, micro_batch_size: int, dtype: str,
-           **layout: object) -> TransformerShape:
+def _shape(
+    config: Mapping[str, object], model_type: str, *, sequence: int, micro_batch_size: int, dtype: str, **layout: object
+) -> TransformerShape:
     num_layers = _integer(config, "num_hidden_layers")
     experts = _integer(config, "num_experts") or _integer(config, "num_local_experts")
     dense_layers: tuple[int, ...] = ()
@@ -134,20 +155,34 @@ def model_dimensions(config: Mapping[str, object]) -> dict[str, int]:
     heads = _integer(config, "num_attention_heads")
     hidden = _integer(config, "hidden_size")
     experts = _integer(config, "num_experts") or _integer(config, "num_local_experts")
-    return {"hidden": hidden, "heads": heads, "kv_heads": _integer(config, "num_key_value_heads") or heads,
-            "head_dim": _integer(config, "head_dim") or (hidden // heads if heads else 0),
-            "ffn": _integer(config, "intermediate_size"),
-            "moe_ffn": (_integer(config, "moe_intermediate_size") or _integer(config, "intermediate_size")) if experts else 0,
-            "vocab": _integer(config, "vocab_size"), "experts": experts,
-            "experts_per_token": _integer(config, "num_experts_per_tok") if experts else 0}
+    return {
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": _integer(config, "num_key_value_heads") or heads,
+        "head_dim": _integer(config, "head_dim") or (hidden // heads if heads else 0),
+        "ffn": _integer(config, "intermediate_size"),
+        "moe_ffn": (_integer(config, "moe_intermediate_size") or _integer(config, "intermediate_size"))
+        if experts
+        else 0,
+        "vocab": _integer(config, "vocab_size"),
+        "experts": experts,
+        "experts_per_token": _integer(config, "num_experts_per_tok") if experts else 0,
+    }
 
 
 def shape_dimensions(s: TransformerShape) -> dict[str, int]:
     """`model_dimensions` of a shape."""
-    return {"hidden": s.hidden_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads or s.num_heads,
-            "head_dim": s.head_dim or s.hidden_size // s.num_heads, "ffn": s.ffn_size,
-            "moe_ffn": s.moe_ffn_size if s.num_experts else 0, "vocab": s.vocab_size, "experts": s.num_experts,
-            "experts_per_token": s.experts_per_token if s.num_experts else 0}
+    return {
+        "hidden": s.hidden_size,
+        "heads": s.num_heads,
+        "kv_heads": s.num_kv_heads or s.num_heads,
+        "head_dim": s.head_dim or s.hidden_size // s.num_heads,
+        "ffn": s.ffn_size,
+        "moe_ffn": s.moe_ffn_size if s.num_experts else 0,
+        "vocab": s.vocab_size,
+        "experts": s.num_experts,
+        "experts_per_token": s.experts_per_token if s.num_experts else 0,
+    }
 
 
 def _integer(config: Mapping[str, object], key: str) -> int:

@@ -47,8 +47,9 @@ class SplitBackward:
     weight_freed_bytes: int
 
 
-def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device: torch.device,
-                           repeats: int = 3) -> SplitBackward | None:
+def measure_split_backward(
+    module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3
+) -> SplitBackward | None:
     """Time `repeats` plain backwards and split ones of `module` after a warm-up (medians of the
     shares), then count what one more split holds between its halves. None where the block takes no
     input gradient or has no parameters."""
@@ -78,7 +79,9 @@ def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device:
                 clock.synchronize()
                 plain_ms = clock.elapsed_ms(start, plain)
                 if attempt and plain_ms > 0:
-                    shares.append((clock.elapsed_ms(begin, middle) / plain_ms, clock.elapsed_ms(middle, end) / plain_ms))
+                    shares.append(
+                        (clock.elapsed_ms(begin, middle) / plain_ms, clock.elapsed_ms(middle, end) / plain_ms)
+                    )
                 _clear_gradients(inputs, params)
             held = _held_bytes(module, args, kwargs, inputs, params, device)
     finally:
@@ -87,14 +90,26 @@ def measure_split_backward(module: nn.Module, args: tuple, kwargs: dict, device:
     if not shares or held is None:
         return None
     pending, input_peak, weight_peak, input_held, freed, weight_freed = held
-    return SplitBackward(input_share=float(statistics.median(share for share, _ in shares)),
-                         weight_share=float(statistics.median(share for _, share in shares)), pending_bytes=pending,
-                         input_working_bytes=input_peak, weight_working_bytes=weight_peak, input_held_bytes=input_held,
-                         output_gradient_freed_bytes=freed, weight_freed_bytes=weight_freed)
+    return SplitBackward(
+        input_share=float(statistics.median(share for share, _ in shares)),
+        weight_share=float(statistics.median(share for _, share in shares)),
+        pending_bytes=pending,
+        input_working_bytes=input_peak,
+        weight_working_bytes=weight_peak,
+        input_held_bytes=input_held,
+        output_gradient_freed_bytes=freed,
+        weight_freed_bytes=weight_freed,
+    )
 
 
-def _held_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch.Tensor],
-                params: list[nn.Parameter], device: torch.device) -> tuple[int, int, int, int, int, int] | None:
+def _held_bytes(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    inputs: list[torch.Tensor],
+    params: list[nn.Parameter],
+    device: torch.device,
+) -> tuple[int, int, int, int, int, int] | None:
     """As the allocator counts it: what the input-gradient half leaves held for the weight-gradient
     half (the gradients of the weighted ops' outputs, which the weight gradients need, and the
     input's, which torch leaves on the input; less what the first half frees of the graph the second
@@ -138,8 +153,14 @@ def _held_bytes(module: nn.Module, args: tuple, kwargs: dict, inputs: list[torch
         del graph
         _clear_gradients(inputs, params)
     held = max(held, 0)
-    return (held, max(input_peak, 0), max(weight_peak, 0), max([held] + [at - before for at in at_input_gradient]),
-            max(freed, 0), max(weight_freed, held))
+    return (
+        held,
+        max(input_peak, 0),
+        max(weight_peak, 0),
+        max([held] + [at - before for at in at_input_gradient]),
+        max(freed, 0),
+        max(weight_freed, held),
+    )
 
 
 def _clear_gradients(inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:

@@ -78,8 +78,9 @@ class Owners:
             if self.stack:
                 self.stack.pop()
             if leaf in ROW or leaf in ROUTERS:
-                self.whole_outputs.update((self._key(t)[0], weakref.ref(t)) for t in tree_leaves(output)
-                                          if isinstance(t, torch.Tensor))
+                self.whole_outputs.update(
+                    (self._key(t)[0], weakref.ref(t)) for t in tree_leaves(output) if isinstance(t, torch.Tensor)
+                )
 
         return hook
 

@@ -16,9 +16,21 @@ from sapp_hook.protocol import REPLAN_EXIT_CODE
 _EXPORTS = {
     **{name: "sapp_hook.writeback" for name in ("layout_from_dict", "layout_of", "write_config")},
     "torchtitan_module_names": "sapp_hook.writeback.torchtitan",
-    **{name: "simulator" for name in ("SCHEDULES", "ChunkCosts", "InputError", "PipelineCosts", "Schedule",
-                                      "ScheduleError", "SimulationResult", "build_schedule", "critical_path",
-                                      "simulate")},
+    **{
+        name: "simulator"
+        for name in (
+            "SCHEDULES",
+            "ChunkCosts",
+            "InputError",
+            "PipelineCosts",
+            "Schedule",
+            "ScheduleError",
+            "SimulationResult",
+            "build_schedule",
+            "critical_path",
+            "simulate",
+        )
+    },
 }
 # These need torch.
 _TORCH_EXPORTS = {

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from simulator.errors import InputError
-from simulator.files import atomic_write_text
-from solver.profile import read_json
+from simulator.files import atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +51,17 @@ class PlanCache:
             return None
         return entry
 
-    def store(self, key: str, parts: Mapping[str, object], plan: Mapping[str, object],
-              profile: Mapping[str, object]) -> Path | None:
+    def store(
+        self, key: str, parts: Mapping[str, object], plan: Mapping[str, object], profile: Mapping[str, object]
+    ) -> Path | None:
         """Remember the plan; None where the folder cannot take it (read-only, full): the plan is used all
         the same, and found again only by solving again."""
         path = self.path(key)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps({"key": dict(parts), "plan": dict(plan), "profile": dict(profile)},
-                                               indent=1) + "\n")
+            atomic_write_text(
+                path, json.dumps({"key": dict(parts), "plan": dict(plan), "profile": dict(profile)}, indent=1) + "\n"
+            )
         except OSError as exc:
             log.warning("sapp-hook: the plan is not cached: cannot write %s: %s", path, exc.strerror or exc)
             return None

@@ -20,8 +20,12 @@ MODEL = "tiny-llama"
 STAGES, MICRO_BATCHES, SCHEDULE = 4, 8, "1F1B"
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 128
 # (target, example config): autotune writes the first; the others get the same plan after it
-TEMPLATES = (("mindformers", "mindformers_llama.yaml"), ("mindformers", "mindformers_v2_llama.yaml"),
-             ("megatron", "megatron_llama.sh"), ("torchtitan", "torchtitan_llama.toml"))
+TEMPLATES = (
+    ("mindformers", "mindformers_llama.yaml"),
+    ("mindformers", "mindformers_v2_llama.yaml"),
+    ("megatron", "megatron_llama.sh"),
+    ("torchtitan", "torchtitan_llama.toml"),
+)
 BUDGET_SHARE = 0.9  # of the least memory any split needs without recompute
 
 
@@ -41,14 +45,30 @@ def run_demo(out: str | Path) -> dict[str, object]:
     torch.set_num_threads(1)
     config = load_config(MODEL)
     budget = demo_budget(config)
-    log.info("demo: %s, %d stages, %d micro-batches of %dx%d tokens, budget %s per device (%.0f%% of the least "
-             "any split needs without recompute)", MODEL, STAGES, MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN,
-             format_bytes(budget), BUDGET_SHARE * 100)
+    log.info(
+        "demo: %s, %d stages, %d micro-batches of %dx%d tokens, budget %s per device (%.0f%% of the least "
+        "any split needs without recompute)",
+        MODEL,
+        STAGES,
+        MICRO_BATCHES,
+        MICRO_BATCH_SIZE,
+        SEQ_LEN,
+        format_bytes(budget),
+        BUDGET_SHARE * 100,
+    )
     model = build_model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tuner = autotune(
-        model, optimizer, stages=STAGES, micro_batches=MICRO_BATCHES, schedule=SCHEDULE, memory_budget=budget,
-        config=configs / TEMPLATES[0][1], target=TEMPLATES[0][0], cache_dir=out / "cache", force=True,
+        model,
+        optimizer,
+        stages=STAGES,
+        micro_batches=MICRO_BATCHES,
+        schedule=SCHEDULE,
+        memory_budget=budget,
+        config=configs / TEMPLATES[0][1],
+        target=TEMPLATES[0][0],
+        cache_dir=out / "cache",
+        force=True,
         out_dir=out,
     )
     with tuner:
@@ -100,9 +120,11 @@ def _report(plan_report: str, written: list[str], notes: list[str], budget: floa
     lines = [
         "# sapp-hook demo",
         "",
-        f"{MODEL} (transformers Llama, random weights, CPU), {STAGES} pipeline stages, {SCHEDULE}, "
-        f"{MICRO_BATCHES} micro-batches of {MICRO_BATCH_SIZE}x{SEQ_LEN} tokens, memory budget "
-        f"{format_bytes(budget)} per device: {BUDGET_SHARE:.0%} of the least any split needs without recompute.",
+        (
+            f"{MODEL} (transformers Llama, random weights, CPU), {STAGES} pipeline stages, {SCHEDULE}, "
+            f"{MICRO_BATCHES} micro-batches of {MICRO_BATCH_SIZE}x{SEQ_LEN} tokens, memory budget "
+            f"{format_bytes(budget)} per device: {BUDGET_SHARE:.0%} of the least any split needs without recompute."
+        ),
         "",
         "```",
         plan_report,
@@ -117,5 +139,7 @@ def _report(plan_report: str, written: list[str], notes: list[str], budget: floa
         lines += ["", "What the write-backs said (what a target cannot express, what it changed):"]
         lines += [f"- {note}" for note in notes]
     lines.append("")
-    lines.append(f"Targets: {', '.join(TARGETS)}. Apply a plan yourself: sapp-hook apply --plan plan.json --target NAME --config FILE")
+    lines.append(
+        f"Targets: {', '.join(TARGETS)}. Apply a plan yourself: sapp-hook apply --plan plan.json --target NAME --config FILE"
+    )
     return "\n".join(lines) + "\n"

@@ -19,7 +19,7 @@ def gloo_group(rank: int, world_size: int, store: str | Path) -> Iterator[None]:
     # is made, it holds the group past destroy_process_group; the group's gloo threads are then torn
     # down with the interpreter, which now and then aborts the rank at exit (SIGABRT, "terminate
     # called without an active exception"). Imported first, its defaults are None.
-    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.nn.functional
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from simulator.errors import InputError
-from solver.profile import read_json, read_limited
+from simulator.files import read_json, read_limited
 
 MAX_DEPTH = 32
 # What aliases may add to a document's nodes when expanded: real configs' aliases add dozens (`*dp` in
@@ -27,8 +27,9 @@ class _StrictLoader(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise InputError("yaml", f"line {self.peek_event().start_mark.line + 1}: nested deeper than "
-                                         f"{MAX_DEPTH} levels")
+                raise InputError(
+                    "yaml", f"line {self.peek_event().start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels"
+                )
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
@@ -70,8 +71,9 @@ def _check_expansion(root: yaml.Node) -> None:
             raise InputError("yaml", f"line {_line(node)}: an alias refers to a node from inside it, which never ends")
         if id(node) not in known:
             if depth > MAX_DEPTH:
-                raise InputError("yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its "
-                                         "aliases are expanded")
+                raise InputError(
+                    "yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases are expanded"
+                )
             if isinstance(node, yaml.MappingNode):
                 _check_keys(node)
             inside.add(id(node))
@@ -80,13 +82,17 @@ def _check_expansion(root: yaml.Node) -> None:
                 child_nodes, child_levels = visit(child, depth + 1)
                 nodes, levels = nodes + child_nodes, max(levels, child_levels + 1)
                 if nodes > limit:
-                    raise InputError("yaml", f"its aliases expand it by more than {MAX_ALIAS_NODES:,} nodes "
-                                             f"(line {_line(child)}): an alias bomb?")
+                    raise InputError(
+                        "yaml",
+                        f"its aliases expand it by more than {MAX_ALIAS_NODES:,} nodes "
+                        f"(line {_line(child)}): an alias bomb?",
+                    )
             inside.discard(id(node))
             known[id(node)] = nodes, levels
         if depth + known[id(node)][1] - 1 > MAX_DEPTH:
-            raise InputError("yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases "
-                                     "are expanded")
+            raise InputError(
+                "yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases are expanded"
+            )
         return known[id(node)]
 
     visit(root, 1)
@@ -99,8 +105,11 @@ def _check_keys(node: yaml.MappingNode) -> None:
         if isinstance(key, yaml.ScalarNode):
             first = seen.get((key.tag, key.value))
             if first is not None:
-                raise InputError("yaml", f"line {_line(key)}: key {key.value!r} repeats the one on line {first}; "
-                                         "expected each key once in a mapping")
+                raise InputError(
+                    "yaml",
+                    f"line {_line(key)}: key {key.value!r} repeats the one on line {first}; "
+                    "expected each key once in a mapping",
+                )
             seen[(key.tag, key.value)] = _line(key)
 
 
@@ -115,9 +124,12 @@ def read_document(path: str | Path, what: str) -> object:
 def read_plan_json(path: str | Path, what: str) -> Mapping:
     """A plan JSON (`solve --plan-out`, `Plan.to_dict`): an object holding `spec` and `plan`."""
     data = read_document(path, what)
-    if not (isinstance(data, Mapping) and isinstance(data.get("spec"), Mapping) and isinstance(data.get("plan"), Mapping)):
-        raise InputError(what, f"{path}: expected a plan JSON as sapp-hook solve --plan-out writes it "
-                               "(an object with spec and plan)")
+    if not (
+        isinstance(data, Mapping) and isinstance(data.get("spec"), Mapping) and isinstance(data.get("plan"), Mapping)
+    ):
+        raise InputError(
+            what, f"{path}: expected a plan JSON as sapp-hook solve --plan-out writes it (an object with spec and plan)"
+        )
     return data
 
 
@@ -135,7 +147,7 @@ def parse_yaml(text: str, what: str, source: object) -> object:
     """YAML text (from `source`, a path) as plain data, through the strict safe loader; one
     InputError naming `what` and `source` for anything it refuses."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_StrictLoader)
     except InputError as exc:
         raise InputError(what, f"{source}: {exc.detail}") from None
     except yaml.YAMLError as exc:
@@ -145,10 +157,14 @@ def parse_yaml(text: str, what: str, source: object) -> object:
 # Where a MindFormers training config keeps each plan key, besides the top level: the classic format's
 # place first (where its writer puts it), then llm_template_v2's.
 MINDFORMERS_PLACES = {
-    "offset": (("model", "model_config", "offset"),
-               ("distribute_parallel_config", "pipeline_parallel_config", "pipeline_stage_offset")),
-    "pp_interleave_num": (("model", "model_config", "pp_interleave_num"),
-                          ("distribute_parallel_config", "pipeline_parallel_config", "virtual_pipeline_model_parallel_size")),
+    "offset": (
+        ("model", "model_config", "offset"),
+        ("distribute_parallel_config", "pipeline_parallel_config", "pipeline_stage_offset"),
+    ),
+    "pp_interleave_num": (
+        ("model", "model_config", "pp_interleave_num"),
+        ("distribute_parallel_config", "pipeline_parallel_config", "virtual_pipeline_model_parallel_size"),
+    ),
     "recompute": (("recompute_config", "recompute"),),
     "select_recompute": (("recompute_config", "select_recompute"),),
     "select_comm_recompute": (("recompute_config", "select_comm_recompute"),),
@@ -192,8 +208,11 @@ def _as_counts(keys: dict[str, object], what: str) -> dict[str, object]:
         if isinstance(value, Mapping):
             values = [True if _ops(item) else item for item in value.values()]
             if any(item != values[0] for item in values):
-                raise InputError(what, f"{key} gives its ops different counts ({value}); a plan has one "
-                                   "selective mode: expected the same count for every op")
+                raise InputError(
+                    what,
+                    f"{key} gives its ops different counts ({value}); a plan has one "
+                    "selective mode: expected the same count for every op",
+                )
             value = values[0] if values else False
         value = True if _ops(value) else value
         if key not in keys:
@@ -209,6 +228,11 @@ def _at_least(value: object, floor: object) -> object:
     """`value`, each count raised to `floor`'s where both are lists of the same shape."""
     if isinstance(value, list) and isinstance(floor, list) and len(value) == len(floor):
         return [_at_least(item, limit) for item, limit in zip(value, floor)]
-    if isinstance(value, int) and isinstance(floor, int) and not isinstance(value, bool) and not isinstance(floor, bool):
+    if (
+        isinstance(value, int)
+        and isinstance(floor, int)
+        and not isinstance(value, bool)
+        and not isinstance(floor, bool)
+    ):
         return max(value, floor)
     return value

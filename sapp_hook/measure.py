@@ -20,14 +20,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SYNCHRONOUS = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_reduce", "all_to_all_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all")
+SYNCHRONOUS = (
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "all_to_all",
+)
 FUNCTIONAL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 LINGER_S = 0.005  # how long past its wait a work is held: gloo's worker lets go of it first
 FUNCTIONAL_TIMEOUT_S = 1.0
 # torch.profiler's names of collectives and FSDP's ranges around them
-COLLECTIVE_PREFIXES = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::pre_backward", "c10d::",
-                       "_c10d_functional::", "c10d_functional::")
+COLLECTIVE_PREFIXES = (
+    "FSDP::all_gather",
+    "FSDP::post_backward_reduce",
+    "FSDP::pre_backward",
+    "c10d::",
+    "_c10d_functional::",
+    "c10d_functional::",
+)
 
 
 @contextlib.contextmanager
@@ -54,6 +70,7 @@ def _settled(original: Any) -> Any:
             work.wait()
             time.sleep(LINGER_S)
         return None
+
     return call
 
 
@@ -69,6 +86,7 @@ def _settled_functional(original: Any) -> Any:
         while (output._use_count() > 1 or [t._use_count() for t in inputs] > uses) and time.perf_counter() < deadline:
             time.sleep(0)
         return output
+
     return call
 
 
@@ -77,9 +95,11 @@ def held_bytes(parameters: Iterable[torch.Tensor], optimizer_state: Iterable[tor
     from profiler.recorder import unique_bytes
 
     parameters = list(parameters)
-    return {"parameter_bytes": unique_bytes(parameters),
-            "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
-            "optimizer_bytes": unique_bytes(optimizer_state)}
+    return {
+        "parameter_bytes": unique_bytes(parameters),
+        "gradient_bytes": unique_bytes([p.grad for p in parameters if p.grad is not None]),
+        "optimizer_bytes": unique_bytes(optimizer_state),
+    }
 
 
 def ddp_bucket_bytes(modules: Iterable[Any]) -> int:
@@ -101,13 +121,18 @@ def collective_times(events: Iterable[Any], start_ns: int, end_ns: int, thread: 
     totals: dict[tuple[str, str], list[float]] = {}
     for event in events:
         name = event.name()
-        if (not name.startswith(COLLECTIVE_PREFIXES) or event.start_thread_id() != thread
-                or not start_ns <= event.start_ns() <= end_ns):
+        if (
+            not name.startswith(COLLECTIVE_PREFIXES)
+            or event.start_thread_id() != thread
+            or not start_ns <= event.start_ns() <= end_ns
+        ):
             continue
         found = re.match(r"(.*?) \((.*)\)$", name)
         key = (found.group(1), found.group(2)) if found else (name, "")
         entry = totals.setdefault(key, [0, 0.0])
         entry[0] += 1
         entry[1] += (event.end_ns() - event.start_ns()) / 1e6
-    return [{"name": name, "layer": layer, "calls": int(calls), "exposed_ms": ms}
-            for (name, layer), (calls, ms) in sorted(totals.items())]
+    return [
+        {"name": name, "layer": layer, "calls": int(calls), "exposed_ms": ms}
+        for (name, layer), (calls, ms) in sorted(totals.items())
+    ]

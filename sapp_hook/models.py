@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from simulator.errors import InputError
-from solver.profile import ModelProfile, read_json
+from simulator.files import read_json
+from solver.profile import ModelProfile
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +73,10 @@ def config_data(model: str) -> tuple[dict[str, object], str]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise InputError("--model", f"{model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a config.json or a folder holding one")
+        raise InputError(
+            "--model",
+            f"{model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a config.json or a folder holding one",
+        )
     data = read_json(path, "--model")
     if not isinstance(data, Mapping):
         raise InputError("--model", f"{path} holds {type(data).__name__}; expected a transformers config object")
@@ -126,8 +130,9 @@ def check_sequence(config: PretrainedConfig, seq_len: int) -> None:
         raise InputError("--model", f"vocab_size: expected an integer >= 1, got {text.vocab_size!r}")
     positions = getattr(text, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
-        raise InputError("--seq-len",
-                         f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)")
+        raise InputError(
+            "--seq-len", f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)"
+        )
 
 
 def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
@@ -142,7 +147,7 @@ def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
     try:
         from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
     except ImportError:
-        StrictDataclassError = ValueError  # noqa: N806
+        StrictDataclassError = ValueError
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
@@ -184,10 +189,17 @@ def profile_example(
     model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     profiler = LayerProfiler(
-        model, optimizer, steps=steps, warmup_steps=warmup_steps, modes=modes or TORCH_MODES, layers=layers,
+        model,
+        optimizer,
+        steps=steps,
+        warmup_steps=warmup_steps,
+        modes=modes or TORCH_MODES,
+        layers=layers,
         tail=loss_tail(model),
         model_name=model_name or config.model_type,
-        on_step=None if on_step is None else lambda done, total, mode: on_step(done, total, profiler.describe_step(done - 1)),
+        on_step=None
+        if on_step is None
+        else lambda done, total, mode: on_step(done, total, profiler.describe_step(done - 1)),
         micro_batch={"size": micro_batch_size, "sequence": seq_len},
     )
     with profiler:

@@ -43,8 +43,11 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     starts = list(itertools.accumulate(plan.stage_layer_counts, initial=0))
     unseen = []
     for start, count in zip(starts, plan.stage_layer_counts):
-        modes = [mode for layer, mode in zip(profile.layers[start:start + count], plan.layer_modes[start:start + count])
-                 if layer.is_body]
+        modes = [
+            mode
+            for layer, mode in zip(profile.layers[start : start + count], plan.layer_modes[start : start + count])
+            if layer.is_body
+        ]
         shared = profile.stage_shared_bytes if modes and all(mode == FULL for mode in modes) else 0.0
         unseen.append(shared + profile.checkpoint_state_bytes * sum(mode != NONE for mode in modes))
     held_sends = torch_1f1b_held_bytes(profile, plan.spec)  # counted with the static bytes, not there at a step's start
@@ -54,28 +57,53 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
             virtual = schedule.stage_index(rank, chunk)
             ids = input_bytes if virtual == 0 else 0.0
             if not autograd_only:
-                return dataclasses.replace(costs_of, static_bytes=held_sends[virtual],
-                                           activation_bytes=costs_of.activation_bytes - ids)
+                return dataclasses.replace(
+                    costs_of, static_bytes=held_sends[virtual], activation_bytes=costs_of.activation_bytes - ids
+                )
             # gradients (working sets, a split backward's pending and retained ones) are not what it saved
-            return dataclasses.replace(costs_of, static_bytes=0.0, working_bytes=0.0, input_working_bytes=None,
-                                       weight_working_bytes=None, pending_bytes=0.0, retained_bytes=0.0, sharded=None,
-                                       activation_bytes=costs_of.activation_bytes - ids - kept_in_flight[virtual]
-                                       + in_buffers[virtual] - unseen[virtual])
+            return dataclasses.replace(
+                costs_of,
+                static_bytes=0.0,
+                working_bytes=0.0,
+                input_working_bytes=None,
+                weight_working_bytes=None,
+                pending_bytes=0.0,
+                retained_bytes=0.0,
+                sharded=None,
+                activation_bytes=costs_of.activation_bytes
+                - ids
+                - kept_in_flight[virtual]
+                + in_buffers[virtual]
+                - unseen[virtual],
+            )
 
         return PipelineCosts(
-            tuple(tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)),
-            p2p_ms=costs.p2p_ms, unshard_lookahead=costs.unshard_lookahead,
+            tuple(
+                tuple(bare(rank, chunk, c) for chunk, c in enumerate(row)) for rank, row in enumerate(costs.chunk_costs)
+            ),
+            p2p_ms=costs.p2p_ms,
+            unshard_lookahead=costs.unshard_lookahead,
         )
 
     above_static = bare_costs(False)
-    static = [sum(c.static_bytes for c in row) - sum(held_sends[virtual] for virtual in schedule.virtual_stages_of(rank))
-              for rank, row in enumerate(costs.chunk_costs)]
+    static = [
+        sum(c.static_bytes for c in row) - sum(held_sends[virtual] for virtual in schedule.virtual_stages_of(rank))
+        for rank, row in enumerate(costs.chunk_costs)
+    ]
     step_end = [result.memory_curve(rank)[-1][1] - static[rank] for rank in range(schedule.ranks)]
-    buffers = [sum(kept_whole_run[virtual] for virtual in schedule.virtual_stages_of(rank)) for rank in range(schedule.ranks)]
-    return {"step_ms": ends, "activation_peak_bytes": list(simulate(schedule, bare_costs(True)).stage_peak_memory_bytes),
-            "peak_bytes": list(simulate(schedule, above_static).stage_peak_memory_bytes), "static_bytes": static,
-            "receive_buffer_bytes": buffers, "step_end_bytes": step_end,
-            "static_split": static_split(plan, profile), "peak_split": peak_split(schedule, above_static)}
+    buffers = [
+        sum(kept_whole_run[virtual] for virtual in schedule.virtual_stages_of(rank)) for rank in range(schedule.ranks)
+    ]
+    return {
+        "step_ms": ends,
+        "activation_peak_bytes": list(simulate(schedule, bare_costs(True)).stage_peak_memory_bytes),
+        "peak_bytes": list(simulate(schedule, above_static).stage_peak_memory_bytes),
+        "static_bytes": static,
+        "receive_buffer_bytes": buffers,
+        "step_end_bytes": step_end,
+        "static_split": static_split(plan, profile),
+        "peak_split": peak_split(schedule, above_static),
+    }
 
 
 def static_split(plan: Plan, profile: ModelProfile) -> list[dict[str, float]]:
@@ -84,10 +112,19 @@ def static_split(plan: Plan, profile: ModelProfile) -> list[dict[str, float]]:
     starts = list(itertools.accumulate(plan.stage_layer_counts, initial=0))
     split = []
     for rank in range(schedule.ranks):
-        held = [layer_static(plan.spec, layer) for virtual in schedule.virtual_stages_of(rank)
-                for layer in profile.layers[starts[virtual]:starts[virtual + 1]]]
-        split.append({"parameter_bytes": sum(s.parameter for s in held), "gradient_bytes": sum(s.gradient for s in held),
-                      "optimizer_bytes": sum(s.optimizer for s in held), "bucket_bytes": sum(s.buckets for s in held)})
+        held = [
+            layer_static(plan.spec, layer)
+            for virtual in schedule.virtual_stages_of(rank)
+            for layer in profile.layers[starts[virtual] : starts[virtual + 1]]
+        ]
+        split.append(
+            {
+                "parameter_bytes": sum(s.parameter for s in held),
+                "gradient_bytes": sum(s.gradient for s in held),
+                "optimizer_bytes": sum(s.optimizer for s in held),
+                "bucket_bytes": sum(s.buckets for s in held),
+            }
+        )
     return split
 
 
@@ -108,6 +145,12 @@ def peak_split(schedule: Schedule, costs: PipelineCosts) -> list[dict[str, float
             if point.held_bytes > most[0]:
                 most = (point.held_bytes, point.sharded_bytes, 0.0)
         peak, sharded, working = most
-        split.append({"peak_bytes": peak, "sharded_bytes": sharded, "working_bytes": working,
-                      "activation_bytes": peak - sharded - working})
+        split.append(
+            {
+                "peak_bytes": peak,
+                "sharded_bytes": sharded,
+                "working_bytes": working,
+                "activation_bytes": peak - sharded - working,
+            }
+        )
     return split

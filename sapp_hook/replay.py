@@ -33,8 +33,9 @@ class RankReplay:
     allocated_peak_bytes: int | None  # the allocator's peak above the step's start; None on the CPU
 
 
-def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: int, seq_len: int,
-                steps: int = 2, seed: int = 0) -> RankReplay:
+def replay_rank(
+    model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: int, seq_len: int, steps: int = 2, seed: int = 0
+) -> RankReplay:
     """Run `rank`'s actions of `plan` for `steps` steps on the device `model` lies on; the last step's figures.
 
     The token ids of every micro-batch are made before the step, as data a pipeline holds for the whole
@@ -45,7 +46,9 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
     schedule = plan.simulation.schedule
     ops = {action.op for action in schedule.rank_actions[rank]}
     if not ops <= {FORWARD, FULL_BACKWARD}:
-        raise InputError("plan", f"{schedule.name} splits the backward into I and W actions; the replay runs F and B only")
+        raise InputError(
+            "plan", f"{schedule.name} splits the backward into I and W actions; the replay runs F and B only"
+        )
     device = device_of(model)
     modules = dict(apply(model, plan, rank))
     parameters = [p for module in modules.values() for p in module.parameters()]
@@ -55,8 +58,9 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
     clock, memory = clock_for(device), memory_for(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(0, vocab_size, (schedule.micro_batches, micro_batch_size, seq_len), device=device,
-                            generator=generator)
+        ids = torch.randint(
+            0, vocab_size, (schedule.micro_batches, micro_batch_size, seq_len), device=device, generator=generator
+        )
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         marks: list[tuple[str, object, object]] = []
         if memory is not None:
@@ -68,17 +72,32 @@ def replay_rank(model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: in
                 key = (action.stage_index, action.microbatch)
                 started = clock.mark()
                 if action.op == FORWARD:
-                    inputs = ids[action.microbatch] if module.first else torch.randn(
-                        micro_batch_size, seq_len, hidden_size, device=device, dtype=dtype, generator=generator,
-                        requires_grad=True)
+                    inputs = (
+                        ids[action.microbatch]
+                        if module.first
+                        else torch.randn(
+                            micro_batch_size,
+                            seq_len,
+                            hidden_size,
+                            device=device,
+                            dtype=dtype,
+                            generator=generator,
+                            requires_grad=True,
+                        )
+                    )
                     output = module(inputs)
                     if module.last:
-                        output = model.loss_function(logits=output, labels=ids[action.microbatch], vocab_size=vocab_size)
+                        output = model.loss_function(
+                            logits=output, labels=ids[action.microbatch], vocab_size=vocab_size
+                        )
                     outputs[key] = output
                 else:
                     output = outputs.pop(key)
-                    gradient = None if module.last else torch.randn(
-                        output.shape, device=device, dtype=output.dtype, generator=generator)
+                    gradient = (
+                        None
+                        if module.last
+                        else torch.randn(output.shape, device=device, dtype=output.dtype, generator=generator)
+                    )
                     output.backward(gradient)
                     del output, gradient
                 marks.append((action.op, started, clock.mark()))

@@ -57,8 +57,10 @@ def plan_report(plan: Plan) -> str:
     if plan.weight_split_assumed:
         lines.append("note            weight-gradient times not in the profile: I and W each took half of B")
     if not recompute_runs_under(schedule.name) and set(plan.layer_modes) - {NONE}:
-        lines.append(f"note            on torch (TorchTitan, sapp_hook.apply): {no_recompute_reason(schedule.name)}; "
-                     "--modes none plans without it")
+        lines.append(
+            f"note            on torch (TorchTitan, sapp_hook.apply): {no_recompute_reason(schedule.name)}; "
+            "--modes none plans without it"
+        )
     rows = []
     for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
         counts = "+".join(str(len(r)) for r in chunk_ranges)
@@ -99,10 +101,20 @@ def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, obje
         "full_recompute_fits": None if even.fits else recomputed.fits,
     }
     if even.fits:
-        return (f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
-                f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast"), data
+        return (
+            f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
+            f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast"
+        ), data
     worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
-    tail = (f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
-            f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast") if recomputed.fits else ""
-    return (f"even split      does not fit: stage {worst} peaks at "
-            f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}"), data
+    tail = (
+        (
+            f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
+            f"{recomputed.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast"
+        )
+        if recomputed.fits
+        else ""
+    )
+    return (
+        f"even split      does not fit: stage {worst} peaks at "
+        f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}"
+    ), data

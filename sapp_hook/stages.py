@@ -32,6 +32,7 @@ from solver.profile import NONE
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class _Parts:
     """Where a model family keeps what runs around its blocks."""
@@ -112,8 +113,12 @@ def _same_module(planned: str, found: str) -> bool:
     return planned == found or planned.endswith("." + found) or found.endswith("." + planned)
 
 
-def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int,
-          on_kept: Callable[[torch.Tensor], None] | None = None) -> list[tuple[int, PipelineStageModule]]:
+def apply(
+    model: nn.Module,
+    plan: Plan | Layout | Mapping[str, object],
+    rank: int,
+    on_kept: Callable[[torch.Tensor], None] | None = None,
+) -> list[tuple[int, PipelineStageModule]]:
     """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order.
     `on_kept` sees each tensor selective recompute keeps in its own cache (`set_recompute`)."""
     layout = as_layout(plan)
@@ -127,16 +132,22 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
         raise InputError("rank", f"expected an integer 0..{layout.stages - 1}, got {rank!r}")
     for layer, block in zip(body, found):
         if not _same_module(layer.name, block.name):  # it runs all the same; its split was planned for another model
-            log.warning("the plan's body layer %r is the model's block %r: was the plan made for this model?",
-                        layer.name, block.name)
+            log.warning(
+                "the plan's body layer %r is the model's block %r: was the plan made for this model?",
+                layer.name,
+                block.name,
+            )
             break
     check_no_recompute(layout.schedule, layout.body_modes(), "plan")
     placement = schedule_kind(layout.schedule).placement
     ends = _end_ranks(layout)
     if _tied_weight(parts) is not None and len(ends) > 1:
-        log.warning("%s ties its embedding and LM head, which this plan puts on ranks %s: sum their gradients "
-                    "with sapp_hook.TiedGradients after each backward, or untie them (tie_word_embeddings=False)",
-                    type(model).__name__, ends)
+        log.warning(
+            "%s ties its embedding and LM head, which this plan puts on ranks %s: sum their gradients "
+            "with sapp_hook.TiedGradients after each backward, or untie them (tie_word_embeddings=False)",
+            type(model).__name__,
+            ends,
+        )
     stages = []
     block_of = {id(layer): blocks[index] for index, layer in enumerate(body)}
     cells = layout.virtual_stages()
@@ -148,7 +159,9 @@ def apply(model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: in
             if not layer.is_body:
                 continue
             if layer.recompute not in TORCH_MODES:
-                raise InputError("plan", f"{layer.name}: torch has no {layer.recompute!r} recompute; use none, selective or full")
+                raise InputError(
+                    "plan", f"{layer.name}: torch has no {layer.recompute!r} recompute; use none, selective or full"
+                )
             block = block_of[id(layer)]
             if layer.recompute != NONE:
                 set_recompute(block, layer.recompute, on_kept)
@@ -168,8 +181,13 @@ class TiedGradients:
     before the optimizer step. `rank` is the rank in the pipeline `group` (default: the world). It
     does nothing where the model does not tie the two or one rank holds both (V schedules)."""
 
-    def __init__(self, model: nn.Module, plan: Plan | Layout | Mapping[str, object], rank: int,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan | Layout | Mapping[str, object],
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.weight = _tied_weight(_parts(model))
         self.group, self.holds = None, False
         if not (dist.is_available() and dist.is_initialized()):
@@ -215,10 +233,20 @@ def _parts(model: nn.Module) -> _Parts:
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     head = getattr(model, "lm_head", None)
     if base is None or head is None:
-        raise InputError("model", f"{type(model).__name__}: expected a transformers causal LM (a base model and lm_head)")
+        raise InputError(
+            "model", f"{type(model).__name__}: expected a transformers causal LM (a base model and lm_head)"
+        )
     if hasattr(base, "embed_tokens") and hasattr(base, "norm"):  # the Llama family
-        return _Parts(embed=base.embed_tokens, position_embed=None, dropout=None,
-                      rotary=getattr(base, "rotary_emb", None), norm=base.norm, head=head)
+        return _Parts(
+            embed=base.embed_tokens,
+            position_embed=None,
+            dropout=None,
+            rotary=getattr(base, "rotary_emb", None),
+            norm=base.norm,
+            head=head,
+        )
     if hasattr(base, "wte") and hasattr(base, "ln_f"):  # GPT-2
-        return _Parts(embed=base.wte, position_embed=base.wpe, dropout=base.drop, rotary=None, norm=base.ln_f, head=head)
+        return _Parts(
+            embed=base.wte, position_embed=base.wpe, dropout=base.drop, rotary=None, norm=base.ln_f, head=head
+        )
     raise InputError("model", f"{type(model).__name__}: sapp_hook.apply knows the Llama family and GPT-2")

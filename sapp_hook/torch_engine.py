@@ -30,20 +30,25 @@ def check_torch() -> None:
     try:
         import torch
     except ImportError:
-        raise InputError("torch", f"not installed; the profiler and the hook need torch >= {floor} "
-                                  "(pip install 'sapp-hook[torch]')") from None
+        raise InputError(
+            "torch", f"not installed; the profiler and the hook need torch >= {floor} (pip install 'sapp-hook[torch]')"
+        ) from None
     found = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if found is None or tuple(map(int, found.groups())) < TORCH_FLOOR:
-        raise InputError("torch", f"found {torch.__version__}; sapp-hook needs torch >= {floor}, the first release "
-                                  "whose torch.distributed.pipelining has every schedule it runs (DualPipeV)")
+        raise InputError(
+            "torch",
+            f"found {torch.__version__}; sapp-hook needs torch >= {floor}, the first release "
+            "whose torch.distributed.pipelining has every schedule it runs (DualPipeV)",
+        )
 
 
 def check_torch_runs(schedule: str, field: str, runner: str = "it") -> None:
     """One InputError naming `field` where torch.distributed.pipelining has no class for `schedule`
     (`runner`: who runs torch, for the message)."""
     if schedule not in TORCH_SCHEDULES:
-        raise InputError(field, f"torch.distributed.pipelining has no {schedule}; {runner} runs "
-                                f"{', '.join(TORCH_SCHEDULES)}")
+        raise InputError(
+            field, f"torch.distributed.pipelining has no {schedule}; {runner} runs {', '.join(TORCH_SCHEDULES)}"
+        )
 
 
 def recompute_runs_under(schedule: str) -> bool:
@@ -66,6 +71,8 @@ def check_no_recompute(schedule: str, modes: Iterable[str], field: str, runner: 
 
 def no_recompute_reason(schedule: str) -> str:
     """Why a plan under `schedule` may not recompute on torch (for errors and notes)."""
-    return (f"{schedule} splits each backward in two, and torch runs a checkpointed block again for every "
-            "weight-gradient group of the second half (a selective one not at all): recompute there costs "
-            "several forwards and holds more memory than none")
+    return (
+        f"{schedule} splits each backward in two, and torch runs a checkpointed block again for every "
+        "weight-gradient group of the second half (a selective one not at all): recompute there costs "
+        "several forwards and holds more memory than none"
+    )

@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 ENGINES_WITHOUT_RECEIVE_BUFFERS = ("mindformers", "megatron")
 
 
-
 @dataclass
 class TuneResult:
     """What autotune decided. `plan` (with its simulation) and `profile` exist on the rank that solved."""
@@ -108,9 +107,21 @@ class AutoTuner:
         action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
     ) -> None:
-        _check_arguments(model, optimizer, schedule=schedule, memory_budget=memory_budget, config=config,
-                         target=target, profile_steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
-                         layers=layers, cache_dir=cache_dir, force=force, out_dir=out_dir)
+        _check_arguments(
+            model,
+            optimizer,
+            schedule=schedule,
+            memory_budget=memory_budget,
+            config=config,
+            target=target,
+            profile_steps=profile_steps,
+            warmup_steps=warmup_steps,
+            modes=modes,
+            layers=layers,
+            cache_dir=cache_dir,
+            force=force,
+            out_dir=out_dir,
+        )
         config = os.environ.get(ENVIRONMENT["config"]) or config
         target = os.environ.get(ENVIRONMENT["target"]) or target
         on_plan = os.environ.get(ENVIRONMENT["on_plan"]) or on_plan
@@ -123,13 +134,26 @@ class AutoTuner:
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(
-            stages=stages, micro_batches=micro_batches, schedule=schedule, chunks=chunks,
+            stages=stages,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            chunks=chunks,
             memory_budget_bytes=float("inf") if budget is None else budget,
-            data_parallel=data_parallel, zero_stage=zero_stage, p2p_ms=p2p_ms, action_overhead_ms=action_overhead_ms,
-            receive_buffers=target not in ENGINES_WITHOUT_RECEIVE_BUFFERS, fsdp=fsdp,
-            fsdp_reshard_after_forward=fsdp_reshard_after_forward, gradients_persist=gradients_persist, ddp=ddp,
-            ddp_bucket_view=ddp_bucket_view, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-            context_parallel=context_parallel, expert_parallel=expert_parallel, expert_tokens=expert_tokens,
+            data_parallel=data_parallel,
+            zero_stage=zero_stage,
+            p2p_ms=p2p_ms,
+            action_overhead_ms=action_overhead_ms,
+            receive_buffers=target not in ENGINES_WITHOUT_RECEIVE_BUFFERS,
+            fsdp=fsdp,
+            fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+            gradients_persist=gradients_persist,
+            ddp=ddp,
+            ddp_bucket_view=ddp_bucket_view,
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            context_parallel=context_parallel,
+            expert_parallel=expert_parallel,
+            expert_tokens=expert_tokens,
             collective_backend=collective_backend,
         )
         self.model, self.optimizer = model, optimizer
@@ -140,8 +164,16 @@ class AutoTuner:
         if not recompute_runs_under(schedule) and set(modes) != {NONE}:
             modes = (NONE,)
             log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
-        self.profiler = LayerProfiler(model, optimizer, steps=profile_steps, warmup_steps=warmup_steps, modes=modes,
-                                      layers=layers, tail=loss_tail(model), on_step=self._progress)
+        self.profiler = LayerProfiler(
+            model,
+            optimizer,
+            steps=profile_steps,
+            warmup_steps=warmup_steps,
+            modes=modes,
+            layers=layers,
+            tail=loss_tail(model),
+            on_step=self._progress,
+        )
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
             blocks = len(self.profiler.blocks)
@@ -160,7 +192,9 @@ class AutoTuner:
             self.profiler.attach()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
 
     def step(self) -> None:
@@ -260,7 +294,9 @@ class AutoTuner:
             self.cache.store(self._key or "unkeyed", self._key_parts, plan_data, profile.to_dict())
         self._finish(plan_data, from_cache=False, plan=plan, profile=profile)
 
-    def _finish(self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None) -> None:
+    def _finish(
+        self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None
+    ) -> None:
         layout = layout_from_dict(plan_data)
         result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
         if _rank() == 0:
@@ -285,8 +321,11 @@ class AutoTuner:
         # torchrun stops every worker once one exits: none may leave before rank 0 has written
         _everyone(b"")
         where = f" into {self.config}" if self.config else ""
-        log.warning("sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
-                    where, REPLAN_EXIT_CODE)
+        log.warning(
+            "sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
+            where,
+            REPLAN_EXIT_CODE,
+        )
         raise SystemExit(REPLAN_EXIT_CODE)
 
     def _report(self, result: TuneResult) -> str:
@@ -296,8 +335,10 @@ class AutoTuner:
             lines.append(against_even(result.plan, result.profile)[0])
         else:
             data = result.plan_data
-            lines.append(f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
-                         + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"]))
+            lines.append(
+                f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
+                + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"])
+            )
         if result.writeback is not None:
             lines += [f"wrote {path}" for path in result.writeback.written]
             lines += [f"note: {note}" for note in result.writeback.notes]
@@ -346,8 +387,11 @@ def _check_arguments(model: object, optimizer: object, **given: object) -> None:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
     for name in ("modes", "layers"):
         value = given[name]
-        if value is not None and (isinstance(value, str) or not isinstance(value, Sequence)
-                                  or not all(isinstance(item, str) for item in value)):
+        if value is not None and (
+            isinstance(value, str)
+            or not isinstance(value, Sequence)
+            or not all(isinstance(item, str) for item in value)
+        ):
             raise InputError(name, f"expected a list of strings, got {_kind(value)}")
     if given["modes"] is None:
         raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")

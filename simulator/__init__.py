@@ -18,12 +18,12 @@ from simulator.schedule import Schedule
 from simulator.schedules import SCHEDULES, ScheduleKind, build_schedule, schedule_kind
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "BubbleSplit",
     "ChunkCosts",
     "InputError",
     "PipelineCosts",
-    "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "ScheduleKind",

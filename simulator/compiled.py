@@ -43,11 +43,14 @@ class CompiledSchedule:
         """Per action, where its duration sits in a flat table ordered rank, chunk, op (as OPS)."""
         chunks = max(self.chunk, default=0) + 1
         op_index = {op: i for i, op in enumerate(OPS)}
-        return [(rank * chunks + chunk) * len(OPS) + op_index[op]
-                for rank, chunk, op in zip(self.rank, self.chunk, self.op)]
+        return [
+            (rank * chunks + chunk) * len(OPS) + op_index[op] for rank, chunk, op in zip(self.rank, self.chunk, self.op)
+        ]
 
 
-def compile_schedule(name: str, rank_actions: Sequence[Sequence[Action]], chunks: int, micro_batches: int) -> CompiledSchedule:
+def compile_schedule(
+    name: str, rank_actions: Sequence[Sequence[Action]], chunks: int, micro_batches: int
+) -> CompiledSchedule:
     """Flatten schedule `name`'s per-rank action lists, resolve dependencies and find a replay order;
     raise ScheduleError on deadlock."""
     stages = len(rank_actions)
@@ -124,8 +127,9 @@ def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
     return order
 
 
-def _deadlock_report(rank_actions: Sequence[Sequence[Action]], offsets: list[int], order: list[int],
-                     dependency: list[int]) -> str:
+def _deadlock_report(
+    rank_actions: Sequence[Sequence[Action]], offsets: list[int], order: list[int], dependency: list[int]
+) -> str:
     done = set(order)
     flat = [action for actions in rank_actions for action in actions]
     blocked = []

@@ -38,8 +38,10 @@ class ShardedCosts:
         for name, value in vars(self).items():
             check_non_negative(value, f"{where} sharded.{name}")
         if self.forward_kept_bytes > self.gathered_bytes:
-            raise InputError(f"{where} sharded.forward_kept_bytes",
-                             f"expected at most gathered_bytes ({self.gathered_bytes:g}), got {self.forward_kept_bytes:g}")
+            raise InputError(
+                f"{where} sharded.forward_kept_bytes",
+                f"expected at most gathered_bytes ({self.gathered_bytes:g}), got {self.forward_kept_bytes:g}",
+            )
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,15 @@ class ChunkCosts:
 
     def check(self, where: str) -> None:
         """Raise InputError naming `where` and the field on a negative, non-finite or inconsistent cost."""
-        for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_bytes", "static_bytes", "working_bytes",
-                     "retained_bytes"):
+        for name in (
+            "forward_ms",
+            "backward_ms",
+            "recompute_ms",
+            "activation_bytes",
+            "static_bytes",
+            "working_bytes",
+            "retained_bytes",
+        ):
             check_non_negative(getattr(self, name), f"{where} {name}")
         # the I action may free part of the activations (torch's last stage drops the model's output there)
         check_non_negative(self.pending_bytes + self.activation_bytes, f"{where} pending_bytes + activation_bytes")
@@ -146,7 +155,11 @@ class PipelineCosts:
             for chunk, costs in enumerate(row):
                 costs.check(f"stage {stage} chunk {chunk}")
         check_non_negative(self.p2p_ms, "p2p_ms")
-        if isinstance(self.unshard_lookahead, bool) or not isinstance(self.unshard_lookahead, int) or self.unshard_lookahead < 0:
+        if (
+            isinstance(self.unshard_lookahead, bool)
+            or not isinstance(self.unshard_lookahead, int)
+            or self.unshard_lookahead < 0
+        ):
             raise InputError("unshard_lookahead", f"expected an integer >= 0, got {self.unshard_lookahead!r}")
 
     @property
@@ -193,9 +206,15 @@ class PipelineCosts:
         for name, value in (("stages", stages), ("chunks", chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"expected an integer >= 1, got {value!r}")
-        for name, value in (("forward_ms", forward_ms), ("backward_ms", backward_ms), ("weight_ms", weight_ms),
-                            ("recompute_ms", recompute_ms), ("activation_bytes", activation_bytes),
-                            ("static_bytes", static_bytes), ("working_bytes", working_bytes)):
+        for name, value in (
+            ("forward_ms", forward_ms),
+            ("backward_ms", backward_ms),
+            ("weight_ms", weight_ms),
+            ("recompute_ms", recompute_ms),
+            ("activation_bytes", activation_bytes),
+            ("static_bytes", static_bytes),
+            ("working_bytes", working_bytes),
+        ):
             if value is not None or name != "weight_ms":
                 check_non_negative(value, name)
         share = ChunkCosts(

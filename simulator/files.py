@@ -1,9 +1,10 @@
-"""Writing output files whole or not at all, and only over regular files."""
+"""Reading input files up to a size, and writing output files whole or not at all, only over regular files."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import signal
@@ -11,10 +12,19 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from simulator.errors import InputError
+
+MAX_FILE_BYTES = 64 * 2**20  # a profile, plan or config file is far smaller
+
 # Temp files being written right now; a process ended by a signal removes them (`remove_pending`).
 _PENDING: set[str] = set()
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def write_target(path: str | Path) -> Path:
@@ -123,3 +133,29 @@ def _signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def read_limited(path: str | Path, what: str) -> bytes:
+    """The bytes of a file of at most MAX_FILE_BYTES; InputError naming `what` otherwise."""
+    path = Path(path)
+    limit = f"expected at most {MAX_FILE_BYTES:,}"
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise InputError(what, f"{path} is {size:,} bytes; {limit}")
+        with path.open("rb") as stream:  # a pipe or a device states no size: read one byte past the cap
+            data = stream.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise InputError(what, f"{path} holds more than {MAX_FILE_BYTES:,} bytes; {limit}")
+    return data
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """Parse a JSON file of at most MAX_FILE_BYTES; InputError on anything else."""
+    data = read_limited(path, what)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
+        raise InputError(what, f"{path} is not valid JSON: {exc}") from None

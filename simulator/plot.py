@@ -75,7 +75,9 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
 
     if len(labels) <= MAX_LABELS:
         for x, rank, microbatch in labels:
-            axes.text(x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white")
+            axes.text(
+                x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white"
+            )
 
     peak_bytes = max(result.stage_peak_memory_bytes)
     curves = [result.memory_split(rank) for rank in range(ranks)] if peak_bytes > 0 else []
@@ -91,15 +93,33 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
 
         levels = [level(m) for _, m, _ in curve]
         axes.fill_between(
-            times, rank + CURVE_BASE, levels, step="post", color=MEMORY_COLOUR, alpha=0.45, linewidth=0,
+            times,
+            rank + CURVE_BASE,
+            levels,
+            step="post",
+            color=MEMORY_COLOUR,
+            alpha=0.45,
+            linewidth=0,
             rasterized=rasterized,
         )
         if any(sharded for _, _, sharded in curve):  # data parallelism's share, on top of the rest
             sharded_seen = True
-            axes.fill_between(times, [level(max(m - sharded, floor_bytes)) for _, m, sharded in curve], levels,
-                              step="post", color=SHARDED_COLOUR, alpha=0.6, linewidth=0, rasterized=rasterized)
+            axes.fill_between(
+                times,
+                [level(max(m - sharded, floor_bytes)) for _, m, sharded in curve],
+                levels,
+                step="post",
+                color=SHARDED_COLOUR,
+                alpha=0.6,
+                linewidth=0,
+                rasterized=rasterized,
+            )
         axes.text(
-            end_ms * 1.004, rank + 0.5, f"peak {format_bytes(result.stage_peak_memory_bytes[rank])}", va="center", fontsize=7
+            end_ms * 1.004,
+            rank + 0.5,
+            f"peak {format_bytes(result.stage_peak_memory_bytes[rank])}",
+            va="center",
+            fontsize=7,
         )
 
     axes.axvline(end_ms, color="black", linewidth=0.8, linestyle="--")
@@ -117,7 +137,11 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
         handles.append(Patch(color=later, label=f"lighter = later chunk (of {chunks})"))
     if peak_bytes > 0:
         handles.append(
-            Patch(color=MEMORY_COLOUR, alpha=0.45, label=f"memory ({format_bytes(floor_bytes)} to {format_bytes(peak_bytes)})")
+            Patch(
+                color=MEMORY_COLOUR,
+                alpha=0.45,
+                label=f"memory ({format_bytes(floor_bytes)} to {format_bytes(peak_bytes)})",
+            )
         )
     if sharded_seen:
         handles.append(Patch(color=SHARDED_COLOUR, alpha=0.6, label="of it, gathered parameters and whole gradients"))

@@ -82,8 +82,12 @@ def _durations(compiled: CompiledSchedule, costs: PipelineCosts) -> list[float]:
     table = []  # ordered as CompiledSchedule.cost_slot reads it: rank, chunk, op
     for row in costs.chunk_costs:
         for cost in row:
-            table += [cost.forward_ms, cost.backward_ms + cost.recompute_ms,
-                      cost.split_input_ms() + cost.recompute_ms, cost.split_weight_ms()]
+            table += [
+                cost.forward_ms,
+                cost.backward_ms + cost.recompute_ms,
+                cost.split_input_ms() + cost.recompute_ms,
+                cost.split_weight_ms(),
+            ]
     return [table[slot] for slot in compiled.cost_slot]
 
 
@@ -160,4 +164,6 @@ def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float)
     ideal = share(balanced_ms) - 1.0
     recompute = share(balanced_recompute_ms - balanced_ms)
     comm = share(iteration_ms - without_p2p_ms)
-    return BubbleSplit(real=real, ideal=ideal, imbalance=real - ideal - recompute - comm, recompute=recompute, comm=comm)
+    return BubbleSplit(
+        real=real, ideal=ideal, imbalance=real - ideal - recompute - comm, recompute=recompute, comm=comm
+    )

@@ -85,7 +85,7 @@ class SimulationResult:
     def rank_finish_ms(self, rank: int) -> float:
         """When the last action of `rank` ends: its step time, from the common start."""
         offsets = self.schedule.compiled.rank_offsets
-        return max(self.end_ms[offsets[rank]:offsets[rank + 1]])
+        return max(self.end_ms[offsets[rank] : offsets[rank + 1]])
 
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
         """(time, bytes) points of a step curve: the memory of `rank` from each point to the next."""

@@ -165,7 +165,9 @@ def _check_actions(schedule: Schedule) -> None:
                 raise ScheduleError(where, f"micro-batch outside 0..{micro_batches - 1}")
             owner = stage_to_rank(action.stage_index, ranks, schedule.placement)
             if owner != rank:
-                raise ScheduleError(where, f"stage {action.stage_index} runs on rank {owner} ({schedule.placement} placement)")
+                raise ScheduleError(
+                    where, f"stage {action.stage_index} runs on rank {owner} ({schedule.placement} placement)"
+                )
             slot = (action.stage_index * micro_batches + action.microbatch) * 4 + OP_CODE[action.op]
             if counts[slot]:
                 raise ScheduleError(where, "appears twice")

@@ -60,8 +60,9 @@ def torch_unshard_events(chunks: Sequence[int], lookahead: int) -> list[list[tup
     return events
 
 
-def memory_points(ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], unshard_lookahead: int = 0
-                  ) -> Iterator[MemoryPoint]:
+def memory_points(
+    ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], unshard_lookahead: int = 0
+) -> Iterator[MemoryPoint]:
     """The rank's memory at each of its actions (`ops`: (chunk, op) in order; `row`: its chunks' costs),
     from its static bytes."""
     memory = sum(chunk.static_bytes for chunk in row)
@@ -70,7 +71,9 @@ def memory_points(ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], uns
             chunk = row[chunk_index]
             base = memory
             memory += chunk.held_change_bytes(op)
-            yield MemoryPoint(memory, 0.0, *((None,) if op == FORWARD else (base + chunk.working_bytes_during(op), base)))
+            yield MemoryPoint(
+                memory, 0.0, *((None,) if op == FORWARD else (base + chunk.working_bytes_during(op), base))
+            )
         return
     last_weight = {chunk: index for index, (chunk, op) in enumerate(ops) if op in (FULL_BACKWARD, BACKWARD_WEIGHT)}
     events = torch_unshard_events([chunk for chunk, _ in ops], unshard_lookahead)
@@ -99,15 +102,26 @@ def memory_points(ops: Sequence[tuple[int, str]], row: Sequence[ChunkCosts], uns
                 state.gradients = True
                 memory += costs.gradient_bytes
                 sharded += costs.gradient_bytes
-            _see(most, memory, (costs.backward_gather_working_bytes if state.gathered < costs.gathered_bytes
-                                else chunk.working_bytes_during(op)) + costs.layer_gather_bytes, sharded)
+            _see(
+                most,
+                memory,
+                (
+                    costs.backward_gather_working_bytes
+                    if state.gathered < costs.gathered_bytes
+                    else chunk.working_bytes_during(op)
+                )
+                + costs.layer_gather_bytes,
+                sharded,
+            )
             change = costs.gathered_bytes - state.gathered
             state.gathered = costs.gathered_bytes
         memory += change + chunk.held_change_bytes(op)
         sharded += change
         if last_weight.get(chunk_index) == index:  # the chunk's reduce
             _see(most, memory, costs.reduce_working_bytes, sharded)
-            released = state.gathered + (costs.gradient_bytes if state.gradients else 0.0) - costs.reduced_gradient_bytes
+            released = (
+                state.gathered + (costs.gradient_bytes if state.gradients else 0.0) - costs.reduced_gradient_bytes
+            )
             memory -= released
             sharded -= released
             state.gathered, state.gradients = 0.0, False

@@ -33,8 +33,9 @@ def parse_bytes(text: str, field: str) -> int:
             return 0
         raise InputError(field, f"expected a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) after {_shown(text)}")
     if unit not in _UNITS:
-        raise InputError(field, f"unknown unit {_shown(match.group(2))}; "
-                                "expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise InputError(
+            field, f"unknown unit {_shown(match.group(2))}; expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
     size = number * _UNITS[unit]
     if not math.isfinite(size):
         raise InputError(field, f"{_shown(text)} is too large to be a size")

@@ -96,15 +96,23 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
     for run in runs:
         if run.measured_peak_bytes:
             spec = run.spec
-            predicted = evaluate_plan(run.profile, spec, run.stage_layer_counts, run.layer_modes).stage_peak_memory_bytes
+            predicted = evaluate_plan(
+                run.profile, spec, run.stage_layer_counts, run.layer_modes
+            ).stage_peak_memory_bytes
             memory_gaps += [m - p for m, p in zip(run.measured_peak_bytes, predicted)]
     constant = sum(memory_gaps) / len(memory_gaps) if memory_gaps else 0.0
-    return Calibration(time_scale=scale, action_overhead_ms=overhead, stage_constant_bytes=constant,
-                       error_before=before, error_after=_rms(r))
+    return Calibration(
+        time_scale=scale,
+        action_overhead_ms=overhead,
+        stage_constant_bytes=constant,
+        error_before=before,
+        error_after=_rms(r),
+    )
 
 
-def _bounded_step(errors: list[float], d_scale: list[float], d_overhead: list[float], scale: float,
-                  overhead: float) -> tuple[float, float]:
+def _bounded_step(
+    errors: list[float], d_scale: list[float], d_overhead: list[float], scale: float, overhead: float
+) -> tuple[float, float]:
     """The Gauss-Newton step on (scale, overhead) that keeps scale >= MIN_SCALE and overhead >= 0: the
     joint step where it stays within them, else the best of the steps with one of the two on its bound
     (a run whose engine is faster than the profile wants a negative overhead; zero is what it gets)."""

@@ -21,7 +21,9 @@ from solver.sharding import Unit, layer_static, sharded_costs, tracks_step
 from solver.spec import PipelineSpec
 
 
-def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]) -> PipelineCosts:
+def pipeline_costs(
+    profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...], modes: tuple[str, ...]
+) -> PipelineCosts:
     """The simulator's per-(stage, chunk) costs of a split: sums over each chunk's layers, its
     working set the largest of theirs, each stage's constant memory on its first chunk, and what the
     engine keeps of the tensors stages pass (`boundary_bytes`, `torch_1f1b_held_bytes`) and of their
@@ -44,8 +46,9 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
         whole = torch_split and virtual == 0
         # what the stage computes for its blocks (the rotary tables), where it holds one
         shared = profile.stage_shared_bytes if any(layer.is_body for layer, _ in layers) else 0.0
-        handed_gradient = (handed_gradient_bytes(layers[0][0], profile.stage_output_bytes)
-                           if hands_over[virtual] and layers else 0.0)
+        handed_gradient = (
+            handed_gradient_bytes(layers[0][0], profile.stage_output_bytes) if hands_over[virtual] and layers else 0.0
+        )
         # the loss's gradient, which the last stage's backward (its I) starts from: no layer's working set counts it
         seed = profile.loss_bytes if virtual == schedule.num_virtual_stages - 1 else 0.0
         grid[rank][chunk] = ChunkCosts(
@@ -54,32 +57,51 @@ def pipeline_costs(profile: ModelProfile, spec: PipelineSpec, counts: tuple[int,
             weight_ms=sum(layer.backward_ms if whole else layer.split_weight_ms() for layer, _ in layers)
             + weight_overhead,
             input_ms=(0.0 if whole else sum(layer.split_input_ms() for layer, _ in layers))
-            + backward_overhead - weight_overhead,
+            + backward_overhead
+            - weight_overhead,
             recompute_ms=sum(layer.recompute[mode].extra_ms for layer, mode in layers),
             activation_bytes=sum(layer.recompute[mode].activation_bytes for layer, mode in layers)
-            + kept_in_flight[virtual] - in_buffers[virtual] + shared,
+            + kept_in_flight[virtual]
+            - in_buffers[virtual]
+            + shared,
             retained_bytes=(sum(layer.recompute[mode].retained_bytes for layer, mode in layers) if splits else 0.0)
             + torch_retained[virtual],
-            pending_bytes=(0.0 if whole else _pending_bytes(layers, splits))
-            + torch_pending[virtual] - handed_gradient,
+            pending_bytes=(0.0 if whole else _pending_bytes(layers, splits)) + torch_pending[virtual] - handed_gradient,
             static_bytes=sum(layer_static(spec, layer).total for layer, _ in layers)
             + (constant if chunk == 0 else 0.0)
             + kept_whole_run[virtual]
             + held_sends[virtual],
-            working_bytes=_working_bytes(layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes,
-                                         shared_bytes=shared) + seed,
-            **(_split_working_bytes(layers, tail_weight_last=torch_split, seed_bytes=seed)
-               if splits and not whole else {}),
+            working_bytes=_working_bytes(
+                layers, one_backward=whole or not splits, handed_bytes=profile.stage_output_bytes, shared_bytes=shared
+            )
+            + seed,
+            **(
+                _split_working_bytes(layers, tail_weight_last=torch_split, seed_bytes=seed)
+                if splits and not whole
+                else {}
+            ),
             **({"input_working_bytes": 0.0} if whole else {}),  # torch's I does nothing there
-            sharded=sharded_costs(spec, _units(spec, layers, profile.stage_output_bytes, shared, in_buffers[virtual]),
-                                  start_bytes=shared, seed_bytes=seed) if tracks_step(spec) else None,
+            sharded=sharded_costs(
+                spec,
+                _units(spec, layers, profile.stage_output_bytes, shared, in_buffers[virtual]),
+                start_bytes=shared,
+                seed_bytes=seed,
+            )
+            if tracks_step(spec)
+            else None,
         )
-    return PipelineCosts(tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms,
-                         unshard_lookahead=torch_unshard_lookahead(spec))
+    return PipelineCosts(
+        tuple(tuple(row) for row in grid), p2p_ms=spec.p2p_ms, unshard_lookahead=torch_unshard_lookahead(spec)
+    )
 
 
-def _units(spec: PipelineSpec, layers: list[tuple[LayerProfile, str]], handed_bytes: float, shared_bytes: float,
-           buffered_bytes: float) -> list[Unit]:
+def _units(
+    spec: PipelineSpec,
+    layers: list[tuple[LayerProfile, str]],
+    handed_bytes: float,
+    shared_bytes: float,
+    buffered_bytes: float,
+) -> list[Unit]:
     """A chunk's layers as FSDP units (`solver.sharding.Unit`), in model order. Its backward runs the
     layers last to first, each handed the gradient of its output by the one after it and freeing its
     activations; the head's, last, when the blocks have freed what the stage computed for them too
@@ -90,19 +112,24 @@ def _units(spec: PipelineSpec, layers: list[tuple[LayerProfile, str]], handed_by
         activations[0] -= buffered_bytes
     units = []
     for index, (layer, mode) in enumerate(layers):
-        later = sum(cost for cost in activations[index + 1:])
-        units.append(Unit(
-            parameter_bytes=layer.parameter_bytes, gradient_bytes=layer.gradient_bytes,
-            activation_bytes=activations[index], working_bytes=layer.recompute[mode].working_bytes,
-            handed_bytes=handed_bytes if index < len(layers) - 1 else 0.0,
-            freed_bytes=later + (shared_bytes if layer.kind == HEAD else 0.0),
-            reshards_after_forward=spec.fsdp_reshard_after_forward,
-        ))
+        later = sum(cost for cost in activations[index + 1 :])
+        units.append(
+            Unit(
+                parameter_bytes=layer.parameter_bytes,
+                gradient_bytes=layer.gradient_bytes,
+                activation_bytes=activations[index],
+                working_bytes=layer.recompute[mode].working_bytes,
+                handed_bytes=handed_bytes if index < len(layers) - 1 else 0.0,
+                freed_bytes=later + (shared_bytes if layer.kind == HEAD else 0.0),
+                reshards_after_forward=spec.fsdp_reshard_after_forward,
+            )
+        )
     return units
 
 
-def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool, handed_bytes: float,
-                   shared_bytes: float) -> float:
+def _working_bytes(
+    layers: list[tuple[LayerProfile, str]], *, one_backward: bool, handed_bytes: float, shared_bytes: float
+) -> float:
     """What a chunk holds above its activations while its backward runs: the largest working set of
     its layers. Where one backward runs the whole chunk (`one_backward`: not a split backward, which
     keeps the graph for the weight gradients) each layer's backward frees what it saved, so the tail
@@ -118,11 +145,13 @@ def _working_bytes(layers: list[tuple[LayerProfile, str]], *, one_backward: bool
     kinds = {layer.kind for layer, _ in layers}
     freed_by_tail = sum(layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind == TAIL)
     freed_before_head = shared_bytes + sum(
-        layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD)
+        layer.recompute[mode].activation_bytes for layer, mode in layers if layer.kind != HEAD
+    )
     freed = {TAIL: 0.0, HEAD: freed_before_head - (handed_bytes if kinds - {HEAD} else 0.0)}
     body_freed = freed_by_tail - (handed_bytes if TAIL in kinds else 0.0)
-    return max([layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers],
-               default=0.0)
+    return max(
+        [layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers], default=0.0
+    )
 
 
 def buffered_input_bytes(profile: ModelProfile, spec: PipelineSpec, counts: Sequence[int]) -> list[float]:
@@ -131,8 +160,10 @@ def buffered_input_bytes(profile: ModelProfile, spec: PipelineSpec, counts: Sequ
     included), which `boundary_bytes` counts for the whole run: the layer keeps that tensor, not a
     copy (fp32 blocks keep their input, bf16 Llama blocks an fp32 copy of it). Zeros elsewhere."""
     starts = list(itertools.accumulate(counts, initial=0))
-    return [saved_input_bytes(profile.layers[start]) if spec.receive_buffers and virtual > 0 and count else 0.0
-            for virtual, (start, count) in enumerate(zip(starts, counts))]
+    return [
+        saved_input_bytes(profile.layers[start]) if spec.receive_buffers and virtual > 0 and count else 0.0
+        for virtual, (start, count) in enumerate(zip(starts, counts))
+    ]
 
 
 def saved_input_bytes(layer: LayerProfile) -> float:
@@ -162,12 +193,15 @@ def _pending_bytes(layers: list[tuple[LayerProfile, str]], splits: bool) -> floa
 def _kept_by_inputs(layers: list[tuple[LayerProfile, str]]) -> float:
     """The sum over a chunk's layers of what each one's I holds less what it frees of the gradient
     handed to it."""
-    return sum(layer.recompute[mode].split_input_held_bytes() - layer.recompute[mode].output_gradient_freed_bytes
-               for layer, mode in layers)
+    return sum(
+        layer.recompute[mode].split_input_held_bytes() - layer.recompute[mode].output_gradient_freed_bytes
+        for layer, mode in layers
+    )
 
 
-def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool,
-                         seed_bytes: float = 0.0) -> dict[str, float]:
+def _split_working_bytes(
+    layers: list[tuple[LayerProfile, str]], *, tail_weight_last: bool, seed_bytes: float = 0.0
+) -> dict[str, float]:
     """What each half of a chunk's split backward holds above what was held when it began. The I
     half runs the layers last to first, each forming its pending gradients, which stay for W: the
     tail's first, with nothing pending yet; then what every layer's I leaves held until the chunk's
@@ -180,14 +214,22 @@ def _split_working_bytes(layers: list[tuple[LayerProfile, str]], *, tail_weight_
     `seed_bytes` besides (the loss's gradient, on the last stage)."""
     held = _kept_by_inputs(layers) + (last_layer_bytes(layers[-1][0])[1] if layers else 0.0)
     tail = [layer.recompute[mode].split_input_working_bytes() for layer, mode in layers if layer.kind == TAIL]
-    others = [layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
-              for layer, mode in layers if layer.kind != TAIL]
-    freed_by_others = sum(layer.recompute[mode].split_weight_freed_bytes() for layer, mode in layers
-                          if layer.kind != TAIL)
+    others = [
+        layer.recompute[mode].split_input_working_bytes() - layer.recompute[mode].split_input_held_bytes()
+        for layer, mode in layers
+        if layer.kind != TAIL
+    ]
+    freed_by_others = sum(
+        layer.recompute[mode].split_weight_freed_bytes() for layer, mode in layers if layer.kind != TAIL
+    )
     return {
         "input_working_bytes": max(tail + ([held + max(0.0, *others)] if others else []), default=0.0) + seed_bytes,
-        "weight_working_bytes": max([layer.recompute[mode].split_weight_working_bytes()
-                                     - (freed_by_others if layer.kind == TAIL and tail_weight_last else 0.0)
-                                     for layer, mode in layers], default=0.0),
+        "weight_working_bytes": max(
+            [
+                layer.recompute[mode].split_weight_working_bytes()
+                - (freed_by_others if layer.kind == TAIL and tail_weight_last else 0.0)
+                for layer, mode in layers
+            ],
+            default=0.0,
+        ),
     }
-

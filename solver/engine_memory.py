@@ -38,8 +38,10 @@ def torch_hands_gradient_over(spec: PipelineSpec) -> list[bool]:
     over on the rank (a V schedule's turn), not received from another."""
     schedule = spec.pipeline_schedule
     split = torch_splits_backward(spec)
-    return [split and virtual > 0 and schedule.rank_of(virtual - 1) == schedule.rank_of(virtual)
-            for virtual in range(schedule.num_virtual_stages)]
+    return [
+        split and virtual > 0 and schedule.rank_of(virtual - 1) == schedule.rank_of(virtual)
+        for virtual in range(schedule.num_virtual_stages)
+    ]
 
 
 def handed_gradient_bytes(layer: LayerProfile, stage_output_bytes: float) -> float:
@@ -117,7 +119,6 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
         buffers = (virtual > 0) + (virtual < last) if spec.receive_buffers else 0
         whole_run.append(buffers * spec.micro_batches * size)
     return in_flight, whole_run
-
 
 
 def torch_unshard_lookahead(spec: PipelineSpec) -> int:

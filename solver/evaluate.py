@@ -28,7 +28,9 @@ def evaluate_plan(
     schedule = spec.pipeline_schedule
     layers = profile.layers
     if len(counts) != schedule.num_virtual_stages:
-        raise InputError("stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}")
+        raise InputError(
+            "stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}"
+        )
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
         raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
     if sum(counts) != len(layers):
@@ -40,14 +42,14 @@ def evaluate_plan(
     if counts[-1] < tails:
         raise InputError("stage_layer_counts", f"the last virtual stage must hold all {tails} tail layers")
     if not spec.allow_empty_chunks and 0 in counts:
-        raise InputError("stage_layer_counts", f"virtual stage {counts.index(0)} is empty (allow empty chunks to permit it)")
+        raise InputError(
+            "stage_layer_counts", f"virtual stage {counts.index(0)} is empty (allow empty chunks to permit it)"
+        )
     if len(modes) != len(layers):
         raise InputError("layer_modes", f"expected one recompute mode per layer ({len(layers)}), got {len(modes)}")
     for index, (layer, mode) in enumerate(zip(layers, modes)):
         if not isinstance(mode, str) or mode not in layer.recompute:
-            raise InputError(
-                f"layer_modes[{index}]", f"{layer.name} offers {', '.join(layer.modes)}; got {mode!r}"
-            )
+            raise InputError(f"layer_modes[{index}]", f"{layer.name} offers {', '.join(layer.modes)}; got {mode!r}")
     result = simulate(schedule, pipeline_costs(profile, spec, counts, modes))
     return Plan(
         spec=spec,
@@ -84,7 +86,9 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
         layer = Fields(item, f"plan.layers[{index}]")
         name = layer.text("name", required=True)
         if name != profile.layers[index].name:
-            raise InputError(layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}")
+            raise InputError(
+                layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}"
+            )
         modes.append(layer.text("recompute", required=True))
     if not isinstance(counts, list):
         raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {shown(counts)}")

@@ -11,6 +11,8 @@ slower, which is where the integer plans near it differ.
 
 from __future__ import annotations
 
+import itertools
+
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OPS
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.replay import critical_path
@@ -48,18 +50,25 @@ class IntegerProgram(LayerPlacement):
         self.timing = timing
         milp, num_virtual_stages = self.milp, schedule.num_virtual_stages
         self.memory = stage_memory(self)
-        forward, backward, weight, input_grad = (self.virtual_stage_sums(f) for f in (
-            lambda g, m: g.forward_ms,
-            lambda g, m: g.backward_ms + g.extra_ms[m],
-            lambda g, m: g.weight_ms,
-            lambda g, m: g.input_ms + g.extra_ms[m],
-        ))
+        forward, backward, weight, input_grad = (
+            self.virtual_stage_sums(f)
+            for f in (
+                lambda g, m: g.forward_ms,
+                lambda g, m: g.backward_ms + g.extra_ms[m],
+                lambda g, m: g.weight_ms,
+                lambda g, m: g.input_ms + g.extra_ms[m],
+            )
+        )
         if torch_splits_backward(spec):  # stage 0's W runs its whole backward, as costs.pipeline_costs states it
             weight[0] = self.virtual_stage_sums(lambda g, m: g.backward_ms)[0]
             input_grad[0] = self.virtual_stage_sums(lambda g, m: g.extra_ms[m])[0]
         forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
-        for sums, overhead in ((forward, forward_overhead), (backward, backward_overhead), (weight, weight_overhead),
-                                    (input_grad, backward_overhead - weight_overhead)):
+        for sums, overhead in (
+            (forward, forward_overhead),
+            (backward, backward_overhead),
+            (weight, weight_overhead),
+            (input_grad, backward_overhead - weight_overhead),
+        ):
             for expression in sums:
                 expression.constant += overhead
         self.recompute_terms: dict[int, float] = {}
@@ -71,8 +80,12 @@ class IntegerProgram(LayerPlacement):
         self.duration: dict[tuple[int, str], int] = {}
         self.duration_expression: dict[int, Linear] = {}  # duration variable -> its value in layer counts
         for c in range(num_virtual_stages):
-            for op, expression in ((FORWARD, forward[c]), (FULL_BACKWARD, backward[c]),
-                                     (BACKWARD_INPUT, input_grad[c]), (BACKWARD_WEIGHT, weight[c])):
+            for op, expression in (
+                (FORWARD, forward[c]),
+                (FULL_BACKWARD, backward[c]),
+                (BACKWARD_INPUT, input_grad[c]),
+                (BACKWARD_WEIGHT, weight[c]),
+            ):
                 self.duration[c, op] = self._defined(expression)
                 self.duration_expression[self.duration[c, op]] = expression
         compiled = schedule.compiled
@@ -124,8 +137,10 @@ class IntegerProgram(LayerPlacement):
     def critical_ms_per_virtual_stage(self, values: list[float]) -> list[float]:
         """Milliseconds the critical path of `values` spends on each virtual stage."""
         terms, _ = self._critical_path(values)
-        return [sum(terms.get(self.duration[virtual, op], 0.0) * values[self.duration[virtual, op]] for op in OPS)
-                for virtual in range(self.schedule.num_virtual_stages)]
+        return [
+            sum(terms.get(self.duration[virtual, op], 0.0) * values[self.duration[virtual, op]] for op in OPS)
+            for virtual in range(self.schedule.num_virtual_stages)
+        ]
 
     def _critical_path(self, values: list[float]) -> tuple[dict[int, float], int]:
         """The simulator's critical path for the durations in `values`: how many times it runs each
@@ -145,7 +160,7 @@ class IntegerProgram(LayerPlacement):
         terms: dict[int, float] = {}
         for action in chain:
             terms[self.action_duration[action]] = terms.get(self.action_duration[action], 0.0) + 1.0
-        hops = sum(1 for before, after in zip(chain, chain[1:]) if compiled.rank[before] != compiled.rank[after])
+        hops = sum(1 for before, after in itertools.pairwise(chain) if compiled.rank[before] != compiled.rank[after])
         return terms, hops
 
     def add_paths_of_slower_stages(self, values: list[float]) -> None:

@@ -86,7 +86,11 @@ def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: 
                 input_held_mib={m: layer.recompute[m].split_input_held_bytes() / MIB for m in modes},
                 output_gradient_freed_mib={m: layer.recompute[m].output_gradient_freed_bytes / MIB for m in modes},
                 weight_freed_mib={m: layer.recompute[m].split_weight_freed_bytes() / MIB for m in modes},
-                pinned_virtual_stage=0 if layer.kind == HEAD else num_virtual_stages - 1 if layer.kind == TAIL else None,
+                pinned_virtual_stage=0
+                if layer.kind == HEAD
+                else num_virtual_stages - 1
+                if layer.kind == TAIL
+                else None,
             )
         )
     return groups
@@ -94,10 +98,22 @@ def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: 
 
 def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
     """Modes no other mode beats on extra time and every amount of memory alike (the first of equals)."""
-    costs = {m: (c.extra_ms, c.activation_bytes, c.working_bytes, c.retained_bytes, c.pending_bytes,
-                 c.split_input_working_bytes(), c.split_weight_working_bytes(), c.split_input_held_bytes(),
-                 c.inner_extra_bytes(), -c.output_gradient_freed_bytes, -c.split_weight_freed_bytes())
-             for m, c in layer.recompute.items()}
+    costs = {
+        m: (
+            c.extra_ms,
+            c.activation_bytes,
+            c.working_bytes,
+            c.retained_bytes,
+            c.pending_bytes,
+            c.split_input_working_bytes(),
+            c.split_weight_working_bytes(),
+            c.split_input_held_bytes(),
+            c.inner_extra_bytes(),
+            -c.output_gradient_freed_bytes,
+            -c.split_weight_freed_bytes(),
+        )
+        for m, c in layer.recompute.items()
+    }
     kept = []
     for mode in layer.modes:
         beaten = any(
@@ -112,8 +128,16 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
 
 def _costs_key(layer: LayerProfile) -> tuple:
     return (
-        layer.kind, layer.forward_ms, layer.backward_ms, layer.split_weight_ms(), layer.split_input_ms(),
-        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, layer.parameter_tensors, layer.expert_parameter_bytes,
+        layer.kind,
+        layer.forward_ms,
+        layer.backward_ms,
+        layer.split_weight_ms(),
+        layer.split_input_ms(),
+        layer.parameter_bytes,
+        layer.gradient_bytes,
+        layer.optimizer_bytes,
+        layer.parameter_tensors,
+        layer.expert_parameter_bytes,
         tuple(sorted(layer.recompute.items())),
     )
 

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from simulator.errors import InputError, check_instance
-from solver.profile import ModelProfile, read_json
+from simulator.files import read_json
+from solver.profile import ModelProfile
 from solver.sapp import profile_from_sapp
 
 
@@ -17,8 +18,9 @@ def load_profile(path: str | Path) -> ModelProfile:
     data = read_json(path, "profile")
     if not isinstance(data, Mapping) or not ("layers_description" in data or "schema_version" in data):
         raise InputError(
-            "profile", f"{path}: expected sapp-hook's profile (an object with schema_version and layers) or SAPP's "
-            "layer JSON (an object with layers_description)"
+            "profile",
+            f"{path}: expected sapp-hook's profile (an object with schema_version and layers) or SAPP's "
+            "layer JSON (an object with layers_description)",
         )
     if "layers_description" in data:
         return profile_from_sapp(data)

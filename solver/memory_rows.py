@@ -54,12 +54,15 @@ def stage_memory(placement: LayerPlacement) -> StageMemory:
     profile, spec, groups = placement.profile, placement.spec, placement.groups
     num_virtual_stages = placement.schedule.num_virtual_stages
     splits = schedule_kind(spec.schedule).splits_backward  # the layers' retained bytes count only then
-    activation, static, retained, pending = (placement.virtual_stage_sums(f) for f in (
-        lambda g, m: g.activation_mib[m],
-        lambda g, m: g.static_mib,
-        lambda g, m: g.retained_mib[m] if splits else 0.0,
-        lambda g, m: g.kept_by_input_mib(m) if splits else g.pending_mib[m],
-    ))
+    activation, static, retained, pending = (
+        placement.virtual_stage_sums(f)
+        for f in (
+            lambda g, m: g.activation_mib[m],
+            lambda g, m: g.static_mib,
+            lambda g, m: g.retained_mib[m] if splits else 0.0,
+            lambda g, m: g.kept_by_input_mib(m) if splits else g.pending_mib[m],
+        )
+    )
     last_layer = _last_layers(placement) if splits else None
     if spec.receive_buffers:  # a stage's input is one of torch's buffers: its first layer keeps that
         saved = [saved_input_bytes(profile.layers[group.first]) / MIB for group in groups]
@@ -73,13 +76,13 @@ def stage_memory(placement: LayerPlacement) -> StageMemory:
     for virtual, (torch_retained, torch_pending) in enumerate(zip(*torch_engine_bytes(profile, spec))):
         retained[virtual].constant += torch_retained / MIB
         pending[virtual].constant += torch_pending / MIB
-    handed = [handed_gradient_bytes(profile.layers[group.first], profile.stage_output_bytes) / MIB
-              for group in groups]
+    handed = [handed_gradient_bytes(profile.layers[group.first], profile.stage_output_bytes) / MIB for group in groups]
     for virtual, hands_over in enumerate(torch_hands_gradient_over(spec)):  # costs.pipeline_costs
         if hands_over:
             pending[virtual].add_expression(placement.at_end(virtual, handed, first=True), -1.0)
-    for virtual, (in_flight, whole_run, held) in enumerate(zip(*boundary_bytes(profile, spec),
-                                                            torch_1f1b_held_bytes(profile, spec))):
+    for virtual, (in_flight, whole_run, held) in enumerate(
+        zip(*boundary_bytes(profile, spec), torch_1f1b_held_bytes(profile, spec))
+    ):
         activation[virtual].constant += in_flight / MIB
         static[virtual].constant += (whole_run + held) / MIB
     working = _working_sets(placement, last_layer)
@@ -97,8 +100,12 @@ def _last_layers(placement: LayerPlacement) -> list[tuple[Linear, Linear]]:
         if c == 0 and torch_splits_backward(placement.spec):  # its whole backward runs at W: nothing pends
             last_layers.append((Linear(), Linear()))
             continue
-        last_layers.append((placement.at_end(c, [extra / MIB for extra, _ in values], first=False),
-                            placement.at_end(c, [freed / MIB for _, freed in values], first=False)))
+        last_layers.append(
+            (
+                placement.at_end(c, [extra / MIB for extra, _ in values], first=False),
+                placement.at_end(c, [freed / MIB for _, freed in values], first=False),
+            )
+        )
     return last_layers
 
 
@@ -127,9 +134,14 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
     tail_weight_last = torch_splits_backward(placement.spec)
     handed = placement.profile.stage_output_bytes / MIB
     # halves that hold what the whole backward does need no rows of their own (SAPP's files)
-    halves_differ = any(g.input_working_mib != g.working_mib or g.weight_working_mib != g.working_mib
-                        or any(g.input_held_mib.values()) or any(g.output_gradient_freed_mib.values())
-                        or any(g.weight_freed_mib.values()) for g in placement.groups)
+    halves_differ = any(
+        g.input_working_mib != g.working_mib
+        or g.weight_working_mib != g.working_mib
+        or any(g.input_held_mib.values())
+        or any(g.output_gradient_freed_mib.values())
+        or any(g.weight_freed_mib.values())
+        for g in placement.groups
+    )
     working = []
     for c in range(num_virtual_stages):
         pinned_groups = [g for g in placement.groups if g.pinned_virtual_stage == c]
@@ -143,8 +155,11 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
             head_rows = []
             # the head's backward runs last, after every other layer here has freed
             if head + handed_to_head > pinned:
-                terms = {count: -placement.groups[g].activation_mib[mode]
-                         for (g, virtual, mode), count in placement.count.items() if virtual == c}
+                terms = {
+                    count: -placement.groups[g].activation_mib[mode]
+                    for (g, virtual, mode), count in placement.count.items()
+                    if virtual == c
+                }
                 # with a body layer here: the head's handed gradient less the tables the blocks freed (negative is safe)
                 body_coefficient = handed_to_head - placement.profile.stage_shared_bytes / MIB
                 if body_coefficient:
@@ -156,14 +171,17 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
                 working[-1][BACKWARD_INPUT] = Linear()
             continue
         # a split backward frees nothing before the head's
-        whole = placement.largest(c, max([g.working_mib[NONE] for g in pinned_groups], default=0.0),
-                                  lambda g, m: g.working_mib[m])
+        whole = placement.largest(
+            c, max([g.working_mib[NONE] for g in pinned_groups], default=0.0), lambda g, m: g.working_mib[m]
+        )
         if not halves_differ:
             working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
             continue
         above_held = placement.largest(
-            c, max([0.0] + [g.input_working_mib[NONE] - g.input_held_mib[NONE] for g in pinned_groups if g.kind == HEAD]),
-            lambda g, m: g.input_working_mib[m] - g.input_held_mib[m])
+            c,
+            max([0.0] + [g.input_working_mib[NONE] - g.input_held_mib[NONE] for g in pinned_groups if g.kind == HEAD]),
+            lambda g, m: g.input_working_mib[m] - g.input_held_mib[m],
+        )
         above_held.add_expression(held[c])
         tails = [g.input_working_mib[NONE] for g in pinned_groups if g.kind == TAIL]
         if tails:  # the larger of the tail's and the rest's
@@ -173,20 +191,23 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
         if tail_weights and tail_weight_last:  # after every other layer's W has freed (costs._split_working_bytes)
             tail_freed = sum(g.size * g.weight_freed_mib[NONE] for g in pinned_groups if g.kind == TAIL)
             freed_by_others = freed_by_weights[c].constant - tail_freed  # and the terms: the body layers'
-            weight_rows = [(max(tail_weights) - freed_by_others,
-                            {v: -k for v, k in freed_by_weights[c].terms.items()})]
+            weight_rows = [(max(tail_weights) - freed_by_others, {v: -k for v, k in freed_by_weights[c].terms.items()})]
             tail_weights = []
-        weight = placement.largest(c, max([g.weight_working_mib[NONE] for g in pinned_groups if g.kind != TAIL]
-                                          + tail_weights, default=0.0),
-                                   lambda g, m: g.weight_working_mib[m], weight_rows)
+        weight = placement.largest(
+            c,
+            max([g.weight_working_mib[NONE] for g in pinned_groups if g.kind != TAIL] + tail_weights, default=0.0),
+            lambda g, m: g.weight_working_mib[m],
+            weight_rows,
+        )
         working.append({FULL_BACKWARD: whole, BACKWARD_INPUT: above_held, BACKWARD_WEIGHT: weight})
     seed = placement.profile.loss_bytes / MIB  # costs.pipeline_costs: the loss's gradient, on the last stage
     if seed:  # held by its whole backward, or by its I where split (torch's first stage: none at I)
         holding = {FULL_BACKWARD} | ({BACKWARD_WEIGHT} if one_backward[-1] else {BACKWARD_INPUT})
         if not splits:
             holding.add(BACKWARD_INPUT)
-        working[-1] = {op: Linear(dict(e.terms), e.constant + seed) if op in holding else e
-                       for op, e in working[-1].items()}
+        working[-1] = {
+            op: Linear(dict(e.terms), e.constant + seed) if op in holding else e for op, e in working[-1].items()
+        }
     return working
 
 
@@ -208,7 +229,12 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
         held = [0] * (3 * chunks)
         points: set[tuple[tuple[int, ...], WorkingAt]] = set()
         first = compiled.rank_offsets[rank]
-        ops = list(zip(compiled.chunk[first:compiled.rank_offsets[rank + 1]], compiled.op[first:compiled.rank_offsets[rank + 1]]))
+        ops = list(
+            zip(
+                compiled.chunk[first : compiled.rank_offsets[rank + 1]],
+                compiled.op[first : compiled.rank_offsets[rank + 1]],
+            )
+        )
         states = ShardedStates(placement, memory.sharded, ops)  # held counts, then these states' flags
         point = functools.partial(_add_point, points, held, states.flags)
         for index, (chunk, op) in enumerate(ops):
@@ -243,12 +269,15 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
         for counts, working in _undominated(points):
             row = Linear(constant=constant_mib)
             for chunk, virtual in enumerate(rank_stages):
-                for part, scale in ((memory.static[virtual], 1), (memory.activation[virtual], counts[chunk]),
-                                    (memory.retained[virtual], counts[chunks + chunk]),
-                                    (past_input[virtual], counts[2 * chunks + chunk])):
+                for part, scale in (
+                    (memory.static[virtual], 1),
+                    (memory.activation[virtual], counts[chunk]),
+                    (memory.retained[virtual], counts[chunks + chunk]),
+                    (past_input[virtual], counts[2 * chunks + chunk]),
+                ):
                     if scale:
                         row.add_expression(part, scale)
-            states.add_to(row, counts[3 * chunks:], rank_stages)
+            states.add_to(row, counts[3 * chunks :], rank_stages)
             if working is not None:
                 working_chunk, op = working
                 virtual = rank_stages[working_chunk]
@@ -262,8 +291,9 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
     return rows
 
 
-def _add_point(points: set[tuple[tuple[int, ...], WorkingAt]], held: list[int], flags: list[int],
-               working: WorkingAt) -> None:
+def _add_point(
+    points: set[tuple[tuple[int, ...], WorkingAt]], held: list[int], flags: list[int], working: WorkingAt
+) -> None:
     points.add((tuple(held + flags), working))
 
 

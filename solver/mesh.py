@@ -34,15 +34,26 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what to do when a profile lacks what a degree needs
 REMEDY = "profile again with this sapp-hook (a Llama-family model), or estimate with `sapp-hook profile --estimate`"
 # the recompute cost fields a split backward holds: gradients, split like the backward's
-SPLIT_FIELDS = ("retained_bytes", "pending_bytes", "input_working_bytes", "weight_working_bytes", "input_held_bytes",
-                "output_gradient_freed_bytes", "weight_freed_bytes")
+SPLIT_FIELDS = (
+    "retained_bytes",
+    "pending_bytes",
+    "input_working_bytes",
+    "weight_working_bytes",
+    "input_held_bytes",
+    "output_gradient_freed_bytes",
+    "weight_freed_bytes",
+)
 
 
 def spec_mesh(spec: PipelineSpec) -> Mesh:
     """The layout `spec` plans one rank of."""
-    return Mesh(tensor_parallel=spec.tensor_parallel, sequence_parallel=spec.sequence_parallel,
-                context_parallel=spec.context_parallel, expert_parallel=spec.expert_parallel,
-                expert_tokens=spec.expert_tokens if spec.expert_parallel > 1 else BALANCED)
+    return Mesh(
+        tensor_parallel=spec.tensor_parallel,
+        sequence_parallel=spec.sequence_parallel,
+        context_parallel=spec.context_parallel,
+        expert_parallel=spec.expert_parallel,
+        expert_tokens=spec.expert_tokens if spec.expert_parallel > 1 else BALANCED,
+    )
 
 
 def rank_profile(profile: ModelProfile, spec: PipelineSpec) -> ModelProfile:
@@ -57,14 +68,20 @@ def profile_for_mesh(profile: ModelProfile, target: Mesh) -> ModelProfile:
         return profile
     tensor = _to_apply(have.tensor_parallel, target.tensor_parallel, "tensor_parallel")
     if not tensor and have.sequence_parallel != target.sequence_parallel:
-        raise InputError("sequence_parallel", f"the profile is per rank of tensor_parallel {have.tensor_parallel} "
-                                              f"{'with' if have.sequence_parallel else 'without'} sequence parallel "
-                                              f"(its mesh); expected the spec to say the same")
+        raise InputError(
+            "sequence_parallel",
+            f"the profile is per rank of tensor_parallel {have.tensor_parallel} "
+            f"{'with' if have.sequence_parallel else 'without'} sequence parallel "
+            f"(its mesh); expected the spec to say the same",
+        )
     context = _to_apply(have.context_parallel, target.context_parallel, "context_parallel")
     expert = _to_apply(have.expert_parallel, target.expert_parallel, "expert_parallel")
     if not expert and have.expert_tokens != target.expert_tokens:
-        raise InputError("expert_tokens", f"the profile is per rank of expert_parallel {have.expert_parallel} with "
-                                          f"{have.expert_tokens} expert tokens (its mesh); got {target.expert_tokens}")
+        raise InputError(
+            "expert_tokens",
+            f"the profile is per rank of expert_parallel {have.expert_parallel} with "
+            f"{have.expert_tokens} expert tokens (its mesh); got {target.expert_tokens}",
+        )
     _check_divides(profile, target, tensor=tensor, context=context, expert=expert)
     rank = profile
     if tensor:
@@ -103,8 +120,11 @@ def _to_apply(have: int, want: int, name: str) -> bool:
         return False
     if have == 1:
         return True
-    raise InputError(name, f"the profile's numbers are per rank of {name} {have} already (its mesh); planning for "
-                           f"{want} would divide them again: give {have}, or a profile measured on one process")
+    raise InputError(
+        name,
+        f"the profile's numbers are per rank of {name} {have} already (its mesh); planning for "
+        f"{want} would divide them again: give {have}, or a profile measured on one process",
+    )
 
 
 def _check_divides(profile: ModelProfile, mesh: Mesh, *, tensor: bool, context: bool, expert: bool) -> None:
@@ -126,8 +146,11 @@ def _check_divides(profile: ModelProfile, mesh: Mesh, *, tensor: bool, context: 
     if context:
         sequence = profile.micro_batch.get("sequence", 0)
         if not sequence or sequence % (2 * mesh.context_parallel):
-            raise InputError("context_parallel", f"expected the profile's sequence ({sequence or 'not stated'}) to be "
-                                                 f"a multiple of 2 x {mesh.context_parallel} (two chunks per rank)")
+            raise InputError(
+                "context_parallel",
+                f"expected the profile's sequence ({sequence or 'not stated'}) to be "
+                f"a multiple of 2 x {mesh.context_parallel} (two chunks per rank)",
+            )
 
 
 def _dimension(profile: ModelProfile, name: str, flag: str) -> int:
@@ -151,15 +174,21 @@ def _static(layer: LayerProfile, parameter_bytes: float, gradient_bytes: float, 
     follows the parameters, the per-tensor step counts stay."""
     per_tensor = layer.optimizer_tensor_bytes()
     scale = parameter_bytes / layer.parameter_bytes if layer.parameter_bytes else 1.0
-    return {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,
-            "optimizer_bytes": (layer.optimizer_bytes - per_tensor) * scale + per_tensor,
-            "expert_parameter_bytes": expert_bytes}
+    return {
+        "parameter_bytes": parameter_bytes,
+        "gradient_bytes": gradient_bytes,
+        "optimizer_bytes": (layer.optimizer_bytes - per_tensor) * scale + per_tensor,
+        "expert_parameter_bytes": expert_bytes,
+    }
 
 
 def _times(layer: LayerProfile, divisor: int) -> dict:
-    return {"forward_ms": layer.forward_ms / divisor, "backward_ms": layer.backward_ms / divisor,
-            "weight_ms": None if layer.weight_ms is None else layer.weight_ms / divisor,
-            "input_ms": None if layer.input_ms is None else layer.input_ms / divisor}
+    return {
+        "forward_ms": layer.forward_ms / divisor,
+        "backward_ms": layer.backward_ms / divisor,
+        "weight_ms": None if layer.weight_ms is None else layer.weight_ms / divisor,
+        "input_ms": None if layer.input_ms is None else layer.input_ms / divisor,
+    }
 
 
 def _divided(cost: RecomputeCost, names: tuple[str, ...], divisor: float) -> dict:
@@ -172,15 +201,23 @@ def _tensor_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
 
     def change(layer: LayerProfile, where: str) -> LayerProfile:
         replicated = _needed(layer.replicated_parameter_bytes, f"{where}.replicated_parameter_bytes", "tensor_parallel")
-        whole_gradient = _needed(layer.replicated_gradient_bytes, f"{where}.replicated_gradient_bytes", "tensor_parallel")
+        whole_gradient = _needed(
+            layer.replicated_gradient_bytes, f"{where}.replicated_gradient_bytes", "tensor_parallel"
+        )
         experts = _needed(layer.expert_parameter_bytes, f"{where}.expert_parameter_bytes", "tensor_parallel")
         _needed(layer.parameter_tensors, f"{where}.parameter_tensors", "tensor_parallel")
         expert_gradient = experts * layer.gradient_bytes / layer.parameter_bytes if layer.parameter_bytes else 0.0
         split = layer.parameter_bytes - replicated - experts
         split_gradient = max(layer.gradient_bytes - whole_gradient - expert_gradient, 0.0)
-        static = _static(layer, split / t + replicated + experts / experts_divisor,
-                         split_gradient / t + whole_gradient + expert_gradient / experts_divisor, experts / experts_divisor)
-        kept = {mode: _tp_activation(cost, t, sp, f"{where}.recompute.{mode}") for mode, cost in layer.recompute.items()}
+        static = _static(
+            layer,
+            split / t + replicated + experts / experts_divisor,
+            split_gradient / t + whole_gradient + expert_gradient / experts_divisor,
+            experts / experts_divisor,
+        )
+        kept = {
+            mode: _tp_activation(cost, t, sp, f"{where}.recompute.{mode}") for mode, cost in layer.recompute.items()
+        }
         none = layer.recompute[NONE]
         recompute = {}
         for mode, cost in layer.recompute.items():
@@ -188,15 +225,21 @@ def _tensor_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
             working = (gradients / t if layer.is_body else gradients) + kept[NONE][0] - kept[mode][0]
             activation, whole = kept[mode]
             recompute[mode] = dataclasses.replace(
-                cost, extra_ms=cost.extra_ms / t, activation_bytes=activation, working_bytes=working,
-                tp_whole_activation_bytes=whole, sp_whole_activation_bytes=whole,
+                cost,
+                extra_ms=cost.extra_ms / t,
+                activation_bytes=activation,
+                working_bytes=working,
+                tp_whole_activation_bytes=whole,
+                sp_whole_activation_bytes=whole,
                 saved_input_bytes=min(cost.saved_input_bytes / (t if sp else 1), activation),
                 **_divided(cost, ("expert_activation_bytes", "expert_working_bytes"), t),
-                **(_divided(cost, SPLIT_FIELDS, t) if layer.is_body else {}))
+                **(_divided(cost, SPLIT_FIELDS, t) if layer.is_body else {}),
+            )
         return dataclasses.replace(layer, recompute=recompute, **static, **_times(layer, t))
 
-    return dataclasses.replace(profile, layers=_layers(profile, change),
-                               stage_output_bytes=profile.stage_output_bytes / (t if sp else 1))
+    return dataclasses.replace(
+        profile, layers=_layers(profile, change), stage_output_bytes=profile.stage_output_bytes / (t if sp else 1)
+    )
 
 
 def _tp_activation(cost: RecomputeCost, t: int, sp: bool, where: str) -> tuple[float, float]:
@@ -211,11 +254,27 @@ def _context_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
     # one remote key-value chunk in flight and its gradient, per block's backward (ring attention)
     ring = 0.0
     if any(layer.is_body for layer in profile.layers):
-        kv_width = _dimension(profile, "kv_heads", "context_parallel") * _dimension(profile, "head_dim", "context_parallel")
-        ring = 2 * 2 * _tokens(profile, "context_parallel") * kv_width * _dtype_bytes(profile, "context_parallel") / (
-            mesh.tensor_parallel * c)
-    names = ("activation_bytes", "working_bytes", "saved_input_bytes", "tp_whole_activation_bytes",
-             "sp_whole_activation_bytes", "expert_activation_bytes", "expert_working_bytes", *SPLIT_FIELDS)
+        kv_width = _dimension(profile, "kv_heads", "context_parallel") * _dimension(
+            profile, "head_dim", "context_parallel"
+        )
+        ring = (
+            2
+            * 2
+            * _tokens(profile, "context_parallel")
+            * kv_width
+            * _dtype_bytes(profile, "context_parallel")
+            / (mesh.tensor_parallel * c)
+        )
+    names = (
+        "activation_bytes",
+        "working_bytes",
+        "saved_input_bytes",
+        "tp_whole_activation_bytes",
+        "sp_whole_activation_bytes",
+        "expert_activation_bytes",
+        "expert_working_bytes",
+        *SPLIT_FIELDS,
+    )
 
     def change(layer: LayerProfile, where: str) -> LayerProfile:
         recompute = {}
@@ -229,27 +288,42 @@ def _context_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
         return dataclasses.replace(layer, recompute=recompute, **_times(layer, c))
 
     loss = profile.loss_bytes
-    return dataclasses.replace(profile, layers=_layers(profile, change),
-                               stage_output_bytes=profile.stage_output_bytes / c,
-                               model_output_bytes=(profile.model_output_bytes - loss) / c + loss,
-                               stage_shared_bytes=profile.stage_shared_bytes / c)
+    return dataclasses.replace(
+        profile,
+        layers=_layers(profile, change),
+        stage_output_bytes=profile.stage_output_bytes / c,
+        model_output_bytes=(profile.model_output_bytes - loss) / c + loss,
+        stage_shared_bytes=profile.stage_shared_bytes / c,
+    )
 
 
 def _expert_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
     e = mesh.expert_parallel
-    experts, per_token = _dimension(profile, "experts", "expert_parallel"), _dimension(profile, "experts_per_token", "expert_parallel")
+    experts, per_token = (
+        _dimension(profile, "experts", "expert_parallel"),
+        _dimension(profile, "experts_per_token", "expert_parallel"),
+    )
     ratio = token_copies_ratio(mesh.expert_tokens, experts, per_token, e)
     # the all-to-all buffers of one MoE layer's work: what it sends (its tokens' copies) and receives
     routed = _tokens(profile, "expert_parallel") * per_token / (mesh.tensor_parallel * mesh.context_parallel)
-    all_to_all = (1 + ratio) * routed * _dimension(profile, "hidden", "expert_parallel") * _dtype_bytes(profile, "expert_parallel")
+    all_to_all = (
+        (1 + ratio)
+        * routed
+        * _dimension(profile, "hidden", "expert_parallel")
+        * _dtype_bytes(profile, "expert_parallel")
+    )
 
     def change(layer: LayerProfile, where: str) -> LayerProfile:
         expert_bytes = _needed(layer.expert_parameter_bytes, f"{where}.expert_parameter_bytes", "expert_parallel")
         if not expert_bytes:
             return layer
         expert_gradient = expert_bytes * layer.gradient_bytes / layer.parameter_bytes
-        static = _static(layer, layer.parameter_bytes - expert_bytes + expert_bytes / e,
-                         layer.gradient_bytes - expert_gradient + expert_gradient / e, expert_bytes / e)
+        static = _static(
+            layer,
+            layer.parameter_bytes - expert_bytes + expert_bytes / e,
+            layer.gradient_bytes - expert_gradient + expert_gradient / e,
+            expert_bytes / e,
+        )
         recompute = {}
         none = layer.recompute[NONE]
         for mode, cost in layer.recompute.items():
@@ -257,16 +331,21 @@ def _expert_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
             if ratio != 1:
                 token = f"{where}.recompute.{mode}"
                 kept = _needed(cost.expert_activation_bytes, f"{token}.expert_activation_bytes", "expert_tokens")
-                kept_none = _needed(none.expert_activation_bytes, f"{where}.recompute.none.expert_activation_bytes",
-                                    "expert_tokens")
+                kept_none = _needed(
+                    none.expert_activation_bytes, f"{where}.recompute.none.expert_activation_bytes", "expert_tokens"
+                )
                 gradients = _needed(cost.expert_working_bytes, f"{token}.expert_working_bytes", "expert_tokens")
-                extra = {"activation_bytes": cost.activation_bytes + (ratio - 1) * kept,
-                         "expert_activation_bytes": ratio * kept, "expert_working_bytes": ratio * gradients,
-                         "working_bytes": cost.working_bytes + (ratio - 1) * (kept_none - kept + gradients)}
+                extra = {
+                    "activation_bytes": cost.activation_bytes + (ratio - 1) * kept,
+                    "expert_activation_bytes": ratio * kept,
+                    "expert_working_bytes": ratio * gradients,
+                    "working_bytes": cost.working_bytes + (ratio - 1) * (kept_none - kept + gradients),
+                }
             working = extra.get("working_bytes", cost.working_bytes) + all_to_all
             input_working = None if cost.input_working_bytes is None else cost.input_working_bytes + all_to_all
-            recompute[mode] = dataclasses.replace(cost, **{**extra, "working_bytes": working,
-                                                           "input_working_bytes": input_working})
+            recompute[mode] = dataclasses.replace(
+                cost, **{**extra, "working_bytes": working, "input_working_bytes": input_working}
+            )
         return dataclasses.replace(layer, recompute=recompute, **static)
 
     return dataclasses.replace(profile, layers=_layers(profile, change))
@@ -275,12 +354,16 @@ def _expert_parallel(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
 def _tokens(profile: ModelProfile, flag: str) -> int:
     tokens = profile.micro_batch.get("size", 0) * profile.micro_batch.get("sequence", 0)
     if not tokens:
-        raise InputError("micro_batch", f"the profile states no micro-batch size and sequence; {flag} needs them: {REMEDY}")
+        raise InputError(
+            "micro_batch", f"the profile states no micro-batch size and sequence; {flag} needs them: {REMEDY}"
+        )
     return tokens
 
 
 def _dtype_bytes(profile: ModelProfile, flag: str) -> int:
     if profile.dtype not in DTYPE_BYTES:
-        raise InputError("dtype", f"the profile's dtype {profile.dtype!r} is not one of {', '.join(DTYPE_BYTES)}; "
-                                  f"{flag} needs its size")
+        raise InputError(
+            "dtype",
+            f"the profile's dtype {profile.dtype!r} is not one of {', '.join(DTYPE_BYTES)}; {flag} needs its size",
+        )
     return DTYPE_BYTES[profile.dtype]

@@ -16,8 +16,11 @@ Terms = Mapping[int, float]
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.05  # how often the waiting thread wakes, so that signals reach it at once
 STOP_WAIT_S = 10.0  # the most an interrupted solve waits for HiGHS to reach its next interrupt check
-ASYNC_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
-                                                     "SIGUSR2", "SIGCHLD", "SIGPIPE") if hasattr(signal, name)}
+ASYNC_SIGNALS = {
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGPIPE")
+    if hasattr(signal, name)
+}
 # A search HiGHS ends in a solve error is run again with another random seed, up to this many times.
 SOLVE_ERROR_RETRIES = 2
 ROOT_HEURISTICS = (
@@ -112,8 +115,8 @@ class Milp:
         """Drop the consecutive rows `rows`; the rows after them move up."""
         begin, end = self.row_start[rows.start], self.row_start[rows.stop]
         del self.row_index[begin:end], self.row_value[begin:end]
-        del self.row_lower[rows.start:rows.stop], self.row_upper[rows.start:rows.stop]
-        self.row_start[rows.start:] = [start - (end - begin) for start in self.row_start[rows.stop:]]
+        del self.row_lower[rows.start : rows.stop], self.row_upper[rows.start : rows.stop]
+        self.row_start[rows.start :] = [start - (end - begin) for start in self.row_start[rows.stop :]]
 
     def minimize(
         self,
@@ -163,7 +166,8 @@ class Milp:
         lp.a_matrix_.num_row_ = self.num_rows
         if not relaxed:
             lp.integrality_ = [
-                highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous for integer in self.integer
+                highspy.HighsVarType.kInteger if integer else highspy.HighsVarType.kContinuous
+                for integer in self.integer
             ]
 
         highs = _new_highs()
@@ -229,9 +233,15 @@ class Milp:
         ):
             # HiGHS 1.16 fails some partial starts, and some solutions on a row's tolerance: without the start, or another seed
             return self.minimize(
-                objective, time_limit_s=time_limit_s - (time.perf_counter() - started), relative_gap=relative_gap,
-                relaxed=relaxed, heuristics=heuristics, incumbents=incumbents, node_limit=node_limit,
-                progress=progress, random_seed=random_seed if hint is not None else random_seed + 1,
+                objective,
+                time_limit_s=time_limit_s - (time.perf_counter() - started),
+                relative_gap=relative_gap,
+                relaxed=relaxed,
+                heuristics=heuristics,
+                incumbents=incumbents,
+                node_limit=node_limit,
+                progress=progress,
+                random_seed=random_seed if hint is not None else random_seed + 1,
             )
         else:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(model_status)}")
@@ -315,8 +325,13 @@ def _found_so_far(highs, relaxed: bool) -> MilpResult | None:  # type: ignore[no
         has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
         values = list(highs.getSolution().col_value) if has_solution else None
         bound = -INF if relaxed or info.mip_dual_bound is None else info.mip_dual_bound
-        return MilpResult("stopped", values, info.objective_function_value if has_solution else None, bound,
-                          max(int(info.mip_node_count), 0))
+        return MilpResult(
+            "stopped",
+            values,
+            info.objective_function_value if has_solution else None,
+            bound,
+            max(int(info.mip_node_count), 0),
+        )
     except Exception:  # the search is lost, not the exception that stopped it
         return None
 

@@ -77,8 +77,12 @@ def mindformers_split(
         raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
     full = _per_chunk_and_stage(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
     # Fully recomputed layers count in both select lists; a list not given holds just those.
-    select = _per_chunk_and_stage(keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts)
-    comm = _per_chunk_and_stage(keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts)
+    select = _per_chunk_and_stage(
+        keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts
+    )
+    comm = _per_chunk_and_stage(
+        keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts
+    )
 
     counts = [0] * schedule.num_virtual_stages
     virtual_stage_modes: list[list[str]] = [[] for _ in range(schedule.num_virtual_stages)]
@@ -88,11 +92,15 @@ def mindformers_split(
             held, f, sel, com = body_counts[c][s], full[c][s], select[c][s], comm[c][s]
             for key, value in (("select_recompute", sel), ("select_comm_recompute", com)):
                 if value < f:
-                    raise InputError(f"{key}{where}", f"is {value}, below recompute ({f}): full recompute counts in it too")
+                    raise InputError(
+                        f"{key}{where}", f"is {value}, below recompute ({f}): full recompute counts in it too"
+                    )
             both = max(0, min(sel - f, com - f))
             modes = {FULL: f, SELECTIVE_COMM: both, SELECTIVE: sel - f - both, COMM: com - f - both}
             if sum(modes.values()) > held:
-                raise InputError(f"select_recompute{where}", f"recomputes {sum(modes.values())} layers of a stage holding {held}")
+                raise InputError(
+                    f"select_recompute{where}", f"recomputes {sum(modes.values())} layers of a stage holding {held}"
+                )
             modes[NONE] = held - sum(modes.values())
             virtual = schedule.stage_index(s, c)
             counts[virtual] = held
@@ -103,7 +111,10 @@ def mindformers_split(
         for mode in virtual_stage_modes[virtual]:
             index = body[position]
             if mode not in profile.layers[index].recompute:
-                raise InputError("recompute", f"asks for {mode} recompute of {profile.layers[index].name}, which the profile does not offer")
+                raise InputError(
+                    "recompute",
+                    f"asks for {mode} recompute of {profile.layers[index].name}, which the profile does not offer",
+                )
             layer_modes[index] = mode
             position += 1
     heads = sum(1 for layer in profile.layers if layer.kind == HEAD)
@@ -113,7 +124,9 @@ def mindformers_split(
     return counts, layer_modes
 
 
-def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None) -> list[list[int]]:
+def _per_chunk_and_stage(
+    value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None
+) -> list[list[int]]:
     """MindFormers' forms, as its LayerSetting reads them: a bool (true: every layer of each stage), 0, a list
     per stage, or a list per chunk of lists. Offsets (`per_stage` None) in a list per stage hold for every
     chunk; recompute counts (`per_stage` the layers each chunk and stage holds) in a list per stage are
@@ -127,10 +140,21 @@ def _per_chunk_and_stage(value: object, key: str, stages: int, chunks: int, per_
     if isinstance(value, list) and len(value) == stages and all(not isinstance(item, list) for item in value):
         row = [_count(item, f"{key}[{s}]", per_stage, None) for s, item in enumerate(value)]
         return [list(row) for _ in range(chunks)] if per_stage is None else _spread(row, per_stage)
-    if not isinstance(value, list) or len(value) != chunks or any(not isinstance(row, list) or len(row) != stages for row in value):
-        raise InputError(key, f"expected {stages} integers (one per stage) or {chunks} list(s) of them, got {shown(value)}")
-    return [[_count(item, f"{key}[{c}][{s}]", per_stage, None if per_stage is None else per_stage[c][s]) for s, item in enumerate(row)]
-            for c, row in enumerate(value)]
+    if (
+        not isinstance(value, list)
+        or len(value) != chunks
+        or any(not isinstance(row, list) or len(row) != stages for row in value)
+    ):
+        raise InputError(
+            key, f"expected {stages} integers (one per stage) or {chunks} list(s) of them, got {shown(value)}"
+        )
+    return [
+        [
+            _count(item, f"{key}[{c}][{s}]", per_stage, None if per_stage is None else per_stage[c][s])
+            for s, item in enumerate(row)
+        ]
+        for c, row in enumerate(value)
+    ]
 
 
 def _count(item: object, where: str, per_stage: list[list[int]] | None, held: int | None) -> int:

@@ -4,6 +4,8 @@ and largest-of variables other rows read off those counts."""
 
 from __future__ import annotations
 
+import itertools
+
 from simulator.schedule import Schedule
 from solver.groups import LayerGroup
 from solver.milp import Linear, Milp, dot
@@ -29,7 +31,11 @@ class LayerPlacement:
             for c in range(num_virtual_stages):
                 for mode in group.modes:
                     self.count[g, c, mode] = milp.variable(0, group.size, integer=True)
-            milp.row({self.count[g, c, m]: 1.0 for c in range(num_virtual_stages) for m in group.modes}, group.size, group.size)
+            milp.row(
+                {self.count[g, c, m]: 1.0 for c in range(num_virtual_stages) for m in group.modes},
+                group.size,
+                group.size,
+            )
         self._order_groups(num_virtual_stages)
         self._mindformers_expressible(num_virtual_stages)
         self._rank_totals()
@@ -74,7 +80,7 @@ class LayerPlacement:
             return Linear(constant=next(iter(distinct)) if body and distinct != {fallback} else fallback)
         order = body[::-1] if first else body  # each group with the one it must not be followed (preceded) by
         expression = Linear(constant=fallback)
-        for g, neighbour in zip(order, order[1:] + [None]):
+        for g, neighbour in zip(order, [*order[1:], None]):
             expression.add(self._end_indicator(g, neighbour, virtual), values[g] - fallback)
         return expression
 
@@ -108,7 +114,7 @@ class LayerPlacement:
     def _order_groups(self, num_virtual_stages: int) -> None:
         """Body groups keep model order: group g ends in or before the virtual stage where group g+1 starts."""
         body = [g for g, group in enumerate(self.groups) if group.pinned_virtual_stage is None]
-        for g, nxt in zip(body, body[1:]):
+        for g, nxt in itertools.pairwise(body):
             crossed = [self.milp.variable(0, 1, integer=True) for _ in range(num_virtual_stages)]  # g+1 may sit in c
             for c in range(num_virtual_stages):
                 if c + 1 < num_virtual_stages:
@@ -117,7 +123,9 @@ class LayerPlacement:
                 first_part = {self.count[nxt, d, m]: 1.0 for d in range(c + 1) for m in self.groups[nxt].modes}
                 self.milp.row({**first_part, crossed[c]: -self.groups[nxt].size}, upper=0.0)
                 if c + 1 < num_virtual_stages:
-                    rest = {self.count[g, d, m]: 1.0 for d in range(c + 1, num_virtual_stages) for m in self.groups[g].modes}
+                    rest = {
+                        self.count[g, d, m]: 1.0 for d in range(c + 1, num_virtual_stages) for m in self.groups[g].modes
+                    }
                     self.milp.row({**rest, crossed[c]: self.groups[g].size}, upper=self.groups[g].size)
 
     def _rank_totals(self) -> None:
@@ -147,8 +155,11 @@ class LayerPlacement:
         """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the virtual stage
         holds (none where `size` is None), and at least each row (constant, terms) of `rows`, as an
         expression; a constant where nothing can raise it above `pinned`."""
-        choices = [] if size is None else [
-            (count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == virtual]
+        choices = (
+            []
+            if size is None
+            else [(count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == virtual]
+        )
         choices = [(count, value) for count, value in choices if value > pinned]
         rows = [(constant, terms) for constant, terms in rows if terms or constant > pinned]
         if not choices and not rows:

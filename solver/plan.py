@@ -57,7 +57,9 @@ class Plan:
 
     def mindformers(self) -> dict[str, object]:
         """MindFormers' keys (see `mindformers_view`)."""
-        return mindformers_view(self.spec.pipeline_schedule, self.layer_kinds, self.layer_modes, self.stage_layer_counts)
+        return mindformers_view(
+            self.spec.pipeline_schedule, self.layer_kinds, self.layer_modes, self.stage_layer_counts
+        )
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready: the outcome, the spec, and the plan in every view."""
@@ -92,7 +94,9 @@ class Plan:
                         "chunk": schedule.chunk_of(stage_of[index]),
                         "recompute": mode,
                     }
-                    for index, (name, kind, mode) in enumerate(zip(self.layer_names, self.layer_kinds, self.layer_modes))
+                    for index, (name, kind, mode) in enumerate(
+                        zip(self.layer_names, self.layer_kinds, self.layer_modes)
+                    )
                 ],
             },
         }

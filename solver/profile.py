@@ -27,12 +27,19 @@ NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL = "none", "selective", "comm", "sele
 # In MindFormers' enum order: none, select_recompute, select_comm_recompute, both, recompute.
 RECOMPUTE_MODES = (NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL)
 HEAD, TAIL, BODY_PREFIX = "head", "tail", "body:"
-MAX_FILE_BYTES = 64 * 2**20
 MAX_LAYERS = 100_000
-LAYER_MESH_FIELDS = ("parameter_tensors", "replicated_parameter_bytes", "replicated_gradient_bytes",
-                     "expert_parameter_bytes")
-COST_MESH_FIELDS = ("tp_whole_activation_bytes", "sp_whole_activation_bytes", "expert_activation_bytes",
-                    "expert_working_bytes")
+LAYER_MESH_FIELDS = (
+    "parameter_tensors",
+    "replicated_parameter_bytes",
+    "replicated_gradient_bytes",
+    "expert_parameter_bytes",
+)
+COST_MESH_FIELDS = (
+    "tp_whole_activation_bytes",
+    "sp_whole_activation_bytes",
+    "expert_activation_bytes",
+    "expert_working_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -230,8 +237,10 @@ class ModelProfile:
                 backward_ms=layer.backward_ms * factor,
                 weight_ms=None if layer.weight_ms is None else layer.weight_ms * factor,
                 input_ms=None if layer.input_ms is None else layer.input_ms * factor,
-                recompute={mode: dataclasses.replace(cost, extra_ms=cost.extra_ms * factor)
-                           for mode, cost in layer.recompute.items()},
+                recompute={
+                    mode: dataclasses.replace(cost, extra_ms=cost.extra_ms * factor)
+                    for mode, cost in layer.recompute.items()
+                },
             )
             for layer in self.layers
         )
@@ -299,32 +308,6 @@ class ModelProfile:
         return profile
 
 
-def read_limited(path: str | Path, what: str) -> bytes:
-    """The bytes of a file of at most MAX_FILE_BYTES; InputError naming `what` otherwise."""
-    path = Path(path)
-    limit = f"expected at most {MAX_FILE_BYTES:,}"
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise InputError(what, f"{path} is {size:,} bytes; {limit}")
-        with path.open("rb") as stream:  # a pipe or a device states no size: read one byte past the cap
-            data = stream.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise InputError(what, f"{path} holds more than {MAX_FILE_BYTES:,} bytes; {limit}")
-    return data
-
-
-def read_json(path: str | Path, what: str) -> object:
-    """Parse a JSON file of at most MAX_FILE_BYTES; InputError on anything else."""
-    data = read_limited(path, what)
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
-        raise InputError(what, f"{path} is not valid JSON: {exc}") from None
-
-
 def _tied_from_list(data: object) -> tuple[TiedParameter, ...]:
     if not isinstance(data, list):
         raise InputError("tied_parameters", f"expected a list, got {type(data).__name__}")
@@ -335,7 +318,9 @@ def _tied_from_list(data: object) -> tuple[TiedParameter, ...]:
         for key, value in (("names", names), ("layers", layers)):
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise InputError(fields.at(key), f"expected a list of strings, got {value!r}")
-        tied.append(TiedParameter(names=tuple(names), layers=tuple(layers), bytes=fields.number("bytes", required=True)))
+        tied.append(
+            TiedParameter(names=tuple(names), layers=tuple(layers), bytes=fields.number("bytes", required=True))
+        )
         fields.done()
     return tuple(tied)
 
@@ -351,9 +336,7 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
         "parameter_bytes": layer.parameter_bytes,
         "gradient_bytes": layer.gradient_bytes,
         "optimizer_bytes": layer.optimizer_bytes,
-        "recompute": {
-            mode: _cost_to_dict(c) for mode, c in layer.recompute.items()
-        },
+        "recompute": {mode: _cost_to_dict(c) for mode, c in layer.recompute.items()},
     }
     if layer.spread:
         data["spread"] = dict(layer.spread)
@@ -366,10 +349,20 @@ def _layer_to_dict(layer: LayerProfile) -> dict[str, object]:
 
 
 def _cost_to_dict(cost: RecomputeCost) -> dict[str, float]:
-    data = {"extra_ms": cost.extra_ms, "activation_bytes": cost.activation_bytes, "working_bytes": cost.working_bytes,
-            "retained_bytes": cost.retained_bytes, "pending_bytes": cost.pending_bytes}
-    for name in ("input_working_bytes", "weight_working_bytes", "input_held_bytes", "weight_freed_bytes",
-                 *COST_MESH_FIELDS):
+    data = {
+        "extra_ms": cost.extra_ms,
+        "activation_bytes": cost.activation_bytes,
+        "working_bytes": cost.working_bytes,
+        "retained_bytes": cost.retained_bytes,
+        "pending_bytes": cost.pending_bytes,
+    }
+    for name in (
+        "input_working_bytes",
+        "weight_working_bytes",
+        "input_held_bytes",
+        "weight_freed_bytes",
+        *COST_MESH_FIELDS,
+    ):
         if getattr(cost, name) is not None:
             data[name] = getattr(cost, name)
     for name in ("output_gradient_freed_bytes", "saved_input_bytes"):
@@ -438,11 +431,15 @@ def _check_profile(profile: ModelProfile) -> None:
     check_bytes(profile.model_output_bytes, "model_output_bytes")
     check_bytes(profile.loss_bytes, "loss_bytes")
     if profile.loss_bytes > profile.model_output_bytes:
-        raise InputError("loss_bytes", f"expected at most model_output_bytes ({profile.model_output_bytes:,.0f}), "
-                                       f"got {profile.loss_bytes:,.0f}")
+        raise InputError(
+            "loss_bytes",
+            f"expected at most model_output_bytes ({profile.model_output_bytes:,.0f}), got {profile.loss_bytes:,.0f}",
+        )
     check_dimensions(profile.dimensions)
     layers = profile.layers
-    check_kinds([layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)])
+    check_kinds(
+        [layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)]
+    )
     for index, layer in enumerate(layers):
         _check_layer(layer, f"layers[{index}] ({layer.name})")
     names = {layer.name for layer in layers}
@@ -482,7 +479,9 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
     if layer.weight_ms is not None:
         check_ms(layer.weight_ms, f"{where}.weight_ms")
         if layer.weight_ms > layer.backward_ms:
-            raise InputError(f"{where}.weight_ms", f"expected at most backward_ms ({layer.backward_ms:g}), got {layer.weight_ms:g}")
+            raise InputError(
+                f"{where}.weight_ms", f"expected at most backward_ms ({layer.backward_ms:g}), got {layer.weight_ms:g}"
+            )
     if NONE not in layer.recompute:
         raise InputError(f"{where}.recompute", 'expected the mode "none" (no recompute)')
     kept = layer.recompute[NONE].activation_bytes
@@ -490,25 +489,43 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
         if mode not in RECOMPUTE_MODES:
             raise InputError(f"{where}.recompute.{mode}", f"unknown mode; expected one of {', '.join(RECOMPUTE_MODES)}")
         check_ms(cost.extra_ms, f"{where}.recompute.{mode}.extra_ms")
-        for name in ("activation_bytes", "working_bytes", "retained_bytes", "pending_bytes", "input_working_bytes",
-                     "weight_working_bytes", "input_held_bytes", "output_gradient_freed_bytes", "saved_input_bytes",
-                     "weight_freed_bytes", *COST_MESH_FIELDS):
+        for name in (
+            "activation_bytes",
+            "working_bytes",
+            "retained_bytes",
+            "pending_bytes",
+            "input_working_bytes",
+            "weight_working_bytes",
+            "input_held_bytes",
+            "output_gradient_freed_bytes",
+            "saved_input_bytes",
+            "weight_freed_bytes",
+            *COST_MESH_FIELDS,
+        ):
             if getattr(cost, name) is not None:
                 check_bytes(getattr(cost, name), f"{where}.recompute.{mode}.{name}")
         if cost.input_held_bytes is not None and cost.input_held_bytes < cost.pending_bytes:
-            raise InputError(f"{where}.recompute.{mode}.input_held_bytes",
-                             f"expected at least pending_bytes ({cost.pending_bytes:,.0f}), got {cost.input_held_bytes:,.0f}")
+            raise InputError(
+                f"{where}.recompute.{mode}.input_held_bytes",
+                f"expected at least pending_bytes ({cost.pending_bytes:,.0f}), got {cost.input_held_bytes:,.0f}",
+            )
         freed_most = cost.pending_bytes + cost.activation_bytes
         if cost.weight_freed_bytes is not None and not cost.pending_bytes <= cost.weight_freed_bytes <= freed_most:
-            raise InputError(f"{where}.recompute.{mode}.weight_freed_bytes",
-                             f"expected pending_bytes ({cost.pending_bytes:,.0f}) to pending_bytes + activation_bytes "
-                             f"({freed_most:,.0f}), got {cost.weight_freed_bytes:,.0f}")
+            raise InputError(
+                f"{where}.recompute.{mode}.weight_freed_bytes",
+                f"expected pending_bytes ({cost.pending_bytes:,.0f}) to pending_bytes + activation_bytes "
+                f"({freed_most:,.0f}), got {cost.weight_freed_bytes:,.0f}",
+            )
         if cost.saved_input_bytes > cost.activation_bytes:
-            raise InputError(f"{where}.recompute.{mode}.saved_input_bytes",
-                             f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.saved_input_bytes:,.0f}")
+            raise InputError(
+                f"{where}.recompute.{mode}.saved_input_bytes",
+                f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.saved_input_bytes:,.0f}",
+            )
         if cost.retained_bytes > cost.activation_bytes:
-            raise InputError(f"{where}.recompute.{mode}.retained_bytes",
-                             f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}")
+            raise InputError(
+                f"{where}.recompute.{mode}.retained_bytes",
+                f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {cost.retained_bytes:,.0f}",
+            )
         _check_parts_of(cost, f"{where}.recompute.{mode}")
         if cost.activation_bytes > kept:
             raise InputError(
@@ -516,15 +533,21 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
                 f"keeps more ({cost.activation_bytes:,.0f}) than no recompute ({kept:,.0f}); a recompute mode must save memory",
             )
     if layer.recompute[NONE].extra_ms != 0:
-        raise InputError(f"{where}.recompute.none.extra_ms", f"expected 0 (no recompute redoes nothing), got {layer.recompute[NONE].extra_ms:g}")
+        raise InputError(
+            f"{where}.recompute.none.extra_ms",
+            f"expected 0 (no recompute redoes nothing), got {layer.recompute[NONE].extra_ms:g}",
+        )
     if not layer.is_body and set(layer.recompute) != {NONE}:
-        raise InputError(f"{where}.recompute", "head and tail layers are not recomputed; give only \"none\"")
+        raise InputError(f"{where}.recompute", 'head and tail layers are not recomputed; give only "none"')
 
 
 def _check_parts(layer: LayerProfile, where: str) -> None:
     """The parts of a layer's parameter and gradient bytes that tensor and expert parallelism treat apart."""
-    if layer.parameter_tensors is not None and (isinstance(layer.parameter_tensors, bool)
-                                                or not isinstance(layer.parameter_tensors, int) or layer.parameter_tensors < 0):
+    if layer.parameter_tensors is not None and (
+        isinstance(layer.parameter_tensors, bool)
+        or not isinstance(layer.parameter_tensors, int)
+        or layer.parameter_tensors < 0
+    ):
         raise InputError(f"{where}.parameter_tensors", f"expected an integer >= 0, got {layer.parameter_tensors!r}")
     apart = 0.0
     for name in ("replicated_parameter_bytes", "expert_parameter_bytes"):
@@ -532,13 +555,19 @@ def _check_parts(layer: LayerProfile, where: str) -> None:
             check_bytes(getattr(layer, name), f"{where}.{name}")
             apart += getattr(layer, name)
     if apart > layer.parameter_bytes:
-        raise InputError(f"{where}.replicated_parameter_bytes", f"with expert_parameter_bytes, expected at most "
-                                                                f"parameter_bytes ({layer.parameter_bytes:,.0f}), got {apart:,.0f}")
+        raise InputError(
+            f"{where}.replicated_parameter_bytes",
+            f"with expert_parameter_bytes, expected at most "
+            f"parameter_bytes ({layer.parameter_bytes:,.0f}), got {apart:,.0f}",
+        )
     if layer.replicated_gradient_bytes is not None:
         check_bytes(layer.replicated_gradient_bytes, f"{where}.replicated_gradient_bytes")
         if layer.replicated_gradient_bytes > layer.gradient_bytes:
-            raise InputError(f"{where}.replicated_gradient_bytes", f"expected at most gradient_bytes "
-                                                                   f"({layer.gradient_bytes:,.0f}), got {layer.replicated_gradient_bytes:,.0f}")
+            raise InputError(
+                f"{where}.replicated_gradient_bytes",
+                f"expected at most gradient_bytes "
+                f"({layer.gradient_bytes:,.0f}), got {layer.replicated_gradient_bytes:,.0f}",
+            )
 
 
 def _check_parts_of(cost: RecomputeCost, where: str) -> None:
@@ -546,12 +575,18 @@ def _check_parts_of(cost: RecomputeCost, where: str) -> None:
     parallelism, less stays whole than without."""
     for name in ("tp_whole_activation_bytes", "sp_whole_activation_bytes", "expert_activation_bytes"):
         if getattr(cost, name) is not None and getattr(cost, name) > cost.activation_bytes:
-            raise InputError(f"{where}.{name}", f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), "
-                                                f"got {getattr(cost, name):,.0f}")
+            raise InputError(
+                f"{where}.{name}",
+                f"expected at most activation_bytes ({cost.activation_bytes:,.0f}), got {getattr(cost, name):,.0f}",
+            )
     if cost.expert_working_bytes is not None and cost.expert_working_bytes > cost.working_bytes:
-        raise InputError(f"{where}.expert_working_bytes", f"expected at most working_bytes ({cost.working_bytes:,.0f}), "
-                                                          f"got {cost.expert_working_bytes:,.0f}")
+        raise InputError(
+            f"{where}.expert_working_bytes",
+            f"expected at most working_bytes ({cost.working_bytes:,.0f}), got {cost.expert_working_bytes:,.0f}",
+        )
     whole, sequence_whole = cost.tp_whole_activation_bytes, cost.sp_whole_activation_bytes
     if whole is not None and sequence_whole is not None and sequence_whole > whole:
-        raise InputError(f"{where}.sp_whole_activation_bytes", f"expected at most tp_whole_activation_bytes "
-                                                               f"({whole:,.0f}), got {sequence_whole:,.0f}")
+        raise InputError(
+            f"{where}.sp_whole_activation_bytes",
+            f"expected at most tp_whole_activation_bytes ({whole:,.0f}), got {sequence_whole:,.0f}",
+        )

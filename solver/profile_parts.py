@@ -44,8 +44,9 @@ class Mesh:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise InputError("mesh.sequence_parallel", "needs tensor_parallel > 1")
         if self.expert_tokens not in EXPERT_TOKENS and capacity_factor(self.expert_tokens) is None:
-            raise InputError("mesh.expert_tokens", f"expected balanced, dropless or capacity:FACTOR, got "
-                                                   f"{shown(self.expert_tokens)}")
+            raise InputError(
+                "mesh.expert_tokens", f"expected balanced, dropless or capacity:FACTOR, got {shown(self.expert_tokens)}"
+            )
         if self.expert_parallel == 1 and self.expert_tokens != BALANCED:
             raise InputError("mesh.expert_tokens", "is for expert_parallel > 1; expected balanced")
 
@@ -57,7 +58,9 @@ class Mesh:
         """`tensor_parallel 2 (sequence parallel), expert_parallel 8 (dropless)`, or `1-D`."""
         parts = []
         if self.tensor_parallel > 1:
-            parts.append(f"tensor_parallel {self.tensor_parallel}" + (" (sequence parallel)" if self.sequence_parallel else ""))
+            parts.append(
+                f"tensor_parallel {self.tensor_parallel}" + (" (sequence parallel)" if self.sequence_parallel else "")
+            )
         if self.context_parallel > 1:
             parts.append(f"context_parallel {self.context_parallel}")
         if self.expert_parallel > 1:
@@ -65,9 +68,13 @@ class Mesh:
         return ", ".join(parts) or "1-D"
 
     def to_dict(self) -> dict[str, object]:
-        return {"tensor_parallel": self.tensor_parallel, "sequence_parallel": self.sequence_parallel,
-                "context_parallel": self.context_parallel, "expert_parallel": self.expert_parallel,
-                "expert_tokens": self.expert_tokens}
+        return {
+            "tensor_parallel": self.tensor_parallel,
+            "sequence_parallel": self.sequence_parallel,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
+            "expert_tokens": self.expert_tokens,
+        }
 
     @classmethod
     def from_dict(cls, data: object) -> Mesh:
@@ -75,10 +82,13 @@ class Mesh:
         flag = fields.raw("sequence_parallel", False)
         if not isinstance(flag, bool):
             raise InputError("mesh.sequence_parallel", f"expected true or false, got {shown(flag)}")
-        mesh = cls(tensor_parallel=fields.integer("tensor_parallel", 1, least=1), sequence_parallel=flag,
-                   context_parallel=fields.integer("context_parallel", 1, least=1),
-                   expert_parallel=fields.integer("expert_parallel", 1, least=1),
-                   expert_tokens=fields.text("expert_tokens", BALANCED))
+        mesh = cls(
+            tensor_parallel=fields.integer("tensor_parallel", 1, least=1),
+            sequence_parallel=flag,
+            context_parallel=fields.integer("context_parallel", 1, least=1),
+            expert_parallel=fields.integer("expert_parallel", 1, least=1),
+            expert_tokens=fields.text("expert_tokens", BALANCED),
+        )
         fields.done()
         return mesh
 
@@ -102,8 +112,10 @@ class Collective:
     def __post_init__(self) -> None:
         where = f"collectives.{self.dimension}.{self.operation}"
         if self.dimension not in COLLECTIVE_DIMENSIONS:
-            raise InputError("collectives.dimension", f"expected one of {', '.join(COLLECTIVE_DIMENSIONS)}, got "
-                                                      f"{shown(self.dimension)}")
+            raise InputError(
+                "collectives.dimension",
+                f"expected one of {', '.join(COLLECTIVE_DIMENSIONS)}, got {shown(self.dimension)}",
+            )
         if self.per not in COLLECTIVE_PER:
             raise InputError(f"{where}.per", f"expected one of {', '.join(COLLECTIVE_PER)}, got {shown(self.per)}")
         if isinstance(self.calls, bool) or not isinstance(self.calls, int) or self.calls < 0:
@@ -115,8 +127,15 @@ class Collective:
             raise InputError(f"{where}.exposed_ms", f"expected at most ms ({self.ms:g}), got {self.exposed_ms:g}")
 
     def to_dict(self) -> dict[str, object]:
-        return {"dimension": self.dimension, "operation": self.operation, "per": self.per, "calls": self.calls,
-                "bytes": self.bytes, "ms": self.ms, "exposed_ms": self.exposed_ms}
+        return {
+            "dimension": self.dimension,
+            "operation": self.operation,
+            "per": self.per,
+            "calls": self.calls,
+            "bytes": self.bytes,
+            "ms": self.ms,
+            "exposed_ms": self.exposed_ms,
+        }
 
 
 def collectives_from_list(data: object, where: str) -> tuple[Collective, ...]:
@@ -125,11 +144,17 @@ def collectives_from_list(data: object, where: str) -> tuple[Collective, ...]:
     collectives = []
     for index, item in enumerate(data):
         fields = Fields(item, f"{where}[{index}]")
-        collectives.append(Collective(
-            dimension=fields.text("dimension", required=True), operation=fields.text("operation", required=True),
-            per=fields.text("per", required=True), calls=fields.integer("calls", required=True),
-            bytes=fields.number("bytes", required=True), ms=fields.number("ms", required=True),
-            exposed_ms=fields.number("exposed_ms", required=True)))
+        collectives.append(
+            Collective(
+                dimension=fields.text("dimension", required=True),
+                operation=fields.text("operation", required=True),
+                per=fields.text("per", required=True),
+                calls=fields.integer("calls", required=True),
+                bytes=fields.number("bytes", required=True),
+                ms=fields.number("ms", required=True),
+                exposed_ms=fields.number("exposed_ms", required=True),
+            )
+        )
         fields.done()
     return tuple(collectives)
 

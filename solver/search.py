@@ -15,6 +15,7 @@ so the program counts layers per group instead of placing each one: the more a p
 one kind agree, the smaller the program. Head layers sit on the first virtual stage and tail layers
 on the last, where the schedule puts them (rank 0 for both in a V).
 """
+
 import dataclasses
 import logging
 import math
@@ -50,8 +51,9 @@ OnInterrupt = str | Callable[[Plan], object]
 ON_INTERRUPT = ("raise", "best")
 
 
-def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0,
-          on_interrupt: OnInterrupt = "raise") -> Plan:
+def solve(
+    profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60.0, on_interrupt: OnInterrupt = "raise"
+) -> Plan:
     """The fastest plan that fits `spec.memory_budget_bytes`; raises InfeasibleError when none fits.
 
     Status "optimal" when the search proved it, "feasible" with the proven gap when the time limit
@@ -68,25 +70,35 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
     check_instance(spec, PipelineSpec, "spec", "a PipelineSpec")
     check_seconds(time_limit_s, "time_limit_s")
     if not callable(on_interrupt) and on_interrupt not in ON_INTERRUPT:
-        raise InputError("on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}")
+        raise InputError(
+            "on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}"
+        )
     profile = rank_profile(profile, spec)  # one rank of the spec's mesh from here on
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
-        log.info("searching with every time x %g (the median layer's forward and backward take %s ms)", scale,
-                 format_ms(_median_layer_ms(profile)))
-        scaled_spec = dataclasses.replace(spec, p2p_ms=spec.p2p_ms * scale,
-                                          action_overhead_ms=spec.action_overhead_ms * scale)
+        log.info(
+            "searching with every time x %g (the median layer's forward and backward take %s ms)",
+            scale,
+            format_ms(_median_layer_ms(profile)),
+        )
+        scaled_spec = dataclasses.replace(
+            spec, p2p_ms=spec.p2p_ms * scale, action_overhead_ms=spec.action_overhead_ms * scale
+        )
 
         def unscaled(found: Plan) -> Plan:
             plan = evaluate_plan(profile, spec, found.stage_layer_counts, found.layer_modes)
             proven = found.status == "optimal"
-            lower_bound = plan.iteration_time_ms if proven else min(found.lower_bound_ms / scale, plan.iteration_time_ms)
-            return plan.with_search(status=found.status, gap=found.gap, lower_bound_ms=lower_bound,
-                                    solve_seconds=found.solve_seconds)
+            lower_bound = (
+                plan.iteration_time_ms if proven else min(found.lower_bound_ms / scale, plan.iteration_time_ms)
+            )
+            return plan.with_search(
+                status=found.status, gap=found.gap, lower_bound_ms=lower_bound, solve_seconds=found.solve_seconds
+            )
 
         inner = on_interrupt if not callable(on_interrupt) else (lambda found: on_interrupt(unscaled(found)))
-        return unscaled(solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s,
-                              on_interrupt=inner))
+        return unscaled(
+            solve(profile.with_times_scaled(scale), scaled_spec, time_limit_s=time_limit_s, on_interrupt=inner)
+        )
     found = _Found(time.perf_counter())
     try:
         return _search(profile, spec, time_limit_s, found)
@@ -96,8 +108,11 @@ def solve(profile: ModelProfile, spec: PipelineSpec, *, time_limit_s: float = 60
         plan = found.best_plan(profile, spec)
         if plan is None:
             raise
-        log.info("interrupted: the best plan so far runs %s ms (within %.1f%% of the best possible)",
-                 format_ms(plan.iteration_time_ms), 100 * plan.gap)
+        log.info(
+            "interrupted: the best plan so far runs %s ms (within %.1f%% of the best possible)",
+            format_ms(plan.iteration_time_ms),
+            100 * plan.gap,
+        )
         if on_interrupt == "best":
             return plan
         on_interrupt(plan)
@@ -134,15 +149,21 @@ class _Found:
             return None
         plan = min(fitting, key=lambda candidate: candidate.iteration_time_ms)
         lower_bound = min(max(bound, _average_work_bound_ms(profile, spec)), plan.iteration_time_ms)
-        return plan.with_search(status="interrupted", gap=(plan.iteration_time_ms - lower_bound) / plan.iteration_time_ms,
-                                lower_bound_ms=lower_bound, solve_seconds=time.perf_counter() - self.started)
+        return plan.with_search(
+            status="interrupted",
+            gap=(plan.iteration_time_ms - lower_bound) / plan.iteration_time_ms,
+            lower_bound_ms=lower_bound,
+            solve_seconds=time.perf_counter() - self.started,
+        )
 
 
 def _average_work_bound_ms(profile: ModelProfile, spec: PipelineSpec) -> float:
     """A lower bound on any plan's iteration time that costs nothing: every layer's forward and
     backward without recompute over every micro-batch, shared evenly by the ranks."""
-    work = sum(layer.forward_ms + min(layer.backward_ms, layer.split_input_ms() + layer.split_weight_ms())
-               for layer in profile.layers)
+    work = sum(
+        layer.forward_ms + min(layer.backward_ms, layer.split_input_ms() + layer.split_weight_ms())
+        for layer in profile.layers
+    )
     return work * spec.micro_batches / spec.pipeline_schedule.ranks
 
 
@@ -155,8 +176,9 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
     check_room(schedule, groups, spec)
     log.info("solving %s, %d layers (%d actions)", schedule.describe(), len(profile.layers), schedule.num_actions)
 
-    program = found.program = IntegerProgram(profile, spec, schedule, groups, with_budget=True,
-                                             timing=_timing_for(schedule))
+    program = found.program = IntegerProgram(
+        profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule)
+    )
     if program.timing == PATHS:
         _paths_of_relaxation(program, deadline)
     # first, so it cannot overrun: what a stopped search falls back on (the first LP alone can take minutes)
@@ -176,7 +198,11 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
     search_deadline = deadline - POLISH_SHARE * time_limit_s if program.timing == START_TIMES else deadline
     found.searching_fastest = True
     fastest = _minimize(
-        program, {program.iteration: 1.0}, search_deadline, progress=_log_progress, heuristics=not seeded,
+        program,
+        {program.iteration: 1.0},
+        search_deadline,
+        progress=_log_progress,
+        heuristics=not seeded,
         hint={variable: balanced[variable] for variable in program.count.values()} if seeded else None,
     )
     found.searching_fastest = False
@@ -194,9 +220,11 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
     if not proven and fallback is not None:
         fallback_plan = program.plan(fallback)
         if fallback_plan.fits and (plan is None or fallback_plan.iteration_time_ms < plan.iteration_time_ms):
-            log.info("the search's best plan is %s; the plan found without search runs %s ms and fits: taking it",
-                     "none" if plan is None else f"{format_ms(plan.iteration_time_ms)} ms",
-                     format_ms(fallback_plan.iteration_time_ms))
+            log.info(
+                "the search's best plan is %s; the plan found without search runs %s ms and fits: taking it",
+                "none" if plan is None else f"{format_ms(plan.iteration_time_ms)} ms",
+                format_ms(fallback_plan.iteration_time_ms),
+            )
             values, plan = fallback, fallback_plan
     if not proven and plan is not None and program.timing == START_TIMES:
         polished = _polished(program, values, deadline)
@@ -241,9 +269,14 @@ def _search_time_scale(profile: ModelProfile, spec: PipelineSpec) -> float:
     if median <= 0 or median >= LEAST_SEARCH_MS:
         return 1.0
     # no virtual stage's action takes longer than every layer's forward and backward with recompute
-    largest = max(spec.p2p_ms, spec.action_overhead_ms + sum(
-        layer.forward_ms + layer.backward_ms + max(c.extra_ms for c in layer.recompute.values())
-        for layer in profile.layers))
+    largest = max(
+        spec.p2p_ms,
+        spec.action_overhead_ms
+        + sum(
+            layer.forward_ms + layer.backward_ms + max(c.extra_ms for c in layer.recompute.values())
+            for layer in profile.layers
+        ),
+    )
     exponent = math.ceil(math.log10(LEAST_SEARCH_MS / median))
     while exponent > 0 and largest * 10.0**exponent > MAX_MS:
         exponent -= 1
@@ -265,7 +298,9 @@ def _polished(program: IntegerProgram, values: list[float], deadline: float) -> 
     return _minimize(program, {program.iteration: 1.0}, deadline, hint=counts).values
 
 
-def _busiest_rank_bound_ms(profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup]) -> float:
+def _busiest_rank_bound_ms(
+    profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup]
+) -> float:
     """A lower bound on any plan's iteration time, for a search stopped before it had a good one:
     the busiest rank's work (every action it runs) at the optimum of the LP relaxation of the
     program without its time rows, memory rows kept (so recompute the budget forces counts).
@@ -298,7 +333,12 @@ def _break_ties(program: IntegerProgram, fastest: MilpResult, deadline: float) -
         program.fix_split(fastest.values)
         split_rows = range(first, program.milp.num_rows)  # critical paths met in this solve come after them
         least_recompute = _minimize(
-            program, program.recompute_terms, deadline, share=0.5, hint=fastest.values, heuristics=False,
+            program,
+            program.recompute_terms,
+            deadline,
+            share=0.5,
+            hint=fastest.values,
+            heuristics=False,
             node_limit=TIE_BREAK_NODES[program.timing],
         )
         program.milp.remove_rows(split_rows)
@@ -310,9 +350,10 @@ def _break_ties(program: IntegerProgram, fastest: MilpResult, deadline: float) -
     if program.recompute_terms:
         program.milp.row(program.recompute_terms, upper=recompute * (1 + TIME_SLACK) + 1e-9)
     peak = program.add_peak_variable()
-    hint = best.values + [max(row.value(best.values) for _, row in program.memory_rows)]
-    least_memory = _minimize(program, {peak: 1.0}, deadline, hint=hint, heuristics=False,
-                             node_limit=TIE_BREAK_NODES[program.timing])
+    hint = [*best.values, max(row.value(best.values) for _, row in program.memory_rows)]
+    least_memory = _minimize(
+        program, {peak: 1.0}, deadline, hint=hint, heuristics=False, node_limit=TIE_BREAK_NODES[program.timing]
+    )
     if least_memory.values is not None:
         _log_tie_break("least peak memory", least_memory)
         best = least_memory
@@ -324,8 +365,13 @@ def _log_tie_break(preference: str, result: MilpResult) -> None:
     if result.status == "optimal":
         log.info("tie-break on %s: proven after %d nodes", preference, result.nodes)
     else:
-        log.info("tie-break on %s: best found in %d nodes (proven >= %.6g, found %.6g)",
-                 preference, result.nodes, result.bound, result.objective)
+        log.info(
+            "tie-break on %s: best found in %d nodes (proven >= %.6g, found %.6g)",
+            preference,
+            result.nodes,
+            result.bound,
+            result.objective,
+        )
 
 
 def _timing_for(schedule: Schedule) -> str:
@@ -355,7 +401,11 @@ def _minimize(
     while True:
         incumbents: list[list[float]] = []
         result = program.milp.minimize(
-            objective, time_limit_s=_left(stop), hint=hint, heuristics=heuristics, progress=progress,
+            objective,
+            time_limit_s=_left(stop),
+            hint=hint,
+            heuristics=heuristics,
+            progress=progress,
             incumbents=incumbents if program.timing == PATHS else None,
             node_limit=None if node_limit is None else max(node_limit - nodes, 1),
         )
@@ -385,8 +435,11 @@ def _minimize(
             value = dot(objective, candidate)
             if candidate[program.iteration] <= within(program.time_cap) and value < best_value:
                 best, best_value = candidate, value
-        log.info("the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
-                 values[program.iteration], len(program.paths))
+        log.info(
+            "the plan found runs %.6g ms when simulated; %d critical paths known, solving again",
+            values[program.iteration],
+            len(program.paths),
+        )
         if best is not None:
             hint = best
         if stop - time.perf_counter() < 0.05 or (node_limit is not None and nodes >= node_limit):
@@ -413,12 +466,16 @@ def _paths_of_relaxation(program: IntegerProgram, deadline: float) -> None:
 
 def _log_progress(seconds: float, best_ms: float, bound_ms: float) -> None:
     if math.isfinite(best_ms):
-        log.info("searching: best %.6g ms, proven >= %.6g ms (gap %.1f%%), %.0f s", best_ms, bound_ms,
-                 100 * (best_ms - bound_ms) / best_ms, seconds)
+        log.info(
+            "searching: best %.6g ms, proven >= %.6g ms (gap %.1f%%), %.0f s",
+            best_ms,
+            bound_ms,
+            100 * (best_ms - bound_ms) / best_ms,
+            seconds,
+        )
     else:
         log.info("searching: no plan yet, proven >= %.6g ms, %.0f s", bound_ms, seconds)
 
 
 def _left(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 0.05)
-

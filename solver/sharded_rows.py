@@ -58,24 +58,34 @@ def sharded_memory(placement: LayerPlacement, placement_working: list[dict[str, 
     reduced = placement.virtual_stage_sums(lambda g, m: g.reduced_gradient_mib)
     working = []
     for virtual in range(num_virtual_stages):
+
         def largest(size: Callable[[LayerGroup, str], float], v: int = virtual) -> Linear:
             return _largest(placement, v, size)
 
         seed = placement.profile.loss_bytes / MIB if virtual == num_virtual_stages - 1 else 0.0
-        sets = {GATHER: Linear(), GATHER_FIRST: Linear(), REDUCE: Linear(), REGATHER: Linear(),
-                REGATHER_GATHER: Linear(), BACKWARD_EXTRA: Linear()}
+        sets = {
+            GATHER: Linear(),
+            GATHER_FIRST: Linear(),
+            REDUCE: Linear(),
+            REGATHER: Linear(),
+            REGATHER_GATHER: Linear(),
+            BACKWARD_EXTRA: Linear(),
+        }
         if spec.fsdp and spec.fsdp_reshard_after_forward:
             # sharding._forward_walk: the first unit's flat output and copy (above the forward's start); any
             # other's, with the flat output before it, less its activation (above the forward's end)
             sets[GATHER_FIRST] = placement.at_end(virtual, [2 * g.parameter_mib for g in placement.groups], first=True)
             sets[GATHER_FIRST].constant += placement.profile.stage_shared_bytes / MIB
             sets[GATHER] = largest(lambda g, m: g.parameter_mib)
-            sets[GATHER].add_expression(largest(lambda g, m: 0.0 if g.kind == HEAD else
-                                                max(0.0, 2 * g.parameter_mib - g.activation_mib[m])))
+            sets[GATHER].add_expression(
+                largest(lambda g, m: 0.0 if g.kind == HEAD else max(0.0, 2 * g.parameter_mib - g.activation_mib[m]))
+            )
             # sharding._backward_walk: at most all the chunk's units gathered and the gradient handed to a unit,
             # with a unit's working set, or with one unit more being copied out or prefetched
-            for key, on_top in ((REGATHER, placement_working[virtual][FULL_BACKWARD]),
-                                (REGATHER_GATHER, largest(lambda g, m: g.parameter_mib))):
+            for key, on_top in (
+                (REGATHER, placement_working[virtual][FULL_BACKWARD]),
+                (REGATHER_GATHER, largest(lambda g, m: g.parameter_mib)),
+            ):
                 sets[key] = Linear(dict(gathered[virtual].terms), gathered[virtual].constant + handed + seed)
                 sets[key].add_expression(on_top)
         elif spec.fsdp or spec.zero_stage == 3:  # the copy-out (and the flat output before it), above the forward's end
@@ -89,7 +99,9 @@ def sharded_memory(placement: LayerPlacement, placement_working: list[dict[str, 
             sets[REDUCE] = largest(lambda g, m: g.gradient_mib * (1 + 1 / spec.data_parallel))
         working.append(sets)
     reshards = spec.fsdp_reshard_after_forward or (spec.zero_stage == 3 and not spec.fsdp)
-    return ShardedMemory(gathered, step_gradient, reduced, working, reshards, spec.fsdp and spec.fsdp_reshard_after_forward)
+    return ShardedMemory(
+        gathered, step_gradient, reduced, working, reshards, spec.fsdp and spec.fsdp_reshard_after_forward
+    )
 
 
 def _largest(placement: LayerPlacement, virtual: int, size: Callable[[LayerGroup, str], float]) -> Linear:
@@ -137,7 +149,9 @@ class ShardedStates:
     def gathers(self, chunk: int) -> bool:
         """Whether a forward of `chunk` gathers its parameters now: where they are not gathered, and
         always where each layer is gathered for its own work (ZeRO-3)."""
-        return self.memory is not None and (not self.flags[chunk] or (self.memory.reshards and not self.memory.regathers))
+        return self.memory is not None and (
+            not self.flags[chunk] or (self.memory.reshards and not self.memory.regathers)
+        )
 
     def reduce(self, chunk: int) -> None:
         self.flags[chunk] = self.flags[self.chunks + chunk] = 0

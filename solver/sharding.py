@@ -29,8 +29,13 @@ def layer_static(spec: PipelineSpec, layer: LayerProfile) -> StaticBytes:
         return static_split(spec, layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes, per_tensor)
     share = experts / layer.parameter_bytes
     expert_gradient, expert_optimizer = layer.gradient_bytes * share, (layer.optimizer_bytes - per_tensor) * share
-    rest = static_split(spec, layer.parameter_bytes - experts, layer.gradient_bytes - expert_gradient,
-                        layer.optimizer_bytes - expert_optimizer, per_tensor)
+    rest = static_split(
+        spec,
+        layer.parameter_bytes - experts,
+        layer.gradient_bytes - expert_gradient,
+        layer.optimizer_bytes - expert_optimizer,
+        per_tensor,
+    )
     return rest + static_split(spec, experts, expert_gradient, expert_optimizer, replicas=expert_replicas(spec))
 
 
@@ -39,8 +44,9 @@ def tracks_step(spec: PipelineSpec) -> bool:
     return spec.fsdp or spec.zero_stage == 3 or not spec.gradients_persist
 
 
-def step_gradient_bytes(spec: PipelineSpec, gradient_bytes: float, parameter_bytes: float | None = None
-                        ) -> tuple[float, float]:
+def step_gradient_bytes(
+    spec: PipelineSpec, gradient_bytes: float, parameter_bytes: float | None = None
+) -> tuple[float, float]:
     """(what a layer's gradients add at its chunk's first weight-gradient action of a step, what
     stays of them after the chunk's reduce to the step's end), above its static bytes. FSDP: the
     whole gradient, then its shard, shaped as its parameter's (`parameter_bytes`, default the
@@ -73,13 +79,18 @@ class Unit:
     reshards_after_forward: bool
 
 
-def sharded_costs(spec: PipelineSpec, units: Sequence[Unit], *, start_bytes: float, seed_bytes: float) -> ShardedCosts | None:
+def sharded_costs(
+    spec: PipelineSpec, units: Sequence[Unit], *, start_bytes: float, seed_bytes: float
+) -> ShardedCosts | None:
     """What the chunk of `units` (model order) holds for its data parallelism while a step runs, as
     `simulator.sharded` replays it; None where nothing. `start_bytes`: what its forward holds before the
     first layer (the rotary tables); `seed_bytes`: what its backward holds throughout (the loss's
     gradient, on the last stage)."""
-    gradient, reduced = zip(*(step_gradient_bytes(spec, unit.gradient_bytes, unit.parameter_bytes)
-                              for unit in units)) if units else ((), ())
+    gradient, reduced = (
+        zip(*(step_gradient_bytes(spec, unit.gradient_bytes, unit.parameter_bytes) for unit in units))
+        if units
+        else ((), ())
+    )
     if spec.fsdp:
         gloo = spec.collective_backend == "gloo"
         whole = sum(unit.parameter_bytes for unit in units)
@@ -91,16 +102,21 @@ def sharded_costs(spec: PipelineSpec, units: Sequence[Unit], *, start_bytes: flo
             forward_gather_working_bytes=_forward_walk(units, start_bytes, gloo),
             backward_gather_working_bytes=_backward_walk(units, seed_bytes, gloo),
             # one unit at a time: the reduce-scatter's input (a copy of the whole gradient) and its output shard
-            reduce_working_bytes=max((unit.gradient_bytes * (1 + 1 / spec.data_parallel) for unit in units), default=0.0),
+            reduce_working_bytes=max(
+                (unit.gradient_bytes * (1 + 1 / spec.data_parallel) for unit in units), default=0.0
+            ),
         )
     if spec.zero_stage == 3:  # each layer's parameters gathered for its own forward and backward, freed after
         held, forward = start_bytes, 0.0
         for unit in units:
             forward = max(forward, held + unit.parameter_bytes)
             held += unit.activation_bytes
-        return ShardedCosts(gradient_bytes=sum(gradient), reduced_gradient_bytes=sum(reduced),
-                            forward_gather_working_bytes=forward,
-                            layer_gather_bytes=max((u.parameter_bytes + u.gradient_bytes for u in units), default=0.0))
+        return ShardedCosts(
+            gradient_bytes=sum(gradient),
+            reduced_gradient_bytes=sum(reduced),
+            forward_gather_working_bytes=forward,
+            layer_gather_bytes=max((u.parameter_bytes + u.gradient_bytes for u in units), default=0.0),
+        )
     if any(gradient):
         return ShardedCosts(gradient_bytes=sum(gradient), reduced_gradient_bytes=sum(reduced))
     return None

@@ -17,8 +17,16 @@ ZERO_STAGES = (0, 1, 2, 3)
 # dropless router can send (T min(k, E / e)), or a capacity factor over the even share ("capacity:1.25").
 EXPERT_TOKENS = ("balanced", "dropless")
 DEGREES = ("data_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
-FLAGS = ("allow_empty_chunks", "receive_buffers", "fsdp", "fsdp_reshard_after_forward", "sequence_parallel",
-         "gradients_persist", "ddp", "ddp_bucket_view")
+FLAGS = (
+    "allow_empty_chunks",
+    "receive_buffers",
+    "fsdp",
+    "fsdp_reshard_after_forward",
+    "sequence_parallel",
+    "gradients_persist",
+    "ddp",
+    "ddp_bucket_view",
+)
 # gloo's all-gather allocates a temporary as large as its output while it runs; NCCL's does not
 COLLECTIVE_BACKENDS = ("nccl", "gloo")
 
@@ -87,48 +95,66 @@ class PipelineSpec:
         if self.zero_stage not in ZERO_STAGES:
             raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {shown(self.zero_stage)}")
         self._check_layout()
-        self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
+        _ = self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
         self._check_data_parallel()
 
     def _check_layout(self) -> None:
         """Combinations of the parallel degrees no engine runs."""
         if self.fsdp and self.zero_stage in (1, 2):
-            raise InputError("zero_stage", f"FSDP shards parameters, gradients and optimizer state; expected 0 or 3 "
-                                           f"with fsdp, got {self.zero_stage}")
+            raise InputError(
+                "zero_stage",
+                f"FSDP shards parameters, gradients and optimizer state; expected 0 or 3 "
+                f"with fsdp, got {self.zero_stage}",
+            )
         if self.fsdp_reshard_after_forward and not self.fsdp:
             raise InputError("fsdp_reshard_after_forward", "needs fsdp")
         if self.sequence_parallel and self.tensor_parallel == 1:
-            raise InputError("sequence_parallel", "needs tensor_parallel > 1 (it splits what tensor parallelism "
-                                                  "leaves whole)")
+            raise InputError(
+                "sequence_parallel", "needs tensor_parallel > 1 (it splits what tensor parallelism leaves whole)"
+            )
         carved_from = self.data_parallel * self.tensor_parallel * self.context_parallel
         if self.expert_parallel > 1 and carved_from % self.expert_parallel:
-            raise InputError("expert_parallel", f"expected a divisor of data_parallel x tensor_parallel x "
-                                                f"context_parallel ({carved_from}): expert-parallel ranks are carved "
-                                                f"from those, got {self.expert_parallel}")
+            raise InputError(
+                "expert_parallel",
+                f"expected a divisor of data_parallel x tensor_parallel x "
+                f"context_parallel ({carved_from}): expert-parallel ranks are carved "
+                f"from those, got {self.expert_parallel}",
+            )
         if self.expert_tokens not in EXPERT_TOKENS and capacity_factor(self.expert_tokens) is None:
-            raise InputError("expert_tokens", f"expected balanced, dropless or capacity:FACTOR (a number >= 1), "
-                                              f"got {shown(self.expert_tokens)}")
+            raise InputError(
+                "expert_tokens",
+                f"expected balanced, dropless or capacity:FACTOR (a number >= 1), got {shown(self.expert_tokens)}",
+            )
 
     def _check_data_parallel(self) -> None:
         """Data-parallel engines and options torch does not run together (the schedule is known here)."""
         if self.collective_backend not in COLLECTIVE_BACKENDS:
-            raise InputError("collective_backend", f"expected one of {', '.join(COLLECTIVE_BACKENDS)}, "
-                                                   f"got {shown(self.collective_backend)}")
+            raise InputError(
+                "collective_backend",
+                f"expected one of {', '.join(COLLECTIVE_BACKENDS)}, got {shown(self.collective_backend)}",
+            )
         if self.ddp_bucket_view and not self.ddp:
             raise InputError("ddp_bucket_view", "needs ddp")
         if self.ddp and (self.fsdp or self.zero_stage >= 2):
-            raise InputError("ddp", "DDP replicates parameters and gradients; expected no fsdp and zero_stage 0 or 1 "
-                                    "with it")
+            raise InputError(
+                "ddp", "DDP replicates parameters and gradients; expected no fsdp and zero_stage 0 or 1 with it"
+            )
         splits = schedule_kind(self.schedule).splits_backward
         if splits and self.fsdp_reshard_after_forward:
-            raise InputError("fsdp_reshard_after_forward", f"{self.schedule} splits the backward, and torch's split "
-                                                           "backward under FSDP with reshard after forward drops "
-                                                           "gradients; use a schedule without a split backward or "
-                                                           "keep the parameters gathered")
+            raise InputError(
+                "fsdp_reshard_after_forward",
+                f"{self.schedule} splits the backward, and torch's split "
+                "backward under FSDP with reshard after forward drops "
+                "gradients; use a schedule without a split backward or "
+                "keep the parameters gathered",
+            )
         if splits and self.ddp:
-            raise InputError("ddp", f"{self.schedule} splits the backward, which torch's DDP reducer refuses (every "
-                                    "parameter is marked ready twice); use FSDP, or all-reduce the gradients after "
-                                    "the step")
+            raise InputError(
+                "ddp",
+                f"{self.schedule} splits the backward, which torch's DDP reducer refuses (every "
+                "parameter is marked ready twice); use FSDP, or all-reduce the gradients after "
+                "the step",
+            )
 
     @cached_property
     def pipeline_schedule(self) -> Schedule:
@@ -152,11 +178,18 @@ class PipelineSpec:
         splits = schedule_kind(self.schedule).splits_backward
         return overhead, overhead * (2 if splits else 1), overhead
 
-    def static_bytes(self, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
-                     optimizer_tensor_bytes: float = 0.0, replicas: int | None = None) -> float:
+    def static_bytes(
+        self,
+        parameter_bytes: float,
+        gradient_bytes: float,
+        optimizer_bytes: float,
+        optimizer_tensor_bytes: float = 0.0,
+        replicas: int | None = None,
+    ) -> float:
         """A layer's resident bytes on one device after data-parallel sharding (`static_split`)."""
-        return static_split(self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_tensor_bytes,
-                            replicas).total
+        return static_split(
+            self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_tensor_bytes, replicas
+        ).total
 
 
 @dataclass(frozen=True)
@@ -173,8 +206,12 @@ class StaticBytes:
         return self.parameter + self.gradient + self.optimizer + self.buckets
 
     def __add__(self, other: StaticBytes) -> StaticBytes:
-        return StaticBytes(self.parameter + other.parameter, self.gradient + other.gradient,
-                           self.optimizer + other.optimizer, self.buckets + other.buckets)
+        return StaticBytes(
+            self.parameter + other.parameter,
+            self.gradient + other.gradient,
+            self.optimizer + other.optimizer,
+            self.buckets + other.buckets,
+        )
 
 
 def shards_parameters(spec: PipelineSpec) -> bool:
@@ -182,8 +219,14 @@ def shards_parameters(spec: PipelineSpec) -> bool:
     return spec.fsdp or spec.zero_stage == 3
 
 
-def static_split(spec: PipelineSpec, parameter_bytes: float, gradient_bytes: float, optimizer_bytes: float,
-                 optimizer_tensor_bytes: float = 0.0, replicas: int | None = None) -> StaticBytes:
+def static_split(
+    spec: PipelineSpec,
+    parameter_bytes: float,
+    gradient_bytes: float,
+    optimizer_bytes: float,
+    optimizer_tensor_bytes: float = 0.0,
+    replicas: int | None = None,
+) -> StaticBytes:
     """A layer's resident bytes on one rank, per kind, sharded over `replicas` (default: the
     data-parallel ranks; routed experts have their own: `solver.sharding.layer_static`). FSDP and ZeRO-3 shard every tensor: parameters,
     gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars (AdamW's step
@@ -263,7 +306,9 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         micro_batches=fields.integer("micro_batches", required=True, least=1),
         schedule=fields.text("schedule", required=True),
         chunks=fields.integer("chunks", least=1),
-        memory_budget_bytes=math.inf if budget is None else check_non_negative(budget, fields.at("memory_budget_bytes")),
+        memory_budget_bytes=math.inf
+        if budget is None
+        else check_non_negative(budget, fields.at("memory_budget_bytes")),
         stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
         p2p_ms=fields.number("p2p_ms", 0.0),
         action_overhead_ms=fields.number("action_overhead_ms", 0.0),

@@ -28,8 +28,11 @@ def balanced_plan(program: IntegerProgram, *, move_layers: bool) -> list[float] 
     fitting = _Fitting(program, balanced_virtual_stage_sizes(program), _RankMemory(program))
     if fitting.fit(set(range(program.schedule.ranks)), move_layers=move_layers):
         return fitting.point()
-    log.debug("the balanced split%s cannot be made to fit %s", " with layers moved" if move_layers else "",
-              format_bytes(program.spec.memory_budget_bytes))
+    log.debug(
+        "the balanced split%s cannot be made to fit %s",
+        " with layers moved" if move_layers else "",
+        format_bytes(program.spec.memory_budget_bytes),
+    )
     return None
 
 
@@ -68,8 +71,12 @@ def improved_by_moves(program: IntegerProgram, values: list[float], deadline: fl
         path_ms = program.critical_ms_per_virtual_stage(plan)
         per_layer = [path_ms[c] / sizes[c] if sizes[c] else 0.0 for c in range(num_virtual_stages)]
         # A move with no gain cannot shorten the path the plan runs along; the largest gains first.
-        candidates = [(i, j) for i in range(num_virtual_stages) for j in range(num_virtual_stages)
-                      if i != j and sizes[i] > least[i] and per_layer[i] > per_layer[j]]
+        candidates = [
+            (i, j)
+            for i in range(num_virtual_stages)
+            for j in range(num_virtual_stages)
+            if i != j and sizes[i] > least[i] and per_layer[i] > per_layer[j]
+        ]
         candidates.sort(key=lambda move: (per_layer[move[1]] - per_layer[move[0]], move))
         for i, j in candidates[:num_virtual_stages]:
             if time.perf_counter() > deadline:
@@ -98,8 +105,12 @@ def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
     empty stages are allowed or it holds a head or tail. Then each rank's: a layer moves from the
     busiest rank's largest stage to the idlest rank's smallest while that lowers the busier of the two."""
     groups, num_virtual_stages = program.groups, program.schedule.num_virtual_stages
-    load = [group.forward_ms + group.backward_ms for group in groups for _ in range(group.size)
-            if group.pinned_virtual_stage is None]
+    load = [
+        group.forward_ms + group.backward_ms
+        for group in groups
+        for _ in range(group.size)
+        if group.pinned_virtual_stage is None
+    ]
     pinned_load, needs = [0.0] * num_virtual_stages, [0 if program.spec.allow_empty_chunks else 1] * num_virtual_stages
     for group in groups:
         if group.pinned_virtual_stage is not None:
@@ -110,9 +121,11 @@ def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
     for c in range(num_virtual_stages):
         running += pinned_load[c]
         target = total * (c + 1) / num_virtual_stages
-        most = len(load) - taken - sum(needs[c + 1:])
+        most = len(load) - taken - sum(needs[c + 1 :])
         size = 0
-        while size < most and (size < needs[c] or running + load[taken + size] / 2 <= target or c == num_virtual_stages - 1):
+        while size < most and (
+            size < needs[c] or running + load[taken + size] / 2 <= target or c == num_virtual_stages - 1
+        ):
             running += load[taken + size]
             size += 1
         sizes.append(size)
@@ -124,12 +137,15 @@ def balanced_virtual_stage_sizes(program: IntegerProgram) -> list[int]:
         rank_load = [0.0] * program.schedule.ranks
         position = 0
         for c, size in enumerate(sizes):
-            rank_load[rank_of[c]] += pinned_load[c] + sum(load[position:position + size])
+            rank_load[rank_of[c]] += pinned_load[c] + sum(load[position : position + size])
             position += size
         busiest = max(range(len(rank_load)), key=rank_load.__getitem__)
         idlest = min(range(len(rank_load)), key=rank_load.__getitem__)
-        giver = max((c for c in program.schedule.virtual_stages_of(busiest) if sizes[c] > needs[c]),
-                    key=sizes.__getitem__, default=None)
+        giver = max(
+            (c for c in program.schedule.virtual_stages_of(busiest) if sizes[c] > needs[c]),
+            key=sizes.__getitem__,
+            default=None,
+        )
         taker = min(program.schedule.virtual_stages_of(idlest), key=sizes.__getitem__)
         if giver is None or rank_load[idlest] + mean_load >= rank_load[busiest]:
             break
@@ -175,7 +191,9 @@ class _Fitting:
         self.program = program
         groups = program.groups
         self.counts: dict[Key, int] = dict.fromkeys(program.count, 0)
-        layers = iter([g for g, group in enumerate(groups) if group.pinned_virtual_stage is None for _ in range(group.size)])
+        layers = iter(
+            [g for g, group in enumerate(groups) if group.pinned_virtual_stage is None for _ in range(group.size)]
+        )
         for c, size in enumerate(sizes):
             for _ in range(size):
                 g = next(layers)
@@ -232,17 +250,25 @@ class _Fitting:
         per millisecond, and its last switches often free more than the rank needed."""
         groups, counts = self.program.groups, self.counts
         while True:
-            switches = [(g, c, mode, c, to) for (g, c, mode), number in counts.items()
-                        if number and self.program.schedule.rank_of(c) == rank for to in groups[g].modes if to != mode]
+            switches = [
+                (g, c, mode, c, to)
+                for (g, c, mode), number in counts.items()
+                if number and self.program.schedule.rank_of(c) == rank
+                for to in groups[g].modes
+                if to != mode
+            ]
 
             def saving(switch: tuple[int, int, str, int, str]) -> float:
                 g, _, mode, _, to = switch
                 return groups[g].extra_ms[mode] - groups[g].extra_ms[to]
 
             options = [[switch] for switch in switches] + [
-                [first, second] for i, first in enumerate(switches) for second in switches[i + 1:]]
-            options = sorted((option for option in options if sum(map(saving, option)) > 1e-9),
-                             key=lambda option: -sum(map(saving, option)))
+                [first, second] for i, first in enumerate(switches) for second in switches[i + 1 :]
+            ]
+            options = sorted(
+                (option for option in options if sum(map(saving, option)) > 1e-9),
+                key=lambda option: -sum(map(saving, option)),
+            )
             best = next((option for option in options if self._fits_after(rank, option)), None)
             if best is None:
                 return
@@ -257,8 +283,11 @@ class _Fitting:
                 break
             self.move(g, c, mode, to_virtual, to)
             done.append((g, c, mode, to_virtual, to))
-        fits = (len(done) == len(steps) and self.peak(rank) <= self.budget_mib
-                and all(self.expressible(g, c) for g, c, *_ in steps))
+        fits = (
+            len(done) == len(steps)
+            and self.peak(rank) <= self.budget_mib
+            and all(self.expressible(g, c) for g, c, *_ in steps)
+        )
         for g, c, mode, to_virtual, to in reversed(done):
             self.move(g, to_virtual, to, c, mode)
         return fits
@@ -323,8 +352,11 @@ class _Fitting:
         best, best_room = None, -INF  # the budget left on the rank it moves to
         for c in schedule.virtual_stages_of(rank):
             held = [g for (g, virtual, _), number in counts.items() if virtual == c and number]
-            if not held or (sum(counts[key] for key in counts if key[1] == c) == 1 and c not in self.pinned
-                            and not program.spec.allow_empty_chunks):
+            if not held or (
+                sum(counts[key] for key in counts if key[1] == c) == 1
+                and c not in self.pinned
+                and not program.spec.allow_empty_chunks
+            ):
                 continue  # every virtual stage keeps a layer
             for g, to_virtual in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
                 if not 0 <= to_virtual < num_virtual_stages or schedule.rank_of(to_virtual) == rank:

@@ -17,8 +17,16 @@ MIB = 2**20
 SAPP = Path(__file__).parent / "fixtures" / "sapp"  # SAPP's own layer files and two of its runs
 
 
-def layer(name: str, kind: str, forward: float, backward: float, weight: float | None = None, *,
-          parameter_mib: float = 0.0, modes: dict[str, tuple[float, float, float]] | None = None) -> LayerProfile:
+def layer(
+    name: str,
+    kind: str,
+    forward: float,
+    backward: float,
+    weight: float | None = None,
+    *,
+    parameter_mib: float = 0.0,
+    modes: dict[str, tuple[float, float, float]] | None = None,
+) -> LayerProfile:
     """`modes`: mode -> (extra_ms, activation MiB, working MiB)."""
     modes = modes or {"none": (0.0, 0.0, 0.0)}
     return LayerProfile(
@@ -75,10 +83,12 @@ def brute_force(profile: ModelProfile, spec: PipelineSpec) -> Plan | None:
 def all_plans(profile: ModelProfile, spec: PipelineSpec) -> Iterator[Plan]:
     """Every split and mix of recompute modes, simulated, whether it fits or not."""
     num_virtual_stages = spec.pipeline_schedule.num_virtual_stages
-    kinds = [l.kind for l in profile.layers]
+    kinds = [layer.kind for layer in profile.layers]
     heads, tails = kinds.count("head"), kinds.count("tail")
     body = len(kinds) - heads - tails
-    least = [0 if (c == 0 and heads) or (c == num_virtual_stages - 1 and tails) else 1 for c in range(num_virtual_stages)]
+    least = [
+        0 if (c == 0 and heads) or (c == num_virtual_stages - 1 and tails) else 1 for c in range(num_virtual_stages)
+    ]
     if spec.allow_empty_chunks:
         least = [0] * num_virtual_stages
     for split in compositions(body, num_virtual_stages, least):
@@ -90,7 +100,12 @@ def all_plans(profile: ModelProfile, spec: PipelineSpec) -> Iterator[Plan]:
         for count in counts:
             for index in range(start, start + count):
                 if profile.layers[index].is_body:
-                    if runs and runs[-1][-1] == index - 1 and profile.layers[runs[-1][0]].kind == profile.layers[index].kind and runs[-1][0] >= start:
+                    if (
+                        runs
+                        and runs[-1][-1] == index - 1
+                        and profile.layers[runs[-1][0]].kind == profile.layers[index].kind
+                        and runs[-1][0] >= start
+                    ):
                         runs[-1].append(index)
                     else:
                         runs.append([index])
@@ -115,5 +130,11 @@ def _mode_mixes(count: int, modes: tuple[str, ...]) -> Iterator[list[str]]:
 def integer_program(profile: ModelProfile, spec: PipelineSpec, timing: str) -> IntegerProgram:
     """The search's integer program for `profile` under `spec`, the budget's rows included."""
     schedule = spec.pipeline_schedule
-    return IntegerProgram(profile, spec, schedule, layer_groups(profile, spec, schedule.num_virtual_stages),
-                          with_budget=True, timing=timing)
+    return IntegerProgram(
+        profile,
+        spec,
+        schedule,
+        layer_groups(profile, spec, schedule.num_virtual_stages),
+        with_budget=True,
+        timing=timing,
+    )

@@ -11,8 +11,15 @@ from simulator import InputError
 from solver.mesh import token_copies_ratio
 from solver.profile import FULL, NONE, SELECTIVE
 
-LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
 MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
 SEQ, BATCH, P = 32, 2, 4  # fp32
 TOKENS = SEQ * BATCH
@@ -97,7 +104,11 @@ def test_expert_parallel_dispatches_and_combines_each_way(tokens):
 
 def test_data_parallel_collectives_run_once_a_step_outside_the_layer_times():
     base = estimate()
-    for zero, operations in ((0, {"all-reduce"}), (1, {"all-reduce", "all-gather"}), (2, {"reduce-scatter", "all-gather"})):
+    for zero, operations in (
+        (0, {"all-reduce"}),
+        (1, {"all-reduce", "all-gather"}),
+        (2, {"reduce-scatter", "all-gather"}),
+    ):
         rank = estimate(network=Network(link_bytes_per_second=LINK, data_parallel=4, zero_stage=zero))
         block = rank.layers[1]
         assert {c.operation for c in block.collectives} == operations and {c.per for c in block.collectives} == {"step"}
@@ -107,15 +118,17 @@ def test_data_parallel_collectives_run_once_a_step_outside_the_layer_times():
     # the data link, not the node's
     slow = estimate(network=Network(link_bytes_per_second=LINK, data_link_bytes_per_second=LINK / 10, data_parallel=4))
     assert by_kind(slow.layers[1])[("data", "all-reduce", "step")].ms == pytest.approx(
-        ring_ms("all-reduce", 4, slow.layers[1].gradient_bytes, link=LINK / 10))
+        ring_ms("all-reduce", 4, slow.layers[1].gradient_bytes, link=LINK / 10)
+    )
 
 
 def test_fsdp_gathers_once_a_step_or_in_every_forward_and_backward():
     base = estimate().layers[1]
     kept = estimate(network=Network(link_bytes_per_second=LINK, data_parallel=4, fsdp=True)).layers[1]
     assert {(c.operation, c.per) for c in kept.collectives} == {("reduce-scatter", "step"), ("all-gather", "step")}
-    again = estimate(network=Network(link_bytes_per_second=LINK, data_parallel=4, fsdp=True,
-                                     reshard_after_forward=True)).layers[1]
+    again = estimate(
+        network=Network(link_bytes_per_second=LINK, data_parallel=4, fsdp=True, reshard_after_forward=True)
+    ).layers[1]
     gather = ring_ms("all-gather", 4, base.parameter_bytes)
     assert by_kind(again)[("data", "all-gather", "micro-batch")].calls == 2
     assert again.forward_ms == pytest.approx(base.forward_ms + gather)  # no forward prefetch
@@ -125,11 +138,14 @@ def test_fsdp_gathers_once_a_step_or_in_every_forward_and_backward():
 
 def test_routed_experts_reduce_over_the_ranks_holding_them():
     # Mixtral's layout: 8 data-parallel ranks, expert parallel 8: each expert lives on one rank, nothing to reduce
-    rank = estimate(MIXTRAL, network=Network(link_bytes_per_second=LINK, data_parallel=8, zero_stage=1),
-                    expert_parallel=8)
+    rank = estimate(
+        MIXTRAL, network=Network(link_bytes_per_second=LINK, data_parallel=8, zero_stage=1), expert_parallel=8
+    )
     block = rank.layers[1]
     reduced = by_kind(block)[("data", "all-reduce", "step")]
-    assert reduced.bytes == pytest.approx(block.gradient_bytes * (1 - block.expert_parameter_bytes / block.parameter_bytes))
+    assert reduced.bytes == pytest.approx(
+        block.gradient_bytes * (1 - block.expert_parameter_bytes / block.parameter_bytes)
+    )
 
 
 def test_a_layout_no_engine_runs_is_refused_with_its_field():

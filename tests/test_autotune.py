@@ -51,7 +51,9 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
     text = mindformers_yaml.read_text()
     assert "# parallel settings: the pipeline split lives under model.model_config" in text
     offset, planned = yaml.safe_load(text)["model"]["model_config"]["offset"], first.result.plan.mindformers()["offset"]
-    assert offset == (planned if any(planned) else 0) and sum(planned) == 0  # the template's 0 already says an even split
+    assert (
+        offset == (planned if any(planned) else 0) and sum(planned) == 0
+    )  # the template's 0 already says an even split
     assert first.result.plan_data["spec"]["receive_buffers"] is False  # MindSpore's engine: not torch's buffers
     assert "even split" in first.result.report
 
@@ -127,13 +129,17 @@ def test_a_crash_while_profiling_leaves_the_config_and_no_hooks(tmp_path, mindfo
     before = mindformers_yaml.read_text()
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(KeyboardInterrupt):
-        with autotune(model, optimizer, **SETTING, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path) as tuner:
-            for step in range(6):
-                train_step(model, optimizer, step)
-                tuner.step()
-                if step == 2:
-                    raise KeyboardInterrupt
+    with (
+        pytest.raises(KeyboardInterrupt),
+        autotune(
+            model, optimizer, **SETTING, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path
+        ) as tuner,
+    ):
+        for step in range(6):
+            train_step(model, optimizer, step)
+            tuner.step()
+            if step == 2:
+                raise KeyboardInterrupt
     assert mindformers_yaml.read_text() == before
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
@@ -155,17 +161,30 @@ def test_as_a_decorator_of_the_step_function(tmp_path):
 def test_no_plan_fits_the_budget(tmp_path, mindformers_yaml):
     before = mindformers_yaml.read_text()
     with pytest.raises(InputError, match="sapp-hook found no plan; the config is untouched"):
-        train(llama(), PROFILING + 1, config=mindformers_yaml, target="mindformers", cache_dir=tmp_path, memory_budget="1MB")
+        train(
+            llama(),
+            PROFILING + 1,
+            config=mindformers_yaml,
+            target="mindformers",
+            cache_dir=tmp_path,
+            memory_budget="1MB",
+        )
     assert mindformers_yaml.read_text() == before
 
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"on_plan": "restart"}, "on_plan"), ({"config": "x.yaml"}, "target"), ({"memory_budget": "56"}, "memory_budget"),
-     ({"action_overhead_ms": -1.0}, "action_overhead_ms"),
-     # refused before the profiling steps, not after them
-     ({"config": "x.yaml", "target": "deepspeed"}, "target"), ({"config": "/no/such.yaml", "target": "mindformers"}, "config"),
-     ({"time_limit_s": 0}, "time_limit_s"), ({"time_limit_s": math.nan}, "time_limit_s")],
+    [
+        ({"on_plan": "restart"}, "on_plan"),
+        ({"config": "x.yaml"}, "target"),
+        ({"memory_budget": "56"}, "memory_budget"),
+        ({"action_overhead_ms": -1.0}, "action_overhead_ms"),
+        # refused before the profiling steps, not after them
+        ({"config": "x.yaml", "target": "deepspeed"}, "target"),
+        ({"config": "/no/such.yaml", "target": "mindformers"}, "config"),
+        ({"time_limit_s": 0}, "time_limit_s"),
+        ({"time_limit_s": math.nan}, "time_limit_s"),
+    ],
 )
 def test_bad_options(options, field):
     with pytest.raises(InputError) as caught:
@@ -175,15 +194,37 @@ def test_bad_options(options, field):
 
 @pytest.mark.parametrize(
     ("target", "template", "setting", "message"),
-    [("mindformers", "mindformers_llama.yaml", {}, "the plan places 4 decoder layers; .* has model.model_config.num_layers 8"),
-     ("mindformers", "mindformers_v2_llama.yaml", {}, "the plan places 4 decoder layers; .* has model_config.num_hidden_layers 8"),
-     ("megatron", "megatron_llama.sh", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
-     ("megatron", "megatron_llama.sh", {"schedule": "ZBH1"},
-      "Megatron-LM runs 1F1B, Interleaved1F1B; this plan is for ZBH1"),
-     ("torchtitan", "torchtitan_llama.toml", {"micro_batches": 5},
-      "the plan is for 5 micro-batches; .* training.local_batch_size 16")],
+    [
+        (
+            "mindformers",
+            "mindformers_llama.yaml",
+            {},
+            "the plan places 4 decoder layers; .* has model.model_config.num_layers 8",
+        ),
+        (
+            "mindformers",
+            "mindformers_v2_llama.yaml",
+            {},
+            "the plan places 4 decoder layers; .* has model_config.num_hidden_layers 8",
+        ),
+        ("megatron", "megatron_llama.sh", {}, "the plan places 4 decoder layers; .* has --num-layers 8"),
+        (
+            "megatron",
+            "megatron_llama.sh",
+            {"schedule": "ZBH1"},
+            "Megatron-LM runs 1F1B, Interleaved1F1B; this plan is for ZBH1",
+        ),
+        (
+            "torchtitan",
+            "torchtitan_llama.toml",
+            {"micro_batches": 5},
+            "the plan is for 5 micro-batches; .* training.local_batch_size 16",
+        ),
+    ],
 )
-def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(tmp_path, target, template, setting, message):
+def test_a_config_that_cannot_take_the_jobs_plan_is_refused_before_profiling(
+    tmp_path, target, template, setting, message
+):
     config = tmp_path / "config"
     shutil.copy(CONFIGS / template, config)
     with pytest.raises(InputError, match=f"config: {config} does not fit this job: {message}"):
@@ -225,12 +266,24 @@ def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp
 
 def test_the_jobs_parallel_layout_reaches_the_spec(tmp_path):
     """autotune takes the degrees a spec does; a layout torch does not run is refused before profiling."""
-    layout = {"data_parallel": 2, "fsdp": True, "gradients_persist": False, "tensor_parallel": 2,
-              "sequence_parallel": True, "context_parallel": 2, "expert_parallel": 2, "expert_tokens": "dropless",
-              "collective_backend": "gloo"}
+    layout = {
+        "data_parallel": 2,
+        "fsdp": True,
+        "gradients_persist": False,
+        "tensor_parallel": 2,
+        "sequence_parallel": True,
+        "context_parallel": 2,
+        "expert_parallel": 2,
+        "expert_tokens": "dropless",
+        "collective_backend": "gloo",
+    }
     tuner = autotune(llama(), **SETTING, **layout, cache_dir=tmp_path)
     assert {name: getattr(tuner.spec, name) for name in layout} == layout
     with pytest.raises(InputError) as caught:
-        autotune(llama(), **{**SETTING, "schedule": "ZBVZeroBubble", "stages": 2, "micro_batches": 4}, fsdp=True,
-                 fsdp_reshard_after_forward=True)
+        autotune(
+            llama(),
+            **{**SETTING, "schedule": "ZBVZeroBubble", "stages": 2, "micro_batches": 4},
+            fsdp=True,
+            fsdp_reshard_after_forward=True,
+        )
     assert caught.value.field == "fsdp_reshard_after_forward"

@@ -18,8 +18,12 @@ def measured_like(profile, spec, counts, modes, scale, overhead):
 def test_the_factor_and_overhead_are_found():
     profile = small_profile(8)
     runs = []
-    for schedule, chunks, counts in (("1F1B", 1, (3, 2, 3, 2)), ("Interleaved1F1B", 2, (2, 1, 1, 1, 1, 1, 2, 1)),
-                                     ("ZBH1", 1, (2, 3, 3, 2)), ("1F1B", 1, (4, 2, 2, 2))):
+    for schedule, chunks, counts in (
+        ("1F1B", 1, (3, 2, 3, 2)),
+        ("Interleaved1F1B", 2, (2, 1, 1, 1, 1, 1, 2, 1)),
+        ("ZBH1", 1, (2, 3, 3, 2)),
+        ("1F1B", 1, (4, 2, 2, 2)),
+    ):
         spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule)
         runs.append(measured_like(profile, spec, counts, ["none"] * 10, scale=1.3, overhead=0.4))
     found = calibrate(runs)
@@ -44,8 +48,9 @@ def test_the_constant_memory_per_stage_is_the_mean_excess():
     counts, modes = (3, 2, 3, 2), ["none"] * 10
     predicted = evaluate_plan(profile, spec, counts, modes).stage_peak_memory_bytes
     run = measured_like(profile, spec, counts, modes, scale=1.0, overhead=0.0)
-    found = calibrate([Run(profile, spec, counts, modes, run.measured_step_ms,
-                           tuple(peak + 5 * 2**20 for peak in predicted))])
+    found = calibrate(
+        [Run(profile, spec, counts, modes, run.measured_step_ms, tuple(peak + 5 * 2**20 for peak in predicted))]
+    )
     assert found.stage_constant_bytes == pytest.approx(5 * 2**20)
     _, calibrated_spec = found.apply(profile, spec)
     again = evaluate_plan(profile, calibrated_spec, counts, modes).stage_peak_memory_bytes
@@ -61,8 +66,15 @@ def test_a_negative_overhead_is_held_at_zero_and_the_fit_never_worsens():
     for mode, slower in (("none", 1.09), ("full", 1.19)):
         modes = ["none"] + [mode] * 8 + ["none"]
         exact = measured_like(profile, spec, (3, 2, 3, 2), modes, scale=1.0, overhead=0.0)
-        runs.append(Run(profile, spec, exact.stage_layer_counts, exact.layer_modes,
-                        tuple(ms * slower for ms in exact.measured_step_ms)))
+        runs.append(
+            Run(
+                profile,
+                spec,
+                exact.stage_layer_counts,
+                exact.layer_modes,
+                tuple(ms * slower for ms in exact.measured_step_ms),
+            )
+        )
     found = calibrate(runs)
     assert found.action_overhead_ms == 0.0
     assert found.error_after < found.error_before

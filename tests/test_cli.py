@@ -112,8 +112,9 @@ def test_console_entry_point_runs():
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
     """`sapp-hook ... | head`: the pipe closes before the report is written."""
-    process = subprocess.Popen([sys.executable, "-m", "sapp_hook", *BASE], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sapp_hook", *BASE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     process.stdout.close()
     stderr = process.stderr.read()
     assert process.wait() == 1

@@ -19,8 +19,22 @@ def plan_file(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     small_profile(8).save(profile)
     plan = tmp_path / "plan.json"
-    argv = ["solve", "--profile", str(profile), "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
-            "--memory", "1TB", "--plan-out", str(plan), "--quiet"]
+    argv = [
+        "solve",
+        "--profile",
+        str(profile),
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "1F1B",
+        "--memory",
+        "1TB",
+        "--plan-out",
+        str(plan),
+        "--quiet",
+    ]
     assert main(argv) == 0
     capsys.readouterr()
     return plan
@@ -30,7 +44,9 @@ def test_dry_run_then_apply(tmp_path, capsys, plan_file):
     config = tmp_path / "train.toml"
     shutil.copy(CONFIGS / "torchtitan_llama.toml", config)
     before = config.read_text()
-    assert main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", str(config), "--dry-run"]) == 0
+    assert (
+        main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", str(config), "--dry-run"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(f"--- {config} (before)") and "+module_fqns_per_model_part" in out
     assert config.read_text() == before
@@ -43,7 +59,10 @@ def test_dry_run_then_apply(tmp_path, capsys, plan_file):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--target", "deepspeed"], "--target: unknown target 'deepspeed'; expected one of mindformers, megatron, torchtitan, plan"),
+        (
+            ["--target", "deepspeed"],
+            "--target: unknown target 'deepspeed'; expected one of mindformers, megatron, torchtitan, plan",
+        ),
         (["--config", "/no/such/train.yaml"], "--config: /no/such/train.yaml does not exist or is not a file"),
     ],
 )
@@ -70,8 +89,10 @@ def test_bad_input_is_one_line(capsys, plan_file, flags, message):
 def test_a_plan_that_is_not_a_plan(tmp_path, capsys, document, message):
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps(document))
-    for command in (["apply", "--target", "plan", "--config", str(tmp_path / "out.json")],
-                    ["simulate", "--profile", str(SAPP / "test.json")]):
+    for command in (
+        ["apply", "--target", "plan", "--config", str(tmp_path / "out.json")],
+        ["simulate", "--profile", str(SAPP / "test.json")],
+    ):
         with pytest.raises(SystemExit):
             main([*command, "--plan", str(bad)])
         err = capsys.readouterr().err

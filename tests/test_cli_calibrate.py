@@ -4,6 +4,7 @@ the loop back into planning (`--profile-out`, `--action-overhead`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,9 +24,17 @@ def report_of(profile, schedule, chunks, counts) -> dict:
     spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule, p2p_ms=P2P_MS)
     modes = ("none",) * len(profile.layers)
     measured = rank_end_ms(Run(profile, spec, counts, modes, ()), SCALE, OVERHEAD_MS)
-    return {"schedule": schedule, "stages": 4, "chunks": chunks, "micro_batches": 8, "p2p_ms": P2P_MS,
-            "stage_layer_counts": list(counts), "layer_modes": list(modes), "model": "small",
-            "ranks": [{"rank": rank, "measured_step_ms": ms} for rank, ms in enumerate(measured)]}
+    return {
+        "schedule": schedule,
+        "stages": 4,
+        "chunks": chunks,
+        "micro_batches": 8,
+        "p2p_ms": P2P_MS,
+        "stage_layer_counts": list(counts),
+        "layer_modes": list(modes),
+        "model": "small",
+        "ranks": [{"rank": rank, "measured_step_ms": ms} for rank, ms in enumerate(measured)],
+    }
 
 
 @pytest.fixture
@@ -52,25 +61,55 @@ def test_the_factor_and_overhead_are_found_and_plan_again(runs, tmp_path, capsys
     assert fit["runs"] == 3 and fit["written"] == [str(scaled)]
     original = load_profile(profile_path)
     assert [layer.forward_ms for layer in load_profile(scaled).layers] == pytest.approx(
-        [SCALE * layer.forward_ms for layer in original.layers])
+        [SCALE * layer.forward_ms for layer in original.layers]
+    )
 
     # The scaled profile and the overhead replay the first run as it was measured.
     schedule, chunks, counts = PLANS[0]
     spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule)
     keys = tmp_path / "plan.yaml"
     keys.write_text(yaml.safe_dump(evaluate_plan(original, spec, counts, ("none",) * 10).mindformers()))
-    code = main(["simulate", "--profile", str(scaled), "--mindformers-plan", str(keys), "--schedule", schedule,
-                 "--stages", "4", "--micro-batches", "8", "--p2p", str(P2P_MS),
-                 "--action-overhead", str(fit["action_overhead_ms"]), "--json"])
+    code = main(
+        [
+            "simulate",
+            "--profile",
+            str(scaled),
+            "--mindformers-plan",
+            str(keys),
+            "--schedule",
+            schedule,
+            "--stages",
+            "4",
+            "--micro-batches",
+            "8",
+            "--p2p",
+            str(P2P_MS),
+            "--action-overhead",
+            str(fit["action_overhead_ms"]),
+            "--json",
+        ]
+    )
     replayed = json.loads(capsys.readouterr().out)
-    measured = [rank["measured_step_ms"] for rank in json.loads(open(reports[0]).read())["ranks"]]
+    measured = [rank["measured_step_ms"] for rank in json.loads(Path(reports[0]).read_text())["ranks"]]
     assert code == 0 and replayed["iteration_time"] == pytest.approx(max(measured), rel=1e-4)
 
 
 def test_solve_plans_with_the_overhead(runs, capsys):
     profile_path, _ = runs
-    base = ["solve", "--profile", str(profile_path), "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
-            "--memory", "1GiB", "--json"]
+    base = [
+        "solve",
+        "--profile",
+        str(profile_path),
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "1F1B",
+        "--memory",
+        "1GiB",
+        "--json",
+    ]
     assert main([*base, "--action-overhead", "2"]) == 0
     plan = json.loads(capsys.readouterr().out)
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B", action_overhead_ms=2.0)
@@ -81,17 +120,23 @@ def test_solve_plans_with_the_overhead(runs, capsys):
     assert plan["iteration_time"] == pytest.approx(expected.iteration_time_ms)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda r: r.pop("ranks"), "run0.json.ranks: expected a list of 4 ranks"),
-    (lambda r: r["ranks"][1].pop("measured_step_ms"), "run0.json.ranks[1].measured_step_ms: missing"),
-    (lambda r: r.update(layer_modes=["none"] * 4), "run0.json.layer_modes: 4 layers, but the profile has 10"),
-    (lambda r: r.update(stage_layer_counts=[3, 3, 3, 3]), "run0.json.stage_layer_counts: sum to 12"),
-    (lambda r: r.update(schedule="Nope"), "run0.json.schedule"),
-    (lambda r: r.update(data_parallel=2), "run0.json.data_parallel: is 2: calibrate fits runs of the pipeline alone"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.pop("ranks"), "run0.json.ranks: expected a list of 4 ranks"),
+        (lambda r: r["ranks"][1].pop("measured_step_ms"), "run0.json.ranks[1].measured_step_ms: missing"),
+        (lambda r: r.update(layer_modes=["none"] * 4), "run0.json.layer_modes: 4 layers, but the profile has 10"),
+        (lambda r: r.update(stage_layer_counts=[3, 3, 3, 3]), "run0.json.stage_layer_counts: sum to 12"),
+        (lambda r: r.update(schedule="Nope"), "run0.json.schedule"),
+        (
+            lambda r: r.update(data_parallel=2),
+            "run0.json.data_parallel: is 2: calibrate fits runs of the pipeline alone",
+        ),
+    ],
+)
 def test_a_bad_report_is_one_line_naming_the_field(runs, capsys, change, message):
     profile_path, reports = runs
-    report = json.loads(open(reports[0]).read())
+    report = json.loads(Path(reports[0]).read_text())
     change(report)
     with open(reports[0], "w") as file:
         json.dump(report, file)
@@ -105,18 +150,67 @@ def test_a_bad_report_is_one_line_naming_the_field(runs, capsys, change, message
 def test_overhead_flag_errors(runs, tmp_path, capsys):
     profile_path, _ = runs
     with pytest.raises(SystemExit):
-        main(["solve", "--profile", str(profile_path), "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
-              "--memory", "1GiB", "--action-overhead", "-1"])
+        main(
+            [
+                "solve",
+                "--profile",
+                str(profile_path),
+                "--stages",
+                "4",
+                "--micro-batches",
+                "8",
+                "--schedule",
+                "1F1B",
+                "--memory",
+                "1GiB",
+                "--action-overhead",
+                "-1",
+            ]
+        )
     assert "--action-overhead: expected a number of milliseconds >= 0, got -1" in capsys.readouterr().err
     plan_json = tmp_path / "plan.json"
-    assert main(["solve", "--profile", str(profile_path), "--stages", "4", "--micro-batches", "8", "--schedule",
-                 "1F1B", "--memory", "1GiB", "--plan-out", str(plan_json), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "solve",
+                "--profile",
+                str(profile_path),
+                "--stages",
+                "4",
+                "--micro-batches",
+                "8",
+                "--schedule",
+                "1F1B",
+                "--memory",
+                "1GiB",
+                "--plan-out",
+                str(plan_json),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(SystemExit):
         main(["simulate", "--profile", str(profile_path), "--plan", str(plan_json), "--action-overhead", "1"])
     assert "--action-overhead: a plan JSON states its own" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1",
-              "--backward", "2", "--action-overhead", "1"])
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "1F1B",
+                "--stages",
+                "4",
+                "--micro-batches",
+                "8",
+                "--forward",
+                "1",
+                "--backward",
+                "2",
+                "--action-overhead",
+                "1",
+            ]
+        )
     assert "--action-overhead needs --profile and --mindformers-plan" in capsys.readouterr().err
 
 
@@ -128,8 +222,22 @@ def test_an_output_that_cannot_be_written_is_one_error_naming_its_flag(runs, cap
         argv = ["calibrate", "--profile", str(profile_path), *reports, "--profile-out", unwritable]
         flag = "--profile-out"
     else:
-        argv = ["solve", "--profile", str(profile_path), "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
-                "--memory", "1GiB", "--plan-out", unwritable, "--quiet"]
+        argv = [
+            "solve",
+            "--profile",
+            str(profile_path),
+            "--stages",
+            "4",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "1F1B",
+            "--memory",
+            "1GiB",
+            "--plan-out",
+            unwritable,
+            "--quiet",
+        ]
         flag = "--plan-out"
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -104,9 +104,16 @@ ESTIMATE = ["--estimate"]
         (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
         (FAST, ["--link-bandwidth", "1e9"], "--link-bandwidth: needs --estimate"),
         (FAST, ["--expert-parallel", "2"], "--expert-parallel: needs --estimate"),
-        (ESTIMATE, ["--expert-parallel", "2", "--data-parallel", "2"],
-         "--expert-parallel: the model has no routed experts; expected 1, got 2"),
-        (ESTIMATE, ["--expert-parallel", "2", "--expert-tokens", "most"], "--expert-tokens: expected balanced, dropless"),
+        (
+            ESTIMATE,
+            ["--expert-parallel", "2", "--data-parallel", "2"],
+            "--expert-parallel: the model has no routed experts; expected 1, got 2",
+        ),
+        (
+            ESTIMATE,
+            ["--expert-parallel", "2", "--expert-tokens", "most"],
+            "--expert-tokens: expected balanced, dropless",
+        ),
         (ESTIMATE, ["--zero-stage", "2", "--data-parallel", "0"], "--data-parallel: expected an integer >= 1, got 0"),
         (ESTIMATE, ["--link-bandwidth", "-1"], "--link-bandwidth: expected a finite number >= 0, got -1.0"),
         (ESTIMATE, ["--link-latency", "nan"], "--link-latency: expected a finite number >= 0, got nan"),
@@ -125,10 +132,16 @@ def test_bad_input_is_one_line(capsys, tmp_path, config_json, base, flags, messa
     ("change", "message"),
     [
         ({"num_attention_heads": 5}, "transformers cannot build model_type 'llama': Class validation error"),
-        ({"hidden_size": "wide"}, "transformers cannot build model_type 'llama': Validation error for field 'hidden_size'"),
+        (
+            {"hidden_size": "wide"},
+            "transformers cannot build model_type 'llama': Validation error for field 'hidden_size'",
+        ),
         ({"vocab_size": 0}, "--model: vocab_size: expected an integer >= 1, got 0"),
         ({"max_position_embeddings": 8}, "--seq-len: 16 tokens; the model takes at most 8 (max_position_embeddings)"),
-        ({"hidden_size": 2**38}, "--model: llama's weights do not fit in this machine's memory"),  # past any address space
+        (
+            {"hidden_size": 2**38},
+            "--model: llama's weights do not fit in this machine's memory",
+        ),  # past any address space
     ],
 )
 def test_configs_that_cannot_train_are_one_line(capsys, config_json, tmp_path, change, message):
@@ -150,24 +163,47 @@ def test_a_config_transformers_cannot_build(capsys, tmp_path):
 
 def test_an_estimate_runs_nothing_and_writes_the_analytic_profile(tmp_path, config_json):
     out = tmp_path / "estimate.json"
-    argv = ["profile", "--model", str(config_json), "--estimate", "--dtype", "bfloat16", "--seq-len", "64",
-            "--micro-batch-size", "1", "--flops", "4e14", "--tensor-parallel", "2", "--out", str(out), "--quiet"]
+    argv = [
+        "profile",
+        "--model",
+        str(config_json),
+        "--estimate",
+        "--dtype",
+        "bfloat16",
+        "--seq-len",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--flops",
+        "4e14",
+        "--tensor-parallel",
+        "2",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     # In a process of its own, to see what it imports: neither torch nor transformers.
-    code = (f"import sys; from sapp_hook.cli import main; assert main({argv!r}) == 0; "
-            "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch'")
+    code = (
+        f"import sys; from sapp_hook.cli import main; assert main({argv!r}) == 0; "
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'imported torch'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    shape = shape_from_config({"model_type": "llama", **LLAMA}, sequence=64, micro_batch_size=1, dtype="bfloat16",
-                              tensor_parallel=2)
+    shape = shape_from_config(
+        {"model_type": "llama", **LLAMA}, sequence=64, micro_batch_size=1, dtype="bfloat16", tensor_parallel=2
+    )
     estimated = load_profile(out)
     assert estimated.layers == analytic_profile(shape, flops_per_second=4e14).layers
     assert estimated.model == f"{config_json} (estimated)" and estimated.source == "analytic"
 
 
-@pytest.mark.parametrize(("switches", "message"), [
-    (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
-    (["--fsdp", "--zero-stage", "1"], "--zero-stage: FSDP shards parameters, gradients and optimizer state"),
-    (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
-])
+@pytest.mark.parametrize(
+    ("switches", "message"),
+    [
+        (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
+        (["--fsdp", "--zero-stage", "1"], "--zero-stage: FSDP shards parameters, gradients and optimizer state"),
+        (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
+    ],
+)
 def test_a_layout_no_engine_runs_is_one_line(capsys, tmp_path, config_json, switches, message):
     with pytest.raises(SystemExit) as caught:
         main(["profile", "--model", str(config_json), *ESTIMATE, *switches, "--out", str(tmp_path / "p.json")])
@@ -177,18 +213,46 @@ def test_a_layout_no_engine_runs_is_one_line(capsys, tmp_path, config_json, swit
 
 def test_an_estimate_for_one_rank_of_a_mesh_says_so_and_states_its_collectives(capsys, tmp_path, config_json):
     out = tmp_path / "estimate.json"
-    argv = ["profile", "--model", str(config_json), "--estimate", "--dtype", "float32", "--seq-len", "64",
-            "--tensor-parallel", "2", "--sequence-parallel", "--data-parallel", "4", "--fsdp",
-            "--link-bandwidth", "1e11", "--data-link-bandwidth", "2.5e10", "--link-latency", "1e-5", "--out", str(out)]
+    argv = [
+        "profile",
+        "--model",
+        str(config_json),
+        "--estimate",
+        "--dtype",
+        "float32",
+        "--seq-len",
+        "64",
+        "--tensor-parallel",
+        "2",
+        "--sequence-parallel",
+        "--data-parallel",
+        "4",
+        "--fsdp",
+        "--link-bandwidth",
+        "1e11",
+        "--data-link-bandwidth",
+        "2.5e10",
+        "--link-latency",
+        "1e-5",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "one rank of tensor_parallel 2 (sequence parallel)" in report
     assert "collectives (in the forward and backward times): tensor all-reduce x" in report
     assert "collectives (once a step, in no layer time): data reduce-scatter x" in report
-    shape = shape_from_config({"model_type": "llama", **LLAMA}, sequence=64, micro_batch_size=2, dtype="float32",
-                              tensor_parallel=2, sequence_parallel=True)
-    network = Network(link_bytes_per_second=1e11, data_link_bytes_per_second=2.5e10, latency_s=1e-5, data_parallel=4,
-                      fsdp=True)
+    shape = shape_from_config(
+        {"model_type": "llama", **LLAMA},
+        sequence=64,
+        micro_batch_size=2,
+        dtype="float32",
+        tensor_parallel=2,
+        sequence_parallel=True,
+    )
+    network = Network(
+        link_bytes_per_second=1e11, data_link_bytes_per_second=2.5e10, latency_s=1e-5, data_parallel=4, fsdp=True
+    )
     estimated = load_profile(out)
     assert estimated.layers == analytic_profile(shape, network=network).layers
     assert estimated.mesh == Mesh(tensor_parallel=2, sequence_parallel=True)

@@ -15,7 +15,7 @@ from sapp_hook.cli import main
 
 TEMPLATES = Path(__file__).parents[1] / "sapp_hook" / "templates"
 
-TRAIN = textwrap.dedent('''
+TRAIN = textwrap.dedent("""
     import json, sys
     import torch, transformers
     from sapp_hook import autotune
@@ -35,7 +35,7 @@ TRAIN = textwrap.dedent('''
             tuner.step()
     with open(sys.argv[1], "a") as log:
         log.write(json.dumps({"from_cache": tuner.result.from_cache, "steps": 8}) + "\\n")
-''')
+""")
 
 
 def test_run_plans_writes_and_relaunches(tmp_path):
@@ -44,9 +44,25 @@ def test_run_plans_writes_and_relaunches(tmp_path):
     # the template's 8 layers made the 4 of the script's model
     config.write_text((TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 4"))
     done = subprocess.run(
-        [sys.executable, "-m", "sapp_hook", "run", "--config", str(config), "--target", "mindformers",
-         "--cache-dir", str(tmp_path / "cache"), "--", sys.executable, str(script), str(log)],
-        capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        [
+            sys.executable,
+            "-m",
+            "sapp_hook",
+            "run",
+            "--config",
+            str(config),
+            "--target",
+            "mindformers",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--",
+            sys.executable,
+            str(script),
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 0, done.stderr
     assert "sapp-hook run: planned; training" in done.stderr
@@ -62,9 +78,28 @@ def test_run_launches_once_where_the_config_already_says_the_plan(tmp_path):
     script, log, config = tmp_path / "train.py", tmp_path / "runs.jsonl", tmp_path / "train.yaml"
     script.write_text(TRAIN)
     config.write_text((TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 4"))
-    argv = [sys.executable, "-m", "sapp_hook", "run", "--config", str(config), "--target", "mindformers",
-            "--cache-dir", str(tmp_path / "cache"), "--", sys.executable, str(script), str(log)]
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = [
+        sys.executable,
+        "-m",
+        "sapp_hook",
+        "run",
+        "--config",
+        str(config),
+        "--target",
+        "mindformers",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--",
+        sys.executable,
+        str(script),
+        str(log),
+    ]
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+    }
     assert subprocess.run(argv, capture_output=True, text=True, env=env, check=False).returncode == 0  # plans, trains
     written = config.read_bytes()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
@@ -88,7 +123,7 @@ def test_run_refuses_a_config_it_could_not_write_before_launching(capsys, tmp_pa
     assert f"--config: {tmp_path / 'none.yaml'} does not exist or is not a file" in capsys.readouterr().err
 
 
-TRAIN_ON_TWO_RANKS = textwrap.dedent('''
+TRAIN_ON_TWO_RANKS = textwrap.dedent("""
     import json, sys
     import torch
     import torch.distributed.nn.functional  # before the group is made: see docs/api.md on gloo
@@ -110,7 +145,7 @@ TRAIN_ON_TWO_RANKS = textwrap.dedent('''
     with open(f"{sys.argv[1]}.{rank}", "a") as log:
         log.write(json.dumps({"from_cache": tuner.result.from_cache}) + "\\n")
     dist.destroy_process_group()
-''')
+""")
 
 
 def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path):
@@ -119,10 +154,30 @@ def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path
     script.write_text(TRAIN_ON_TWO_RANKS)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [sys.executable, "-m", "sapp_hook", "run", "--config", str(plan), "--target", "plan",
-         "--cache-dir", str(tmp_path / "cache"), "--", *torchrun, str(script), str(log)],
-        capture_output=True, text=True,
-        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent)},
+        [
+            sys.executable,
+            "-m",
+            "sapp_hook",
+            "run",
+            "--config",
+            str(plan),
+            "--target",
+            "plan",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--",
+            *torchrun,
+            str(script),
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).parent),
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sapp-hook run: planned; training" in done.stderr

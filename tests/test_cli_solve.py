@@ -16,8 +16,18 @@ from sapp_hook.cli import main
 from sapp_hook.report import plan_report
 from solver import PipelineSpec, evaluate_plan, even_plan, load_profile
 
-CASE = ["--profile", str(SAPP / "test.json"), "--stages", "4", "--chunks", "2", "--micro-batches", "8",
-        "--schedule", "Interleaved1F1B"]
+CASE = [
+    "--profile",
+    str(SAPP / "test.json"),
+    "--stages",
+    "4",
+    "--chunks",
+    "2",
+    "--micro-batches",
+    "8",
+    "--schedule",
+    "Interleaved1F1B",
+]
 SOLVE = ["solve", *CASE, "--memory", "53000MiB"]
 
 
@@ -40,14 +50,33 @@ def test_solve_json_contract_and_files(capsys, tmp_path):
     assert report["written"] == [str(chart), str(mf), str(plan_json)]
 
 
-@pytest.mark.parametrize(("memory", "line"), [
-    ("200GB", "even split      144,810 ms: the plan is 1.00x as fast"),
-    ("53000MiB", "even split      does not fit: stage 0 peaks at 125 GiB; with full recompute 192,330 ms, "
-                 "the plan is 1.07x as fast"),
-])
+@pytest.mark.parametrize(
+    ("memory", "line"),
+    [
+        ("200GB", "even split      144,810 ms: the plan is 1.00x as fast"),
+        (
+            "53000MiB",
+            (
+                "even split      does not fit: stage 0 peaks at 125 GiB; with full recompute 192,330 ms, "
+                "the plan is 1.07x as fast"
+            ),
+        ),
+    ],
+)
 def test_solve_compares_its_plan_with_the_even_split(capsys, memory, line):
-    argv = ["solve", "--profile", str(SAPP / "test.json"), "--stages", "4", "--micro-batches", "8",
-            "--schedule", "1F1B", "--memory", memory]
+    argv = [
+        "solve",
+        "--profile",
+        str(SAPP / "test.json"),
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "1F1B",
+        "--memory",
+        memory,
+    ]
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines()[-1] == line
     assert main([*argv, "--json"]) == 0
@@ -61,7 +90,9 @@ def test_solve_compares_its_plan_with_the_even_split(capsys, memory, line):
 
 
 def test_simulate_replays_a_mindformers_plan_and_a_plan_json(capsys, tmp_path):
-    main([*SOLVE, "--quiet", "--mindformers-yaml", str(tmp_path / "mf.yaml"), "--plan-out", str(tmp_path / "plan.json")])
+    main(
+        [*SOLVE, "--quiet", "--mindformers-yaml", str(tmp_path / "mf.yaml"), "--plan-out", str(tmp_path / "plan.json")]
+    )
     main(["simulate", *CASE, "--mindformers-plan", str(tmp_path / "mf.yaml"), "--json"])
     from_keys = json.loads(capsys.readouterr().out)
     main(["simulate", "--profile", str(SAPP / "test.json"), "--plan", str(tmp_path / "plan.json"), "--json"])
@@ -79,7 +110,10 @@ def test_simulate_refuses_flags_a_plan_json_contradicts(capsys, tmp_path):
         (["--stages", "8"], "--stages: 8 differs from the plan's spec.stages (4)"),
         (["--schedule", "ZBH1"], "--schedule: ZBH1 differs from the plan's spec.schedule (Interleaved1F1B)"),
         (["--micro-batches", "16"], "--micro-batches: 16 differs from the plan's spec.micro_batches (8)"),
-        (["--memory", "1GB"], "--memory: 1,000,000,000 differs from the plan's spec.memory_budget_bytes (55,574,528,000)"),
+        (
+            ["--memory", "1GB"],
+            "--memory: 1,000,000,000 differs from the plan's spec.memory_budget_bytes (55,574,528,000)",
+        ),
         (["--p2p", "0.5"], "--p2p: 0.5 differs from the plan's spec.p2p_ms (0)"),
     ]:
         with pytest.raises(SystemExit):
@@ -93,8 +127,20 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
     replay may not say otherwise."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(dataclasses.replace(small_profile(6), stage_output_bytes=2**20).to_dict()))
-    solve = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B",
-             "--memory", "10GiB", "--json"]
+    solve = [
+        "solve",
+        "--profile",
+        str(profile),
+        "--stages",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        "1F1B",
+        "--memory",
+        "10GiB",
+        "--json",
+    ]
     peaks = []
     for flags in ([], ["--receive-buffers"]):
         assert main([*solve, *flags, "--plan-out", str(tmp_path / f"plan{len(flags)}.json")]) == 0
@@ -105,8 +151,22 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
         main(["simulate", "--profile", str(profile), "--plan", str(tmp_path / "plan0.json"), "--receive-buffers"])
     assert "--receive-buffers: true differs from the plan's spec.receive_buffers (false)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["simulate", "--schedule", "1F1B", "--stages", "2", "--micro-batches", "4", "--forward", "1",
-              "--backward", "2", "--receive-buffers"])
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "1F1B",
+                "--stages",
+                "2",
+                "--micro-batches",
+                "4",
+                "--forward",
+                "1",
+                "--backward",
+                "2",
+                "--receive-buffers",
+            ]
+        )
     assert "--receive-buffers needs --profile" in capsys.readouterr().err
 
 
@@ -119,8 +179,20 @@ def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
         "  select_comm_recompute: [23, 19, 16, 13]\n"
         "model:\n  model_config:\n    offset: [-1, 0, 0, 1]\n"
     )
-    args = ["simulate", "--profile", str(SAPP / "test.json"), "--stages", "4", "--micro-batches", "8",
-            "--schedule", "1F1B", "--mindformers-plan", str(config), "--json"]
+    args = [
+        "simulate",
+        "--profile",
+        str(SAPP / "test.json"),
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "1F1B",
+        "--mindformers-plan",
+        str(config),
+        "--json",
+    ]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["iteration_time"] == 179910.0  # SAPP's own figure for this plan
 
@@ -128,8 +200,11 @@ def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
 @pytest.mark.parametrize(
     "text, words",
     [
-        ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n"
-                                                         for p, n in zip("abcdefgh", "bcdefghi")), "an alias bomb"),
+        (
+            "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+            + "".join(f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi")),
+            "an alias bomb",
+        ),
         ("offset: " + "[" * 40 + "0" + "]" * 40 + "\n", "nested deeper than 32"),
         ("offset: [1, 2\n", "not valid YAML"),
         ("!!python/object/apply:os.system ['echo hi']\n", "not valid YAML"),
@@ -171,8 +246,21 @@ def test_solve_errors_are_one_line(capsys, args, message):
 def test_modes_limit_the_recompute_a_plan_may_use(capsys, tmp_path):
     profile = tmp_path / "profile.json"
     small_profile(6).save(profile)  # none, selective and full for every body layer
-    argv = ["solve", "--profile", str(profile), "--stages", "2", "--chunks", "2", "--micro-batches", "4",
-            "--schedule", "ZBVZeroBubble", "--memory", "400MiB"]
+    argv = [
+        "solve",
+        "--profile",
+        str(profile),
+        "--stages",
+        "2",
+        "--chunks",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        "ZBVZeroBubble",
+        "--memory",
+        "400MiB",
+    ]
     assert main(argv) == 0
     report = capsys.readouterr().out
     # on torch, a split backward runs a checkpointed block again for every weight-gradient group
@@ -182,8 +270,11 @@ def test_modes_limit_the_recompute_a_plan_may_use(capsys, tmp_path):
     assert modes == {"none", "full"}
     with pytest.raises(SystemExit):
         main([*argv, "--modes", "none,fast"])
-    assert capsys.readouterr().err.strip().endswith(
-        "--modes: expected modes among none, selective, comm, selective+comm, full, got fast")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--modes: expected modes among none, selective, comm, selective+comm, full, got fast")
+    )
 
 
 def test_simulate_profile_needs_a_plan(capsys):

@@ -38,16 +38,54 @@ from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindfor
 ROOT = Path(__file__).parents[1]
 TEMPLATES = ROOT / "sapp_hook" / "templates"
 EXIT_OUTPUT, EXIT_INPUT, EXIT_NO_PLAN, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_HUNG_UP = 1, 2, 3, 130, 143, 129
-SOLVE = ["solve", "--profile", "{profile}", "--stages", "4", "--micro-batches", "8", "--schedule", "1F1B",
-         "--memory", "1TB"]
-SIMULATE = ["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1",
-            "--backward", "2"]
+SOLVE = [
+    "solve",
+    "--profile",
+    "{profile}",
+    "--stages",
+    "4",
+    "--micro-batches",
+    "8",
+    "--schedule",
+    "1F1B",
+    "--memory",
+    "1TB",
+]
+SIMULATE = [
+    "simulate",
+    "--schedule",
+    "1F1B",
+    "--stages",
+    "4",
+    "--micro-batches",
+    "8",
+    "--forward",
+    "1",
+    "--backward",
+    "2",
+]
 # A search that runs for minutes (SAPP's 194 layers, 16 x 3 x 16) and says when it starts
-LONG_SOLVE = ["solve", "--profile", str(SAPP / "sim.json"), "--stages", "16", "--chunks", "3", "--micro-batches",
-              "16", "--schedule", "Interleaved1F1B-less-memory", "--memory", "1TB", "--time-limit", "inf"]
+LONG_SOLVE = [
+    "solve",
+    "--profile",
+    str(SAPP / "sim.json"),
+    "--stages",
+    "16",
+    "--chunks",
+    "3",
+    "--micro-batches",
+    "16",
+    "--schedule",
+    "Interleaved1F1B-less-memory",
+    "--memory",
+    "1TB",
+    "--time-limit",
+    "inf",
+]
 
 
 # -- the inputs, made on demand in the case's folder ------------------------------------------------------------
+
 
 def _plan(folder: Path) -> Path:
     profile = _input(folder, "profile")
@@ -70,12 +108,14 @@ def _crlf(template: str) -> Callable[[Path], Path]:
         path = folder / f"crlf-{template}"
         path.write_bytes((TEMPLATES / template).read_bytes().replace(b"\n", b"\r\n"))
         return path
+
     return make
 
 
 def _copy(template: str, name: str | None = None) -> Callable[[Path], Path]:
     def make(folder: Path) -> Path:
         return Path(shutil.copy(TEMPLATES / template, folder / (name or template)))
+
     return make
 
 
@@ -84,15 +124,18 @@ def _text(name: str, text: str) -> Callable[[Path], Path]:
         path = folder / name
         path.write_text(text)
         return path
+
     return make
 
 
 def _device(name: str, minor: int) -> Callable[[Path], Path]:
     """A character device of our own (1, minor: 3 null, 5 zero, 7 full), never the real /dev nodes."""
+
     def make(folder: Path) -> Path:
         path = folder / name
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
         return path
+
     return make
 
 
@@ -109,6 +152,7 @@ def _link(name: str, to: str) -> Callable[[Path], Path]:
         path = folder / "links" / name
         path.symlink_to(os.path.relpath(target, path.parent))
         return path
+
     return make
 
 
@@ -141,6 +185,7 @@ def _read_only_file(name: str, text: str) -> Callable[[Path], Path]:
         path = _text(name, text)(folder)
         path.chmod(0o444)
         return path
+
     return make
 
 
@@ -148,6 +193,7 @@ def _folder(name: str) -> Callable[[Path], Path]:
     def make(folder: Path) -> Path:
         (folder / name).mkdir()
         return folder / name
+
     return make
 
 
@@ -156,6 +202,7 @@ def _with_bom(template: str, name: str) -> Callable[[Path], Path]:
         path = folder / name
         path.write_bytes(b"\xef\xbb\xbf" + (TEMPLATES / template).read_bytes())
         return path
+
     return make
 
 
@@ -167,15 +214,21 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "crlf_yaml": _crlf("mindformers_llama.yaml"),
     "crlf_toml": _crlf("torchtitan_llama.toml"),
     "malformed_json": _text("malformed.json", '{"schema_version": 1, "layers": [{"name": "embed",'),
-    "nan_profile": lambda folder: _profile_with(folder, "nan.json",
-                                                lambda data: data["layers"][1].update(forward_ms=float("nan"))),
+    "nan_profile": lambda folder: _profile_with(
+        folder, "nan.json", lambda data: data["layers"][1].update(forward_ms=float("nan"))
+    ),
     "deep_json": _text("deep.json", "[" * 100_000 + "]" * 100_000),
     "huge_json": lambda folder: _sparse(folder / "huge.json", 65 * 2**20),
-    "alias_bomb": _text("bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
-                                     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\noffset: [*c, *c, *c, *c]\n"),
+    "alias_bomb": _text(
+        "bomb.yaml",
+        "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
+        "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\noffset: [*c, *c, *c, *c]\n",
+    ),
     "python_tag": _text("tag.yaml", "offset: !!python/object/apply:os.system ['echo owned']\n"),
-    "python_tag_config": _text("tag-train.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
-                               + "evil: !!python/object/apply:os.system ['echo owned']\n"),
+    "python_tag_config": _text(
+        "tag-train.yaml",
+        (TEMPLATES / "mindformers_llama.yaml").read_text() + "evil: !!python/object/apply:os.system ['echo owned']\n",
+    ),
     "bad_toml": _text("bad.toml", "[parallelism\npipeline_parallel_degree = 4\n"),
     "not_a_plan": _text("not-a-plan.json", '{"layers": []}'),
     "zero": _device("zero", 5),
@@ -185,29 +238,53 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "link_yaml": _link("train.yaml", "yaml"),
     "read_only_config": _read_only_config,
     "read_only_folder": _read_only_folder,
-    "deep_config": _text("deep-config.json", "{\"a\": " * 50_000 + "1" + "}" * 50_000),
+    "deep_config": _text("deep-config.json", '{"a": ' * 50_000 + "1" + "}" * 50_000),
     "plan_recomputing": _plan_recomputing,
     "read_only_plan": _read_only_file("old-plan.json", "{}"),
     "backup_folder": _folder("train.yaml.sapp-hook.bak"),
     "side_file_folder": _folder("train.toml.sapp-hook.json"),
     "empty_yaml": _text("empty.yaml", "# nothing but a comment\n"),
-    "layers_as_text": _text("text-layers.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
-                            .replace("num_layers: 8", "num_layers: '8'")),
-    "stages_as_text": _text("text-stages.yaml", (TEMPLATES / "mindformers_llama.yaml").read_text()
-                            .replace("pipeline_stage: 4", "pipeline_stage: '4'")),
+    "layers_as_text": _text(
+        "text-layers.yaml",
+        (TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: '8'"),
+    ),
+    "stages_as_text": _text(
+        "text-stages.yaml",
+        (TEMPLATES / "mindformers_llama.yaml").read_text().replace("pipeline_stage: 4", "pipeline_stage: '4'"),
+    ),
     "bom_python": lambda folder: _python_config(folder, bom=True),
     "twice_python": lambda folder: _python_config(folder, twice=True),
     "bom_toml": _with_bom("torchtitan_llama.toml", "bom.toml"),
-    "nan_constant_profile": lambda folder: _profile_with(folder, "nan-constant.json",
-                                                         lambda data: data.update(stage_constant_bytes=float("nan"))),
-    "huge_tied_profile": lambda folder: _profile_with(folder, "huge-tied.json", lambda data: data.update(
-        tied_parameters=[{"names": ["w"], "layers": ["embed", "lm_head"], "bytes": 1e30}])),
-    "bool_version_profile": lambda folder: _profile_with(folder, "bool-version.json",
-                                                         lambda data: data.update(schema_version=True)),
-    "sapp_overflow": _text("sapp-overflow.json", json.dumps({"layers_description": [
-        {"name": "H", "type": "HEAD", "time": 1}, {"name": "B", "type": "BODY", "time": 1, "nb_layer": 4,
-                                                   "memory_activation": 1, "memory_parameter": 1e305},
-        {"name": "T", "type": "TAIL", "time": 1}]})),
+    "nan_constant_profile": lambda folder: _profile_with(
+        folder, "nan-constant.json", lambda data: data.update(stage_constant_bytes=float("nan"))
+    ),
+    "huge_tied_profile": lambda folder: _profile_with(
+        folder,
+        "huge-tied.json",
+        lambda data: data.update(tied_parameters=[{"names": ["w"], "layers": ["embed", "lm_head"], "bytes": 1e30}]),
+    ),
+    "bool_version_profile": lambda folder: _profile_with(
+        folder, "bool-version.json", lambda data: data.update(schema_version=True)
+    ),
+    "sapp_overflow": _text(
+        "sapp-overflow.json",
+        json.dumps(
+            {
+                "layers_description": [
+                    {"name": "H", "type": "HEAD", "time": 1},
+                    {
+                        "name": "B",
+                        "type": "BODY",
+                        "time": 1,
+                        "nb_layer": 4,
+                        "memory_activation": 1,
+                        "memory_parameter": 1e305,
+                    },
+                    {"name": "T", "type": "TAIL", "time": 1},
+                ]
+            }
+        ),
+    ),
     "plan_offset_true": lambda folder: _changed_plan(folder, lambda data: data["plan"]["offset"].__setitem__(1, True)),
 }
 
@@ -272,6 +349,7 @@ def _snapshot(folder: Path) -> dict[str, object]:
 
 # -- the table -----------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     """`argv` names inputs as {NAME} (MAKERS) and the case's folder as {dir}; `names`: what the one line
@@ -307,6 +385,7 @@ def _crlf_kept(name: str) -> Callable[[Path], None]:
         data = (folder / f"crlf-{name}").read_bytes()
         assert data != (TEMPLATES / name).read_bytes().replace(b"\n", b"\r\n")  # the plan is in
         assert data.count(b"\r\n") == data.count(b"\n") > 10
+
     return check
 
 
@@ -328,18 +407,66 @@ CASES = [
     Case("deeply-nested-json", [*SOLVE, "--profile", "{deep_json}", "--quiet"], EXIT_INPUT, "--profile"),
     Case("huge-json", [*SOLVE, "--profile", "{huge_json}", "--quiet"], EXIT_INPUT, "--profile"),
     Case("endless-stream", [*SOLVE, "--profile", "{zero}", "--quiet"], EXIT_INPUT, "--profile"),
-    Case("yaml-alias-bomb", ["simulate", "--profile", "{profile}", "--mindformers-plan", "{alias_bomb}", "--stages",
-                             "4", "--micro-batches", "8", "--schedule", "1F1B"], EXIT_INPUT, "--mindformers-plan"),
-    Case("yaml-python-tag", ["simulate", "--profile", "{profile}", "--mindformers-plan", "{python_tag}", "--stages",
-                             "4", "--micro-batches", "8", "--schedule", "1F1B"], EXIT_INPUT, "--mindformers-plan"),
-    Case("config-python-tag", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
-                               "{python_tag_config}"], EXIT_INPUT, "--config"),
-    Case("malformed-toml", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bad_toml}"],
-         EXIT_INPUT, "--config"),
-    Case("not-a-plan", ["apply", "--plan", "{not_a_plan}", "--target", "plan", "--config", "{dir}/out.json"],
-         EXIT_INPUT, "--plan"),
-    Case("deeply-nested-model-config", ["profile", "--estimate", "--model", "{deep_config}", "--out", "{dir}/p.json",
-                                        "--quiet"], EXIT_INPUT, "--model"),
+    Case(
+        "yaml-alias-bomb",
+        [
+            "simulate",
+            "--profile",
+            "{profile}",
+            "--mindformers-plan",
+            "{alias_bomb}",
+            "--stages",
+            "4",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "1F1B",
+        ],
+        EXIT_INPUT,
+        "--mindformers-plan",
+    ),
+    Case(
+        "yaml-python-tag",
+        [
+            "simulate",
+            "--profile",
+            "{profile}",
+            "--mindformers-plan",
+            "{python_tag}",
+            "--stages",
+            "4",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "1F1B",
+        ],
+        EXIT_INPUT,
+        "--mindformers-plan",
+    ),
+    Case(
+        "config-python-tag",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{python_tag_config}"],
+        EXIT_INPUT,
+        "--config",
+    ),
+    Case(
+        "malformed-toml",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bad_toml}"],
+        EXIT_INPUT,
+        "--config",
+    ),
+    Case(
+        "not-a-plan",
+        ["apply", "--plan", "{not_a_plan}", "--target", "plan", "--config", "{dir}/out.json"],
+        EXIT_INPUT,
+        "--plan",
+    ),
+    Case(
+        "deeply-nested-model-config",
+        ["profile", "--estimate", "--model", "{deep_config}", "--out", "{dir}/p.json", "--quiet"],
+        EXIT_INPUT,
+        "--model",
+    ),
     Case("missing-file", [*SOLVE, "--profile", "{dir}/nothing.json", "--quiet"], EXIT_INPUT, "--profile"),
     # impossible or overflowing specs
     Case("no-stages", [*SOLVE, "--stages", "0", "--quiet"], EXIT_INPUT, "--stages"),
@@ -347,103 +474,339 @@ CASES = [
     Case("size-beyond-floats", [*SOLVE, "--memory", "1" + "0" * 400 + "GB", "--quiet"], EXIT_INPUT, "--memory"),
     Case("time-limit-nan", [*SOLVE, "--time-limit", "nan", "--quiet"], EXIT_INPUT, "--time-limit"),
     Case("astronomic-pipeline", [*SIMULATE, "--stages", "10" + "0" * 20, "--quiet"], EXIT_INPUT, "--stages: "),
-    Case("schedule-name-a-page-long", [*SIMULATE, "--schedule", "x" * 10_000], EXIT_INPUT, "--schedule: expected one of"),
-    Case("stages-as-many-as-layers", [*SOLVE, "--stages", "10", "--micro-batches", "10"], 0, None,
-         printed="even split      none: virtual stage 8 is empty"),
-    Case("profile-field-named-with-its-file", [*SOLVE, "--profile", "{nan_constant_profile}"], EXIT_INPUT,
-         "--profile: " + "{dir}/nan-constant.json: stage_constant_bytes: expected a finite number"),
-    Case("estimate-past-a-pebibyte", ["profile", "--estimate", "--model", "tiny-llama", "--out", "{dir}/p.json",
-                                      "--micro-batch-size", "1" + "0" * 30], EXIT_INPUT, "--micro-batch-size"),
-    Case("tied-bytes-past-a-pebibyte", [*SOLVE, "--profile", "{huge_tied_profile}"], EXIT_INPUT,
-         "tied_parameters[0].bytes: expected at most 2**50 bytes"),
+    Case(
+        "schedule-name-a-page-long", [*SIMULATE, "--schedule", "x" * 10_000], EXIT_INPUT, "--schedule: expected one of"
+    ),
+    Case(
+        "stages-as-many-as-layers",
+        [*SOLVE, "--stages", "10", "--micro-batches", "10"],
+        0,
+        None,
+        printed="even split      none: virtual stage 8 is empty",
+    ),
+    Case(
+        "profile-field-named-with-its-file",
+        [*SOLVE, "--profile", "{nan_constant_profile}"],
+        EXIT_INPUT,
+        "--profile: " + "{dir}/nan-constant.json: stage_constant_bytes: expected a finite number",
+    ),
+    Case(
+        "estimate-past-a-pebibyte",
+        [
+            "profile",
+            "--estimate",
+            "--model",
+            "tiny-llama",
+            "--out",
+            "{dir}/p.json",
+            "--micro-batch-size",
+            "1" + "0" * 30,
+        ],
+        EXIT_INPUT,
+        "--micro-batch-size",
+    ),
+    Case(
+        "tied-bytes-past-a-pebibyte",
+        [*SOLVE, "--profile", "{huge_tied_profile}"],
+        EXIT_INPUT,
+        "tied_parameters[0].bytes: expected at most 2**50 bytes",
+    ),
     Case("schema-version-true", [*SOLVE, "--profile", "{bool_version_profile}"], EXIT_INPUT, "schema_version"),
-    Case("sapp-size-past-floats", [*SOLVE, "--profile", "{sapp_overflow}"], EXIT_INPUT,
-         "layers_description[1].memory_parameter"),
-    Case("plan-key-true-for-1", ["apply", "--plan", "{plan_offset_true}", "--target", "plan", "--config",
-                                 "{dir}/out.json"], EXIT_INPUT, "plan.offset: is [0, True, 0, -1]"),
-    Case("plan-for-other-stages", ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "8",
-                                   "--schedule", "1F1B", "--plan", "{plan}", "--quiet"], EXIT_INPUT, "--plan"),
+    Case(
+        "sapp-size-past-floats",
+        [*SOLVE, "--profile", "{sapp_overflow}"],
+        EXIT_INPUT,
+        "layers_description[1].memory_parameter",
+    ),
+    Case(
+        "plan-key-true-for-1",
+        ["apply", "--plan", "{plan_offset_true}", "--target", "plan", "--config", "{dir}/out.json"],
+        EXIT_INPUT,
+        "plan.offset: is [0, True, 0, -1]",
+    ),
+    Case(
+        "plan-for-other-stages",
+        [
+            "validate",
+            "--model",
+            "tiny-llama",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "1F1B",
+            "--plan",
+            "{plan}",
+            "--quiet",
+        ],
+        EXIT_INPUT,
+        "--plan",
+    ),
     # outputs that are not regular files, through links or not: refused, the node left as it was
     Case("plan-out-device", [*SOLVE, "--plan-out", "{null}", "--quiet"], EXIT_INPUT, "--plan-out"),
     Case("plan-out-link-to-device", [*SOLVE, "--plan-out", "{link_to_null}", "--quiet"], EXIT_INPUT, "--plan-out"),
     Case("yaml-out-fifo", [*SOLVE, "--mindformers-yaml", "{fifo}", "--quiet"], EXIT_INPUT, "--mindformers-yaml"),
-    Case("profile-out-device", ["profile", "--estimate", "--model", "tiny-llama", "--out", "{null}", "--quiet"],
-         EXIT_INPUT, "--out"),
-    Case("plan-out-name-too-long", [*SOLVE, "--plan-out", "{dir}/" + "x" * 300 + ".json"], EXIT_INPUT,
-         "--plan-out: {dir}/xxx"),
-    Case("one-file-for-two-outputs", [*SOLVE, "--plan-out", "{dir}/out.json", "--trace", "{dir}/out.json"], EXIT_INPUT,
-         "--plan-out: {dir}/out.json is --trace's file too"),
-    Case("backup-slot-a-folder", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
-         EXIT_INPUT, "train.yaml.sapp-hook.bak is a folder", prepare=("backup_folder",)),
-    Case("side-file-slot-a-folder", ["apply", "--plan", "{plan_recomputing}", "--target", "torchtitan", "--config",
-                                     "{toml}"], EXIT_INPUT, "train.toml.sapp-hook.json is a folder",
-         prepare=("side_file_folder",)),
-    Case("config-rename-fails", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
-         EXIT_INPUT, "Input/output error; it was left as it was", fault="EIO-on-config"),
+    Case(
+        "profile-out-device",
+        ["profile", "--estimate", "--model", "tiny-llama", "--out", "{null}", "--quiet"],
+        EXIT_INPUT,
+        "--out",
+    ),
+    Case(
+        "plan-out-name-too-long",
+        [*SOLVE, "--plan-out", "{dir}/" + "x" * 300 + ".json"],
+        EXIT_INPUT,
+        "--plan-out: {dir}/xxx",
+    ),
+    Case(
+        "one-file-for-two-outputs",
+        [*SOLVE, "--plan-out", "{dir}/out.json", "--trace", "{dir}/out.json"],
+        EXIT_INPUT,
+        "--plan-out: {dir}/out.json is --trace's file too",
+    ),
+    Case(
+        "backup-slot-a-folder",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+        EXIT_INPUT,
+        "train.yaml.sapp-hook.bak is a folder",
+        prepare=("backup_folder",),
+    ),
+    Case(
+        "side-file-slot-a-folder",
+        ["apply", "--plan", "{plan_recomputing}", "--target", "torchtitan", "--config", "{toml}"],
+        EXIT_INPUT,
+        "train.toml.sapp-hook.json is a folder",
+        prepare=("side_file_folder",),
+    ),
+    Case(
+        "config-rename-fails",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+        EXIT_INPUT,
+        "Input/output error; it was left as it was",
+        fault="EIO-on-config",
+    ),
     Case("run-cache-dir-a-file", ["run", "--cache-dir", "{profile}", "--", "true"], EXIT_INPUT, "--cache-dir"),
-    Case("apply-onto-device", ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{zero}"],
-         EXIT_INPUT, "--config"),
-    Case("apply-onto-fifo", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{fifo}"],
-         EXIT_INPUT, "--config"),
+    Case(
+        "apply-onto-device",
+        ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{zero}"],
+        EXIT_INPUT,
+        "--config",
+    ),
+    Case(
+        "apply-onto-fifo",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{fifo}"],
+        EXIT_INPUT,
+        "--config",
+    ),
     # links written through; CRLF kept
-    Case("apply-through-link", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{link_yaml}",
-                                "--quiet"], 0, None, unchanged=False, check=_symlink_written_through),
-    Case("crlf-yaml", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{crlf_yaml}", "--quiet"],
-         0, None, unchanged=False, check=_crlf_kept("mindformers_llama.yaml")),
-    Case("crlf-toml", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{crlf_toml}", "--quiet"],
-         0, None, unchanged=False, check=_crlf_kept("torchtitan_llama.toml")),
+    Case(
+        "apply-through-link",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{link_yaml}", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+        check=_symlink_written_through,
+    ),
+    Case(
+        "crlf-yaml",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{crlf_yaml}", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+        check=_crlf_kept("mindformers_llama.yaml"),
+    ),
+    Case(
+        "crlf-toml",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{crlf_toml}", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+        check=_crlf_kept("torchtitan_llama.toml"),
+    ),
     # read-only files and folders, for a user without root's override
-    Case("read-only-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
-                              "{read_only_config}"], EXIT_INPUT, "--config", run="process", read_only=True),
-    Case("read-only-folder", [*SOLVE, "--plan-out", "{read_only_folder}/plan.json", "--quiet"], EXIT_INPUT,
-         "--plan-out", run="process", read_only=True),
-    Case("read-only-output", [*SOLVE, "--plan-out", "{read_only_plan}", "--quiet"], EXIT_INPUT,
-         "old-plan.json is read-only", run="process", read_only=True),
-    Case("read-only-plan-target", ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{read_only_plan}"],
-         EXIT_INPUT, "old-plan.json is read-only", run="process", read_only=True),
-    Case("dry-run-of-read-only-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
-                                         "{read_only_config}", "--dry-run", "--quiet"], 0, None, run="process",
-         read_only=True),
-    Case("demo-into-read-only-folder", ["demo", "--out", "{read_only_folder}/demo", "--quiet"], EXIT_INPUT,
-         "--out: cannot make the folder", run="process", read_only=True),
+    Case(
+        "read-only-config",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{read_only_config}"],
+        EXIT_INPUT,
+        "--config",
+        run="process",
+        read_only=True,
+    ),
+    Case(
+        "read-only-folder",
+        [*SOLVE, "--plan-out", "{read_only_folder}/plan.json", "--quiet"],
+        EXIT_INPUT,
+        "--plan-out",
+        run="process",
+        read_only=True,
+    ),
+    Case(
+        "read-only-output",
+        [*SOLVE, "--plan-out", "{read_only_plan}", "--quiet"],
+        EXIT_INPUT,
+        "old-plan.json is read-only",
+        run="process",
+        read_only=True,
+    ),
+    Case(
+        "read-only-plan-target",
+        ["apply", "--plan", "{plan}", "--target", "plan", "--config", "{read_only_plan}"],
+        EXIT_INPUT,
+        "old-plan.json is read-only",
+        run="process",
+        read_only=True,
+    ),
+    Case(
+        "dry-run-of-read-only-config",
+        [
+            "apply",
+            "--plan",
+            "{plan}",
+            "--target",
+            "mindformers",
+            "--config",
+            "{read_only_config}",
+            "--dry-run",
+            "--quiet",
+        ],
+        0,
+        None,
+        run="process",
+        read_only=True,
+    ),
+    Case(
+        "demo-into-read-only-folder",
+        ["demo", "--out", "{read_only_folder}/demo", "--quiet"],
+        EXIT_INPUT,
+        "--out: cannot make the folder",
+        run="process",
+        read_only=True,
+    ),
     # Ctrl-C and SIGTERM: mid-search, mid-profile, mid-write
-    Case("ctrl-c-in-search", LONG_SOLVE, EXIT_INTERRUPTED, "sapp-hook solve: interrupted", run="process",
-         stop=(signal.SIGINT, "moving layers")),
-    Case("sigterm-in-search", LONG_SOLVE, EXIT_TERMINATED, "sapp-hook solve: terminated", run="process",
-         stop=(signal.SIGTERM, "moving layers")),
-    Case("ctrl-c-in-profile", ["profile", "--model", "tiny-llama", "--steps", "100", "--out", "{dir}/p.json"],
-         EXIT_INTERRUPTED, "sapp-hook profile: interrupted", run="process", stop=(signal.SIGINT, "profiling: step 2/")),
-    Case("hang-up-in-search", LONG_SOLVE, EXIT_HUNG_UP, "sapp-hook solve: hung up", run="process",
-         stop=(signal.SIGHUP, "moving layers")),
-    Case("ctrl-c-mid-write", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
-         EXIT_INTERRUPTED, "sapp-hook apply: interrupted", fault="KeyboardInterrupt"),
-    Case("sigterm-mid-write", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{toml}"],
-         EXIT_TERMINATED, "sapp-hook apply: terminated", fault="Terminated"),
-    Case("sigterm-mid-plan-out", [*SOLVE, "--plan-out", "{dir}/out.json", "--quiet"], EXIT_TERMINATED,
-         "sapp-hook solve: terminated", fault="Terminated"),
+    Case(
+        "ctrl-c-in-search",
+        LONG_SOLVE,
+        EXIT_INTERRUPTED,
+        "sapp-hook solve: interrupted",
+        run="process",
+        stop=(signal.SIGINT, "moving layers"),
+    ),
+    Case(
+        "sigterm-in-search",
+        LONG_SOLVE,
+        EXIT_TERMINATED,
+        "sapp-hook solve: terminated",
+        run="process",
+        stop=(signal.SIGTERM, "moving layers"),
+    ),
+    Case(
+        "ctrl-c-in-profile",
+        ["profile", "--model", "tiny-llama", "--steps", "100", "--out", "{dir}/p.json"],
+        EXIT_INTERRUPTED,
+        "sapp-hook profile: interrupted",
+        run="process",
+        stop=(signal.SIGINT, "profiling: step 2/"),
+    ),
+    Case(
+        "hang-up-in-search",
+        LONG_SOLVE,
+        EXIT_HUNG_UP,
+        "sapp-hook solve: hung up",
+        run="process",
+        stop=(signal.SIGHUP, "moving layers"),
+    ),
+    Case(
+        "ctrl-c-mid-write",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+        EXIT_INTERRUPTED,
+        "sapp-hook apply: interrupted",
+        fault="KeyboardInterrupt",
+    ),
+    Case(
+        "sigterm-mid-write",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{toml}"],
+        EXIT_TERMINATED,
+        "sapp-hook apply: terminated",
+        fault="Terminated",
+    ),
+    Case(
+        "sigterm-mid-plan-out",
+        [*SOLVE, "--plan-out", "{dir}/out.json", "--quiet"],
+        EXIT_TERMINATED,
+        "sapp-hook solve: terminated",
+        fault="Terminated",
+    ),
     # stdout full, closed, or left by its reader: the files first, then one line (none for a reader that left)
-    Case("json-into-full-disk", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
-         run="process", stdout="full", unchanged=False, check=_plan_written),
-    Case("json-into-closed-stdout", [*SOLVE, "--json", "--plan-out", "{dir}/out.json"], EXIT_OUTPUT, "stdout",
-         run="process", stdout="closed", unchanged=False, check=_plan_written),
+    Case(
+        "json-into-full-disk",
+        [*SOLVE, "--json", "--plan-out", "{dir}/out.json"],
+        EXIT_OUTPUT,
+        "stdout",
+        run="process",
+        stdout="full",
+        unchanged=False,
+        check=_plan_written,
+    ),
+    Case(
+        "json-into-closed-stdout",
+        [*SOLVE, "--json", "--plan-out", "{dir}/out.json"],
+        EXIT_OUTPUT,
+        "stdout",
+        run="process",
+        stdout="closed",
+        unchanged=False,
+        check=_plan_written,
+    ),
     Case("reader-left", [*SIMULATE, "--json"], EXIT_OUTPUT, None, run="process", stdout="left"),
     Case("quiet-with-closed-stdout", [*SIMULATE, "--quiet"], 0, None, run="process", stdout="closed"),
     # configs the writers refuse, or read as Python does
-    Case("empty-yaml-config", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{empty_yaml}"],
-         EXIT_INPUT, "is not a MindFormers config"),
-    Case("layer-count-as-text", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
-                                 "{layers_as_text}"], EXIT_INPUT, "model.model_config.num_layers is '8'; expected an integer"),
-    Case("stage-count-as-text", ["apply", "--plan", "{plan}", "--target", "mindformers", "--config",
-                                 "{stages_as_text}"], EXIT_INPUT, "parallel_config.pipeline_stage is '4'"),
-    Case("python-config-with-bom", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config",
-                                    "{bom_python}:llama3_pp", "--quiet"], 0, None, unchanged=False, check=_bom_kept),
-    Case("python-config-defined-twice", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config",
-                                         "{twice_python}:llama3_pp"], EXIT_INPUT, "defines llama3_pp 2 times"),
-    Case("toml-with-bom", ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bom_toml}"],
-         EXIT_INPUT, "starts with a UTF-8 byte-order mark"),
+    Case(
+        "empty-yaml-config",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{empty_yaml}"],
+        EXIT_INPUT,
+        "is not a MindFormers config",
+    ),
+    Case(
+        "layer-count-as-text",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{layers_as_text}"],
+        EXIT_INPUT,
+        "model.model_config.num_layers is '8'; expected an integer",
+    ),
+    Case(
+        "stage-count-as-text",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{stages_as_text}"],
+        EXIT_INPUT,
+        "parallel_config.pipeline_stage is '4'",
+    ),
+    Case(
+        "python-config-with-bom",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bom_python}:llama3_pp", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+        check=_bom_kept,
+    ),
+    Case(
+        "python-config-defined-twice",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{twice_python}:llama3_pp"],
+        EXIT_INPUT,
+        "defines llama3_pp 2 times",
+    ),
+    Case(
+        "toml-with-bom",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{bom_toml}"],
+        EXIT_INPUT,
+        "starts with a UTF-8 byte-order mark",
+    ),
     # the environment
-    Case("torch-too-old", ["profile", "--model", "tiny-llama", "--out", "{dir}/p.json", "--quiet"], EXIT_INPUT,
-         "torch: found 2.8.0+cpu; sapp-hook needs torch >= 2.9", fault="torch-2.8"),
+    Case(
+        "torch-too-old",
+        ["profile", "--model", "tiny-llama", "--out", "{dir}/p.json", "--quiet"],
+        EXIT_INPUT,
+        "torch: found 2.8.0+cpu; sapp-hook needs torch >= 2.9",
+        fault="torch-2.8",
+    ),
     Case("version", ["--version"], 0, None, unchanged=False),
 ]
 
@@ -467,8 +830,14 @@ def _run_process(case: Case, argv: list[str], folder: Path) -> tuple[int, str, s
         steps.append(lambda: os.close(1))
     if case.read_only and os.geteuid() == 0:
         steps.append(_drop_root_override)
-    process = subprocess.Popen(command, stdout=full or stdout, stderr=subprocess.PIPE, text=True, env=environment,
-                               preexec_fn=(lambda: [step() for step in steps]) if steps else None)
+    process = subprocess.Popen(
+        command,
+        stdout=full or stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        preexec_fn=(lambda: [step() for step in steps]) if steps else None,
+    )
     if full:
         full.close()
     if case.stdout == "left":
@@ -559,8 +928,13 @@ def test_an_error_into_a_full_stderr_still_says_its_status(tmp_path):
     argv = [a.replace("{profile}", str(profile)) for a in SOLVE]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "sapp_hook", *argv, "--stages", "0"], stderr=full,
-                              stdout=subprocess.PIPE, env=environment, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "sapp_hook", *argv, "--stages", "0"],
+            stderr=full,
+            stdout=subprocess.PIPE,
+            env=environment,
+            timeout=60,
+        )
     assert (done.returncode, done.stdout) == (EXIT_INPUT, b"")
 
 
@@ -580,13 +954,19 @@ raise SystemExit(main(["--version"]))
 """
 
 
-@pytest.mark.parametrize(("number", "status", "word"), [(signal.SIGINT, EXIT_INTERRUPTED, "interrupted"),
-                                                        (signal.SIGTERM, EXIT_TERMINATED, "terminated"),
-                                                        (signal.SIGHUP, EXIT_HUNG_UP, "hung up")])
+@pytest.mark.parametrize(
+    ("number", "status", "word"),
+    [
+        (signal.SIGINT, EXIT_INTERRUPTED, "interrupted"),
+        (signal.SIGTERM, EXIT_TERMINATED, "terminated"),
+        (signal.SIGHUP, EXIT_HUNG_UP, "hung up"),
+    ],
+)
 def test_a_signal_while_the_commands_load_ends_with_its_line(number, status, word):
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", LOADING, str(int(number))], capture_output=True, text=True,
-                          env=environment, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", LOADING, str(int(number))], capture_output=True, text=True, env=environment, timeout=60
+    )
     assert (done.returncode, done.stderr, done.stdout) == (status, f"sapp-hook: {word}\n", "")
 
 
@@ -622,30 +1002,53 @@ API_CASES = [
     ("autotune-budget-list", lambda tmp_path, monkeypatch: _autotune(memory_budget=[1]), "memory_budget"),
     ("autotune-steps-zero", lambda tmp_path, monkeypatch: _autotune(profile_steps=0), "profile_steps"),
     ("autotune-config-number", lambda tmp_path, monkeypatch: _autotune(config=3, target="plan"), "config"),
-    ("write-config-no-layout", lambda tmp_path, monkeypatch: __import__("sapp_hook").write_config(
-        "plan", tmp_path / "plan.json", None), "layout"),
+    (
+        "write-config-no-layout",
+        lambda tmp_path, monkeypatch: __import__("sapp_hook").write_config("plan", tmp_path / "plan.json", None),
+        "layout",
+    ),
     ("apply-no-plan", lambda tmp_path, monkeypatch: __import__("sapp_hook").apply(None, None, 0), "plan"),
     ("older-torch", _older_torch, "torch"),
-    ("autotune-cache-dir-a-file", lambda tmp_path, monkeypatch: _autotune(cache_dir=ROOT / "pyproject.toml"),
-     "cache_dir"),
+    (
+        "autotune-cache-dir-a-file",
+        lambda tmp_path, monkeypatch: _autotune(cache_dir=ROOT / "pyproject.toml"),
+        "cache_dir",
+    ),
     ("solve-no-profile", lambda tmp_path, monkeypatch: solve(None, SPEC), "profile"),
     ("solve-spec-as-dict", lambda tmp_path, monkeypatch: solve(small_profile(8), {"stages": 4}), "spec"),
-    ("simulate-arguments-swapped", lambda tmp_path, monkeypatch: simulate(UNIFORM, build_schedule("1F1B", 4, 8)),
-     "schedule"),
-    ("uniform-forward-none", lambda tmp_path, monkeypatch: PipelineCosts.uniform(4, 1, forward_ms=None,
-                                                                                 backward_ms=2.0), "forward_ms"),
+    (
+        "simulate-arguments-swapped",
+        lambda tmp_path, monkeypatch: simulate(UNIFORM, build_schedule("1F1B", 4, 8)),
+        "schedule",
+    ),
+    (
+        "uniform-forward-none",
+        lambda tmp_path, monkeypatch: PipelineCosts.uniform(4, 1, forward_ms=None, backward_ms=2.0),
+        "forward_ms",
+    ),
     ("build-schedule-no-name", lambda tmp_path, monkeypatch: build_schedule(None, 4, 8), "schedule"),
-    ("spec-schedule-number", lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, schedule=5),
-     "schedule"),
-    ("write-config-target-list", lambda tmp_path, monkeypatch: write_config(["plan"], tmp_path / "p.json",
-                                                                            even_layout(SPEC, 8)), "target"),
-    ("write-config-dry-run-text", lambda tmp_path, monkeypatch: write_config("plan", tmp_path / "p.json",
-                                                                             even_layout(SPEC, 8), dry_run="no"),
-     "dry_run"),
+    (
+        "spec-schedule-number",
+        lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, schedule=5),
+        "schedule",
+    ),
+    (
+        "write-config-target-list",
+        lambda tmp_path, monkeypatch: write_config(["plan"], tmp_path / "p.json", even_layout(SPEC, 8)),
+        "target",
+    ),
+    (
+        "write-config-dry-run-text",
+        lambda tmp_path, monkeypatch: write_config("plan", tmp_path / "p.json", even_layout(SPEC, 8), dry_run="no"),
+        "dry_run",
+    ),
     ("load-profile-none", lambda tmp_path, monkeypatch: load_profile(None), "profile"),
     ("plan-from-dict-no-profile", lambda tmp_path, monkeypatch: plan_from_dict(None, {}), "profile"),
-    ("mindformers-keys-none", lambda tmp_path, monkeypatch: plan_from_mindformers(small_profile(8), SPEC, None),
-     "keys"),
+    (
+        "mindformers-keys-none",
+        lambda tmp_path, monkeypatch: plan_from_mindformers(small_profile(8), SPEC, None),
+        "keys",
+    ),
     ("times-scaled-by-nan", lambda tmp_path, monkeypatch: small_profile(8).with_times_scaled(float("nan")), "factor"),
 ]
 

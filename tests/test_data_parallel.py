@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from solver_cases import MIB, small_profile
 from test_solver_properties import problems
 
-from simulator import ChunkCosts, InputError, PipelineCosts, simulate
-from simulator import schedule_kind
+from simulator import ChunkCosts, InputError, PipelineCosts, schedule_kind, simulate
 from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from simulator.costs import ShardedCosts
 from simulator.sharded import RESHARD, UNSHARD, memory_points, torch_unshard_events
@@ -27,43 +26,54 @@ from solver.milp import Linear
 from solver.sharding import Unit, _backward_walk, _forward_walk, step_gradient_bytes
 from solver.spec import spec_from_dict, spec_to_dict, static_split
 
-P, G, O, S = 1000.0, 1000.0, 2040.0, 40.0  # a layer: parameters, gradients, AdamW (2P + 4 B x 10 tensors)
+P, G, O, S = 1000.0, 1000.0, 2040.0, 40.0  # noqa: E741 - a layer: parameters, gradients, AdamW (2P + 4 B x 10 tensors)
 
 
 def spec(**fields) -> PipelineSpec:
     return PipelineSpec(stages=2, micro_batches=4, data_parallel=4, **fields)
 
 
-@pytest.mark.parametrize(("fields", "parameter", "gradient", "optimizer", "buckets"), [
-    ({}, P, G, O, 0),  # plain replicas
-    ({"zero_stage": 1}, P, G, O / 4, 0),  # whole tensors' state per rank: the mean
-    ({"zero_stage": 2}, P, G / 4, O / 4, 0),
-    # every tensor sharded; AdamW's step counts (4 B per tensor) are not
-    ({"fsdp": True}, P / 4, G / 4, (O - S) / 4 + S, 0),
-    ({"zero_stage": 3}, P / 4, G / 4, (O - S) / 4 + S, 0),
-    # gradients freed between steps (zero_grad's set_to_none): none at rest, they come within the step
-    ({"fsdp": True, "gradients_persist": False}, P / 4, 0, (O - S) / 4 + S, 0),
-    ({"gradients_persist": False}, P, 0, O, 0),
-    # DDP's buckets copy the gradients for the whole run, unless the gradients are views into them
-    ({"ddp": True}, P, G, O, G),
-    ({"ddp": True, "zero_stage": 1}, P, G, O / 4, G),
-    ({"ddp": True, "ddp_bucket_view": True}, P, 0, O, G),
-    ({"ddp": True, "ddp_bucket_view": True, "gradients_persist": False}, P, 0, O, G),
-])
+@pytest.mark.parametrize(
+    ("fields", "parameter", "gradient", "optimizer", "buckets"),
+    [
+        ({}, P, G, O, 0),  # plain replicas
+        ({"zero_stage": 1}, P, G, O / 4, 0),  # whole tensors' state per rank: the mean
+        ({"zero_stage": 2}, P, G / 4, O / 4, 0),
+        # every tensor sharded; AdamW's step counts (4 B per tensor) are not
+        ({"fsdp": True}, P / 4, G / 4, (O - S) / 4 + S, 0),
+        ({"zero_stage": 3}, P / 4, G / 4, (O - S) / 4 + S, 0),
+        # gradients freed between steps (zero_grad's set_to_none): none at rest, they come within the step
+        ({"fsdp": True, "gradients_persist": False}, P / 4, 0, (O - S) / 4 + S, 0),
+        ({"gradients_persist": False}, P, 0, O, 0),
+        # DDP's buckets copy the gradients for the whole run, unless the gradients are views into them
+        ({"ddp": True}, P, G, O, G),
+        ({"ddp": True, "zero_stage": 1}, P, G, O / 4, G),
+        ({"ddp": True, "ddp_bucket_view": True}, P, 0, O, G),
+        ({"ddp": True, "ddp_bucket_view": True, "gradients_persist": False}, P, 0, O, G),
+    ],
+)
 def test_static_bytes_per_kind(fields, parameter, gradient, optimizer, buckets):
     split = static_split(spec(**fields), P, G, O, S)
-    assert (split.parameter, split.gradient, split.optimizer, split.buckets) == (parameter, gradient, optimizer, buckets)
+    assert (split.parameter, split.gradient, split.optimizer, split.buckets) == (
+        parameter,
+        gradient,
+        optimizer,
+        buckets,
+    )
     assert spec(**fields).static_bytes(P, G, O, S) == parameter + gradient + optimizer + buckets
 
 
-@pytest.mark.parametrize(("fields", "within_step", "after_reduce"), [
-    ({"fsdp": True}, G, 0),  # whole from the first backward to the reduce; the shard is counted at rest
-    ({"fsdp": True, "gradients_persist": False}, G, G / 4),  # the reduce leaves the shard
-    ({"gradients_persist": False}, G, G),  # from the first backward to the step's end
-    ({"zero_stage": 2, "gradients_persist": False}, G / 4, G / 4),
-    ({}, 0, 0),
-    ({"ddp": True, "ddp_bucket_view": True, "gradients_persist": False}, 0, 0),
-])
+@pytest.mark.parametrize(
+    ("fields", "within_step", "after_reduce"),
+    [
+        ({"fsdp": True}, G, 0),  # whole from the first backward to the reduce; the shard is counted at rest
+        ({"fsdp": True, "gradients_persist": False}, G, G / 4),  # the reduce leaves the shard
+        ({"gradients_persist": False}, G, G),  # from the first backward to the step's end
+        ({"zero_stage": 2, "gradients_persist": False}, G / 4, G / 4),
+        ({}, 0, 0),
+        ({"ddp": True, "ddp_bucket_view": True, "gradients_persist": False}, 0, 0),
+    ],
+)
 def test_gradients_within_a_step(fields, within_step, after_reduce):
     assert step_gradient_bytes(spec(**fields), G) == (within_step, after_reduce)
 
@@ -78,10 +88,23 @@ def test_fsdps_gradient_shard_has_its_parameters_shape():
 
 
 def _row(**sharded) -> tuple[ChunkCosts, ...]:
-    base = {"gathered_bytes": 50.0, "forward_kept_bytes": 50.0, "gradient_bytes": 40.0,
-            "forward_gather_working_bytes": 70.0, "reduce_working_bytes": 60.0}
-    return (ChunkCosts(forward_ms=1.0, backward_ms=2.0, activation_bytes=10.0, static_bytes=100.0, working_bytes=3.0,
-                       sharded=ShardedCosts(**{**base, **sharded})),)
+    base = {
+        "gathered_bytes": 50.0,
+        "forward_kept_bytes": 50.0,
+        "gradient_bytes": 40.0,
+        "forward_gather_working_bytes": 70.0,
+        "reduce_working_bytes": 60.0,
+    }
+    return (
+        ChunkCosts(
+            forward_ms=1.0,
+            backward_ms=2.0,
+            activation_bytes=10.0,
+            static_bytes=100.0,
+            working_bytes=3.0,
+            sharded=ShardedCosts(**{**base, **sharded}),
+        ),
+    )
 
 
 def _points(ops, row, lookahead=0):
@@ -130,10 +153,21 @@ def test_torch_runtime_schedules_gather_three_chunks_ahead():
     """torch's `_add_unshard_reshard`: before each action the next three chunks the rank runs are
     gathered, the others released (a chunk with no action left too); after the last action every one
     still gathered is."""
-    assert torch_unshard_events([0, 1, 0, 1], 3) == [[(UNSHARD, 0), (UNSHARD, 1)], [], [], [(RESHARD, 0)], [(RESHARD, 1)]]
+    assert torch_unshard_events([0, 1, 0, 1], 3) == [
+        [(UNSHARD, 0), (UNSHARD, 1)],
+        [],
+        [],
+        [(RESHARD, 0)],
+        [(RESHARD, 1)],
+    ]
     assert torch_unshard_events([0, 1, 2, 3, 0], 3) == [
-        [(UNSHARD, 0), (UNSHARD, 1), (UNSHARD, 2)], [(RESHARD, 0), (UNSHARD, 3)], [(RESHARD, 1), (UNSHARD, 0)],
-        [(RESHARD, 2)], [(RESHARD, 3)], [(RESHARD, 0)]]
+        [(UNSHARD, 0), (UNSHARD, 1), (UNSHARD, 2)],
+        [(RESHARD, 0), (UNSHARD, 3)],
+        [(RESHARD, 1), (UNSHARD, 0)],
+        [(RESHARD, 2)],
+        [(RESHARD, 3)],
+        [(RESHARD, 0)],
+    ]
     assert torch_unshard_events([0, 1], 0) == [[], [], []]
     # gathered before the first action: the first forward finds it so
     ops = [(0, FORWARD), (0, FULL_BACKWARD)]
@@ -142,8 +176,11 @@ def test_torch_runtime_schedules_gather_three_chunks_ahead():
 
 def _units(reshards: bool) -> list[Unit]:
     # an 8-byte head, two 3-byte blocks; each hands its input's gradient (1) to the one before it
-    return [Unit(8.0, 8.0, 1.0, 5.0, 1.0, 4.0, reshards), Unit(3.0, 3.0, 2.0, 4.0, 1.0, 2.0, reshards),
-            Unit(3.0, 3.0, 2.0, 4.0, 0.0, 0.0, reshards)]
+    return [
+        Unit(8.0, 8.0, 1.0, 5.0, 1.0, 4.0, reshards),
+        Unit(3.0, 3.0, 2.0, 4.0, 1.0, 2.0, reshards),
+        Unit(3.0, 3.0, 2.0, 4.0, 0.0, 0.0, reshards),
+    ]
 
 
 def test_the_forward_gathering_walk():
@@ -165,9 +202,19 @@ def test_the_backward_gathering_walk():
 
 def _fsdp_profile():
     profile = small_profile(4)
-    return dataclasses.replace(profile, stage_output_bytes=2 * MIB, layers=tuple(
-        dataclasses.replace(layer, gradient_bytes=layer.parameter_bytes, optimizer_bytes=2 * layer.parameter_bytes + 40,
-                            parameter_tensors=10) for layer in profile.layers))
+    return dataclasses.replace(
+        profile,
+        stage_output_bytes=2 * MIB,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                gradient_bytes=layer.parameter_bytes,
+                optimizer_bytes=2 * layer.parameter_bytes + 40,
+                parameter_tensors=10,
+            )
+            for layer in profile.layers
+        ),
+    )
 
 
 def test_pipeline_costs_state_each_chunks_fsdp_terms():
@@ -183,8 +230,10 @@ def test_pipeline_costs_state_each_chunks_fsdp_terms():
     assert pipeline_costs(profile, plain, (3, 3), ("none",) * 6).chunk_costs[0][0].sharded is None
 
 
-@pytest.mark.parametrize(("schedule", "counts"), [("1F1B", (3, 3)), ("GPipe", (3, 3)),
-                                                  ("Interleaved1F1B", (2, 1, 1, 2)), ("ZBVZeroBubble", (2, 1, 1, 2))])
+@pytest.mark.parametrize(
+    ("schedule", "counts"),
+    [("1F1B", (3, 3)), ("GPipe", (3, 3)), ("Interleaved1F1B", (2, 1, 1, 2)), ("ZBVZeroBubble", (2, 1, 1, 2))],
+)
 def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_the_pipelines_peak(schedule, counts):
     """Measured on torch 2.13 (docs/results): without reshard after forward, a rank peaks at its sharded
     static bytes + what the pipeline alone holds above its static bytes + its chunks' whole parameters
@@ -195,9 +244,19 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
     fsdp = evaluate_plan(profile, PipelineSpec(**base, data_parallel=2, fsdp=True), counts, modes)
     alone = evaluate_plan(profile, PipelineSpec(**base), counts, modes)
     costs = fsdp.simulation.costs
-    quiet = PipelineCosts(tuple(tuple(dataclasses.replace(c, sharded=dataclasses.replace(
-        c.sharded, forward_gather_working_bytes=0.0, reduce_working_bytes=0.0)) for c in row) for row in costs.chunk_costs),
-        unshard_lookahead=costs.unshard_lookahead)
+    quiet = PipelineCosts(
+        tuple(
+            tuple(
+                dataclasses.replace(
+                    c,
+                    sharded=dataclasses.replace(c.sharded, forward_gather_working_bytes=0.0, reduce_working_bytes=0.0),
+                )
+                for c in row
+            )
+            for row in costs.chunk_costs
+        ),
+        unshard_lookahead=costs.unshard_lookahead,
+    )
     without_transients = simulate(fsdp.simulation.schedule, quiet).stage_peak_memory_bytes
     for rank in range(2):
         row, plain_row = costs.chunk_costs[rank], alone.simulation.costs.chunk_costs[rank]
@@ -207,22 +266,45 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
         assert fsdp.stage_peak_memory_bytes[rank] >= without_transients[rank]
 
 
-@pytest.mark.parametrize("fields", [
-    {"fsdp": True}, {"fsdp": True, "gradients_persist": False}, {"gradients_persist": False}, {"zero_stage": 3},
-])
-@pytest.mark.parametrize(("schedule", "counts"), [("1F1B", (3, 3)), ("Interleaved1F1B", (2, 1, 1, 2)),
-                                                  ("ZBVZeroBubble", (2, 1, 1, 2)), ("DualPipeV", (2, 1, 1, 2))])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"fsdp": True},
+        {"fsdp": True, "gradients_persist": False},
+        {"gradients_persist": False},
+        {"zero_stage": 3},
+    ],
+)
+@pytest.mark.parametrize(
+    ("schedule", "counts"),
+    [("1F1B", (3, 3)), ("Interleaved1F1B", (2, 1, 1, 2)), ("ZBVZeroBubble", (2, 1, 1, 2)), ("DualPipeV", (2, 1, 1, 2))],
+)
 def test_the_programs_memory_is_the_replays(fields, schedule, counts):
     """Gathered parameters, step gradients and what reduces leave are stated exactly; here the bounds
     on gathering's working sets bind nowhere, so each rank's largest row is its replayed peak."""
-    _check_rows(PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2,
-                             **fields), counts, exact=True)
+    _check_rows(
+        PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, **fields),
+        counts,
+        exact=True,
+    )
 
 
 @pytest.mark.parametrize(("schedule", "counts"), [("1F1B", (3, 3)), ("Interleaved1F1B", (2, 1, 1, 2))])
 def test_the_program_bounds_reshard_after_forward_from_above(schedule, counts):
-    _check_rows(PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2,
-                             fsdp=True, fsdp_reshard_after_forward=True, collective_backend="gloo"), counts, exact=False)
+    _check_rows(
+        PipelineSpec(
+            stages=2,
+            micro_batches=4,
+            schedule=schedule,
+            receive_buffers=True,
+            data_parallel=2,
+            fsdp=True,
+            fsdp_reshard_after_forward=True,
+            collective_backend="gloo",
+        ),
+        counts,
+        exact=False,
+    )
 
 
 def _check_rows(pipeline: PipelineSpec, counts: tuple[int, ...], *, exact: bool) -> None:
@@ -249,18 +331,27 @@ def _check_rows(pipeline: PipelineSpec, counts: tuple[int, ...], *, exact: bool)
             assert rows >= replayed[rank] / MIB - 1e-9
 
 
-@pytest.mark.parametrize(("fields", "field", "message"), [
-    ({"schedule": "ZBVZeroBubble", "fsdp": True, "fsdp_reshard_after_forward": True}, "fsdp_reshard_after_forward",
-     "drops gradients"),
-    ({"schedule": "DualPipeV", "fsdp": True, "fsdp_reshard_after_forward": True}, "fsdp_reshard_after_forward",
-     "drops gradients"),
-    ({"schedule": "ZBH1", "ddp": True}, "ddp", "DDP reducer refuses"),
-    ({"schedule": "ZBVZeroBubble", "ddp": True}, "ddp", "DDP reducer refuses"),
-    ({"ddp": True, "fsdp": True}, "ddp", "expected no fsdp"),
-    ({"ddp": True, "zero_stage": 2}, "ddp", "zero_stage 0 or 1"),
-    ({"ddp_bucket_view": True}, "ddp_bucket_view", "needs ddp"),
-    ({"collective_backend": "mpi"}, "collective_backend", "expected one of nccl, gloo"),
-])
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        (
+            {"schedule": "ZBVZeroBubble", "fsdp": True, "fsdp_reshard_after_forward": True},
+            "fsdp_reshard_after_forward",
+            "drops gradients",
+        ),
+        (
+            {"schedule": "DualPipeV", "fsdp": True, "fsdp_reshard_after_forward": True},
+            "fsdp_reshard_after_forward",
+            "drops gradients",
+        ),
+        ({"schedule": "ZBH1", "ddp": True}, "ddp", "DDP reducer refuses"),
+        ({"schedule": "ZBVZeroBubble", "ddp": True}, "ddp", "DDP reducer refuses"),
+        ({"ddp": True, "fsdp": True}, "ddp", "expected no fsdp"),
+        ({"ddp": True, "zero_stage": 2}, "ddp", "zero_stage 0 or 1"),
+        ({"ddp_bucket_view": True}, "ddp_bucket_view", "needs ddp"),
+        ({"collective_backend": "mpi"}, "collective_backend", "expected one of nccl, gloo"),
+    ],
+)
 def test_layouts_torch_does_not_run_are_refused(fields, field, message):
     with pytest.raises(InputError, match=message) as caught:
         PipelineSpec(**{"stages": 2, "micro_batches": 4, **fields})
@@ -268,12 +359,18 @@ def test_layouts_torch_does_not_run_are_refused(fields, field, message):
 
 
 def test_the_new_fields_round_trip_and_default():
-    made = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, fsdp=True, gradients_persist=False,
-                        collective_backend="gloo")
+    made = PipelineSpec(
+        stages=2, micro_batches=4, data_parallel=2, fsdp=True, gradients_persist=False, collective_backend="gloo"
+    )
     assert spec_to_dict(spec_from_dict(spec_to_dict(made))) == spec_to_dict(made)
     old = {"stages": 2, "micro_batches": 4, "schedule": "1F1B"}  # a plan file from before these fields
     again = spec_from_dict(old)
-    assert (again.gradients_persist, again.ddp, again.ddp_bucket_view, again.collective_backend) == (True, False, False, "nccl")
+    assert (again.gradients_persist, again.ddp, again.ddp_bucket_view, again.collective_backend) == (
+        True,
+        False,
+        False,
+        "nccl",
+    )
 
 
 def test_profile_keeps_its_optimizer_scalars():
@@ -289,8 +386,10 @@ def test_profile_keeps_its_optimizer_scalars():
 
 
 def test_uniform_costs_still_replay_without_sharding():
-    result = simulate(PipelineSpec(stages=2, micro_batches=4).pipeline_schedule,
-                      PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, activation_bytes=5.0))
+    result = simulate(
+        PipelineSpec(stages=2, micro_batches=4).pipeline_schedule,
+        PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, activation_bytes=5.0),
+    )
     assert result.stage_peak_memory_bytes == (10.0, 5.0) and not math.isnan(result.iteration_time_ms)
 
 
@@ -315,8 +414,9 @@ def test_torch_runtime_schedules_gather_every_chunk_before_the_first_action():
     both are gathered when the step starts; Schedule1F1B gathers a chunk at its first forward."""
     profile = _fsdp_profile()
     for schedule, counts, lookahead in (("Interleaved1F1B", (2, 1, 1, 2), 3), ("1F1B", (3, 3), 0)):
-        pipeline = PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2,
-                                fsdp=True)
+        pipeline = PipelineSpec(
+            stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, fsdp=True
+        )
         plan = evaluate_plan(profile, pipeline, counts, ("none",) * len(profile.layers))
         assert plan.simulation.costs.unshard_lookahead == lookahead
         first = plan.simulation.memory_split(0)[1]  # the point after the first action
@@ -329,11 +429,18 @@ def test_the_programs_states_follow_a_rank_through_its_step():
     reduce what the reduce leaves in their place (gradients freed between steps: the shards)."""
     from solver.sharded_rows import GATHER, REDUCE, ShardedStates
 
-    pipeline = PipelineSpec(stages=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True,
-                            gradients_persist=False)
+    pipeline = PipelineSpec(
+        stages=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True, gradients_persist=False
+    )
     profile = _fsdp_profile()
-    program = IntegerProgram(profile, pipeline, pipeline.pipeline_schedule,
-                             layer_groups(profile, pipeline, 1), with_budget=False, timing=PATHS)
+    program = IntegerProgram(
+        profile,
+        pipeline,
+        pipeline.pipeline_schedule,
+        layer_groups(profile, pipeline, 1),
+        with_budget=False,
+        timing=PATHS,
+    )
     ops = [(0, FORWARD), (0, FORWARD), (0, FULL_BACKWARD), (0, FULL_BACKWARD)]
     states = ShardedStates(program, program.memory.sharded, ops)
     seen = []
@@ -352,18 +459,32 @@ def test_the_programs_states_follow_a_rank_through_its_step():
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(), st.sampled_from([{"fsdp": True}, {"fsdp": True, "fsdp_reshard_after_forward": True},
-                                    {"fsdp": True, "gradients_persist": False, "collective_backend": "gloo"},
-                                    {"zero_stage": 3}, {"gradients_persist": False}]),
-       st.randoms(use_true_random=False))
+@given(
+    problems(),
+    st.sampled_from(
+        [
+            {"fsdp": True},
+            {"fsdp": True, "fsdp_reshard_after_forward": True},
+            {"fsdp": True, "gradients_persist": False, "collective_backend": "gloo"},
+            {"zero_stage": 3},
+            {"gradients_persist": False},
+        ]
+    ),
+    st.randoms(use_true_random=False),
+)
 def test_no_plan_the_program_allows_holds_more_than_it_says(problem, layout, rng):
     """For any split and modes, each rank's largest row is at least the replay's peak (exactly it but
     for gathering's working sets): a plan the program fits within a budget fits in the replay."""
     profile, base = problem
     if layout.get("fsdp_reshard_after_forward") and schedule_kind(base.schedule).splits_backward:
         return  # refused: torch drops gradients there
-    profile = dataclasses.replace(profile, layers=tuple(dataclasses.replace(
-        layer, gradient_bytes=layer.parameter_bytes, optimizer_bytes=2 * layer.parameter_bytes) for layer in profile.layers))
+    profile = dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(layer, gradient_bytes=layer.parameter_bytes, optimizer_bytes=2 * layer.parameter_bytes)
+            for layer in profile.layers
+        ),
+    )
     pipeline = dataclasses.replace(base, data_parallel=2, **layout)
     schedule = pipeline.pipeline_schedule
     groups = layer_groups(profile, pipeline, schedule.num_virtual_stages)
@@ -392,21 +513,44 @@ def test_a_forwards_gathering_can_set_the_peak_and_the_program_states_it():
     from solver import LayerProfile, ModelProfile, RecomputeCost
 
     def block(name, kind, parameter_mib, activation_mib):
-        return LayerProfile(name=name, kind=kind, forward_ms=1.0, backward_ms=2.0, parameter_bytes=parameter_mib * MIB,
-                            recompute={"none": RecomputeCost(0.0, activation_mib * MIB, 1 * MIB)})
+        return LayerProfile(
+            name=name,
+            kind=kind,
+            forward_ms=1.0,
+            backward_ms=2.0,
+            parameter_bytes=parameter_mib * MIB,
+            recompute={"none": RecomputeCost(0.0, activation_mib * MIB, 1 * MIB)},
+        )
 
-    profile = ModelProfile(layers=(block("embed", "head", 0, 0), *(block(f"b{i}", "body:a", 100, 1) for i in range(3)),
-                                   block("tail", "tail", 0, 0)))
+    profile = ModelProfile(
+        layers=(
+            block("embed", "head", 0, 0),
+            *(block(f"b{i}", "body:a", 100, 1) for i in range(3)),
+            block("tail", "tail", 0, 0),
+        )
+    )
     pipeline = PipelineSpec(stages=1, micro_batches=1, data_parallel=2, fsdp=True)
     plan = evaluate_plan(profile, pipeline, (5,), ("none",) * 5)
     static = plan.simulation.costs.chunk_costs[0][0].static_bytes
-    assert plan.stage_peak_memory_bytes[0] == static + (200 + 2) * MIB + 100 * MIB + 200 * MIB  # 2 blocks kept, flat, copy
+    assert (
+        plan.stage_peak_memory_bytes[0] == static + (200 + 2) * MIB + 100 * MIB + 200 * MIB
+    )  # 2 blocks kept, flat, copy
     _check_one(profile, pipeline, (5,))
 
 
 def _check_one(profile, pipeline, counts):
-    program = IntegerProgram(profile, pipeline, pipeline.pipeline_schedule,
-                             layer_groups(profile, pipeline, 1), with_budget=False, timing=PATHS)
-    values = program.point({variable: counts[0] - 2 for (_, _, mode), variable in program.count.items() if mode == "none"})
+    program = IntegerProgram(
+        profile,
+        pipeline,
+        pipeline.pipeline_schedule,
+        layer_groups(profile, pipeline, 1),
+        with_budget=False,
+        timing=PATHS,
+    )
+    values = program.point(
+        {variable: counts[0] - 2 for (_, _, mode), variable in program.count.items() if mode == "none"}
+    )
     rows = max(row.value(values) for _, row in program.memory_rows)
-    assert rows == pytest.approx(evaluate_plan(profile, pipeline, counts, ("none",) * 5).stage_peak_memory_bytes[0] / MIB)
+    assert rows == pytest.approx(
+        evaluate_plan(profile, pipeline, counts, ("none",) * 5).stage_peak_memory_bytes[0] / MIB
+    )

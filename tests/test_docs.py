@@ -59,8 +59,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    return [option for action in parser._actions for option in action.option_strings
-            if option not in ("-h", "--help")]
+    return [option for action in parser._actions for option in action.option_strings if option not in ("-h", "--help")]
 
 
 def test_readme_is_short_and_says_how_to_set_up():
@@ -103,8 +102,10 @@ def test_every_anchor_names_a_heading(page):
 def test_the_link_checks_find_broken_links(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("# A heading\n")
-    page.write_text("[ok](there.md#a-heading) [gone](missing.md) [web](https://example.com) "
-                    "`[code](not-a-link.md)`\n\n[bad anchor](there.md#elsewhere)\n```\n[x](in-code.md)\n```\n")
+    page.write_text(
+        "[ok](there.md#a-heading) [gone](missing.md) [web](https://example.com) "
+        "`[code](not-a-link.md)`\n\n[bad anchor](there.md#elsewhere)\n```\n[x](in-code.md)\n```\n"
+    )
     assert links(page) == ["there.md#a-heading", "missing.md", "https://example.com", "there.md#elsewhere"]
     assert anchors(tmp_path / "there.md") == {"a-heading"}
 

@@ -34,8 +34,16 @@ def test_autotune_llama_writes_its_plan_into_the_config(tmp_path):
     before = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
     # 10 profiling steps (1 warm-up, 2 timed and 1 counting memory per recompute mode), then training
     # goes on with the plan
-    done = run(str(ROOT / "examples" / "autotune_llama.py"), "--config", str(config), "--target", "mindformers",
-               "--steps", "11", cwd=tmp_path)
+    done = run(
+        str(ROOT / "examples" / "autotune_llama.py"),
+        "--config",
+        str(config),
+        "--target",
+        "mindformers",
+        "--steps",
+        "11",
+        cwd=tmp_path,
+    )
     offset = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
     assert "step 10: loss" in done.stdout + done.stderr
     assert len(list((tmp_path / "cache" / "sapp-hook").glob("*.json"))) == 1

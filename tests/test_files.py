@@ -17,8 +17,7 @@ import pytest
 
 from sapp_hook.writeback.files import WriteBack, commit, in_form_of
 from simulator.errors import InputError, Terminated
-from simulator.files import atomic_write_bytes, atomic_write_text, write_target
-from solver.profile import MAX_FILE_BYTES, read_limited
+from simulator.files import MAX_FILE_BYTES, atomic_write_bytes, atomic_write_text, read_limited, write_target
 
 ROOT = Path(__file__).parents[1]
 
@@ -117,7 +116,7 @@ def test_the_backup_is_the_config_as_it_was_with_its_mode(tmp_path):
 def test_a_config_that_is_a_device_is_refused_even_in_a_dry_run(tmp_path):
     path = tmp_path / "zero"
     os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 5))
-    with pytest.raises(InputError, match="--config: .* is a character device; expected a regular file"):
+    with pytest.raises(InputError, match=r"--config: .* is a character device; expected a regular file"):
         commit(WriteBack(path=path, diff=""), "", "plan: 1\n", dry_run=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["zero"]
 
@@ -153,13 +152,15 @@ WATCHED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(("number", "status", "word"), [(signal.SIGINT, 130, "interrupted"),
-                                                        (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(
+    ("number", "status", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 def test_a_command_that_swallows_the_signal_is_ended_with_its_temp_files_removed(tmp_path, number, status, word):
     temp = tmp_path / ".plan.json.1234.tmp"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-c", WATCHED, str(temp)], stderr=subprocess.PIPE, text=True,
-                               env=environment)
+    process = subprocess.Popen(
+        [sys.executable, "-c", WATCHED, str(temp)], stderr=subprocess.PIPE, text=True, env=environment
+    )
     assert process.stderr.readline() == "ready\n"
     process.send_signal(number)
     _, err = process.communicate(timeout=60)

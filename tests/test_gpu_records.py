@@ -38,6 +38,8 @@ def test_the_stored_gpu_runs_are_predicted_as_the_results_page_says(dtype):
     for run in record["plans"]:
         plan = evaluate_plan(profile, spec, run["stage_layer_counts"], run["layer_modes"])
         predicted = predictions(plan, profile, input_bytes=REPLAY_TOKENS * 8)
-        errors = [round(100 * (predicted["peak_bytes"][rank["rank"]] / rank["allocated_peak_bytes"] - 1), 1)
-                  for rank in run["ranks"]]
+        errors = [
+            round(100 * (predicted["peak_bytes"][rank["rank"]] / rank["allocated_peak_bytes"] - 1), 1)
+            for rank in run["ranks"]
+        ]
         assert errors == EXPECTED[dtype][run["plan"]], run["plan"]

@@ -54,7 +54,9 @@ def file_imports(path: Path, module: str, modules: set[str]) -> tuple[set[str], 
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             top_level.add(base.split(".")[0])
-            targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+            targets.update(
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+            )
     return {target for target in targets if target in modules and target != module}, top_level
 
 
@@ -77,7 +79,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(module)
         for target in sorted(edges.get(module, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target)) is not None:
                 return cycle
         path.pop()
@@ -102,8 +104,11 @@ def direction_errors(edges: dict[str, set[str]], top_level: dict[str, set[str]])
             errors.append(f"{module} imports torch")
         in_cli = module == CLI or module.startswith(CLI + ".")
         if not in_cli and module not in ENTRY_POINTS:
-            errors.extend(f"{module} imports {target}" for target in sorted(edges[module])
-                          if target == CLI or target.startswith(CLI + "."))
+            errors.extend(
+                f"{module} imports {target}"
+                for target in sorted(edges[module])
+                if target == CLI or target.startswith(CLI + ".")
+            )
     return errors
 
 
@@ -127,44 +132,73 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_check_finds_a_circle_through_a_function_local_or_type_only_import(tmp_path):
-    clean = _tree(tmp_path / "clean", {
-        "pkg/__init__.py": "from pkg.a import f\n",
-        "pkg/a.py": "from pkg import b\n\ndef f():\n    return b.g()\n",
-        "pkg/b.py": "def g():\n    return 1\n",
-    })
+    clean = _tree(
+        tmp_path / "clean",
+        {
+            "pkg/__init__.py": "from pkg.a import f\n",
+            "pkg/a.py": "from pkg import b\n\ndef f():\n    return b.g()\n",
+            "pkg/b.py": "def g():\n    return 1\n",
+        },
+    )
     assert find_cycle(import_graph(clean, ("pkg",))[0]) is None
-    local = _tree(tmp_path / "local", {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg.b import g\n",
-        "pkg/b.py": "def g():\n    from pkg.a import h\n    return h\n",
-    })
+    local = _tree(
+        tmp_path / "local",
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import g\n",
+            "pkg/b.py": "def g():\n    from pkg.a import h\n    return h\n",
+        },
+    )
     assert find_cycle(import_graph(local, ("pkg",))[0]) == ["pkg.a", "pkg.b", "pkg.a"]
-    typed = _tree(tmp_path / "typed", {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from . import b\n",
-        "pkg/sub/__init__.py": "",
-        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import C\n",
-        "pkg/sub/c.py": "from ..a import x\n",
-    })
+    typed = _tree(
+        tmp_path / "typed",
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from . import b\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub.c import C\n",
+            "pkg/sub/c.py": "from ..a import x\n",
+        },
+    )
     assert find_cycle(import_graph(typed, ("pkg",))[0]) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
     # a package's __init__ that imports its own module, which imports a name from the package
-    through_init = _tree(tmp_path / "init", {"pkg/__init__.py": "from pkg.a import f\n", "pkg/a.py": "from pkg import g\n"})
+    through_init = _tree(
+        tmp_path / "init", {"pkg/__init__.py": "from pkg.a import f\n", "pkg/a.py": "from pkg import g\n"}
+    )
     assert find_cycle(import_graph(through_init, ("pkg",))[0]) == ["pkg", "pkg.a", "pkg"]
 
 
 def test_the_check_finds_imports_against_the_direction_and_torch(tmp_path):
-    root = _tree(tmp_path, {
-        "simulator/__init__.py": "",
-        "simulator/a.py": "def f():\n    import solver.b\n",
-        "solver/__init__.py": "",
-        "solver/b.py": "import torch.nn\nfrom simulator import a\n",
-        "profiler/__init__.py": "import torch\nfrom sapp_hook import x\n",
-        "sapp_hook/__init__.py": "import profiler, solver, simulator, torch\n",
-        "sapp_hook/__main__.py": "from sapp_hook.cli import main\n",
-        "sapp_hook/cli/__init__.py": "from sapp_hook.cli.report import line\n",
-        "sapp_hook/cli/report.py": "from sapp_hook import tune\n",
-        "sapp_hook/tune.py": "def f():\n    from .cli.report import line\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "simulator/__init__.py": "",
+            "simulator/a.py": "def f():\n    import solver.b\n",
+            "solver/__init__.py": "",
+            "solver/b.py": "import torch.nn\nfrom simulator import a\n",
+            "profiler/__init__.py": "import torch\nfrom sapp_hook import x\n",
+            "sapp_hook/__init__.py": "import profiler, solver, simulator, torch\n",
+            "sapp_hook/__main__.py": "from sapp_hook.cli import main\n",
+            "sapp_hook/cli/__init__.py": "from sapp_hook.cli.report import line\n",
+            "sapp_hook/cli/report.py": "from sapp_hook import tune\n",
+            "sapp_hook/tune.py": "def f():\n    from .cli.report import line\n",
+        },
+    )
     assert direction_errors(*import_graph(root, PACKAGES)) == [
-        "profiler imports sapp_hook", "sapp_hook.tune imports sapp_hook.cli.report", "simulator.a imports solver",
-        "solver.b imports torch"]
+        "profiler imports sapp_hook",
+        "sapp_hook.tune imports sapp_hook.cli.report",
+        "simulator.a imports solver",
+        "solver.b imports torch",
+    ]
+
+
+MAX_LINES = 600  # a file a reader takes in at one sitting
+
+
+def test_no_library_file_is_over_600_lines():
+    long = {
+        name: n
+        for name, path in module_files(ROOT, PACKAGES).items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

@@ -53,8 +53,15 @@ def measured_profile():
 
 
 def tp_spec(sp: bool, **more: object) -> PipelineSpec:
-    return PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True, tensor_parallel=2,
-                        sequence_parallel=sp, **more)
+    return PipelineSpec(
+        stages=2,
+        micro_batches=4,
+        schedule="1F1B",
+        receive_buffers=True,
+        tensor_parallel=2,
+        sequence_parallel=sp,
+        **more,
+    )
 
 
 @pytest.mark.parametrize(("layout", "mode"), list(MEASURED))
@@ -88,8 +95,11 @@ def test_a_block_keeps_what_tensor_parallelism_leaves_whole_plus_the_split_part_
     assert block.recompute[FULL].sp_whole_activation_bytes == STATE
     for sp, none, full in ((False, 1_690_624, 131_072), (True, 1_427_968, 65_536)):
         rank = rank_profile(measured_profile, tp_spec(sp)).layers[1]
-        assert rank.recompute[NONE].activation_bytes == none == (kept - (2 * NORM_OUTPUT if sp else 2 * NORM)) / 2 + (
-            2 * NORM_OUTPUT if sp else 2 * NORM)
+        assert (
+            rank.recompute[NONE].activation_bytes
+            == none
+            == (kept - (2 * NORM_OUTPUT if sp else 2 * NORM)) / 2 + (2 * NORM_OUTPUT if sp else 2 * NORM)
+        )
         assert rank.recompute[FULL].activation_bytes - STATE == full
 
 
@@ -137,7 +147,13 @@ def test_backward_working_sets_split_in_blocks_and_stay_whole_in_the_head_and_ta
     assert rank.layers[1].forward_ms == one_d[1].forward_ms / 2
     # a split backward's held gradients (not measured under DTensor: zero-bubble schedules were not run) / t
     # in blocks, whole in the tail
-    for name in ("pending_bytes", "input_held_bytes", "input_working_bytes", "weight_working_bytes", "weight_freed_bytes"):
+    for name in (
+        "pending_bytes",
+        "input_held_bytes",
+        "input_working_bytes",
+        "weight_working_bytes",
+        "weight_freed_bytes",
+    ):
         assert getattr(rank.layers[1].recompute[NONE], name) == getattr(one_d[1].recompute[NONE], name) / 2, name
         assert getattr(rank.layers[-1].recompute[NONE], name) == getattr(one_d[-1].recompute[NONE], name), name
 
@@ -147,14 +163,19 @@ def test_the_transform_applies_once(measured_profile):
     rank = rank_profile(measured_profile, spec)
     assert rank.mesh == Mesh(tensor_parallel=2, sequence_parallel=True)
     assert rank_profile(rank, spec) is rank
-    assert evaluate_plan(rank, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes == evaluate_plan(
-        measured_profile, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes
+    assert (
+        evaluate_plan(rank, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes
+        == evaluate_plan(measured_profile, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes
+    )
 
 
-@pytest.mark.parametrize(("degree", "field", "words"), [
-    (4, "tensor_parallel", "per rank of tensor_parallel 2 already"),
-    (1, "tensor_parallel", "per rank of tensor_parallel 2 already"),
-])
+@pytest.mark.parametrize(
+    ("degree", "field", "words"),
+    [
+        (4, "tensor_parallel", "per rank of tensor_parallel 2 already"),
+        (1, "tensor_parallel", "per rank of tensor_parallel 2 already"),
+    ],
+)
 def test_a_spec_that_would_divide_twice_is_refused(measured_profile, degree, field, words):
     rank = rank_profile(measured_profile, tp_spec(False))
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=degree)
@@ -169,12 +190,15 @@ def test_a_different_sequence_parallel_setting_is_refused(measured_profile):
     assert caught.value.field == "sequence_parallel"
 
 
-@pytest.mark.parametrize(("dimensions", "words"), [
-    ({"heads": 9}, "a divisor of the model's heads \\(9\\)"),
-    ({"kv_heads": 3}, "a divisor of the model's kv_heads \\(3\\)"),
-    ({"ffn": 687}, "a divisor of the model's ffn \\(687\\)"),
-    ({"vocab": 8191}, "a divisor of the model's vocab \\(8191\\)"),
-])
+@pytest.mark.parametrize(
+    ("dimensions", "words"),
+    [
+        ({"heads": 9}, "a divisor of the model's heads \\(9\\)"),
+        ({"kv_heads": 3}, "a divisor of the model's kv_heads \\(3\\)"),
+        ({"ffn": 687}, "a divisor of the model's ffn \\(687\\)"),
+        ({"vocab": 8191}, "a divisor of the model's vocab \\(8191\\)"),
+    ],
+)
 def test_a_degree_that_does_not_divide_the_model_is_refused(measured_profile, dimensions, words):
     profile = dataclasses.replace(measured_profile, dimensions={**measured_profile.dimensions, **dimensions})
     with pytest.raises(InputError, match=words) as caught:
@@ -184,9 +208,12 @@ def test_a_degree_that_does_not_divide_the_model_is_refused(measured_profile, di
 
 def test_a_profile_without_the_parts_names_what_is_missing(measured_profile):
     old = measured_profile.layers[1]
-    bare = dataclasses.replace(old, recompute={m: dataclasses.replace(c, tp_whole_activation_bytes=None)
-                                               for m, c in old.recompute.items()})
-    profile = dataclasses.replace(measured_profile, layers=(measured_profile.layers[0], bare, *measured_profile.layers[2:]))
+    bare = dataclasses.replace(
+        old, recompute={m: dataclasses.replace(c, tp_whole_activation_bytes=None) for m, c in old.recompute.items()}
+    )
+    profile = dataclasses.replace(
+        measured_profile, layers=(measured_profile.layers[0], bare, *measured_profile.layers[2:])
+    )
     with pytest.raises(InputError, match="not in the profile; tensor_parallel needs it") as caught:
         rank_profile(profile, tp_spec(False))
     assert caught.value.field == "layers[1] (model.layers.0).recompute.none.tp_whole_activation_bytes"
@@ -213,9 +240,17 @@ def test_context_parallel_divides_the_sequence_and_adds_a_remote_key_value_chunk
     assert caught.value.field == "context_parallel"
 
 
-MOE = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-       "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
-       "vocab_size": 512}
+MOE = {
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+}
 
 
 def moe_profile():
@@ -223,12 +258,20 @@ def moe_profile():
 
 
 def ep_spec(expert_tokens: str = "balanced", **more: object) -> PipelineSpec:
-    return PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=8, expert_parallel=8,
-                        expert_tokens=expert_tokens, **more)
+    return PipelineSpec(
+        stages=2,
+        micro_batches=4,
+        schedule="1F1B",
+        data_parallel=8,
+        expert_parallel=8,
+        expert_tokens=expert_tokens,
+        **more,
+    )
 
 
-@pytest.mark.parametrize(("tokens", "ratio"), [("balanced", 1.0), ("dropless", 4.0), ("capacity:1.25", 1.25),
-                                               ("capacity:9", 4.0)])
+@pytest.mark.parametrize(
+    ("tokens", "ratio"), [("balanced", 1.0), ("dropless", 4.0), ("capacity:1.25", 1.25), ("capacity:9", 4.0)]
+)
 def test_expert_ranks_receive_token_copies_up_to_the_dropless_bound(tokens, ratio):
     # 8 experts, top-2, one expert per rank: from each of 8 ranks each token at most once
     assert token_copies_ratio(tokens, 8, 2, 8) == ratio
@@ -263,12 +306,18 @@ def test_routed_experts_shard_their_state_over_the_ranks_holding_them():
     experts = layer.expert_parameter_bytes
     per_element = layer.optimizer_bytes - layer.optimizer_tensor_bytes()
     share = experts / layer.parameter_bytes
-    expected = (layer.parameter_bytes + layer.gradient_bytes + per_element * (1 - share) / 8
-                + layer.optimizer_tensor_bytes() / 8 + per_element * share)
+    expected = (
+        layer.parameter_bytes
+        + layer.gradient_bytes
+        + per_element * (1 - share) / 8
+        + layer.optimizer_tensor_bytes() / 8
+        + per_element * share
+    )
     assert layer_static(spec, layer).total == pytest.approx(expected, rel=1e-12)
     dense = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=8, zero_stage=1)
-    assert layer_static(dense, layer).total == dense.static_bytes(layer.parameter_bytes, layer.gradient_bytes,
-                                                                  layer.optimizer_bytes)
+    assert layer_static(dense, layer).total == dense.static_bytes(
+        layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes
+    )
 
 
 def test_expert_parallel_is_refused_where_it_does_not_fit():
@@ -276,8 +325,9 @@ def test_expert_parallel_is_refused_where_it_does_not_fit():
         rank_profile(load_profile(PROFILE), ep_spec())
     assert caught.value.field == "expert_parallel"
     with pytest.raises(InputError, match="a divisor of the model's experts \\(8\\)"):
-        rank_profile(moe_profile(), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=3,
-                                                 expert_parallel=3))
+        rank_profile(
+            moe_profile(), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=3, expert_parallel=3)
+        )
     with pytest.raises(InputError, match="carved from those") as caught:
         PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", expert_parallel=8)
     assert caught.value.field == "expert_parallel"
@@ -286,10 +336,14 @@ def test_expert_parallel_is_refused_where_it_does_not_fit():
 def test_a_profile_estimated_for_the_mesh_plans_as_the_one_d_profile_transformed():
     config = {**MOE, "model_type": "llama"}
     one_d = analytic_profile(shape_from_config(config, sequence=32, dtype="float32"))
-    estimated = analytic_profile(shape_from_config(config, sequence=32, dtype="float32", tensor_parallel=2,
-                                                   sequence_parallel=True, context_parallel=2))
+    estimated = analytic_profile(
+        shape_from_config(
+            config, sequence=32, dtype="float32", tensor_parallel=2, sequence_parallel=True, context_parallel=2
+        )
+    )
     mesh = Mesh(tensor_parallel=2, sequence_parallel=True, context_parallel=2)
     assert estimated == profile_for_mesh(one_d, mesh)
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=2, sequence_parallel=True,
-                        context_parallel=2)
+    spec = PipelineSpec(
+        stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=2, sequence_parallel=True, context_parallel=2
+    )
     assert solve(one_d, spec).stage_peak_memory_bytes == solve(estimated, spec).stage_peak_memory_bytes

@@ -29,7 +29,10 @@ def test_csv_round_trip(name, tmp_path):
     path = tmp_path / "schedule.csv"
     schedule.write_csv(path)
     again = Schedule.from_csv(
-        path.read_text(), name=name, chunks=schedule.chunks, micro_batches=schedule.micro_batches,
+        path.read_text(),
+        name=name,
+        chunks=schedule.chunks,
+        micro_batches=schedule.micro_batches,
         placement=schedule.placement,
     )
     assert again == schedule
@@ -112,7 +115,7 @@ def test_gantt_chart_files(tmp_path, suffix, magic):
 
 
 def test_gantt_chart_refuses_unknown_formats(tmp_path):
-    with pytest.raises(InputError, match="plot: expected a file ending in .png"):
+    with pytest.raises(InputError, match=r"plot: expected a file ending in .png"):
         draw_gantt(result_with_memory(), tmp_path / "gantt.jpg")
     assert not (tmp_path / "gantt.jpg").exists()
 

@@ -31,8 +31,9 @@ def untied_or_tied(family: str) -> torch.nn.Module:
     return llama() if family == "llama" else gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def pipelined_rank(rank: int, store: str, folder: str, schedule: str, counts: list[int], chunks: int,
-                   family: str = "llama") -> None:
+def pipelined_rank(
+    rank: int, store: str, folder: str, schedule: str, counts: list[int], chunks: int, family: str = "llama"
+) -> None:
     from torch.distributed.pipelining import PipelineStage
 
     with gloo_group(rank, 2, store):
@@ -60,13 +61,20 @@ def pipelined_rank(rank: int, store: str, folder: str, schedule: str, counts: li
 
 @pytest.mark.parametrize(
     ("family", "schedule", "counts", "chunks"),
-    [("llama", "1F1B", [2, 4], 1), ("llama", "Interleaved1F1B", [2, 1, 2, 1], 2),
-     ("llama", "ZBVZeroBubble", [1, 2, 2, 1], 2),
-     ("gpt2", "1F1B", [2, 4], 1)],  # its embedding and LM head, one weight, on two ranks: TiedGradients sums them
+    [
+        ("llama", "1F1B", [2, 4], 1),
+        ("llama", "Interleaved1F1B", [2, 1, 2, 1], 2),
+        ("llama", "ZBVZeroBubble", [1, 2, 2, 1], 2),
+        ("gpt2", "1F1B", [2, 4], 1),
+    ],  # its embedding and LM head, one weight, on two ranks: TiedGradients sums them
 )
 def test_a_planned_pipeline_trains_like_the_model(tmp_path, family, schedule, counts, chunks):
-    mp.spawn(pipelined_rank, args=(str(tmp_path / "store"), str(tmp_path), schedule, counts, chunks, family), nprocs=2,
-             join=True)
+    mp.spawn(
+        pipelined_rank,
+        args=(str(tmp_path / "store"), str(tmp_path), schedule, counts, chunks, family),
+        nprocs=2,
+        join=True,
+    )
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     losses = [loss for result in results for loss in result["losses"]]
     model = untied_or_tied(family)

@@ -49,7 +49,10 @@ def test_blocks_found_from_transformers_hints():
 
 def test_dense_and_moe_blocks_are_two_kinds_in_model_order():
     kinds = [b.kind for b in find_blocks(moe())]
-    assert kinds == ["body:Qwen2MoeDecoderLayer/Qwen2MoeMLP"] * 2 + ["body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"] * 2
+    assert (
+        kinds
+        == ["body:Qwen2MoeDecoderLayer/Qwen2MoeMLP"] * 2 + ["body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"] * 2
+    )
 
 
 def test_largest_repeated_module_list_without_hints():
@@ -64,11 +67,15 @@ def test_largest_repeated_module_list_without_hints():
 
 def test_the_blocks_of_a_sequential_are_its_longest_run_of_one_type():
     # torch.distributed.pipelining's own examples: the embedding, the blocks and the head in one Sequential
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), *[torch.nn.Linear(16, 16) for _ in range(3)],
-                                torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), *[torch.nn.Linear(16, 16) for _ in range(3)], torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
     assert [b.name for b in find_blocks(model)] == ["0", "1", "2", "3"]  # four Linears in a row
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 16), *[torch.nn.TransformerEncoderLayer(16, 2) for _ in range(3)],
-                                torch.nn.Linear(16, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 16),
+        *[torch.nn.TransformerEncoderLayer(16, 2) for _ in range(3)],
+        torch.nn.Linear(16, 10),
+    )
     assert [b.name for b in find_blocks(model)] == ["1", "2", "3"]
     mixed = torch.nn.Module()
     mixed.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU()])
@@ -88,7 +95,7 @@ def test_no_repeated_blocks_is_a_clear_error():
 
 
 def test_a_pattern_matching_nothing_is_a_clear_error():
-    with pytest.raises(InputError, match="'decoder.blocks.*' matches no module") as caught:
+    with pytest.raises(InputError, match=r"'decoder.blocks.*' matches no module") as caught:
         LayerProfiler(llama(), layers=["decoder.blocks.*"])
     assert caught.value.field == "layers"
 
@@ -136,7 +143,8 @@ def llama_block_bytes() -> int:
         + 2 * b * s  # their rsqrt
         + 2 * b * s * h  # the normalised x, and x * weight flattened for the projections (both norms)
         + 2 * b * s * h  # the normalised x * weight for q/k/v and for gate/up: the matmul inputs
-        + b * s * heads * d + 2 * b * s * kv_heads * d  # q, k (after rotary) and v
+        + b * s * heads * d
+        + 2 * b * s * kv_heads * d  # q, k (after rotary) and v
         + b * s * heads * d  # the attention output
         + 4 * b * s * f  # gate, up, silu(gate) and silu(gate) * up
     )
@@ -220,7 +228,11 @@ def test_on_the_cpu_working_sets_are_counted_op_by_op_in_untimed_steps():
             profiler.step()
     assert profiler.total_steps == 1 + 2 * 2 + 2
     assert [profiler.describe_step(step) for step in (0, 4, 5, 6)] == [
-        "warm-up", "recompute full", "recompute none, counting memory", "recompute full, counting memory"]
+        "warm-up",
+        "recompute full",
+        "recompute none, counting memory",
+        "recompute full, counting memory",
+    ]
     profile = profiler.profile()
     for index, layer in enumerate(profile.layers[1:], start=1):  # block 0's input needs no gradient: no hook ends it
         for mode in ("none", "full"):
@@ -237,7 +249,8 @@ class PairsOfLinears(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
-            for _ in range(3))
+            for _ in range(3)
+        )
 
     def forward(self, x):
         for block in self.blocks:
@@ -298,8 +311,11 @@ def test_selective_kept_bytes_are_counted_where_the_policy_sees_no_output(monkey
     from profiler import recompute
 
     original = checkpoint.SelectiveCheckpointContext.__init__
-    monkeypatch.setattr(checkpoint.SelectiveCheckpointContext, "__init__",
-                        lambda self, *, is_recompute, op_output=None: original(self, is_recompute=is_recompute))
+    monkeypatch.setattr(
+        checkpoint.SelectiveCheckpointContext,
+        "__init__",
+        lambda self, *, is_recompute, op_output=None: original(self, is_recompute=is_recompute),
+    )
     monkeypatch.setattr(recompute, "POLICY_SEES_OUTPUT", False)
     profile = profiled(llama(), steps=1, modes=("none", "selective")).profile()
     for layer in profile.layers[1:-1]:
@@ -371,16 +387,26 @@ def test_pooled_layers_of_a_kind_share_their_times(llama_run):
     assert body[0].input_ms == body[0].backward_ms * split.input_share
     assert all(layer.recompute[mode].pending_bytes == split.pending_bytes for layer in body for mode in layer.modes)
     # what each half holds while it runs, measured without recompute; with it, the whole backward's stands
-    assert all((layer.recompute[mode].input_working_bytes, layer.recompute[mode].weight_working_bytes)
-               == ((split.input_working_bytes, split.weight_working_bytes) if mode == "none" else (None, None))
-               for layer in body for mode in layer.modes)
+    assert all(
+        (layer.recompute[mode].input_working_bytes, layer.recompute[mode].weight_working_bytes)
+        == ((split.input_working_bytes, split.weight_working_bytes) if mode == "none" else (None, None))
+        for layer in body
+        for mode in layer.modes
+    )
     # what a block's I holds until the stage's I ends and what it frees of the gradient handed to it,
     # measured without recompute like its pending bytes and applied to every mode alike
-    assert all((layer.recompute[mode].input_held_bytes, layer.recompute[mode].output_gradient_freed_bytes)
-               == (split.input_held_bytes, split.output_gradient_freed_bytes) for layer in body for mode in layer.modes)
+    assert all(
+        (layer.recompute[mode].input_held_bytes, layer.recompute[mode].output_gradient_freed_bytes)
+        == (split.input_held_bytes, split.output_gradient_freed_bytes)
+        for layer in body
+        for mode in layer.modes
+    )
     # what its W frees before its stage's W ends: measured without recompute; with it, its pending bytes
-    assert all(layer.recompute[mode].weight_freed_bytes == (split.weight_freed_bytes if mode == "none" else None)
-               for layer in body for mode in layer.modes)
+    assert all(
+        layer.recompute[mode].weight_freed_bytes == (split.weight_freed_bytes if mode == "none" else None)
+        for layer in body
+        for mode in layer.modes
+    )
     assert split.weight_freed_bytes > split.pending_bytes  # and part of what it saved
     assert profile.layers[0].weight_ms == profile.layers[0].backward_ms  # the head takes token ids
     assert profile.layers[0].input_ms is None and profile.layers[-1].input_ms is None
@@ -390,7 +416,8 @@ def test_each_kind_of_a_mixed_model_is_timed_on_its_own():
     profile = profiled(moe(), steps=1, modes=("none", "full")).profile()
     kinds = [layer.kind for layer in profile.layers]
     assert kinds == ["head"] + ["body:Qwen2MoeDecoderLayer/Qwen2MoeMLP"] * 2 + [
-        "body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"] * 2 + ["tail"]
+        "body:Qwen2MoeDecoderLayer/Qwen2MoeSparseMoeBlock"
+    ] * 2 + ["tail"]
     assert profile.layers[1].forward_ms == profile.layers[2].forward_ms
     assert profile.layers[3].forward_ms == profile.layers[4].forward_ms
     assert profile.modes == ("none", "full")
@@ -460,15 +487,14 @@ def test_no_hook_is_left_behind(llama_run):
 def test_a_step_that_raises_leaves_no_hook(fail_at):
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(RuntimeError, match="boom"):
-        with LayerProfiler(model, optimizer, steps=1) as profiler:
-            while not profiler.done:
-                if profiler.steps_done == fail_at:  # 2: under selective recompute, 3: under full
-                    ids = batch(0)
-                    model(input_ids=ids, labels=ids, use_cache=False)
-                    raise RuntimeError("boom")
-                train_step(model, optimizer, profiler.steps_done)
-                profiler.step()
+    with pytest.raises(RuntimeError, match="boom"), LayerProfiler(model, optimizer, steps=1) as profiler:
+        while not profiler.done:
+            if profiler.steps_done == fail_at:  # 2: under selective recompute, 3: under full
+                ids = batch(0)
+                model(input_ids=ids, labels=ids, use_cache=False)
+                raise RuntimeError("boom")
+            train_step(model, optimizer, profiler.steps_done)
+            profiler.step()
     assert hooks_left(model) == []
     assert not optimizer._optimizer_step_post_hooks
     train_step(model, optimizer, 0)  # trains as before
@@ -498,8 +524,12 @@ def test_without_an_optimizer_there_is_no_optimizer_state():
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"steps": 0}, "steps"), ({"warmup_steps": 0}, "warmup_steps"), ({"modes": ("full",)}, "modes"),
-     ({"modes": ("none", "comm")}, "modes")],
+    [
+        ({"steps": 0}, "steps"),
+        ({"warmup_steps": 0}, "warmup_steps"),
+        ({"modes": ("full",)}, "modes"),
+        ({"modes": ("none", "comm")}, "modes"),
+    ],
 )
 def test_bad_options_are_clear_errors(options, field):
     with pytest.raises(InputError) as caught:
@@ -519,7 +549,7 @@ def test_asking_for_the_profile_too_early_says_how_far_it_got():
 def test_a_block_that_never_runs_is_named():
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(InputError, match="never ran in the warm-up step: model.layers.3") as caught:
+    with pytest.raises(InputError, match=r"never ran in the warm-up step: model.layers.3") as caught:
         with LayerProfiler(model, optimizer, steps=1) as profiler:
             ids = batch(0)
             model.model.layers = model.model.layers[:3]  # the last block no longer runs
@@ -547,7 +577,7 @@ def test_a_block_that_runs_twice_in_one_forward_is_named():
         return x
 
     model = ThreeLinears(shared)
-    with pytest.raises(InputError, match="ran more than once in one forward of the model: blocks.0") as caught:
+    with pytest.raises(InputError, match=r"ran more than once in one forward of the model: blocks.0") as caught:
         with LayerProfiler(model, steps=1) as profiler:
             model(torch.randn(2, 4)).backward()
             profiler.step()
@@ -675,9 +705,15 @@ def test_the_tail_given_as_a_module_has_its_backward_split_too():
     assert layer.kind == "tail"
     assert layer.input_ms == layer.backward_ms * split.input_share
     assert layer.weight_ms == min(layer.backward_ms * split.weight_share, layer.backward_ms)
+
     def held(c):  # a SplitBackward or a RecomputeCost
-        return (c.pending_bytes, c.input_working_bytes, c.weight_working_bytes, c.input_held_bytes,
-                c.output_gradient_freed_bytes)
+        return (
+            c.pending_bytes,
+            c.input_working_bytes,
+            c.weight_working_bytes,
+            c.input_held_bytes,
+            c.output_gradient_freed_bytes,
+        )
 
     assert held(layer.recompute["none"]) == held(split)
     # bytes do not depend on the values: the copy had the last block's output's shape

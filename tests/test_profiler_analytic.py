@@ -65,17 +65,26 @@ def test_memory_estimate_equals_the_measurement_across_attention_shapes_and_dtyp
 
 
 def assert_same_memory(measured, estimated):
-    assert [layer.kind.split(":")[0] for layer in estimated.layers] == [layer.kind.split(":")[0] for layer in measured.layers]
+    assert [layer.kind.split(":")[0] for layer in estimated.layers] == [
+        layer.kind.split(":")[0] for layer in measured.layers
+    ]
     assert estimated.stage_shared_bytes == measured.stage_shared_bytes  # the rotary tables
     assert estimated.checkpoint_state_bytes == 0 < measured.checkpoint_state_bytes  # the CPU's
     assert estimated.dimensions == measured.dimensions
     hidden_fp32_bytes = estimated.stage_output_bytes * 4 / DTYPE_BYTES[estimated.dtype]
     for got, want in zip(estimated.layers, measured.layers):
         assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
-            want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes)
+            want.parameter_bytes,
+            want.gradient_bytes,
+            want.optimizer_bytes,
+        )
         # what tensor and expert parallelism treat apart: the profiler tags it by module, the estimate counts it
-        for name in ("parameter_tensors", "replicated_parameter_bytes", "replicated_gradient_bytes",
-                     "expert_parameter_bytes"):
+        for name in (
+            "parameter_tensors",
+            "replicated_parameter_bytes",
+            "replicated_gradient_bytes",
+            "expert_parameter_bytes",
+        ):
             assert getattr(got, name) == getattr(want, name), (got.name, name)
         for mode, cost in want.recompute.items():
             # an estimate is for an accelerator, where checkpointing keeps nothing beside the saved tensors
@@ -123,12 +132,16 @@ def test_an_estimate_plans_the_peaks_its_measurement_plans(llama_pair, schedule,
     # with the backward whole (zero-bubble schedules split it: the halves are not all estimated)
     measured, estimated = llama_pair
     spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=receive_buffers)
-    assert even_plan(estimated, spec, "none").stage_peak_memory_bytes == even_plan(
-        measured, spec, "none").stage_peak_memory_bytes
+    assert (
+        even_plan(estimated, spec, "none").stage_peak_memory_bytes
+        == even_plan(measured, spec, "none").stage_peak_memory_bytes
+    )
 
 
-@pytest.mark.parametrize("dtype, record", [("float32", "h200_llama-1024.profile.json"),
-                                           ("bfloat16", "h200_llama-1024_bfloat16.profile.json")])
+@pytest.mark.parametrize(
+    "dtype, record",
+    [("float32", "h200_llama-1024.profile.json"), ("bfloat16", "h200_llama-1024_bfloat16.profile.json")],
+)
 def test_the_tail_working_set_is_what_an_h200_measured(dtype, record):
     import importlib.util
 
@@ -137,8 +150,12 @@ def test_the_tail_working_set_is_what_an_h200_measured(dtype, record):
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     measured = load_profile(root / "docs" / "gpu" / record)  # the model gpu_check profiled
-    shape = shape_from_config(gpu_check.REPLAY_MODEL, sequence=gpu_check.REPLAY_SEQ_LEN,
-                              micro_batch_size=gpu_check.REPLAY_MICRO_BATCH_SIZE, dtype=dtype)
+    shape = shape_from_config(
+        gpu_check.REPLAY_MODEL,
+        sequence=gpu_check.REPLAY_SEQ_LEN,
+        micro_batch_size=gpu_check.REPLAY_MICRO_BATCH_SIZE,
+        dtype=dtype,
+    )
     estimated = analytic_profile(shape).layers[-1].recompute["none"].working_bytes
     # the CUDA allocator rounds each block to 512 bytes: the loss, 4 bytes, takes one
     assert 0 <= estimated - measured.layers[-1].recompute["none"].working_bytes < 512
@@ -171,12 +188,15 @@ def test_an_estimate_plans_without_hardware():
 
 @pytest.mark.parametrize(
     ("config", "field"),
-    [({"model_type": "gpt2"}, "model_type"), ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads"),
-     ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim"),
-     ({"model_type": "llama", **LLAMA, "hidden_size": "wide"}, "hidden_size"),
-     ({"model_type": "llama", **LLAMA, "hidden_size": 64.5}, "hidden_size"),  # was taken as 64
-     ({"model_type": "llama", **LLAMA, "num_key_value_heads": [2]}, "num_key_value_heads"),
-     ({"model_type": "llama", "hidden_size": 64}, "num_hidden_layers")],
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "llama", **LLAMA, "num_attention_heads": 5}, "num_heads"),
+        ({"model_type": "qwen3", **QWEN3, "head_dim": -8}, "head_dim"),
+        ({"model_type": "llama", **LLAMA, "hidden_size": "wide"}, "hidden_size"),
+        ({"model_type": "llama", **LLAMA, "hidden_size": 64.5}, "hidden_size"),  # was taken as 64
+        ({"model_type": "llama", **LLAMA, "num_key_value_heads": [2]}, "num_key_value_heads"),
+        ({"model_type": "llama", "hidden_size": 64}, "num_hidden_layers"),
+    ],
 )
 def test_bad_configs_are_clear_errors(config, field):
     with pytest.raises(InputError) as caught:
@@ -186,10 +206,12 @@ def test_bad_configs_are_clear_errors(config, field):
 
 @pytest.mark.parametrize(
     ("options", "words"),
-    [({"tensor_parallel": 3}, "tensor_parallel: expected a divisor of num_heads 4, got 3"),
-     ({"tensor_parallel": 4}, "tensor_parallel: expected a divisor of num_kv_heads 2, got 4"),
-     ({"context_parallel": 3}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel"),
-     ({"context_parallel": 16}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel")],
+    [
+        ({"tensor_parallel": 3}, "tensor_parallel: expected a divisor of num_heads 4, got 3"),
+        ({"tensor_parallel": 4}, "tensor_parallel: expected a divisor of num_kv_heads 2, got 4"),
+        ({"context_parallel": 3}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel"),
+        ({"context_parallel": 16}, "context_parallel: expected sequence 16 to be a multiple of 2 x context_parallel"),
+    ],
 )
 def test_parallel_sizes_that_split_a_head_or_the_sequence_unevenly(options, words):
     with pytest.raises(InputError, match=words):

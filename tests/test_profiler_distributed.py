@@ -84,22 +84,43 @@ def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
     profile = ModelProfile.from_dict(json.loads(out.read_text()))
     assert [layer.kind for layer in profile.layers] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
     assert [layer.name for layer in profile.layers] == [
-        "head", "stage0.layers.0", "stage0.layers.1", "stage1.layers.0", "stage1.layers.1", "tail"]
+        "head",
+        "stage0.layers.0",
+        "stage0.layers.1",
+        "stage1.layers.0",
+        "stage1.layers.1",
+        "tail",
+    ]
     model = llama()
     assert sum(layer.parameter_bytes for layer in profile.layers) == sum(p.numel() * 4 for p in model.parameters())
     state = checkpoint_state_bytes(torch.device("cpu"))
-    assert all(layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 + state for layer in profile.layers[1:5])
+    assert all(
+        layer.recompute["full"].activation_bytes == BATCH * SEQ * 64 * 4 + state for layer in profile.layers[1:5]
+    )
     head_dim = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
     assert profile.stage_shared_bytes == 2 * SEQ * head_dim * 4  # the rotary tables each stage computes
 
 
 def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not():
     block = layer_profile("block.0", "body:b", 3, 6)
-    first = ModelProfile(layers=(layer_profile("embed", "head", 1, 2), block), model="m", dtype="bf16",
-                         micro_batch={"size": 1}, fingerprint="a", stage_constant_bytes=5, stage_output_bytes=8,
-                         stage_shared_bytes=16, checkpoint_state_bytes=4)
-    last = dataclasses.replace(first, layers=(block, layer_profile("lm_head", "tail", 2, 4)), fingerprint="b",
-                               stage_constant_bytes=7, model_output_bytes=64)
+    first = ModelProfile(
+        layers=(layer_profile("embed", "head", 1, 2), block),
+        model="m",
+        dtype="bf16",
+        micro_batch={"size": 1},
+        fingerprint="a",
+        stage_constant_bytes=5,
+        stage_output_bytes=8,
+        stage_shared_bytes=16,
+        checkpoint_state_bytes=4,
+    )
+    last = dataclasses.replace(
+        first,
+        layers=(block, layer_profile("lm_head", "tail", 2, 4)),
+        fingerprint="b",
+        stage_constant_bytes=7,
+        model_output_bytes=64,
+    )
     joined = join_profiles([(1, last), (0, first)])
     assert [each.name for each in joined.layers] == ["embed", "stage0.block.0", "stage1.block.0", "lm_head"]
     assert (joined.model, joined.dtype, joined.micro_batch) == ("m", "bf16", {"size": 1})
@@ -137,8 +158,18 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
         stage = (FirstStage if rank == 0 else LastStage)(llama())
         optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
         plan_file = Path(folder) / "plan.json"
-        with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
-                      modes=("none", "full"), config=plan_file, target="plan", cache_dir=Path(folder) / "cache") as tuner:
+        with autotune(
+            stage,
+            optimizer,
+            stages=2,
+            micro_batches=4,
+            schedule="1F1B",
+            profile_steps=1,
+            modes=("none", "full"),
+            config=plan_file,
+            target="plan",
+            cache_dir=Path(folder) / "cache",
+        ) as tuner:
             for step in range(tuner.profiler.total_steps):
                 train_stage(stage, rank, step, optimizer)
                 tuner.step()
@@ -151,6 +182,10 @@ def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path)
     mp.spawn(tuned_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in (0, 1)]
     assert layouts[0] == layouts[1]
-    assert [layer["kind"] for layer in layouts[0]["plan"]["layers"]] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
+    assert [layer["kind"] for layer in layouts[0]["plan"]["layers"]] == [
+        "head",
+        *["body:LlamaDecoderLayer"] * 4,
+        "tail",
+    ]
     written = json.loads((tmp_path / "plan.json").read_text())
     assert written == layouts[0] and written["spec"]["stages"] == 2

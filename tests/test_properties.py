@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,9 +30,7 @@ def replays(draw):
         weight = draw(st.one_of(st.none(), st.floats(0.0, 1.0).map(lambda share: share * backward)))
         return ChunkCosts(forward, backward, weight, draw(times), draw(sizes), draw(sizes), draw(sizes))
 
-    costs = PipelineCosts(
-        tuple(tuple(chunk_costs() for _ in range(chunks)) for _ in range(stages)), p2p_ms=draw(times)
-    )
+    costs = PipelineCosts(tuple(tuple(chunk_costs() for _ in range(chunks)) for _ in range(stages)), p2p_ms=draw(times))
     return schedule, costs
 
 
@@ -73,15 +73,11 @@ def test_iteration_time_bounds_and_accounting(replay):
     schedule, costs = replay
     result = simulate(schedule, costs)
     assert result.iteration_time_ms >= max(result.stage_busy_ms) - 1e-9
-    work = sum(
-        (c.forward_ms + c.backward_ms + c.recompute_ms) * schedule.micro_batches for c in costs.all_chunks()
-    )
+    work = sum((c.forward_ms + c.backward_ms + c.recompute_ms) * schedule.micro_batches for c in costs.all_chunks())
     assert sum(result.stage_busy_ms) == pytest.approx(work, rel=1e-9)
     bubble = result.bubble
     assert bubble.real >= -1e-9
-    assert bubble.real == pytest.approx(
-        bubble.ideal + bubble.imbalance + bubble.recompute + bubble.comm, abs=1e-9
-    )
+    assert bubble.real == pytest.approx(bubble.ideal + bubble.imbalance + bubble.recompute + bubble.comm, abs=1e-9)
     for rank in range(schedule.ranks):
         static = sum(c.static_bytes for c in costs.chunk_costs[rank])
         assert result.stage_peak_memory_bytes[rank] >= static
@@ -99,7 +95,7 @@ def test_critical_path_is_a_chain_of_waits_as_long_as_the_iteration(replay):
     assert result.start_ms[chain[0]] == 0.0
     assert result.end_ms[chain[-1]] == result.iteration_time_ms
     length = 0.0
-    for before, after in zip(chain, chain[1:]):
+    for before, after in itertools.pairwise(chain):
         same_rank = compiled.rank[before] == compiled.rank[after]
         assert (same_rank and after == before + 1) or compiled.dependency[after] == before
         length += result.end_ms[before] - result.start_ms[before] + (0.0 if same_rank else costs.p2p_ms)

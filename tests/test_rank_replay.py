@@ -28,14 +28,18 @@ def profile(config):
     return profile_example(config, steps=1, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, modes=(NONE, FULL))
 
 
-@pytest.mark.parametrize(("schedule", "chunks", "mode"), [("1F1B", None, NONE), ("1F1B", None, FULL),
-                                                           ("GPipe", None, NONE), ("Interleaved1F1B", 2, FULL)])
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "mode"),
+    [("1F1B", None, NONE), ("1F1B", None, FULL), ("GPipe", None, NONE), ("Interleaved1F1B", 2, FULL)],
+)
 def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule, chunks, mode):
     plan = even_plan(profile, PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule), mode)
     predicted = predictions(plan, profile, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8)
     whole = predictions(plan, profile)  # its peak_bytes keep the token ids and kept outputs, as the plan's peaks
     for rank in range(2):
-        assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(plan.stage_peak_memory_bytes[rank])
+        assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(
+            plan.stage_peak_memory_bytes[rank]
+        )
     model = build_model(config)
     for rank in range(2):
         replay = replay_rank(model, plan, rank, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
@@ -52,5 +56,7 @@ def test_no_steps_is_refused(config, profile):
 
 def test_split_backward_schedules_are_refused(config, profile):
     plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), NONE)
-    with pytest.raises(InputError, match="plan: ZBH1 splits the backward into I and W actions; the replay runs F and B only"):
+    with pytest.raises(
+        InputError, match="plan: ZBH1 splits the backward into I and W actions; the replay runs F and B only"
+    ):
         replay_rank(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)

@@ -73,7 +73,9 @@ def test_p2p_time_is_paid_between_ranks_only():
 def test_v_turn_pays_no_p2p():
     # On rank S-1 the V turns: stage S-1 hands its output to stage S on the same rank.
     schedule = build_schedule("ZBVZeroBubble", 2, 1)
-    result = simulate(schedule, PipelineCosts.uniform(2, 2, forward_ms=2.0, backward_ms=4.0, weight_ms=2.0, p2p_ms=10.0))
+    result = simulate(
+        schedule, PipelineCosts.uniform(2, 2, forward_ms=2.0, backward_ms=4.0, weight_ms=2.0, p2p_ms=10.0)
+    )
     timeline = {str(t.action): t for rank in range(2) for t in result.rank_timeline(rank)}
     assert timeline["2F0"].start_ms == timeline["1F0"].end_ms
     assert timeline["1F0"].start_ms == timeline["0F0"].end_ms + 10.0
@@ -96,7 +98,9 @@ def test_memory_follows_the_schedule_exactly():
 
 def test_split_backward_frees_activations_after_w():
     # ZBH1 on one stage: F0 I0 W0. The activation stays until W ends; the working set is held in I and W.
-    cost = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=0.5, recompute_ms=0.25, activation_bytes=8, working_bytes=3)
+    cost = ChunkCosts(
+        forward_ms=1, backward_ms=2, weight_ms=0.5, recompute_ms=0.25, activation_bytes=8, working_bytes=3
+    )
     result = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((cost,),)))
     timeline = result.rank_timeline(0)
     assert [str(t.action) for t in timeline] == ["0F0", "0I0", "0W0"]
@@ -108,12 +112,22 @@ def test_split_backward_frees_activations_after_w():
 def test_each_half_of_a_split_backward_holds_its_own_working_set():
     """Where given, I holds `input_working_bytes` above what was held when it began, and W
     `weight_working_bytes`; a whole backward, and a half not given, hold `working_bytes`."""
-    cost = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=0.5, activation_bytes=8, working_bytes=3,
-                      pending_bytes=2, input_working_bytes=5, weight_working_bytes=1)
+    cost = ChunkCosts(
+        forward_ms=1,
+        backward_ms=2,
+        weight_ms=0.5,
+        activation_bytes=8,
+        working_bytes=3,
+        pending_bytes=2,
+        input_working_bytes=5,
+        weight_working_bytes=1,
+    )
     split = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((cost,),)))
     assert [bytes_ for _, bytes_ in split.memory_curve(0)] == [0, 8, 8 + 5, 10, 10 + 1, 0, 0]
     assert split.stage_peak_memory_bytes == (13,)
-    only_input = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((dataclasses.replace(cost, weight_working_bytes=None),),)))
+    only_input = simulate(
+        build_schedule("ZBH1", 1, 1), PipelineCosts(((dataclasses.replace(cost, weight_working_bytes=None),),))
+    )
     assert [bytes_ for _, bytes_ in only_input.memory_curve(0)] == [0, 8, 13, 10, 10 + 3, 0, 0]
     whole = simulate(build_schedule("1F1B", 1, 1), PipelineCosts(((cost,),)))
     assert [bytes_ for _, bytes_ in whole.memory_curve(0)] == [0, 8, 8 + 3, 0, 0]
@@ -172,7 +186,9 @@ def test_bubble_split_charges_uneven_stages_to_imbalance():
 
 
 def test_ideal_bubble_is_sapps_for_interleaved():
-    result = simulate(build_schedule("Interleaved1F1B", 4, 8, 2), PipelineCosts.uniform(4, 2, forward_ms=1, backward_ms=2))
+    result = simulate(
+        build_schedule("Interleaved1F1B", 4, 8, 2), PipelineCosts.uniform(4, 2, forward_ms=1, backward_ms=2)
+    )
     assert result.bubble.ideal == pytest.approx((4 - 1) / (2 * 8))
 
 
@@ -211,8 +227,15 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
     much of the activation there, where negative): the peak is the most that the counts of F, I and W
     run so far give, working sets included."""
     stages, micro_batches = 2, 6
-    chunk = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=1, activation_bytes=100, static_bytes=1000,
-                       working_bytes=7, pending_bytes=pending)
+    chunk = ChunkCosts(
+        forward_ms=1,
+        backward_ms=2,
+        weight_ms=1,
+        activation_bytes=100,
+        static_bytes=1000,
+        working_bytes=7,
+        pending_bytes=pending,
+    )
     costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(stages)))
     schedule = build_schedule(name, stages, micro_batches, chunks)
     result = simulate(schedule, costs)
@@ -237,8 +260,9 @@ def test_retained_activations_stay_until_the_step_ends(name, chunks):
     """After a micro-batch's last backward action (W, or B where the backward is whole) the retained
     part of an activation stays: every micro-batch's, by the end."""
     stages, micro_batches = 2, 4
-    chunk = ChunkCosts(forward_ms=1, backward_ms=2, weight_ms=1, activation_bytes=100, static_bytes=1000,
-                       retained_bytes=30)
+    chunk = ChunkCosts(
+        forward_ms=1, backward_ms=2, weight_ms=1, activation_bytes=100, static_bytes=1000, retained_bytes=30
+    )
     costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(stages)))
     result = simulate(build_schedule(name, stages, micro_batches, chunks), costs)
     for rank in range(stages):

@@ -5,6 +5,7 @@ layers, and a TypeError on a list where a mode belongs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -59,10 +60,8 @@ def test_a_damaged_profile_is_read_and_solved_or_refused_in_one_error(data):
     except InputError:
         return
     schedule, chunks = data.draw(st.sampled_from(SCHEDULES))
-    try:
+    with contextlib.suppress(InputError):
         _solved_or_refused(profile, schedule, chunks, math.inf)
-    except InputError:
-        pass
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -36,8 +36,22 @@ def kept_without_recompute():
     return attention + experts + router
 
 
-SIMULATE = ["--mindformers-plan", str(FOLDER / "plan.yaml"), "--stages", "2", "--micro-batches", "16", "--schedule",
-            "1F1B", "--data-parallel", "8", "--zero-stage", "1", "--expert-parallel", "8"]
+SIMULATE = [
+    "--mindformers-plan",
+    str(FOLDER / "plan.yaml"),
+    "--stages",
+    "2",
+    "--micro-batches",
+    "16",
+    "--schedule",
+    "1F1B",
+    "--data-parallel",
+    "8",
+    "--zero-stage",
+    "1",
+    "--expert-parallel",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +62,40 @@ def profiles(tmp_path_factory):
     paths = {}
     for optimizer_bytes in (8, 12):
         paths[optimizer_bytes] = folder / f"mixtral-{optimizer_bytes}.json"
-        assert main(["profile", "--model", str(FOLDER / "config.json"), "--estimate", "--dtype", "float16",
-                     "--seq-len", "4096", "--micro-batch-size", "1", "--expert-parallel", "8",
-                     "--optimizer-bytes", str(optimizer_bytes), "--out", str(paths[optimizer_bytes]), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "profile",
+                    "--model",
+                    str(FOLDER / "config.json"),
+                    "--estimate",
+                    "--dtype",
+                    "float16",
+                    "--seq-len",
+                    "4096",
+                    "--micro-batch-size",
+                    "1",
+                    "--expert-parallel",
+                    "8",
+                    "--optimizer-bytes",
+                    str(optimizer_bytes),
+                    "--out",
+                    str(paths[optimizer_bytes]),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     return paths
 
 
 @pytest.fixture(scope="module")
 def stage_zero(profiles):
     spec = PipelineSpec(stages=2, micro_batches=16, schedule="1F1B", data_parallel=D, zero_stage=1, expert_parallel=EP)
-    return {optimizer_bytes: plan_from_mindformers(load_profile(path), spec, {"offset": 0, "recompute": True})
-            for optimizer_bytes, path in profiles.items()}
+    return {
+        optimizer_bytes: plan_from_mindformers(load_profile(path), spec, {"offset": 0, "recompute": True})
+        for optimizer_bytes, path in profiles.items()
+    }
 
 
 def test_the_cli_simulates_what_the_terms_add_up_to(capsys, profiles, stage_zero):
@@ -106,9 +143,32 @@ def test_stage_zero_peaks_at_its_static_two_micro_batches_and_one_backward(stage
 
 def test_a_dropless_router_at_its_bound_adds_three_times_the_experts_work(tmp_path):
     profile = tmp_path / "mixtral.json"
-    assert main(["profile", "--model", str(FOLDER / "config.json"), "--estimate", "--dtype", "float16", "--seq-len",
-                 "4096", "--micro-batch-size", "1", "--expert-parallel", "8", "--expert-tokens", "dropless",
-                 "--optimizer-bytes", "8", "--out", str(profile), "--json"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(FOLDER / "config.json"),
+                "--estimate",
+                "--dtype",
+                "float16",
+                "--seq-len",
+                "4096",
+                "--micro-batch-size",
+                "1",
+                "--expert-parallel",
+                "8",
+                "--expert-tokens",
+                "dropless",
+                "--optimizer-bytes",
+                "8",
+                "--out",
+                str(profile),
+                "--json",
+            ]
+        )
+        == 0
+    )
     block = json.loads(profile.read_text())["layers"][1]["recompute"]["full"]
     balanced = T * K * 3 * max(H, F) * P + kept_without_recompute() - T * H * P + 2 * T * K * H * P
     experts = T * K * (2 * P * H + 4 * P * F + P + 24) + 4 * E + T * K * 3 * max(H, F) * P

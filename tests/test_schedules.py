@@ -166,10 +166,26 @@ def test_names_match_like_torch(text):
         (lambda: build_schedule("Interleaved1F1B", 4, 3, chunks=2), "micro_batches", "at least 4"),
         (lambda: build_schedule("Interleaved1F1B-less-memory", 4, 2, chunks=2), "micro_batches", "at least 4"),
         (lambda: build_schedule("DualPipeV", 4, 7), "micro_batches", "at least 8"),
-        (lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=3), "microbatch_group_size", "4 <= G"),
-        (lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=7), "microbatch_group_size", "mod G"),
-        (lambda: build_schedule("1F1B", 4, 10, microbatch_group_size=4), "microbatch_group_size", "Interleaved1F1B only"),
-        (lambda: build_schedule("1F1B", 100_000, 100_000), "micro_batches", "make 20,000,000,000 actions; expected at most"),
+        (
+            lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=3),
+            "microbatch_group_size",
+            "4 <= G",
+        ),
+        (
+            lambda: build_schedule("Interleaved1F1B", 4, 10, 2, microbatch_group_size=7),
+            "microbatch_group_size",
+            "mod G",
+        ),
+        (
+            lambda: build_schedule("1F1B", 4, 10, microbatch_group_size=4),
+            "microbatch_group_size",
+            "Interleaved1F1B only",
+        ),
+        (
+            lambda: build_schedule("1F1B", 100_000, 100_000),
+            "micro_batches",
+            "make 20,000,000,000 actions; expected at most",
+        ),
         (lambda: build_schedule("ZBH1", 2_000, 2_000), "micro_batches", "make 12,000,000 actions"),
     ],
 )
@@ -222,4 +238,4 @@ def test_deadlock_is_found_and_explained():
     actions[1] = [Action(1, "F", 0), Action(1, "B", 0), Action(1, "B", 1), Action(1, "F", 1)]
     schedule = make(actions)
     with pytest.raises(ScheduleError, match=r"deadlock: .*rank 1 at 1B1 waits for 1F1"):
-        schedule.compiled
+        _ = schedule.compiled

@@ -42,8 +42,12 @@ CASES = [
 
 def spec_for(name, stages, chunks, micro_batches, budget_mib, **extra):
     return PipelineSpec(
-        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
-        memory_budget_bytes=budget_mib * MIB, **extra,
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        schedule=name,
+        memory_budget_bytes=budget_mib * MIB,
+        **extra,
     )
 
 
@@ -79,10 +83,17 @@ def test_no_recompute_where_memory_has_room(caplog):
     assert len(tie_breaks) == 1 and "least peak memory" in tie_breaks[0]  # no recompute to take away
 
 
-@pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches", "budget_mib", "two_kinds"), [
-    ("1F1B", 4, 1, 6, 400, False), ("GPipe", 3, 1, 4, 300, False), ("ZBH1", 3, 1, 4, 300, True),
-    ("Interleaved1F1B", 2, 2, 4, 300, True), ("ZBVZeroBubble", 2, 2, 4, 300, False), ("DualPipeV", 2, 2, 4, 340, False),
-])
+@pytest.mark.parametrize(
+    ("name", "stages", "chunks", "micro_batches", "budget_mib", "two_kinds"),
+    [
+        ("1F1B", 4, 1, 6, 400, False),
+        ("GPipe", 3, 1, 4, 300, False),
+        ("ZBH1", 3, 1, 4, 300, True),
+        ("Interleaved1F1B", 2, 2, 4, 300, True),
+        ("ZBVZeroBubble", 2, 2, 4, 300, False),
+        ("DualPipeV", 2, 2, 4, 340, False),
+    ],
+)
 def test_least_recompute_among_the_fastest_plans(name, stages, chunks, micro_batches, budget_mib, two_kinds):
     """The tie-break seeks the least recompute for the fastest plan's split: here it is the least of
     every equally fast plan, and then the least peak among those."""
@@ -100,9 +111,14 @@ def test_least_recompute_among_the_fastest_plans(name, stages, chunks, micro_bat
     assert max(plan.stage_peak_memory_bytes) == pytest.approx(min(max(p.stage_peak_memory_bytes) for p in least))
 
 
-@pytest.mark.parametrize("schedule, stages, chunks, budget_mib", [
-    ("Interleaved1F1B", 4, 2, 93000), ("ZBVZeroBubble", 4, 2, 93000), ("1F1B", 8, 1, 60000),
-])
+@pytest.mark.parametrize(
+    "schedule, stages, chunks, budget_mib",
+    [
+        ("Interleaved1F1B", 4, 2, 93000),
+        ("ZBVZeroBubble", 4, 2, 93000),
+        ("1F1B", 8, 1, 60000),
+    ],
+)
 @pytest.mark.parametrize("tie_break_nodes", [None, 20])  # 20: the tie-breaks stop at their cap
 def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib, tie_break_nodes, monkeypatch):
     from solver import search
@@ -114,8 +130,10 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
     first, second = solve(profile, spec), solve(profile, spec)
     assert first.status == second.status == "optimal"
     assert (first.stage_layer_counts, first.layer_modes, first.stage_peak_memory_bytes) == (
-        second.stage_layer_counts, second.layer_modes, second.stage_peak_memory_bytes)
-
+        second.stage_layer_counts,
+        second.layer_modes,
+        second.stage_peak_memory_bytes,
+    )
 
 
 def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
@@ -124,11 +142,11 @@ def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
     program = Milp()
     x, y = program.variable(0, 10, integer=True), program.variable(0, 10)
     cost = {x: 1.0, y: 3.0}
-    program.row({x: 1.0, y: 1.0}, lower=3.5)                  # kept
+    program.row({x: 1.0, y: 1.0}, lower=3.5)  # kept
     first = program.num_rows
-    program.row({x: 1.0}, upper=1.0)                           # removed
-    program.row({y: 1.0}, upper=9.0)                           # removed
-    program.row({x: 1.0, y: -1.0}, upper=1.0)                  # kept, added after them
+    program.row({x: 1.0}, upper=1.0)  # removed
+    program.row({y: 1.0}, upper=9.0)  # removed
+    program.row({x: 1.0, y: -1.0}, upper=1.0)  # kept, added after them
     assert program.minimize(cost, time_limit_s=10).values == pytest.approx([1.0, 2.5])
     program.remove_rows(range(first, first + 2))
     assert program.num_rows == 2 and program.row_start == [0, 2, 4]
@@ -136,10 +154,13 @@ def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
     assert program.minimize(cost, time_limit_s=10).values == pytest.approx([2.0, 1.5])
 
 
-@pytest.mark.parametrize("schedule, stages, chunks, micro_batches, budget_mib", [
-    ("Interleaved1F1B", 4, 2, 8, 53000),  # start times
-    ("1F1B", 8, 1, 16, 26000),  # critical paths, which have a cap of their own
-])
+@pytest.mark.parametrize(
+    "schedule, stages, chunks, micro_batches, budget_mib",
+    [
+        ("Interleaved1F1B", 4, 2, 8, 53000),  # start times
+        ("1F1B", 8, 1, 16, 26000),  # critical paths, which have a cap of their own
+    ],
+)
 def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(
     schedule, stages, chunks, micro_batches, budget_mib, caplog, monkeypatch
 ):
@@ -263,7 +284,9 @@ def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank
     assert start.balanced_plan(program, move_layers=False) is None
     moved = program.plan(start.balanced_plan(program, move_layers=True))
     assert moved.fits
-    body = [count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)]  # no head, tail
+    body = [
+        count - (stage == 0) - (stage == 15) for stage, count in enumerate(moved.stage_layer_counts)
+    ]  # no head, tail
     assert body != start.balanced_virtual_stage_sizes(program) and sum(body) == 192
 
 
@@ -290,7 +313,11 @@ def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
     # The greedy alone, switching a layer at a time, left stage 0 with 4 selective+comm and 8 full
     # layers and the plan 10,922.4 ms of recompute per step: its last switches freed more than needed.
     assert {m: round(values[program.count[1, 0, m]]) for m in program.groups[1].modes} == {
-        "none": 0, "comm": 1, "selective+comm": 3, "full": 8}
+        "none": 0,
+        "comm": 1,
+        "selective+comm": 3,
+        "full": 8,
+    }
     assert dot(program.recompute_terms, values) == pytest.approx(10776.6)
 
 
@@ -381,8 +408,11 @@ def test_mindformers_keys_round_trip():
 def test_sapp_parity_and_no_slower(case):
     profile = load_profile(SAPP / Path(case["layers"]).name)
     spec = PipelineSpec(
-        stages=case["stages"], chunks=case["chunks"], micro_batches=case["micro_batches"],
-        schedule=case["schedule"], memory_budget_bytes=case["memory_mib"] * MIB,
+        stages=case["stages"],
+        chunks=case["chunks"],
+        micro_batches=case["micro_batches"],
+        schedule=case["schedule"],
+        memory_budget_bytes=case["memory_mib"] * MIB,
     )
     theirs = plan_from_mindformers(profile, spec, case["sapp_plan"])
     assert theirs.iteration_time_ms == case["sapp_simulated_iteration_time"]
@@ -418,12 +448,15 @@ def test_a_tail_with_the_largest_working_set_leaves_the_other_stages_theirs(case
     assert plan.fits and plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms, rel=1e-9)
 
 
-@pytest.mark.parametrize(("schedule", "chunks", "last_working_mib"), [
-    ("1F1B", 1, 30 - 30),  # body: full recompute's 30 MiB, less the tail's 30 MiB of activations
-    ("Interleaved1F1B", 2, 30 - 30),
-    ("ZBH1", 1, 30),  # a split backward keeps the graph, the tail's activations too, until W
-    ("ZBVZeroBubble", 2, 30),
-])
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "last_working_mib"),
+    [
+        ("1F1B", 1, 30 - 30),  # body: full recompute's 30 MiB, less the tail's 30 MiB of activations
+        ("Interleaved1F1B", 2, 30 - 30),
+        ("ZBH1", 1, 30),  # a split backward keeps the graph, the tail's activations too, until W
+        ("ZBVZeroBubble", 2, 30),
+    ],
+)
 def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedule, chunks, last_working_mib):
     profile = small_profile(6)  # tail: 30 MiB of activations, no working set
     spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
@@ -431,7 +464,9 @@ def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedul
     counts = [4, 4] if chunks == 1 else [2, 2, 2, 2]  # head and tail are two of the 8 layers
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
     schedule_of = spec.pipeline_schedule
-    last = plan.simulation.costs.chunk_costs[schedule_of.rank_of(num_virtual_stages - 1)][schedule_of.chunk_of(num_virtual_stages - 1)]
+    last = plan.simulation.costs.chunk_costs[schedule_of.rank_of(num_virtual_stages - 1)][
+        schedule_of.chunk_of(num_virtual_stages - 1)
+    ]
     first = plan.simulation.costs.chunk_costs[0][0]
     assert last.working_bytes == last_working_mib * MIB and first.working_bytes == 30 * MIB
 
@@ -443,30 +478,39 @@ def heavy_head_profile(working_mib: float) -> ModelProfile:
     return dataclasses.replace(profile, layers=(head, *profile.layers[1:]))
 
 
-@pytest.mark.parametrize(("schedule", "mode", "first_working_mib"), [
-    ("1F1B", "none", 4),  # the head's 100 MiB less the 3 x 40 MiB the blocks freed: a block's 4 MiB is larger
-    ("1F1B", "full", 100 - 3 * 5),  # the blocks' 30 MiB each, or the head's less their 3 x 5 MiB
-    ("ZBH1", "full", 100),  # a split backward keeps every block's activations until W
-])
+@pytest.mark.parametrize(
+    ("schedule", "mode", "first_working_mib"),
+    [
+        ("1F1B", "none", 4),  # the head's 100 MiB less the 3 x 40 MiB the blocks freed: a block's 4 MiB is larger
+        ("1F1B", "full", 100 - 3 * 5),  # the blocks' 30 MiB each, or the head's less their 3 x 5 MiB
+        ("ZBH1", "full", 100),  # a split backward keeps every block's activations until W
+    ],
+)
 def test_the_heads_working_set_comes_after_the_chunk_has_freed_the_rest(schedule, mode, first_working_mib):
     spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
     plan = evaluate_plan(heavy_head_profile(100), spec, [4, 4], ["none"] + [mode] * 6 + ["none"])
     assert plan.simulation.costs.chunk_costs[0][0].working_bytes == first_working_mib * MIB
 
 
-@pytest.mark.parametrize(("counts", "shared_mib", "first_working_mib", "last_working_mib"), [
-    ([4, 4], 0, 100 - 3 * 5 + 2, 30 - 30 + 2),
-    ([1, 7], 0, 100, 30 - 30 + 2),  # alone, the head's gradient comes into the engine's buffer: counted there
-    ([4, 4], 1, 100 - 3 * 5 - 1 + 2, 30 - 30 + 2),  # the blocks have freed the stage's tables too
-    ([1, 7], 1, 100, 30 - 30 + 2),  # a stage without blocks computes none
-])
-def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(counts, shared_mib, first_working_mib,
-                                                                             last_working_mib):
+@pytest.mark.parametrize(
+    ("counts", "shared_mib", "first_working_mib", "last_working_mib"),
+    [
+        ([4, 4], 0, 100 - 3 * 5 + 2, 30 - 30 + 2),
+        ([1, 7], 0, 100, 30 - 30 + 2),  # alone, the head's gradient comes into the engine's buffer: counted there
+        ([4, 4], 1, 100 - 3 * 5 - 1 + 2, 30 - 30 + 2),  # the blocks have freed the stage's tables too
+        ([1, 7], 1, 100, 30 - 30 + 2),  # a stage without blocks computes none
+    ],
+)
+def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(
+    counts, shared_mib, first_working_mib, last_working_mib
+):
     """A layer's working set is measured from when the gradient of its output arrives: where the
     layers whose backward ran before it have freed all they held (the head's, and the last block's
     before a tail), that gradient (a stage output's size, 2 MiB here) is what they leave it. Before
     the head's, the blocks have also freed what the stage computed for them (the rotary tables)."""
-    profile = dataclasses.replace(heavy_head_profile(100), stage_output_bytes=2 * MIB, stage_shared_bytes=shared_mib * MIB)
+    profile = dataclasses.replace(
+        heavy_head_profile(100), stage_output_bytes=2 * MIB, stage_shared_bytes=shared_mib * MIB
+    )
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
     first, last = (row[0] for row in plan.simulation.costs.chunk_costs)
@@ -474,14 +518,20 @@ def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(c
 
 
 @pytest.mark.parametrize("shared_mib", [0, 3])  # 3: the tables freed outweigh the gradient handed to the head
-@pytest.mark.parametrize(("name", "stages", "chunks", "micro_batches"), [
-    ("1F1B", 2, 1, 4), ("GPipe", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBH1", 2, 1, 4)])
-def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(name, stages, chunks, micro_batches,
-                                                                            shared_mib):
+@pytest.mark.parametrize(
+    ("name", "stages", "chunks", "micro_batches"),
+    [("1F1B", 2, 1, 4), ("GPipe", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBH1", 2, 1, 4)],
+)
+def test_the_search_states_the_heads_working_set_as_the_simulator_counts_it(
+    name, stages, chunks, micro_batches, shared_mib
+):
     """At 1.05x the least budget that fits, where the head's working set decides how much the first
     stage must recompute."""
-    profile = dataclasses.replace(heavy_head_profile(150), stage_output_bytes=2 * MIB,  # handed to the head
-                                  stage_shared_bytes=shared_mib * MIB)
+    profile = dataclasses.replace(
+        heavy_head_profile(150),
+        stage_output_bytes=2 * MIB,  # handed to the head
+        stage_shared_bytes=shared_mib * MIB,
+    )
     with pytest.raises(InfeasibleError) as caught:
         solve(profile, spec_for(name, stages, chunks, micro_batches, 1))
     budget_mib = 1.05 * caught.value.smallest_budget_bytes / MIB
@@ -504,7 +554,8 @@ def test_layers_of_microseconds_are_planned_as_if_they_took_milliseconds(name, s
     assert plan.iteration_time_ms == pytest.approx(expected.iteration_time_ms * 1e-7, rel=1e-9)
     assert plan.lower_bound_ms == plan.iteration_time_ms  # the true time, not the scaled search's
     assert plan == evaluate_plan(tiny, plan.spec, plan.stage_layer_counts, plan.layer_modes).with_search(
-        status="optimal", gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, solve_seconds=plan.solve_seconds)
+        status="optimal", gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, solve_seconds=plan.solve_seconds
+    )
 
 
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("ZBH1", 1), ("Interleaved1F1B", 2)])
@@ -513,17 +564,27 @@ def test_action_overhead_is_planned_with_and_simulated_alike(schedule, chunks):
     profile = small_profile(6)
     spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, action_overhead_ms=1.5)
     plan = solve(profile, spec, time_limit_s=20)
-    bare = evaluate_plan(profile, dataclasses.replace(spec, action_overhead_ms=0.0), plan.stage_layer_counts, plan.layer_modes)
+    bare = evaluate_plan(
+        profile, dataclasses.replace(spec, action_overhead_ms=0.0), plan.stage_layer_counts, plan.layer_modes
+    )
     actions_per_rank = max(len(actions) for actions in spec.pipeline_schedule.rank_actions)
     assert bare.iteration_time_ms < plan.iteration_time_ms <= bare.iteration_time_ms + 1.5 * 2 * actions_per_rank
 
 
 def _with_share_of_activation(profile: ModelProfile, field: str, share: float) -> ModelProfile:
     """`profile` with `field` of every recompute cost set to `share` of its activation bytes."""
-    return dataclasses.replace(profile, layers=tuple(
-        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, **{field: share * c.activation_bytes})
-                                              for m, c in layer.recompute.items()})
-        for layer in profile.layers))
+    return dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                recompute={
+                    m: dataclasses.replace(c, **{field: share * c.activation_bytes}) for m, c in layer.recompute.items()
+                },
+            )
+            for layer in profile.layers
+        ),
+    )
 
 
 def _solved_under_a_binding_budget(profile: ModelProfile, loose: PipelineSpec, unlimited: Plan) -> Plan:
@@ -552,30 +613,45 @@ def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, hel
     assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == raises_peak
 
 
-def _with_split_halves(profile: ModelProfile, *, tail_input_mib: float | None = None,
-                       tail_held_mib: float | None = None, tail_weight_mib: float = 1.0) -> ModelProfile:
+def _with_split_halves(
+    profile: ModelProfile,
+    *,
+    tail_input_mib: float | None = None,
+    tail_held_mib: float | None = None,
+    tail_weight_mib: float = 1.0,
+) -> ModelProfile:
     """`profile` with every body layer's split backward measured: 10 MiB pending from I to W, I holding
     14 MiB at its peak and W 60 MiB (more than the whole backward's 4 MiB without recompute); with
     `tail_input_mib`, the tail's I holding that much and its W `tail_weight_mib`, and with
     `tail_held_mib`, its I leaving that much held until the chunk's I ends."""
+
     def halves(layer: LayerProfile) -> LayerProfile:
         if layer.kind == "tail" and tail_input_mib is not None:
-            sizes = {"input_working_bytes": tail_input_mib * MIB, "weight_working_bytes": tail_weight_mib * MIB,
-                     "input_held_bytes": None if tail_held_mib is None else tail_held_mib * MIB}
+            sizes = {
+                "input_working_bytes": tail_input_mib * MIB,
+                "weight_working_bytes": tail_weight_mib * MIB,
+                "input_held_bytes": None if tail_held_mib is None else tail_held_mib * MIB,
+            }
         elif layer.is_body:
             sizes = {"pending_bytes": 10 * MIB, "input_working_bytes": 14 * MIB, "weight_working_bytes": 60 * MIB}
         else:
             return layer
-        return dataclasses.replace(layer, recompute={m: dataclasses.replace(c, **sizes) for m, c in layer.recompute.items()})
+        return dataclasses.replace(
+            layer, recompute={m: dataclasses.replace(c, **sizes) for m, c in layer.recompute.items()}
+        )
+
     return dataclasses.replace(profile, layers=tuple(halves(layer) for layer in profile.layers))
 
 
-@pytest.mark.parametrize(("tail_input_mib", "tail_held_mib", "last_input_mib"), [
-    (None, None, 3 * 10 + (14 - 10)),  # no tail's I measured: its whole backward's (none) stands
-    (20, None, 3 * 10 + (14 - 10)),  # the tail's I runs first, with nothing pending: the body's is larger
-    (50, None, 50),
-    (20, 5, 5 + 3 * 10 + (14 - 10)),  # what the tail's I holds to the chunk's I's end lies under the body's
-])
+@pytest.mark.parametrize(
+    ("tail_input_mib", "tail_held_mib", "last_input_mib"),
+    [
+        (None, None, 3 * 10 + (14 - 10)),  # no tail's I measured: its whole backward's (none) stands
+        (20, None, 3 * 10 + (14 - 10)),  # the tail's I runs first, with nothing pending: the body's is larger
+        (50, None, 50),
+        (20, 5, 5 + 3 * 10 + (14 - 10)),  # what the tail's I holds to the chunk's I's end lies under the body's
+    ],
+)
 def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_mib, tail_held_mib, last_input_mib):
     """I runs the layers last to first, their pending gradients piling up: what the chunk's layers
     hold until its I ends (their pending bytes; the tail's loss more) plus the most any layer's I
@@ -596,10 +672,19 @@ def test_a_stages_received_input_and_what_it_computes_for_its_blocks_are_counted
     and its first block keeps that very tensor: not counted again. What every stage computes for its
     blocks (the rotary tables) is kept once per stage that holds a block."""
     base = small_profile(6)
-    keeping = dataclasses.replace(base, stage_shared_bytes=2 * MIB, layers=tuple(
-        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, saved_input_bytes=3 * MIB)
-                                              for m, c in layer.recompute.items()}) if layer.is_body else layer
-        for layer in base.layers))
+    keeping = dataclasses.replace(
+        base,
+        stage_shared_bytes=2 * MIB,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                recompute={m: dataclasses.replace(c, saved_input_bytes=3 * MIB) for m, c in layer.recompute.items()},
+            )
+            if layer.is_body
+            else layer
+            for layer in base.layers
+        ),
+    )
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True)
     plain, kept = (evaluate_plan(p, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs for p in (base, keeping))
     assert kept[0][0].activation_bytes - plain[0][0].activation_bytes == 2 * MIB  # the first stage receives nothing
@@ -616,11 +701,23 @@ def test_the_layers_of_a_stage_hold_more_together_than_alone():
     which the layer after it counts on its input, goes. With one body kind the stage's last layer is
     known: exact."""
     profile = _with_split_halves(small_profile(6), tail_input_mib=20, tail_held_mib=5)
-    together = dataclasses.replace(profile, layers=tuple(
-        dataclasses.replace(layer, recompute={m: dataclasses.replace(
-            c, input_working_bytes=18 * MIB, input_held_bytes=15 * MIB, output_gradient_freed_bytes=3 * MIB)
-            for m, c in layer.recompute.items()}) if layer.is_body else layer
-        for layer in profile.layers))
+    together = dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                recompute={
+                    m: dataclasses.replace(
+                        c, input_working_bytes=18 * MIB, input_held_bytes=15 * MIB, output_gradient_freed_bytes=3 * MIB
+                    )
+                    for m, c in layer.recompute.items()
+                },
+            )
+            if layer.is_body
+            else layer
+            for layer in profile.layers
+        ),
+    )
     plan = evaluate_plan(together, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], ["none"] * 8)
     last = plan.simulation.costs.chunk_costs[1][0]  # three blocks (10 MiB pending each), then the tail (none)
     assert last.pending_bytes == (3 * 10 + 3 * (15 - 10 - 3)) * MIB
@@ -634,31 +731,52 @@ def test_which_kind_comes_last_in_a_stage_is_planned_for_as_simulated(schedule, 
     """A dense block keeps 30 MiB more until W where a layer follows it in its stage, an MoE block
     none: the program tells which kind a stage ends with (binaries), so its plan under a binding
     budget fits and matches brute force."""
+
     def keeping(layer: LayerProfile) -> LayerProfile:
         if not layer.is_body:
             return layer
         extra = 30 if layer.kind == "body:decoder" else 0
-        return dataclasses.replace(layer, recompute={m: dataclasses.replace(
-            c, pending_bytes=10 * MIB, input_held_bytes=(10 + extra) * MIB) for m, c in layer.recompute.items()})
+        return dataclasses.replace(
+            layer,
+            recompute={
+                m: dataclasses.replace(c, pending_bytes=10 * MIB, input_held_bytes=(10 + extra) * MIB)
+                for m, c in layer.recompute.items()
+            },
+        )
+
     two_kinds = small_profile(6, two_kinds=True)
     profile = dataclasses.replace(two_kinds, layers=tuple(keeping(layer) for layer in two_kinds.layers))
     loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
 
 
-@pytest.mark.parametrize(("receive_buffers", "weight_freed_mib", "last_weight_mib"),
-                         [(False, None, 100), (True, None, 100 - 3 * 10), (True, 12.5, 100 - 3 * 12.5)])
-def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(receive_buffers, weight_freed_mib,
-                                                                                  last_weight_mib):
+@pytest.mark.parametrize(
+    ("receive_buffers", "weight_freed_mib", "last_weight_mib"),
+    [(False, None, 100), (True, None, 100 - 3 * 10), (True, 12.5, 100 - 3 * 12.5)],
+)
+def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_theirs(
+    receive_buffers, weight_freed_mib, last_weight_mib
+):
     """torch's engine runs a stage's W in model order, each layer freeing what its W frees as it
     goes (its pending gradients, 10 MiB, unless measured: with part of what it saved, 12.5 MiB): the
     tail's (the LM head's weight gradient) comes after the three blocks'."""
     profile = _with_split_halves(small_profile(6), tail_input_mib=20, tail_weight_mib=100)
     if weight_freed_mib is not None:
-        profile = dataclasses.replace(profile, layers=tuple(
-            dataclasses.replace(layer, recompute={m: dataclasses.replace(c, weight_freed_bytes=weight_freed_mib * MIB)
-                                                  for m, c in layer.recompute.items()}) if layer.is_body else layer
-            for layer in profile.layers))
+        profile = dataclasses.replace(
+            profile,
+            layers=tuple(
+                dataclasses.replace(
+                    layer,
+                    recompute={
+                        m: dataclasses.replace(c, weight_freed_bytes=weight_freed_mib * MIB)
+                        for m, c in layer.recompute.items()
+                    },
+                )
+                if layer.is_body
+                else layer
+                for layer in profile.layers
+            ),
+        )
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=receive_buffers)
     last = evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs[1][0]
     assert last.weight_working_bytes == last_weight_mib * MIB
@@ -671,8 +789,10 @@ def test_the_last_stages_backward_holds_the_losss_gradient(schedule):
     handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)."""
     base = dataclasses.replace(_with_split_halves(small_profile(6), tail_input_mib=20), model_output_bytes=MIB)
     spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
-    with_loss, without = (evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
-                          for profile in (dataclasses.replace(base, loss_bytes=MIB / 4), base))
+    with_loss, without = (
+        evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
+        for profile in (dataclasses.replace(base, loss_bytes=MIB / 4), base)
+    )
     assert with_loss[0] == without[0]  # the first stage's
     last, before = with_loss[1][0], without[1][0]
     assert last.working_bytes == before.working_bytes + MIB / 4
@@ -709,12 +829,15 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     _solved_under_a_binding_budget(keeping, loose, unlimited)
 
 
-@pytest.mark.parametrize(("schedule", "micro_batches", "held"), [
-    ("1F1B", 4, [1, 2, 1]),  # the warm-up's last send on stages 0 and 1 (3 and 2 forwards), a gradient on 1 and 2
-    ("1F1B", 2, [1, 2, 1]),
-    ("1F1B", 1, [0, 0, 0]),  # one forward, one backward: nothing outlives its micro-batch
-    ("GPipe", 4, [0, 0, 0]),  # keeps every send to the step's end instead (`torch_keeps_sends`)
-])
+@pytest.mark.parametrize(
+    ("schedule", "micro_batches", "held"),
+    [
+        ("1F1B", 4, [1, 2, 1]),  # the warm-up's last send on stages 0 and 1 (3 and 2 forwards), a gradient on 1 and 2
+        ("1F1B", 2, [1, 2, 1]),
+        ("1F1B", 1, [0, 0, 0]),  # one forward, one backward: nothing outlives its micro-batch
+        ("GPipe", 4, [0, 0, 0]),  # keeps every send to the step's end instead (`torch_keeps_sends`)
+    ],
+)
 def test_torch_1f1b_holds_a_send_past_its_micro_batch(schedule, micro_batches, held):
     """Schedule1F1B keeps the request of its warm-up's last send until the cool-down, and the last input
     gradient it sent back until the next backward has run: one stage output each, for most of the step."""
@@ -747,8 +870,7 @@ def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
         turns = virtual < last and schedule_of.rank_of(virtual + 1) == rank
         logits = 40 * MIB if virtual == last else 0
         assert cost.activation_bytes == before.activation_bytes - (24 * MIB if turns else 0) + logits
-    assert (schedule == "DualPipeV") == any(
-        schedule_of.rank_of(v + 1) == schedule_of.rank_of(v) for v in range(last))
+    assert (schedule == "DualPipeV") == any(schedule_of.rank_of(v + 1) == schedule_of.rank_of(v) for v in range(last))
     _solved_under_a_binding_budget(keeping, loose, unlimited)
 
 
@@ -756,18 +878,29 @@ def test_a_start_highs_cannot_complete_is_dropped_not_fatal():
     """HiGHS 1.16 ends in "Solve error" when handed this program's balanced split as a partial start
     with its root heuristics off (found by the property tests); the search then runs without it."""
     forward = 1.878044099231201
-    body = layer("l0", "body:a", forward, 2 * forward, 0.0,
-                 modes={"none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)})
-    profile = ModelProfile(layers=(
-        layer("head", "head", 1.225239638914073, 1.6), body,
-        layer("tail", "tail", 1.9589673408284387, 1.3585305598601316, modes={"none": (0.0, 11.0, 0.0)})))
+    body = layer(
+        "l0",
+        "body:a",
+        forward,
+        2 * forward,
+        0.0,
+        modes={"none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)},
+    )
+    profile = ModelProfile(
+        layers=(
+            layer("head", "head", 1.225239638914073, 1.6),
+            body,
+            layer("tail", "tail", 1.9589673408284387, 1.3585305598601316, modes={"none": (0.0, 11.0, 0.0)}),
+        )
+    )
     plan = solve(profile, spec_for("GPipe", 1, 1, 3, 40), time_limit_s=30)
     assert plan.status == "optimal" and plan.fits
     # 3 micro-batches in flight: 3 x (5 + 11) MiB without recompute, 3 x (2.5 + 11) selective: only
     # full recompute fits 40 MiB (3 x (0.5 + 11) + its 5 MiB working set).
     assert plan.layer_modes[1] == "full"
-    assert plan.iteration_time_ms == pytest.approx(3 * (1.225239638914073 + forward + 1.9589673408284387)
-                                                   + 3 * (1.6 + 3 * forward + 1.3585305598601316))
+    assert plan.iteration_time_ms == pytest.approx(
+        3 * (1.225239638914073 + forward + 1.9589673408284387) + 3 * (1.6 + 3 * forward + 1.3585305598601316)
+    )
 
 
 # Per virtual stage of 2 ranks, the stage outputs' worth torch's engine keeps after each micro-batch's
@@ -795,17 +928,25 @@ def test_torch_keeps_what_its_stages_send_until_the_step_ends(schedule, chunks):
     loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=True)
     unlimited = solve(profile, loose, time_limit_s=20)
     schedule_of = loose.pipeline_schedule
-    retained = [unlimited.simulation.costs.chunk_costs[schedule_of.rank_of(v)][schedule_of.chunk_of(v)].retained_bytes
-                for v in range(schedule_of.num_virtual_stages)]
+    retained = [
+        unlimited.simulation.costs.chunk_costs[schedule_of.rank_of(v)][schedule_of.chunk_of(v)].retained_bytes
+        for v in range(schedule_of.num_virtual_stages)
+    ]
     assert retained == [outputs * 3 * MIB for outputs in TORCH_RETAINED_OUTPUTS[schedule, chunks]]
     kept = TORCH_RETAINED_OUTPUTS[schedule, chunks]
     for rank in range(2):  # by the step's end every micro-batch's are held
         held_at_end = unlimited.simulation.memory_curve(rank)[-1][1]
         static = sum(costs.static_bytes for costs in unlimited.simulation.costs.chunk_costs[rank])
-        assert held_at_end == pytest.approx(static + 4 * 3 * MIB * sum(
-            kept[v] for v in range(schedule_of.num_virtual_stages) if schedule_of.rank_of(v) == rank))
-    other_engine = evaluate_plan(profile, dataclasses.replace(loose, receive_buffers=False),
-                                 unlimited.stage_layer_counts, unlimited.layer_modes)
+        assert held_at_end == pytest.approx(
+            static
+            + 4
+            * 3
+            * MIB
+            * sum(kept[v] for v in range(schedule_of.num_virtual_stages) if schedule_of.rank_of(v) == rank)
+        )
+    other_engine = evaluate_plan(
+        profile, dataclasses.replace(loose, receive_buffers=False), unlimited.stage_layer_counts, unlimited.layer_modes
+    )
     assert all(costs.retained_bytes == 0 for row in other_engine.simulation.costs.chunk_costs for costs in row)
     if any(kept):
         _solved_under_a_binding_budget(profile, loose, unlimited)
@@ -820,8 +961,12 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
     buffer); the last drops the logits at I, but not the loss, which the engine keeps to the step's
     end (for the step's losses) on every schedule. Other engines (and schedules that do not split)
     keep the profile's split."""
-    pending = dataclasses.replace(_with_share_of_activation(small_profile(6), "pending_bytes", 0.5),
-                                  stage_output_bytes=3 * MIB, model_output_bytes=5 * MIB, loss_bytes=1 * MIB)
+    pending = dataclasses.replace(
+        _with_share_of_activation(small_profile(6), "pending_bytes", 0.5),
+        stage_output_bytes=3 * MIB,
+        model_output_bytes=5 * MIB,
+        loss_bytes=1 * MIB,
+    )
     plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     loose = dataclasses.replace(plain_spec, receive_buffers=True)
     unlimited = solve(pending, loose, time_limit_s=20)
@@ -845,7 +990,8 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
         # most what a block pends under full recompute, the least of its modes (2.5 MiB)
         handed_over = splits and schedule_of.rank_of(virtual - 1) == rank
         assert cost.pending_bytes == other.pending_bytes - ((5 - 1) * MIB if splits and virtual == last else 0) - (
-            2.5 * MIB if handed_over else 0)
+            2.5 * MIB if handed_over else 0
+        )
     _solved_under_a_binding_budget(pending, loose, unlimited)
 
 
@@ -858,12 +1004,26 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
 
     pends_nothing = ("body:moe", "tail")
     base = _with_share_of_activation(small_profile(6, two_kinds=True), "pending_bytes", 0.5)
-    profile = dataclasses.replace(base, stage_output_bytes=3 * MIB, layers=tuple(
-        dataclasses.replace(layer, recompute={m: dataclasses.replace(c, pending_bytes=0.0)
-                                              for m, c in layer.recompute.items()})
-        if layer.kind in pends_nothing else layer for layer in base.layers))
-    loose = PipelineSpec(stages=stages, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", receive_buffers=True,
-                         allow_empty_chunks=True)
+    profile = dataclasses.replace(
+        base,
+        stage_output_bytes=3 * MIB,
+        layers=tuple(
+            dataclasses.replace(
+                layer, recompute={m: dataclasses.replace(c, pending_bytes=0.0) for m, c in layer.recompute.items()}
+            )
+            if layer.kind in pends_nothing
+            else layer
+            for layer in base.layers
+        ),
+    )
+    loose = PipelineSpec(
+        stages=stages,
+        chunks=2,
+        micro_batches=4,
+        schedule="ZBVZeroBubble",
+        receive_buffers=True,
+        allow_empty_chunks=True,
+    )
     engine_free = dataclasses.replace(loose, receive_buffers=False)
     turn = loose.pipeline_schedule  # virtual stage `stages`, the V's second leg, on the last rank
     rank, chunk = turn.rank_of(stages), turn.chunk_of(stages)
@@ -875,8 +1035,10 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
         first = profile.layers[sum(counts[:stages])] if counts[stages] else None  # None: the turn holds nothing
         # a decoder block pends 20, 11 and 2.5 MiB by mode: the least, as the program counts a stage's first layer
         credit = 2.5 * MIB if first and first.kind not in pends_nothing else 0.0
-        pending = [pipeline_costs(profile, spec, counts, modes).chunk_costs[rank][chunk].pending_bytes
-                   for spec in (loose, engine_free)]
+        pending = [
+            pipeline_costs(profile, spec, counts, modes).chunk_costs[rank][chunk].pending_bytes
+            for spec in (loose, engine_free)
+        ]
         assert pending[0] == pending[1] - credit, counts
         virtual_of = [virtual for virtual, count in enumerate(counts) for _ in range(count)]
         layers_in = {}  # the program's count variables at this split, every layer without recompute
@@ -895,9 +1057,15 @@ def test_a_measured_input_half_is_planned_for_as_simulated(schedule, chunks):
     input_ms), the program times the I actions as the simulator does: brute force agrees, and the
     plan runs slower than one that took I as the rest of the backward."""
     base = small_profile(6)
-    slower = dataclasses.replace(base, layers=tuple(
-        dataclasses.replace(layer, input_ms=1.3 * (layer.backward_ms - layer.split_weight_ms())) if layer.is_body
-        else layer for layer in base.layers))
+    slower = dataclasses.replace(
+        base,
+        layers=tuple(
+            dataclasses.replace(layer, input_ms=1.3 * (layer.backward_ms - layer.split_weight_ms()))
+            if layer.is_body
+            else layer
+            for layer in base.layers
+        ),
+    )
     spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
     plan = solve(slower, spec, time_limit_s=20)
     assert plan.iteration_time_ms == pytest.approx(brute_force(slower, spec).iteration_time_ms)

@@ -18,13 +18,27 @@ from solver.sapp import profile_from_sapp
 def test_profile_json_round_trip(tmp_path):
     profile = small_profile(4, two_kinds=True)
     # a split backward's halves measured on one layer: written where given, absent (None) elsewhere
-    halves = dataclasses.replace(profile.layers[1].recompute["none"], input_working_bytes=3.0 * MIB,
-                                 weight_working_bytes=0.0, input_held_bytes=2.5 * MIB, output_gradient_freed_bytes=MIB,
-                                 saved_input_bytes=MIB, weight_freed_bytes=1.5 * MIB)
-    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, checkpoint_state_bytes=5056.0,
-                                  model_output_bytes=MIB, loss_bytes=4.0, layers=(
-        profile.layers[0], dataclasses.replace(profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}),
-        *profile.layers[2:]))
+    halves = dataclasses.replace(
+        profile.layers[1].recompute["none"],
+        input_working_bytes=3.0 * MIB,
+        weight_working_bytes=0.0,
+        input_held_bytes=2.5 * MIB,
+        output_gradient_freed_bytes=MIB,
+        saved_input_bytes=MIB,
+        weight_freed_bytes=1.5 * MIB,
+    )
+    profile = dataclasses.replace(
+        profile,
+        stage_shared_bytes=MIB / 4,
+        checkpoint_state_bytes=5056.0,
+        model_output_bytes=MIB,
+        loss_bytes=4.0,
+        layers=(
+            profile.layers[0],
+            dataclasses.replace(profile.layers[1], recompute={**profile.layers[1].recompute, "none": halves}),
+            *profile.layers[2:],
+        ),
+    )
     path = tmp_path / "profile.json"
     profile.save(path)
     assert load_profile(path) == profile
@@ -43,7 +57,9 @@ def test_a_profile_limited_to_some_recompute_modes():
     assert [tuple(layer.recompute) for layer in limited.layers] == [("none",), *[("none", "full")] * 4, ("none",)]
     assert limited.layers[1].recompute["full"] == profile.layers[1].recompute["full"]
     assert profile.with_modes([]).modes == ("none",)
-    with pytest.raises(InputError, match="modes: expected modes among none, selective, comm, selective\\+comm, full, got fast"):
+    with pytest.raises(
+        InputError, match="modes: expected modes among none, selective, comm, selective\\+comm, full, got fast"
+    ):
         profile.with_modes(["full", "fast"])
 
 
@@ -51,29 +67,41 @@ def test_a_profile_with_its_times_scaled_keeps_every_size():
     profile = small_profile(4)
     body = profile.layers[1]
     retained = dataclasses.replace(body.recompute["none"], retained_bytes=body.recompute["none"].activation_bytes / 2)
-    profile = dataclasses.replace(profile, stage_shared_bytes=MIB / 4, layers=(profile.layers[0], dataclasses.replace(body, recompute={
-        **body.recompute, "none": retained}), *profile.layers[2:]))
+    profile = dataclasses.replace(
+        profile,
+        stage_shared_bytes=MIB / 4,
+        layers=(
+            profile.layers[0],
+            dataclasses.replace(body, recompute={**body.recompute, "none": retained}),
+            *profile.layers[2:],
+        ),
+    )
     scaled = profile.with_times_scaled(4.0)
     for before, after in zip(profile.layers, scaled.layers):
         assert (after.forward_ms, after.backward_ms) == (4 * before.forward_ms, 4 * before.backward_ms)
         for mode, cost in before.recompute.items():  # calibrating dropped retained_bytes once
             assert after.recompute[mode] == dataclasses.replace(cost, extra_ms=4 * cost.extra_ms)
-        assert dataclasses.replace(after, forward_ms=0, backward_ms=0, weight_ms=None, recompute={}) == \
-            dataclasses.replace(before, forward_ms=0, backward_ms=0, weight_ms=None, recompute={})
+        assert dataclasses.replace(
+            after, forward_ms=0, backward_ms=0, weight_ms=None, recompute={}
+        ) == dataclasses.replace(before, forward_ms=0, backward_ms=0, weight_ms=None, recompute={})
 
 
 def test_sapp_semantics():
     profile = load_profile(SAPP / "sim.json")
-    heads = [l for l in profile.layers if l.kind == "head"]
-    body = [l for l in profile.layers if l.is_body]
-    tails = [l for l in profile.layers if l.kind == "tail"]
+    heads = [layer for layer in profile.layers if layer.kind == "head"]
+    body = [layer for layer in profile.layers if layer.is_body]
+    tails = [layer for layer in profile.layers if layer.kind == "tail"]
     assert (len(heads), len(body), len(tails)) == (1, 192, 1)
     block = body[0]
     assert block.kind == "body:LLamaDecodeLayer"
     assert block.forward_ms == 180 and block.backward_ms == 360  # 2 x time x (1 + backward_coef 0)
     assert block.parameter_bytes == 1583 * MIB
     expected = {  # extra = 2 x time x coef; activation in MiB
-        "none": (0, 826), "selective": (45, 614), "comm": (45, 426), "selective+comm": (59.4, 310), "full": (180, 32),
+        "none": (0, 826),
+        "selective": (45, 614),
+        "comm": (45, 426),
+        "selective+comm": (59.4, 310),
+        "full": (180, 32),
     }
     assert {m: (round(c.extra_ms, 6), c.activation_bytes / MIB) for m, c in block.recompute.items()} == expected
     assert heads[0].forward_ms == 30 and heads[0].backward_ms == 60 and heads[0].parameter_bytes == 11000 * MIB
@@ -126,7 +154,10 @@ def profile_dict():
         (lambda d: d["layers"][1].update(parameter_bytes=-1), "layers[1].parameter_bytes"),
         (lambda d: d["layers"][1]["recompute"]["full"].update(activation_bytes=10**12), "keeps more"),
         (lambda d: d["layers"][1]["recompute"].pop("none"), 'the mode "none"'),
-        (lambda d: d["layers"][1]["recompute"]["full"].update(retained_bytes=10**12), "retained_bytes: expected at most activation_bytes"),
+        (
+            lambda d: d["layers"][1]["recompute"]["full"].update(retained_bytes=10**12),
+            "retained_bytes: expected at most activation_bytes",
+        ),
         (lambda d: d["layers"][1]["recompute"].update(magic={"extra_ms": 0, "activation_bytes": 0}), "unknown mode"),
         (lambda d: d["layers"][1].update(kind="decoder"), "expected head, tail or body:<type>"),
         (lambda d: d["layers"].reverse(), "must come before"),
@@ -136,25 +167,63 @@ def profile_dict():
         (lambda d: d["layers"][1].update(forward_ms=math.inf), "forward_ms: expected a finite number"),
         (lambda d: d.update(layers=[]), "layers: expected a non-empty list"),
         (lambda d: d["layers"][1].update(backward_ms=2**70), "backward_ms: expected at most 1e.09 ms, got 1.18"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(working_bytes=2**70), "working_bytes: expected at most 2..50 bytes .1 PiB."),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(weight_working_bytes=-1), "layers[1].recompute.none.weight_working_bytes"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(input_working_bytes="lots"), "input_working_bytes: expected a finite number"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(output_gradient_freed_bytes=-1),
-         "layers[1].recompute.none.output_gradient_freed_bytes: expected a finite number >= 0"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(saved_input_bytes=1e12),
-         "layers[1] (block.0).recompute.none.saved_input_bytes: expected at most activation_bytes"),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(working_bytes=2**70),
+            "working_bytes: expected at most 2..50 bytes .1 PiB.",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(weight_working_bytes=-1),
+            "layers[1].recompute.none.weight_working_bytes",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(input_working_bytes="lots"),
+            "input_working_bytes: expected a finite number",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(output_gradient_freed_bytes=-1),
+            "layers[1].recompute.none.output_gradient_freed_bytes: expected a finite number >= 0",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(saved_input_bytes=1e12),
+            "layers[1] (block.0).recompute.none.saved_input_bytes: expected at most activation_bytes",
+        ),
         (lambda d: d.update(stage_shared_bytes=-1), "stage_shared_bytes: expected a finite number >= 0"),
         (lambda d: d.update(checkpoint_state_bytes=-1), "checkpoint_state_bytes: expected a finite number >= 0"),
-        (lambda d: d.update(model_output_bytes=8, loss_bytes=12), "loss_bytes: expected at most model_output_bytes (8), got 12"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
-         "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, weight_freed_bytes=4),
-         "layers[1] (block.0).recompute.none.weight_freed_bytes: expected pending_bytes (8) to pending_bytes"),
-        (lambda d: d["layers"][1]["recompute"]["none"].update(weight_freed_bytes=1e12), "weight_freed_bytes: expected pending"),
-        (lambda d: d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0])) or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0])), "body layer"),
-        (lambda d: d.update(tied_parameters=[{"names": ["w"], "layers": ["nowhere"], "bytes": 4}]), "tied_parameters[0].layers: 'nowhere' is not a layer"),
-        (lambda d: d.update(tied_parameters=[{"names": "w", "layers": [], "bytes": 4}]), "tied_parameters[0].names: expected a list of strings"),
-        (lambda d: d.update(tied_parameters=[{"names": [], "layers": [], "bytes": -4}]), "tied_parameters[0].bytes: expected a finite number"),
+        (
+            lambda d: d.update(model_output_bytes=8, loss_bytes=12),
+            "loss_bytes: expected at most model_output_bytes (8), got 12",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, input_held_bytes=4),
+            "layers[1] (block.0).recompute.none.input_held_bytes: expected at least pending_bytes (8), got 4",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(pending_bytes=8, weight_freed_bytes=4),
+            "layers[1] (block.0).recompute.none.weight_freed_bytes: expected pending_bytes (8) to pending_bytes",
+        ),
+        (
+            lambda d: d["layers"][1]["recompute"]["none"].update(weight_freed_bytes=1e12),
+            "weight_freed_bytes: expected pending",
+        ),
+        (
+            lambda d: (
+                d["layers"].__setitem__(1, copy.deepcopy(d["layers"][0]))
+                or d["layers"].__setitem__(2, copy.deepcopy(d["layers"][0]))
+            ),
+            "body layer",
+        ),
+        (
+            lambda d: d.update(tied_parameters=[{"names": ["w"], "layers": ["nowhere"], "bytes": 4}]),
+            "tied_parameters[0].layers: 'nowhere' is not a layer",
+        ),
+        (
+            lambda d: d.update(tied_parameters=[{"names": "w", "layers": [], "bytes": 4}]),
+            "tied_parameters[0].names: expected a list of strings",
+        ),
+        (
+            lambda d: d.update(tied_parameters=[{"names": [], "layers": [], "bytes": -4}]),
+            "tied_parameters[0].bytes: expected a finite number",
+        ),
     ],
 )
 def test_bad_profiles_are_refused(change, words):
@@ -176,7 +245,7 @@ def test_broken_json_is_one_clear_error(tmp_path, content):
 def test_json_that_is_no_profile_says_what_is_expected(tmp_path, content):
     path = tmp_path / "profile.json"
     path.write_text(content)
-    with pytest.raises(InputError, match="profile: .* expected sapp-hook's profile .* or SAPP's layer JSON"):
+    with pytest.raises(InputError, match=r"profile: .* expected sapp-hook's profile .* or SAPP's layer JSON"):
         load_profile(path)
 
 
@@ -222,7 +291,10 @@ def test_no_time_limit():
 def test_zero_sharding_divides_static_memory():
     spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=1)
     assert spec.static_bytes(100, 100, 800) == 100 + 100 + 200
-    assert PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=3).static_bytes(100, 100, 800) == 25 + 25 + 200
+    assert (
+        PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=3).static_bytes(100, 100, 800)
+        == 25 + 25 + 200
+    )
 
 
 def test_bad_plans_are_refused():
@@ -270,11 +342,22 @@ def test_mindformers_lists_per_stage_with_chunks_read_as_mindformers_does():
 @pytest.mark.parametrize("receive_buffers", [False, True])
 def test_plan_json_round_trip(receive_buffers):
     profile = dataclasses.replace(small_profile(6), stage_output_bytes=2 * MIB)
-    plan = solve(profile, PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B",
-                                       memory_budget_bytes=450 * MIB, receive_buffers=receive_buffers))
+    plan = solve(
+        profile,
+        PipelineSpec(
+            stages=2,
+            chunks=2,
+            micro_batches=4,
+            schedule="Interleaved1F1B",
+            memory_budget_bytes=450 * MIB,
+            receive_buffers=receive_buffers,
+        ),
+    )
     again = plan_from_dict(profile, json.loads(json.dumps(plan.to_dict())))
     assert (again.stage_layer_counts, again.layer_modes, again.iteration_time_ms) == (
-        plan.stage_layer_counts, plan.layer_modes, plan.iteration_time_ms,
+        plan.stage_layer_counts,
+        plan.layer_modes,
+        plan.iteration_time_ms,
     )
     assert again.spec == plan.spec
     with pytest.raises(InputError, match=r"spec.receive_buffers: expected true or false, got 1"):

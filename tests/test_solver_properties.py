@@ -18,8 +18,15 @@ from solver.costs import pipeline_costs
 from solver.formulation import PATHS, START_TIMES, IntegerProgram
 from solver.groups import layer_groups
 
-SMALL = [("1F1B", 1), ("GPipe", 1), ("ZBH1", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B-less-memory", 2),
-         ("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+SMALL = [
+    ("1F1B", 1),
+    ("GPipe", 1),
+    ("ZBH1", 1),
+    ("Interleaved1F1B", 2),
+    ("Interleaved1F1B-less-memory", 2),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+]
 
 
 @st.composite
@@ -28,7 +35,9 @@ def problems(draw):
     stages = draw(st.integers(1, 3))
     fewest = SCHEDULES[name].min_micro_batches(stages, chunks)
     micro_batches = draw(st.integers(fewest, fewest + 3))
-    kinds = draw(st.lists(st.sampled_from(["body:a", "body:b"]), min_size=stages * chunks, max_size=stages * chunks + 4))
+    kinds = draw(
+        st.lists(st.sampled_from(["body:a", "body:b"]), min_size=stages * chunks, max_size=stages * chunks + 4)
+    )
     kinds.sort()  # one run per kind, in model order
     times = st.floats(0.5, 9.0)
 
@@ -37,10 +46,19 @@ def problems(draw):
         backward = 2 * forward
         keep = draw(st.floats(5, 50))
         weight = draw(st.floats(0, 1)) * backward
-        made = layer(f"l{i}", kind, forward, backward, weight,
-                     parameter_mib=draw(st.floats(0, 40)),
-                     modes={"none": (0.0, keep, 2.0), "selective": (forward * 0.3, keep * 0.5, 2.0),
-                            "full": (forward, keep * 0.1, keep)})
+        made = layer(
+            f"l{i}",
+            kind,
+            forward,
+            backward,
+            weight,
+            parameter_mib=draw(st.floats(0, 40)),
+            modes={
+                "none": (0.0, keep, 2.0),
+                "selective": (forward * 0.3, keep * 0.5, 2.0),
+                "full": (forward, keep * 0.1, keep),
+            },
+        )
         # where the backward is split: I's own time (torch's two halves cost more than one backward),
         # what is kept after W, held from I to W, and what each half holds while it runs
         made = dataclasses.replace(made, input_ms=draw(st.sampled_from([None, 1.3 * (backward - weight)])))
@@ -52,44 +70,82 @@ def problems(draw):
         saved_input_mib = draw(st.sampled_from([0.0, 0.4]))  # its input, which torch's receive buffers hold
         # what its W frees before its stage's W ends: its pending gradients, or part of what it saved too
         weight_freed_mib = draw(st.sampled_from([None, 0.0, 0.3 * keep]))
-        return dataclasses.replace(made, recompute={
-            mode: dataclasses.replace(cost, retained_bytes=retained * cost.activation_bytes,
-                                      pending_bytes=pending_mib * MIB,
-                                      input_working_bytes=None if halves is None else halves[0] * MIB,
-                                      weight_working_bytes=None if halves is None else halves[1] * MIB,
-                                      input_held_bytes=(pending_mib + held_extra_mib) * MIB if held_extra_mib else None,
-                                      output_gradient_freed_bytes=freed_mib * MIB,
-                                      saved_input_bytes=saved_input_mib * MIB,
-                                      weight_freed_bytes=None if weight_freed_mib is None
-                                      else (pending_mib + min(weight_freed_mib, cost.activation_bytes / MIB)) * MIB)
-            for mode, cost in made.recompute.items()})
+        return dataclasses.replace(
+            made,
+            recompute={
+                mode: dataclasses.replace(
+                    cost,
+                    retained_bytes=retained * cost.activation_bytes,
+                    pending_bytes=pending_mib * MIB,
+                    input_working_bytes=None if halves is None else halves[0] * MIB,
+                    weight_working_bytes=None if halves is None else halves[1] * MIB,
+                    input_held_bytes=(pending_mib + held_extra_mib) * MIB if held_extra_mib else None,
+                    output_gradient_freed_bytes=freed_mib * MIB,
+                    saved_input_bytes=saved_input_mib * MIB,
+                    weight_freed_bytes=None
+                    if weight_freed_mib is None
+                    else (pending_mib + min(weight_freed_mib, cost.activation_bytes / MIB)) * MIB,
+                )
+                for mode, cost in made.recompute.items()
+            },
+        )
 
     # head and tail working sets up to above any body layer's: the program once dropped the body
     # layers' working sets where a tail's was the largest
-    layers = [layer("head", "head", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
-                    modes={"none": (0.0, 0.0, draw(st.floats(0, 80)))})]
+    layers = [
+        layer(
+            "head",
+            "head",
+            draw(times),
+            draw(times),
+            parameter_mib=draw(st.floats(0, 40)),
+            modes={"none": (0.0, 0.0, draw(st.floats(0, 80)))},
+        )
+    ]
     layers += [body(i, kind) for i, kind in enumerate(kinds)]
-    tail = layer("tail", "tail", draw(times), draw(times), parameter_mib=draw(st.floats(0, 40)),
-                 modes={"none": (0.0, draw(st.floats(0, 30)), draw(st.floats(0, 80)))})
+    tail = layer(
+        "tail",
+        "tail",
+        draw(times),
+        draw(times),
+        parameter_mib=draw(st.floats(0, 40)),
+        modes={"none": (0.0, draw(st.floats(0, 30)), draw(st.floats(0, 80)))},
+    )
     if draw(st.booleans()):  # its I holding far more than its W (the loss's gradient, then the LM head's weights'),
         # and the logits' gradient held until the chunk's I ends, under every other layer's I there
         held_mib = draw(st.one_of(st.none(), st.floats(0, 40)))
-        tail = dataclasses.replace(tail, recompute={"none": dataclasses.replace(
-            tail.recompute["none"], input_working_bytes=draw(st.floats(0, 80)) * MIB,
-            weight_working_bytes=draw(st.sampled_from([0.5, 60.0])) * MIB,  # the LM head's weight gradient
-            input_held_bytes=None if held_mib is None else held_mib * MIB)})
+        tail = dataclasses.replace(
+            tail,
+            recompute={
+                "none": dataclasses.replace(
+                    tail.recompute["none"],
+                    input_working_bytes=draw(st.floats(0, 80)) * MIB,
+                    weight_working_bytes=draw(st.sampled_from([0.5, 60.0])) * MIB,  # the LM head's weight gradient
+                    input_held_bytes=None if held_mib is None else held_mib * MIB,
+                )
+            },
+        )
     layers.append(tail)
     spec = PipelineSpec(
-        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=name,
-        memory_budget_bytes=draw(st.floats(30, 600)) * MIB, p2p_ms=draw(st.sampled_from([0.0, 0.3])),
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        schedule=name,
+        memory_budget_bytes=draw(st.floats(30, 600)) * MIB,
+        p2p_ms=draw(st.sampled_from([0.0, 0.3])),
         receive_buffers=draw(st.booleans()),
     )
     output = draw(st.sampled_from([0.0, 3.0])) * MIB  # a stage's output, kept until its gradient returns
     logits = draw(st.sampled_from([0.0, 7.0])) * MIB  # the model's, which torch's engine keeps on the last stage
     shared = draw(st.sampled_from([0.0, 0.7])) * MIB  # what each stage computes for its blocks (rotary tables)
     loss = min(draw(st.sampled_from([0.0, 0.2])) * MIB, logits)  # of the model's output, kept to the step's end
-    return ModelProfile(layers=tuple(layers), stage_output_bytes=output, model_output_bytes=logits, loss_bytes=loss,
-                        stage_shared_bytes=shared), spec
+    return ModelProfile(
+        layers=tuple(layers),
+        stage_output_bytes=output,
+        model_output_bytes=logits,
+        loss_bytes=loss,
+        stage_shared_bytes=shared,
+    ), spec
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -109,25 +165,45 @@ def test_plans_fit_and_infeasibility_is_exact(problem):
     assert max(replay.stage_peak_memory_bytes) <= spec.memory_budget_bytes
 
 
-def _solve_error_case(forwards: tuple[float, ...], weights: tuple[float, ...], tail_backward: float, budget_mib: float,
-                      p2p_ms: float) -> tuple[ModelProfile, PipelineSpec]:
+def _solve_error_case(
+    forwards: tuple[float, ...], weights: tuple[float, ...], tail_backward: float, budget_mib: float, p2p_ms: float
+) -> tuple[ModelProfile, PipelineSpec]:
     """A 3-stage GPipe program on which HiGHS 1.16.0 ended a search in a solve error (a solution breaking
     a path row by exactly its feasibility tolerance) until the search was run again with another seed."""
     head = layer("head", "head", 1.1229761813946553, 1.4453265197763752)
-    body = [layer(f"l{i}", "body:a", forward, 2 * forward, weight * 2 * forward, modes={
-        "none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)})
-        for i, (forward, weight) in enumerate(zip(forwards, weights))]
+    body = [
+        layer(
+            f"l{i}",
+            "body:a",
+            forward,
+            2 * forward,
+            weight * 2 * forward,
+            modes={"none": (0.0, 5.0, 2.0), "selective": (0.3 * forward, 2.5, 2.0), "full": (forward, 0.5, 5.0)},
+        )
+        for i, (forward, weight) in enumerate(zip(forwards, weights))
+    ]
     profile = ModelProfile(layers=(head, *body, layer("tail", "tail", 1.0, tail_backward)))
-    return profile, PipelineSpec(stages=3, micro_batches=3, schedule="GPipe", memory_budget_bytes=budget_mib * MIB,
-                                 p2p_ms=p2p_ms)
+    return profile, PipelineSpec(
+        stages=3, micro_batches=3, schedule="GPipe", memory_budget_bytes=budget_mib * MIB, p2p_ms=p2p_ms
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-@example(problem=_solve_error_case((4.5, 4.547999165838229, 2.0, 1.966640451660458, 2.9080647529977286),
-                                   (0, 0, 0, 0, 0), 1.0, 34, 0.0))
-@example(problem=_solve_error_case((7.228399142981768, 4.547999165838229, 6.6935370880810385, 1.966640451660458,
-                                    3.9080647529977286), (0, 0, 0, 0, 1), 1.1, 38, 0.3))
+@example(
+    problem=_solve_error_case(
+        (4.5, 4.547999165838229, 2.0, 1.966640451660458, 2.9080647529977286), (0, 0, 0, 0, 0), 1.0, 34, 0.0
+    )
+)
+@example(
+    problem=_solve_error_case(
+        (7.228399142981768, 4.547999165838229, 6.6935370880810385, 1.966640451660458, 3.9080647529977286),
+        (0, 0, 0, 0, 1),
+        1.1,
+        38,
+        0.3,
+    )
+)
 def test_both_ways_of_stating_the_iteration_time_find_the_same_optimum(problem):
     profile, spec = problem
     optimum = {}
@@ -180,8 +256,11 @@ def test_the_balanced_plan_fits_and_the_busiest_rank_bound_is_below_the_optimum(
 def _retained_case() -> tuple[ModelProfile, PipelineSpec]:
     """Under torch's engine, a last stage whose layers keep less for backward than torch keeps to the
     step's end (its input's gradient, its sends): its peak is the step's end."""
-    layers = [layer("head", "head", 1.0, 2.0), *(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 1.0, 0.5)})
-                                                 for i in range(4)), layer("tail", "tail", 1.0, 2.0, 1.0)]
+    layers = [
+        layer("head", "head", 1.0, 2.0),
+        *(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 1.0, 0.5)}) for i in range(4)),
+        layer("tail", "tail", 1.0, 2.0, 1.0),
+    ]
     spec = PipelineSpec(stages=3, micro_batches=1, schedule="ZBH1", receive_buffers=True)
     return ModelProfile(layers=tuple(layers), stage_output_bytes=3 * MIB), spec
 
@@ -189,12 +268,24 @@ def _retained_case() -> tuple[ModelProfile, PipelineSpec]:
 def _tail_weight_case() -> tuple[ModelProfile, PipelineSpec]:
     """Under torch's engine, a last stage whose tail's W (the LM head's weight gradient) holds the most:
     torch runs it after the blocks' W have freed their pending gradients."""
+
     def split(made, pending_mib: float, input_mib: float, weight_mib: float):
-        return dataclasses.replace(made, recompute={"none": dataclasses.replace(
-            made.recompute["none"], pending_bytes=pending_mib * MIB, input_working_bytes=input_mib * MIB,
-            weight_working_bytes=weight_mib * MIB)})
-    blocks = [split(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 20.0, 2.0)}), 10.0, 12.0, 3.0)
-              for i in range(4)]
+        return dataclasses.replace(
+            made,
+            recompute={
+                "none": dataclasses.replace(
+                    made.recompute["none"],
+                    pending_bytes=pending_mib * MIB,
+                    input_working_bytes=input_mib * MIB,
+                    weight_working_bytes=weight_mib * MIB,
+                )
+            },
+        )
+
+    blocks = [
+        split(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 20.0, 2.0)}), 10.0, 12.0, 3.0)
+        for i in range(4)
+    ]
     tail = split(layer("tail", "tail", 1.0, 2.0, 1.0, modes={"none": (0.0, 8.0, 9.0)}), 0.0, 9.0, 60.0)
     spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=True)
     return ModelProfile(layers=(layer("head", "head", 1.0, 2.0), *blocks, tail)), spec
@@ -229,17 +320,21 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
                 counts[none] = counts.get(none, 0) + 1
     values = program.point(counts)
     plan = program.plan(values)
-    program_mib = [max((row.value(values) for r, row in program.memory_rows if r == rank), default=0.0)
-                   for rank in range(schedule.ranks)]
+    program_mib = [
+        max((row.value(values) for r, row in program.memory_rows if r == rank), default=0.0)
+        for rank in range(schedule.ranks)
+    ]
 
     assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
     for virtual in range(num_virtual_stages):  # and its working sets and durations are the simulator's
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)]
         for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
             assert program.memory.working[virtual][kind].value(values) == pytest.approx(
-                costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6), (virtual, kind)
+                costs.working_bytes_during(kind) / MIB, rel=1e-9, abs=1e-6
+            ), (virtual, kind)
         assert values[program.duration[virtual, FORWARD]] == pytest.approx(costs.forward_ms)
         assert values[program.duration[virtual, FULL_BACKWARD]] == pytest.approx(costs.backward_ms + costs.recompute_ms)
-        assert values[program.duration[virtual, BACKWARD_INPUT]] == pytest.approx(costs.split_input_ms() + costs.recompute_ms)
+        assert values[program.duration[virtual, BACKWARD_INPUT]] == pytest.approx(
+            costs.split_input_ms() + costs.recompute_ms
+        )
         assert values[program.duration[virtual, BACKWARD_WEIGHT]] == pytest.approx(costs.split_weight_ms())
-

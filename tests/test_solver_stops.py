@@ -25,8 +25,18 @@ from solver.start import balanced_plan
 MIB = 2**20
 # Sixteen stages of three chunks: the search's first LP alone takes seconds, its proof minutes.
 LONG = dict(stages=16, chunks=3, micro_batches=16, memory_budget_bytes=56000 * MIB)
-LONG_FLAGS = ["--profile", str(SAPP / "sim.json"), "--stages", "16", "--chunks", "3", "--micro-batches", "16",
-              "--memory", "56000MiB"]
+LONG_FLAGS = [
+    "--profile",
+    str(SAPP / "sim.json"),
+    "--stages",
+    "16",
+    "--chunks",
+    "3",
+    "--micro-batches",
+    "16",
+    "--memory",
+    "56000MiB",
+]
 
 
 class Stop(BaseException):
@@ -92,8 +102,7 @@ def stop_on_sigusr1():
 
 
 @pytest.mark.parametrize("on_interrupt", ["raise", "best", "function"])
-def test_a_signal_stops_the_search_at_once_and_returns_the_best_plan_only_if_asked(sim, stop_on_sigusr1,
-                                                                                   on_interrupt):
+def test_a_signal_stops_the_search_at_once_and_returns_the_best_plan_only_if_asked(sim, stop_on_sigusr1, on_interrupt):
     spec = PipelineSpec(schedule="Interleaved1F1B", **LONG)
     kept: list[Plan] = []
     argument = kept.append if on_interrupt == "function" else on_interrupt
@@ -128,8 +137,20 @@ def _interrupted_cli(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedP
     """`sapp-hook solve --time-limit inf` sent SIGINT once it reports progress: how it ended, how
     long after the signal, and its --plan-out path."""
     plan_out = tmp_path / "plan.json"
-    argv = [sys.executable, "-m", "sapp_hook", "solve", *LONG_FLAGS, "--schedule", "Interleaved1F1B",
-            "--time-limit", "inf", "--plan-out", str(plan_out), *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "sapp_hook",
+        "solve",
+        *LONG_FLAGS,
+        "--schedule",
+        "Interleaved1F1B",
+        "--time-limit",
+        "inf",
+        "--plan-out",
+        str(plan_out),
+        *flags,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     try:

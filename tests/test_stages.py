@@ -13,14 +13,21 @@ from sapp_hook.writeback import Layout, layout_from_dict
 from simulator import InputError
 
 
-def layout(counts: list[int], schedule: str = "1F1B", chunks: int = 1, modes: dict[int, str] | None = None,
-           blocks: str = "model.layers") -> Layout:
+def layout(
+    counts: list[int],
+    schedule: str = "1F1B",
+    chunks: int = 1,
+    modes: dict[int, str] | None = None,
+    blocks: str = "model.layers",
+) -> Layout:
     """Head, 4 body layers (`blocks`.0-3), tail over virtual stages holding `counts` layers each."""
     kinds = ["head", *["body:block"] * 4, "tail"]
     names = ["head", *[f"{blocks}.{j}" for j in range(4)], "tail"]
     stage_of = [v for v, count in enumerate(counts) for _ in range(count)]
-    layers = [{"name": names[i], "kind": kind, "virtual_stage": stage_of[i], "recompute": (modes or {}).get(i, "none")}
-              for i, kind in enumerate(kinds)]
+    layers = [
+        {"name": names[i], "kind": kind, "virtual_stage": stage_of[i], "recompute": (modes or {}).get(i, "none")}
+        for i, kind in enumerate(kinds)
+    ]
     spec = {"stages": len(counts) // chunks, "chunks": chunks, "micro_batches": 4, "schedule": schedule}
     return layout_from_dict({"spec": spec, "plan": {"layers": layers}})
 
@@ -51,7 +58,8 @@ def test_the_loss_tail_computes_the_models_loss_from_the_last_blocks_output(make
     outputs = []
     last_block = find_blocks(model)[-1].module
     handle = last_block.register_forward_hook(
-        lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        lambda module, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+    )
     ids = batch(0)
     tail = loss_tail(model)
     with torch.no_grad():
@@ -80,9 +88,9 @@ def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
 def test_bad_plans_for_the_model():
     with pytest.raises(InputError, match="holds 4 body layers; the model has 5 blocks"):
         apply(llama(num_hidden_layers=5), layout([3, 3]), 0)
-    with pytest.raises(InputError, match="rank: expected an integer 0..1, got 2"):
+    with pytest.raises(InputError, match=r"rank: expected an integer 0..1, got 2"):
         apply(llama(), layout([3, 3]), 2)
-    with pytest.raises(InputError, match="rank: expected an integer 0..1, got '0'"):  # was a TypeError
+    with pytest.raises(InputError, match=r"rank: expected an integer 0..1, got '0'"):  # was a TypeError
         apply(llama(), layout([3, 3]), "0")
     with pytest.raises(InputError, match="has no ZBH1"):
         schedule_class(layout([3, 3], "ZBH1"))
@@ -98,8 +106,11 @@ def test_a_plan_made_for_another_model_is_warned_about(caplog):
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_under_a_split_backward_schedule_is_refused(mode):
-    with pytest.raises(InputError, match="plan: recomputes layers; ZBVZeroBubble splits each backward in two, and "
-                                         "torch runs a checkpointed block again for every weight-gradient group"):
+    with pytest.raises(
+        InputError,
+        match="plan: recomputes layers; ZBVZeroBubble splits each backward in two, and "
+        "torch runs a checkpointed block again for every weight-gradient group",
+    ):
         apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: mode}), 0)
 
 

@@ -103,7 +103,9 @@ def test_zbh1_is_torchs_interleaved_zero_bubble_with_one_chunk(stages, micro_bat
 
 @pytest.mark.parametrize("stages, micro_batches", grid(range(1, 7), lambda s: range(1, 3 * s + 2)))
 def test_zbv(stages, micro_batches):
-    assert ours("ZBVZeroBubble", stages, 2, micro_batches) == torch_order("ZBVZeroBubble", stages, 2, micro_batches, "v")
+    assert ours("ZBVZeroBubble", stages, 2, micro_batches) == torch_order(
+        "ZBVZeroBubble", stages, 2, micro_batches, "v"
+    )
 
 
 @pytest.mark.parametrize("stages, micro_batches", grid(range(1, 7), lambda s: range(2 * s, 4 * s + 2)))

@@ -23,7 +23,8 @@ def test_parse_bytes(text, expected):
 
 
 @pytest.mark.parametrize(
-    "text, words", [("56", "expected a unit"), ("56 GQ", "unknown unit"), ("-1GB", "expected a size"), ("", "expected a size")]
+    "text, words",
+    [("56", "expected a unit"), ("56 GQ", "unknown unit"), ("-1GB", "expected a size"), ("", "expected a size")],
 )
 def test_parse_bytes_refuses(text, words):
     with pytest.raises(InputError) as caught:

@@ -25,14 +25,34 @@ def gpt2_config(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(("schedule", "stages", "chunks", "plan"), [
-    ("1F1B", 2, None, "solve"), ("Interleaved1F1B", 2, 2, "even-full"), ("DualPipeV", 2, None, "even"),
-    ("ZBVZeroBubble", 2, None, "solve"),
-    ("DualPipeV", 1, None, "even"),  # one rank runs both legs of the V (its P2P timing once waited on a second rank)
-])
+@pytest.mark.parametrize(
+    ("schedule", "stages", "chunks", "plan"),
+    [
+        ("1F1B", 2, None, "solve"),
+        ("Interleaved1F1B", 2, 2, "even-full"),
+        ("DualPipeV", 2, None, "even"),
+        ("ZBVZeroBubble", 2, None, "solve"),
+        (
+            "DualPipeV",
+            1,
+            None,
+            "even",
+        ),  # one rank runs both legs of the V (its P2P timing once waited on a second rank)
+    ],
+)
 def test_a_plan_runs_as_predicted(gpt2_config, schedule, stages, chunks, plan):
-    setup = Setup(model=gpt2_config, stages=stages, chunks=chunks, schedule=schedule, micro_batches=4, steps=2,
-                  micro_batch_size=2, seq_len=32, plan=plan, profile_steps=1)
+    setup = Setup(
+        model=gpt2_config,
+        stages=stages,
+        chunks=chunks,
+        schedule=schedule,
+        micro_batches=4,
+        steps=2,
+        micro_batch_size=2,
+        seq_len=32,
+        plan=plan,
+        profile_steps=1,
+    )
     report = validate(setup)
     assert len(report["ranks"]) == stages and (report["p2p_ms"] == 0) == (stages == 1)
     held = [name for row in report["ranks"] for name in row["layers"]]
@@ -67,8 +87,17 @@ def test_a_rank_whose_peak_is_the_lm_heads_weight_gradient_is_predicted_to_the_b
     head's weight gradient, after the blocks' W have freed their pending gradients and what only their
     weight gradients used (`RecomputeCost.weight_freed_bytes`; counting the pending gradients alone
     put that peak 876,544 bytes over)."""
-    setup = Setup(model="tiny-llama", stages=2, schedule="ZBVZeroBubble", micro_batches=4, steps=1,
-                  micro_batch_size=1, seq_len=64, plan="even", profile_steps=1)
+    setup = Setup(
+        model="tiny-llama",
+        stages=2,
+        schedule="ZBVZeroBubble",
+        micro_batches=4,
+        steps=1,
+        micro_batch_size=1,
+        seq_len=64,
+        plan="even",
+        profile_steps=1,
+    )
     report = validate(setup)
     assert [row["measured_allocated_peak_bytes"] - row["predicted_peak_bytes"] for row in report["ranks"]] == [0, 0]
 
@@ -79,8 +108,24 @@ def test_the_cli_loop_validate_then_calibrate(gpt2_config, tmp_path, capsys):
     from sapp_hook.cli import main
 
     profile = tmp_path / "profile.json"
-    base = ["validate", "--model", gpt2_config, "--stages", "2", "--schedule", "1F1B", "--micro-batches", "4",
-            "--steps", "2", "--micro-batch-size", "2", "--seq-len", "32", "--json"]
+    base = [
+        "validate",
+        "--model",
+        gpt2_config,
+        "--stages",
+        "2",
+        "--schedule",
+        "1F1B",
+        "--micro-batches",
+        "4",
+        "--steps",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--json",
+    ]
     reports = []
     for flags in (["--even", "--profile-out", str(profile)], ["--even-full", "--profile", str(profile)]):
         assert main([*base, *flags]) == 0
@@ -93,10 +138,13 @@ def test_the_cli_loop_validate_then_calibrate(gpt2_config, tmp_path, capsys):
     assert fit["step_error_after"] <= fit["step_error_before"]
 
 
-@pytest.mark.parametrize(("model", "micro_batch", "message"), [
-    ("tiny-llama", {}, "is a profile of 'tiny-llama'; this run trains"),
-    ("", {"size": 1, "sequence": 128}, "was measured at 1 x 128 tokens per micro-batch; this run uses 2 x 32"),
-])
+@pytest.mark.parametrize(
+    ("model", "micro_batch", "message"),
+    [
+        ("tiny-llama", {}, "is a profile of 'tiny-llama'; this run trains"),
+        ("", {"size": 1, "sequence": 128}, "was measured at 1 x 128 tokens per micro-batch; this run uses 2 x 32"),
+    ],
+)
 def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micro_batch, message):
     import dataclasses
 
@@ -109,16 +157,24 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
-    (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
-    (["--stages", "64"], "--stages: 64 x 1 (stages x chunks) make 64 virtual stages"),
-    # refused before the profiling, where the run once crashed after it
-    (["--schedule", "ZBH1"], "--schedule: torch.distributed.pipelining has no ZBH1; it runs GPipe, 1F1B, "
-                             "Interleaved1F1B, ZBVZeroBubble, DualPipeV"),
-    (["--tensor-parallel", "3"], "--tensor-parallel: 3 does not divide the model's num_attention_heads (8)"),
-    (["--data-parallel", "0"], "--data-parallel: expected an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+        (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
+        (["--stages", "64"], "--stages: 64 x 1 (stages x chunks) make 64 virtual stages"),
+        # refused before the profiling, where the run once crashed after it
+        (
+            ["--schedule", "ZBH1"],
+            (
+                "--schedule: torch.distributed.pipelining has no ZBH1; it runs GPipe, 1F1B, "
+                "Interleaved1F1B, ZBVZeroBubble, DualPipeV"
+            ),
+        ),
+        (["--tensor-parallel", "3"], "--tensor-parallel: 3 does not divide the model's num_attention_heads (8)"),
+        (["--data-parallel", "0"], "--data-parallel: expected an integer >= 1, got 0"),
+    ],
+)
 def test_cli_bad_input_names_the_flag(capsys, flags, message):
     from sapp_hook.cli import main
 
@@ -129,22 +185,35 @@ def test_cli_bad_input_names_the_flag(capsys, flags, message):
     assert caught.value.code == 2 and message in err and err.count("error:") == 1
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
-    (["--data-parallel", "2", "--fsdp", "--reshard-after-forward", "--schedule", "ZBVZeroBubble"],
-     "--reshard-after-forward: ZBVZeroBubble splits the backward, and torch's split backward under FSDP with "
-     "reshard after forward drops gradients"),
-    (["--data-parallel", "2", "--ddp", "--schedule", "DualPipeV"], "--ddp: DualPipeV splits the backward, which torch's "
-                                                                   "DDP reducer refuses"),
-    (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
-    (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "127"],
-     "--sequence-parallel: --seq-len 127 is not a multiple of --tensor-parallel 2"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--reshard-after-forward"], "--reshard-after-forward: needs fsdp"),
+        (
+            ["--data-parallel", "2", "--fsdp", "--reshard-after-forward", "--schedule", "ZBVZeroBubble"],
+            (
+                "--reshard-after-forward: ZBVZeroBubble splits the backward, and torch's split backward under FSDP with "
+                "reshard after forward drops gradients"
+            ),
+        ),
+        (
+            ["--data-parallel", "2", "--ddp", "--schedule", "DualPipeV"],
+            "--ddp: DualPipeV splits the backward, which torch's DDP reducer refuses",
+        ),
+        (["--sequence-parallel"], "--sequence-parallel: needs tensor_parallel > 1"),
+        (
+            ["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "127"],
+            "--sequence-parallel: --seq-len 127 is not a multiple of --tensor-parallel 2",
+        ),
+    ],
+)
 def test_cli_a_layout_torch_does_not_run_is_refused_before_profiling(capsys, flags, message):
     from sapp_hook.cli import main
 
     with pytest.raises(SystemExit) as caught:
-        main(["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B", *flags])
+        main(
+            ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B", *flags]
+        )
     err = capsys.readouterr().err
     assert caught.value.code == 2 and message in err and err.count("error:") == 1
 
@@ -155,8 +224,20 @@ def test_recompute_is_refused_where_the_schedule_splits_the_backward(capsys):
     from sapp_hook.cli import main
 
     with pytest.raises(SystemExit) as caught:
-        main(["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "DualPipeV",
-              "--even-full"])
+        main(
+            [
+                "validate",
+                "--model",
+                "tiny-llama",
+                "--stages",
+                "2",
+                "--micro-batches",
+                "4",
+                "--schedule",
+                "DualPipeV",
+                "--even-full",
+            ]
+        )
     err = capsys.readouterr().err
     assert caught.value.code == 2 and err.count("error:") == 1
     assert "--even-full: DualPipeV splits each backward in two, and torch runs a checkpointed block again" in err
@@ -211,12 +292,13 @@ def test_a_free_the_profiler_did_not_see_is_counted_where_its_address_is_taken_a
 
     from sapp_hook.validate_rank import memory_changes
 
-    class _ExtraFields_Allocation(SimpleNamespace):  # noqa: N801 (torch.profiler's name)
+    class _ExtraFields_Allocation(SimpleNamespace):
         pass
 
     def event(time_ns: int, size: int, address: int) -> SimpleNamespace:
-        return SimpleNamespace(start_time_ns=time_ns, children=[],
-                               extra_fields=_ExtraFields_Allocation(alloc_size=size, ptr=address))
+        return SimpleNamespace(
+            start_time_ns=time_ns, children=[], extra_fields=_ExtraFields_Allocation(alloc_size=size, ptr=address)
+        )
 
     other = SimpleNamespace(start_time_ns=0, extra_fields=None, children=[event(3, -100, 1)])  # a range holding a free
     tree = [event(1, 100, 1), other, event(2, 50, 2), event(4, 80, 2), event(5, -80, 2)]

@@ -49,14 +49,17 @@ def test_pipeline_x_fsdp2_is_predicted_to_the_byte(llama_profile):
         assert row["measured_at_reduce"]  # FSDP's units were unsharded at the reduce
         units = len(row["layers"]) + 1  # the blocks, and the embedding or the final norm with the LM head
         assert len(_all_gathers(row)) == units and set(_all_gathers(row).values()) == {1}  # once a step
-        assert {c["layer"] for c in row["collectives"] if c["name"] == "FSDP::post_backward_reduce"} == set(_all_gathers(row))
+        assert {c["layer"] for c in row["collectives"] if c["name"] == "FSDP::post_backward_reduce"} == set(
+            _all_gathers(row)
+        )
 
 
 def test_reshard_after_forward_is_predicted_to_the_byte(llama_profile):
     """Each forward re-shards; a backward after a forward gathers again (and keeps it): a unit is
     all-gathered at every action that finds it sharded."""
-    report = validate(Setup(**LLAMA, plan="even", data_parallel=2, fsdp=True, reshard_after_forward=True),
-                      profile=llama_profile)
+    report = validate(
+        Setup(**LLAMA, plan="even", data_parallel=2, fsdp=True, reshard_after_forward=True), profile=llama_profile
+    )
     _exact(report)
     schedule = PipelineSpec(stages=2, micro_batches=4).pipeline_schedule
     for row in report["ranks"]:
@@ -67,12 +70,20 @@ def test_reshard_after_forward_is_predicted_to_the_byte(llama_profile):
 
 def _unsharded(profile, data_parallel: int):
     """The profile as the spec's ZeRO-3 division alone plans it: every layer's bytes / data_parallel."""
-    return dataclasses.replace(profile, layers=tuple(dataclasses.replace(
-        layer, parameter_bytes=layer.parameter_bytes / data_parallel, gradient_bytes=layer.gradient_bytes / data_parallel,
-        optimizer_bytes=layer.optimizer_bytes / data_parallel,
-        replicated_parameter_bytes=_divided(layer.replicated_parameter_bytes, data_parallel),
-        replicated_gradient_bytes=_divided(layer.replicated_gradient_bytes, data_parallel))
-        for layer in profile.layers))
+    return dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                parameter_bytes=layer.parameter_bytes / data_parallel,
+                gradient_bytes=layer.gradient_bytes / data_parallel,
+                optimizer_bytes=layer.optimizer_bytes / data_parallel,
+                replicated_parameter_bytes=_divided(layer.replicated_parameter_bytes, data_parallel),
+                replicated_gradient_bytes=_divided(layer.replicated_gradient_bytes, data_parallel),
+            )
+            for layer in profile.layers
+        ),
+    )
 
 
 def _divided(value: float | None, by: int) -> float | None:
@@ -82,23 +93,33 @@ def _divided(value: float | None, by: int) -> float | None:
 def _held_at_peak(row: dict) -> float:
     """A rank's most bytes during the measured step: its static shards, receive buffers and token ids, and
     the allocator's peak above them."""
-    return (row["measured_static_bytes"] + row["measured_receive_buffer_bytes"] + IDS_BYTES
-            + row["measured_allocated_peak_bytes"])
+    return (
+        row["measured_static_bytes"]
+        + row["measured_receive_buffer_bytes"]
+        + IDS_BYTES
+        + row["measured_allocated_peak_bytes"]
+    )
 
 
 def test_the_plan_made_without_fsdps_terms_does_not_fit_and_the_plan_made_with_them_does(llama_profile, tmp_path):
     budget = 100e6
-    blind = solve(_unsharded(llama_profile, 2), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B",
-                                                             receive_buffers=True, memory_budget_bytes=budget))
+    blind = solve(
+        _unsharded(llama_profile, 2),
+        PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True, memory_budget_bytes=budget),
+    )
     assert max(blind.stage_peak_memory_bytes) <= budget  # fits on paper
     plan_file = tmp_path / "blind.json"
     plan_file.write_text(json.dumps(blind.to_dict()))
     fsdp = {**LLAMA, "data_parallel": 2, "fsdp": True, "memory_budget_bytes": budget}
     ran = validate(Setup(**fsdp, plan=str(plan_file)), profile=llama_profile)
     assert max(_held_at_peak(row) for row in ran["ranks"]) > budget  # not in the run
-    assert max(row["predicted_static_bytes"] + row["predicted_peak_bytes"] for row in ran["ranks"]) > budget  # as predicted
+    assert (
+        max(row["predicted_static_bytes"] + row["predicted_peak_bytes"] for row in ran["ranks"]) > budget
+    )  # as predicted
     planned = validate(Setup(**fsdp, plan="solve"), profile=llama_profile)
-    assert planned["stage_layer_counts"] != list(blind.stage_layer_counts) or planned["layer_modes"] != list(blind.layer_modes)
+    assert planned["stage_layer_counts"] != list(blind.stage_layer_counts) or planned["layer_modes"] != list(
+        blind.layer_modes
+    )
     # FSDP's terms are exact (test above); the plan's recompute mixes modes in a stage, where the 1-D model
     # itself is a few saved tensors off (on its own as under FSDP: 492,416 bytes over on tiny-llama's first stage)
     for row in planned["ranks"]:
@@ -111,8 +132,19 @@ def test_pipeline_x_zero1_under_a_v_schedule_is_predicted(tmp_path):
     """tiny-moe under ZBVZeroBubble (2 chunks a rank), gradients all-reduced after the step and AdamW's
     state split by torch's ZeroRedundancyOptimizer: by whole tensors, so a rank's share is the mean but
     for the 4-byte step counts of the tensors it holds more or fewer of."""
-    report = validate(Setup(model="tiny-moe", stages=2, schedule="ZBVZeroBubble", micro_batches=4, steps=1,
-                            plan="even", data_parallel=2, zero_stage=1, profile_steps=1))
+    report = validate(
+        Setup(
+            model="tiny-moe",
+            stages=2,
+            schedule="ZBVZeroBubble",
+            micro_batches=4,
+            steps=1,
+            plan="even",
+            data_parallel=2,
+            zero_stage=1,
+            profile_steps=1,
+        )
+    )
     for row in report["ranks"]:
         assert row["measured_allocated_peak_bytes"] == row["predicted_peak_bytes"]
         assert row["measured_activation_peak_bytes"] == row["predicted_activation_peak_bytes"]
@@ -127,8 +159,9 @@ def test_pipeline_x_tensor_parallel_is_predicted(llama_profile, sequence_paralle
     """TorchTitan's Llama plan on 2 tensor-parallel ranks per stage, the 1-D profile turned into one
     rank's (`solver.mesh.rank_profile`): what autograd holds and the static shards to the byte; the
     allocator's peak within 1.5% (a collective's output, one hidden state, at the peak on either side)."""
-    report = validate(Setup(**LLAMA, plan="even", tensor_parallel=2, sequence_parallel=sequence_parallel),
-                      profile=llama_profile)
+    report = validate(
+        Setup(**LLAMA, plan="even", tensor_parallel=2, sequence_parallel=sequence_parallel), profile=llama_profile
+    )
     assert [(row["stage"], row["tp_rank"]) for row in report["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     hidden = 128 * 256 * 4  # one micro-batch's hidden state
     for row in report["ranks"]:

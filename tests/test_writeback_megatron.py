@@ -35,14 +35,33 @@ ALL_SELECTIVE = {layer: "selective" for layer in range(1, 9)}
 ALL_FULL = {layer: "full" for layer in range(1, 9)}
 LISTS = {MODULES, "--rampup-batch-size"}  # flags that take several values (nargs)
 # Every flag the write-back sets or takes out: the rest of the command must stay as it was
-OURS = {PP, LAYOUT, GRANULARITY, METHOD, RECOMPUTE_LAYERS, MODULES, GROUP, "--recompute-activations",
-        "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--checkpoint-activations",
-        "--activations-checkpoint-method", "--num-layers-per-virtual-pipeline-stage",
-        "--num-virtual-stages-per-pipeline-rank", "--distribute-saved-activations"}
+OURS = {
+    PP,
+    LAYOUT,
+    GRANULARITY,
+    METHOD,
+    RECOMPUTE_LAYERS,
+    MODULES,
+    GROUP,
+    "--recompute-activations",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--checkpoint-activations",
+    "--activations-checkpoint-method",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--distribute-saved-activations",
+}
 
 
-def plan(modes: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, micro_batches: int = 8,
-         counts: list[int] | None = None):
+def plan(
+    modes: dict[int, str] | None = None,
+    *,
+    stages: int = 4,
+    chunks: int = 1,
+    micro_batches: int = 8,
+    counts: list[int] | None = None,
+):
     """A head, 8 body layers and a tail over stages x chunks virtual stages."""
     schedule = "Interleaved1F1B" if chunks > 1 else "1F1B"
     spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
@@ -55,85 +74,240 @@ def plan(modes: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 
 
 # fixture applied, file run, plan, flags the launcher must get (None: not at all), notes said
 CASES = {
-    "arrays": ("gpt3_arrays.sh", "gpt3_arrays.sh", {"modes": FIRST_STAGE_FULL},
-               {PP: ["4"], TP: ["2"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"],
-                RECOMPUTE_LAYERS: ["1"], "--num-layers": ["8"], "--attention-backend": ["auto"]},
-               ["in the array MODEL_PARALLEL_ARGS (gpt3_arrays.sh line 47), next to --pipeline-model-parallel-size"]),
+    "arrays": (
+        "gpt3_arrays.sh",
+        "gpt3_arrays.sh",
+        {"modes": FIRST_STAGE_FULL},
+        {
+            PP: ["4"],
+            TP: ["2"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            METHOD: ["block"],
+            RECOMPUTE_LAYERS: ["1"],
+            "--num-layers": ["8"],
+            "--attention-backend": ["auto"],
+        },
+        ["in the array MODEL_PARALLEL_ARGS (gpt3_arrays.sh line 47), next to --pipeline-model-parallel-size"],
+    ),
     "commented-out pipeline size": (
-        "llama3_commented_pp.sh", "llama3_commented_pp.sh", {"modes": ALL_SELECTIVE},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["selective"], MODULES: ["layernorm"], METHOD: None,
-         "--num-layers": ["8"], "--fp8-format": ["hybrid"], "--sequence-parallel": []},
-        [("passes no --pipeline-model-parallel-size (Megatron-LM runs 1 stage then; it is only in a comment "
-         "(llama3_commented_pp.sh line 47)): the plan's 4 is added"),
-         ("added --pipeline-model-parallel-size, --pipeline-model-parallel-layout, --recompute-granularity, "
-         "--recompute-modules in the array MODEL_PARALLEL_ARGS (llama3_commented_pp.sh line 45), next to "
-         "--tensor-model-parallel-size")]),
+        "llama3_commented_pp.sh",
+        "llama3_commented_pp.sh",
+        {"modes": ALL_SELECTIVE},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["selective"],
+            MODULES: ["layernorm"],
+            METHOD: None,
+            "--num-layers": ["8"],
+            "--fp8-format": ["hybrid"],
+            "--sequence-parallel": [],
+        },
+        [
+            (
+                "passes no --pipeline-model-parallel-size (Megatron-LM runs 1 stage then; it is only in a comment "
+                "(llama3_commented_pp.sh line 47)): the plan's 4 is added"
+            ),
+            (
+                "added --pipeline-model-parallel-size, --pipeline-model-parallel-layout, --recompute-granularity, "
+                "--recompute-modules in the array MODEL_PARALLEL_ARGS (llama3_commented_pp.sh line 45), next to "
+                "--tensor-model-parallel-size"
+            ),
+        ],
+    ),
     "comments in arrays": (
-        "mixtral_moe.sh", "mixtral_moe.sh", {"modes": ALL_SELECTIVE},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["selective"], MODULES: ["layernorm"],
-         "--recompute-activations": None, "--moe-grouped-gemm": None, "--eval-iters": ["10"]},
-        ["is not the selective recompute the profile measured"]),
+        "mixtral_moe.sh",
+        "mixtral_moe.sh",
+        {"modes": ALL_SELECTIVE},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["selective"],
+            MODULES: ["layernorm"],
+            "--recompute-activations": None,
+            "--moe-grouped-gemm": None,
+            "--eval-iters": ["10"],
+        },
+        ["is not the selective recompute the profile measured"],
+    ),
     "legacy flags in a string": (
-        "gpt_legacy_string.sh", "gpt_legacy_string.sh", {"modes": ALL_FULL, "chunks": 2},
-        {PP: ["4"], LAYOUT: ["Et|t|t|t|t|t|tt|L"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["2"],
-         "--checkpoint-activations": None, "--activations-checkpoint-method": None,
-         "--num-layers-per-virtual-pipeline-stage": None},
-        ["--checkpoint-activations (gpt_legacy_string.sh line 30) is a legacy flag Megatron-LM no longer takes",
-         "--activations-checkpoint-method (gpt_legacy_string.sh line 31) is a legacy flag",
-         ("--num-layers-per-virtual-pipeline-stage (gpt_legacy_string.sh line 22) taken out: the layout's virtual "
-         "stages in its place"), "in the string GPT_ARGS (gpt_legacy_string.sh line 21)"]),
+        "gpt_legacy_string.sh",
+        "gpt_legacy_string.sh",
+        {"modes": ALL_FULL, "chunks": 2},
+        {
+            PP: ["4"],
+            LAYOUT: ["Et|t|t|t|t|t|tt|L"],
+            GRANULARITY: ["full"],
+            METHOD: ["block"],
+            RECOMPUTE_LAYERS: ["2"],
+            "--checkpoint-activations": None,
+            "--activations-checkpoint-method": None,
+            "--num-layers-per-virtual-pipeline-stage": None,
+        },
+        [
+            "--checkpoint-activations (gpt_legacy_string.sh line 30) is a legacy flag Megatron-LM no longer takes",
+            "--activations-checkpoint-method (gpt_legacy_string.sh line 31) is a legacy flag",
+            (
+                "--num-layers-per-virtual-pipeline-stage (gpt_legacy_string.sh line 22) taken out: the layout's virtual "
+                "stages in its place"
+            ),
+            "in the string GPT_ARGS (gpt_legacy_string.sh line 21)",
+        ],
+    ),
     "values on the next line": (
-        "llama2_next_line.sh", "llama2_next_line.sh", {"modes": FIRST_STAGE_FULL},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
-         "--decoder-first-pipeline-num-layers": None, "--recompute-activations": None, "--lr": ["3.0e-4"]},
-        ["in the command of llama2_next_line.sh line 17"]),
+        "llama2_next_line.sh",
+        "llama2_next_line.sh",
+        {"modes": FIRST_STAGE_FULL},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            METHOD: ["block"],
+            RECOMPUTE_LAYERS: ["1"],
+            "--decoder-first-pipeline-num-layers": None,
+            "--recompute-activations": None,
+            "--lr": ["3.0e-4"],
+        },
+        ["in the command of llama2_next_line.sh line 17"],
+    ),
     "first and last stage flags": (
-        "llama2_next_line.sh", "llama2_next_line.sh", {"counts": [2, 3, 3, 2]},
-        {PP: ["4"], LAYOUT: None, "--decoder-first-pipeline-num-layers": ["1"],
-         "--decoder-last-pipeline-num-layers": ["1"], GRANULARITY: None, METHOD: None, RECOMPUTE_LAYERS: None},
-        []),
-    "MTP": ("deepseek_v3_mtp.sh", "deepseek_v3_mtp.sh", {"modes": ALL_SELECTIVE},
-            {PP: ["4"], LAYOUT: ["Ett|tt|t*3|mL"], "--mtp-num-layers": ["1"], GRANULARITY: ["selective"],
-             MODULES: ["layernorm", "moe_act"], "--moe-layer-freq": ["([0]*3+[1]*4)"]},
-            [("--pipeline-model-parallel-size is ${PP} in deepseek_v3_mtp.sh: 4 unless PP is set where the script "
-             "is launched"), "Megatron-LM's recompute flags do not reach the MTP layers"]),
+        "llama2_next_line.sh",
+        "llama2_next_line.sh",
+        {"counts": [2, 3, 3, 2]},
+        {
+            PP: ["4"],
+            LAYOUT: None,
+            "--decoder-first-pipeline-num-layers": ["1"],
+            "--decoder-last-pipeline-num-layers": ["1"],
+            GRANULARITY: None,
+            METHOD: None,
+            RECOMPUTE_LAYERS: None,
+        },
+        [],
+    ),
+    "MTP": (
+        "deepseek_v3_mtp.sh",
+        "deepseek_v3_mtp.sh",
+        {"modes": ALL_SELECTIVE},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|mL"],
+            "--mtp-num-layers": ["1"],
+            GRANULARITY: ["selective"],
+            MODULES: ["layernorm", "moe_act"],
+            "--moe-layer-freq": ["([0]*3+[1]*4)"],
+        },
+        [
+            (
+                "--pipeline-model-parallel-size is ${PP} in deepseek_v3_mtp.sh: 4 unless PP is set where the script "
+                "is launched"
+            ),
+            "Megatron-LM's recompute flags do not reach the MTP layers",
+        ],
+    ),
     "environment prefixes": (
-        "run_interleaved.sh", "run_interleaved.sh", {"chunks": 2, "micro_batches": 10},
-        {PP: ["4"], LAYOUT: ["Et|t|t|t|t|t|tt|L"], GROUP: ["5"], "--num-virtual-stages-per-pipeline-rank": None,
-         "--global-batch-size": ["20"], "--nnodes": ["1"]},
-        ["train_interleaved.sh changes too: run_interleaved.sh sources or runs it",
-         ("--global-batch-size 20 and --micro-batch-size 1 make the plan's 10 micro-batches per step at "
-         "data-parallel size 2")]),
+        "run_interleaved.sh",
+        "run_interleaved.sh",
+        {"chunks": 2, "micro_batches": 10},
+        {
+            PP: ["4"],
+            LAYOUT: ["Et|t|t|t|t|t|tt|L"],
+            GROUP: ["5"],
+            "--num-virtual-stages-per-pipeline-rank": None,
+            "--global-batch-size": ["20"],
+            "--nnodes": ["1"],
+        },
+        [
+            "train_interleaved.sh changes too: run_interleaved.sh sources or runs it",
+            (
+                "--global-batch-size 20 and --micro-batch-size 1 make the plan's 10 micro-batches per step at "
+                "data-parallel size 2"
+            ),
+        ],
+    ),
     "sourced flags": (
-        "train_with_common.sh", "train_with_common.sh", {"modes": FIRST_STAGE_FULL},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["1"],
-         "--recompute-activations": None, "--use-flash-attn": []},
-        ["common_flags.sh changes too: train_with_common.sh sources or runs it",
-         "in the string PARALLEL_ARGS (train_with_common.sh line 10)"]),
+        "train_with_common.sh",
+        "train_with_common.sh",
+        {"modes": FIRST_STAGE_FULL},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            RECOMPUTE_LAYERS: ["1"],
+            "--recompute-activations": None,
+            "--use-flash-attn": [],
+        },
+        [
+            "common_flags.sh changes too: train_with_common.sh sources or runs it",
+            "in the string PARALLEL_ARGS (train_with_common.sh line 10)",
+        ],
+    ),
     "eval and branches": (
-        "rocm_eval.sh", "rocm_eval.sh", {"modes": FIRST_STAGE_FULL},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
-         "--num-layers": ["8"]},
-        [("--num-layers is $NUM_LAYERS in rocm_eval.sh, set in branches to 80 or 8: the plan is for the branch "
-         "that sets 8")]),
-    "CRLF": ("gpt3_crlf.sh", "gpt3_crlf.sh", {"modes": ALL_FULL},
-             {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], RECOMPUTE_LAYERS: ["3"],
-              "--recompute-activations": None},
-             ["CRLF line ends"]),
+        "rocm_eval.sh",
+        "rocm_eval.sh",
+        {"modes": FIRST_STAGE_FULL},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            METHOD: ["block"],
+            RECOMPUTE_LAYERS: ["1"],
+            "--num-layers": ["8"],
+        },
+        [
+            (
+                "--num-layers is $NUM_LAYERS in rocm_eval.sh, set in branches to 80 or 8: the plan is for the branch "
+                "that sets 8"
+            )
+        ],
+    ),
+    "CRLF": (
+        "gpt3_crlf.sh",
+        "gpt3_crlf.sh",
+        {"modes": ALL_FULL},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            RECOMPUTE_LAYERS: ["3"],
+            "--recompute-activations": None,
+        },
+        ["CRLF line ends"],
+    ),
     "a string srun's sh -c reads again": (
-        "gpt3_175b_srun.sh", "gpt3_175b_srun.sh", {"modes": FIRST_STAGE_FULL},
-        {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: ["full"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"],
-         "--checkpoint-activations": None, "--num-layers": ["8"], "--vocab-file": ["gpt2-vocab.json"]},
-        ["in the string options (gpt3_175b_srun.sh line 20), next to --pipeline-model-parallel-size",
-         "--checkpoint-activations (gpt3_175b_srun.sh line 29) is a legacy flag"]),
+        "gpt3_175b_srun.sh",
+        "gpt3_175b_srun.sh",
+        {"modes": FIRST_STAGE_FULL},
+        {
+            PP: ["4"],
+            LAYOUT: ["Ett|tt|t*3|tL"],
+            GRANULARITY: ["full"],
+            METHOD: ["block"],
+            RECOMPUTE_LAYERS: ["1"],
+            "--checkpoint-activations": None,
+            "--num-layers": ["8"],
+            "--vocab-file": ["gpt2-vocab.json"],
+        },
+        [
+            "in the string options (gpt3_175b_srun.sh line 20), next to --pipeline-model-parallel-size",
+            "--checkpoint-activations (gpt3_175b_srun.sh line 29) is a legacy flag",
+        ],
+    ),
     "arguments file through $(cat)": (
-        "train_from_args_file.sh", "train_from_args_file.sh", {"modes": FIRST_STAGE_FULL},
+        "train_from_args_file.sh",
+        "train_from_args_file.sh",
+        {"modes": FIRST_STAGE_FULL},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], METHOD: ["block"], RECOMPUTE_LAYERS: ["1"], "--bf16": []},
-        ["megatron_args.txt changes too"]),
+        ["megatron_args.txt changes too"],
+    ),
     "arguments file": (
-        "megatron_args.txt", "train_from_args_file.sh", {},
+        "megatron_args.txt",
+        "train_from_args_file.sh",
+        {},
         {PP: ["4"], LAYOUT: ["Ett|tt|t*3|tL"], GRANULARITY: None, METHOD: None, RECOMPUTE_LAYERS: None},
-        ["in the arguments file of megatron_args.txt line 3"]),
+        ["in the arguments file of megatron_args.txt line 3"],
+    ),
 }
 
 HARNESS = r"""
@@ -161,8 +335,15 @@ def launched(script: Path, environment: dict[str, str] | None = None) -> list[li
     record = script.parent / "launched.txt"
     record.unlink(missing_ok=True)
     env = {"PATH": os.environ["PATH"], "SAPP_LAUNCHED": str(record), **(environment or {})}
-    done = subprocess.run(["bash", "-c", HARNESS, str(script)], env=env, cwd=script.parent, capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["bash", "-c", HARNESS, str(script)],
+        env=env,
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     launches = record.read_text().split("<end of launch>\n")
     return [launch.splitlines() for launch in launches if launch]
@@ -178,8 +359,12 @@ def flags_of(arguments: list[str]) -> dict[str, list[list[str]]]:
         if not name.startswith("--"):
             continue
         values = [value] if equals else []
-        while not equals and index < len(arguments) and not arguments[index].startswith("--") and (
-                not values or name in LISTS):
+        while (
+            not equals
+            and index < len(arguments)
+            and not arguments[index].startswith("--")
+            and (not values or name in LISTS)
+        ):
             values.append(arguments[index])
             index += 1
         found.setdefault(name, []).append(values)
@@ -194,8 +379,12 @@ def others(arguments: list[str]) -> list[str]:
         if name in OURS:
             index += 1
             taken = 0
-            while not equals and index < len(arguments) and not arguments[index].startswith("--") and (
-                    not taken or name in LISTS):
+            while (
+                not equals
+                and index < len(arguments)
+                and not arguments[index].startswith("--")
+                and (not taken or name in LISTS)
+            ):
                 index, taken = index + 1, taken + 1
             continue
         kept.append(arguments[index])
@@ -204,8 +393,11 @@ def others(arguments: list[str]) -> list[str]:
 
 
 def comment_lines(folder: Path) -> dict[str, list[str]]:
-    return {path.name: [line.strip() for line in path.read_text().splitlines() if line.strip().startswith("#")]
-            for path in sorted(folder.iterdir()) if path.is_file() and path.suffix in (".sh", ".txt")}
+    return {
+        path.name: [line.strip() for line in path.read_text().splitlines() if line.strip().startswith("#")]
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.suffix in (".sh", ".txt")
+    }
 
 
 @pytest.fixture
@@ -245,8 +437,12 @@ def test_every_fixture_takes_the_plan_and_passes_exactly_its_flags(fixtures, tmp
             assert got.get(flag) == [values], (flag, got.get(flag))  # given once, with the plan's value
     assert others(after_launches[0]) == others(before_launches[0])
     if LAYOUT in got:
-        written = check(got[LAYOUT][0][0], pipeline_size=int(got[PP][0][0]), num_layers=int(got["--num-layers"][0][0]),
-                        mtp_layers=int(got["--mtp-num-layers"][0][0]) if "--mtp-num-layers" in got else None)
+        written = check(
+            got[LAYOUT][0][0],
+            pipeline_size=int(got[PP][0][0]),
+            num_layers=int(got["--num-layers"][0][0]),
+            mtp_layers=int(got["--mtp-num-layers"][0][0]) if "--mtp-num-layers" in got else None,
+        )
         body = [stage.count("t") + stage.count("m") for stage in written.stages]
         assert body == [sum(1 for layer in cell if layer.is_body) for cell in layout_of(chosen).virtual_stages()]
     assert comment_lines(fixtures) == before_comments  # every comment kept, the commented-out flags too
@@ -265,23 +461,33 @@ def test_the_environment_picks_the_branch_a_plan_was_written_for(fixtures):
     write_config("megatron", fixtures / "rocm_eval.sh", layout_of(plan(FIRST_STAGE_FULL)))
     for recompute in ("0", "1"):
         got = flags_of(launched(fixtures / "rocm_eval.sh", {"RECOMPUTE": recompute})[0])
-        assert got[RECOMPUTE_LAYERS] == [["1"]] and got[GRANULARITY] == [["full"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]
+        assert (
+            got[RECOMPUTE_LAYERS] == [["1"]] and got[GRANULARITY] == [["full"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]
+        )
 
 
 def test_a_value_in_a_variable_is_changed_where_it_is_set(tmp_path):
     script = tmp_path / "train.sh"
-    script.write_text("#!/bin/bash\nRECOMPUTE_NUM_LAYERS=2\nLAYERS=8\necho \"recomputing $RECOMPUTE_NUM_LAYERS\"\n"
-                      "torchrun train.py --num-layers $LAYERS --pipeline-model-parallel-size 4 \\\n"
-                      "    --recompute-granularity full --recompute-method block \\\n"
-                      "    --recompute-num-layers $RECOMPUTE_NUM_LAYERS\n")
+    script.write_text(
+        '#!/bin/bash\nRECOMPUTE_NUM_LAYERS=2\nLAYERS=8\necho "recomputing $RECOMPUTE_NUM_LAYERS"\n'
+        "torchrun train.py --num-layers $LAYERS --pipeline-model-parallel-size 4 \\\n"
+        "    --recompute-granularity full --recompute-method block \\\n"
+        "    --recompute-num-layers $RECOMPUTE_NUM_LAYERS\n"
+    )
     notes = write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL))).notes
-    assert "RECOMPUTE_NUM_LAYERS=1\n" in script.read_text() and "--recompute-num-layers $RECOMPUTE_NUM_LAYERS" in \
-        script.read_text()
-    assert "--recompute-num-layers is $RECOMPUTE_NUM_LAYERS: set where RECOMPUTE_NUM_LAYERS is assigned (train.sh " \
-           "line 2)" in notes
+    assert (
+        "RECOMPUTE_NUM_LAYERS=1\n" in script.read_text()
+        and "--recompute-num-layers $RECOMPUTE_NUM_LAYERS" in script.read_text()
+    )
+    assert (
+        "--recompute-num-layers is $RECOMPUTE_NUM_LAYERS: set where RECOMPUTE_NUM_LAYERS is assigned (train.sh "
+        "line 2)" in notes
+    )
     # one variable for two flags: the one the plan changes gets the value written out
-    script.write_text("#!/bin/bash\nN=8\ntorchrun train.py --num-layers $N --pipeline-model-parallel-size 4 "
-                      "--recompute-granularity full --recompute-method block --recompute-num-layers $N\n")
+    script.write_text(
+        "#!/bin/bash\nN=8\ntorchrun train.py --num-layers $N --pipeline-model-parallel-size 4 "
+        "--recompute-granularity full --recompute-method block --recompute-num-layers $N\n"
+    )
     notes = write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL))).notes
     assert "N=8\n" in script.read_text() and "--recompute-num-layers 1" in script.read_text()
     assert any(note.startswith("--recompute-num-layers was $N (train.sh line 3)") for note in notes)
@@ -296,23 +502,40 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
     assert not any("set to the plan's" in note for note in notes)
     script.write_text("#!/bin/bash\nPP=2\nPP=4 torchrun train.py --num-layers 8 --pipeline-model-parallel-size $PP\n")
     notes = write_config("megatron", script, layout_of(plan())).notes
-    assert "--pipeline-model-parallel-size $PP (= 2) set to the plan's 4 stages: Megatron-LM then runs world size / " \
-           "(4 x tensor x context-parallel size) data-parallel replicas" in notes
+    assert (
+        "--pipeline-model-parallel-size $PP (= 2) set to the plan's 4 stages: Megatron-LM then runs world size / "
+        "(4 x tensor x context-parallel size) data-parallel replicas" in notes
+    )
     assert script.read_text().startswith("#!/bin/bash\nPP=4\nPP=4 torchrun")
 
 
-@pytest.mark.parametrize(("written", "after", "said"), [
-    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 4", "--pipeline-model-parallel-size 2 set"),
-    ("--pipeline-model-parallel-size ${PP:-1}", "--pipeline-model-parallel-size ${PP:-4}",
-     "--pipeline-model-parallel-size ${PP:-1} (= 1) (unless PP is set where the script is launched) set"),
-    # the default of a variable's own default (PP=${PP:-1}), where the launched script reads it
-    ("PP=${PP:-1}\n--pipeline-model-parallel-size $PP", "PP=${PP:-4}\n",
-     "--pipeline-model-parallel-size $PP (= 1) (unless PP is set where the script is launched) set"),
-])
+@pytest.mark.parametrize(
+    ("written", "after", "said"),
+    [
+        (
+            "--pipeline-model-parallel-size 2",
+            "--pipeline-model-parallel-size 4",
+            "--pipeline-model-parallel-size 2 set",
+        ),
+        (
+            "--pipeline-model-parallel-size ${PP:-1}",
+            "--pipeline-model-parallel-size ${PP:-4}",
+            "--pipeline-model-parallel-size ${PP:-1} (= 1) (unless PP is set where the script is launched) set",
+        ),
+        # the default of a variable's own default (PP=${PP:-1}), where the launched script reads it
+        (
+            "PP=${PP:-1}\n--pipeline-model-parallel-size $PP",
+            "PP=${PP:-4}\n",
+            "--pipeline-model-parallel-size $PP (= 1) (unless PP is set where the script is launched) set",
+        ),
+    ],
+)
 def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, written, after, said):
     script = tmp_path / "train.sh"
     preamble, _, flag = written.rpartition("\n")
-    script.write_text(f"#!/bin/bash\n{preamble}{chr(10) if preamble else ''}torchrun t.py --num-layers 8 {flag} --lr 1\n")
+    script.write_text(
+        f"#!/bin/bash\n{preamble}{chr(10) if preamble else ''}torchrun t.py --num-layers 8 {flag} --lr 1\n"
+    )
     notes = write_config("megatron", script, layout_of(plan())).notes
     assert after in script.read_text() and "--pipeline-model-parallel-layout" in script.read_text()
     assert any(note.startswith(f"{said} to the plan's 4 stages") for note in notes)
@@ -320,24 +543,51 @@ def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, writte
     assert got[PP] == [["4"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]
 
 
-@pytest.mark.parametrize(("script", "field", "message"), [
-    # only in comments: never edited as if live
-    ("#!/bin/bash\nARGS=(\n    --num-layers 8\n    # --pipeline-model-parallel-size 4\n)\ntorchrun t.py ${ARGS[@]}\n",
-     "--config", ("has no --pipeline-model-parallel-size that bash passes to a command; it is only in a comment "
-                 "(train.sh line 4): is it a Megatron-LM launch script?")),
-    ("#!/bin/bash\nrun() {\n  torchrun t.py --pipeline-model-parallel-size 4\n}\n", "--config",
-     "it is only in a function never called (train.sh line 3)"),
-    ("#!/bin/bash\nN=9\ntorchrun t.py --num-layers $N --pipeline-model-parallel-size 4\n", "--plan",
-     "places 8 decoder layers; {path} has --num-layers $N (= 9)"),
-    ("#!/bin/bash\nARGS=\"--pipeline-model-parallel-size 4\n", "--config",
-     "train.sh line 2: the \" of line 2 is never closed; sapp-hook reads a launch script as bash does"),
-    ("#!/bin/bash\nPP_ARG=--pipeline-model-parallel-size=4\ntorchrun t.py $PP_ARG\n", "--config",
-     ("--pipeline-model-parallel-size is in the unquoted value of PP_ARG (train.sh line 2): sapp-hook adds flags in "
-     "a command, an array or a quoted string; nothing was written")),
-    ("#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2 --no-overlap-p2p-communication\n",
-     "--plan", ("interleaves 2 chunks on 2 pipeline stages; Megatron-LM with --no-overlap-p2p-communication "
-               "interleaves only over 3 stages or more")),
-])
+@pytest.mark.parametrize(
+    ("script", "field", "message"),
+    [
+        # only in comments: never edited as if live
+        (
+            "#!/bin/bash\nARGS=(\n    --num-layers 8\n    # --pipeline-model-parallel-size 4\n)\ntorchrun t.py ${ARGS[@]}\n",
+            "--config",
+            (
+                "has no --pipeline-model-parallel-size that bash passes to a command; it is only in a comment "
+                "(train.sh line 4): is it a Megatron-LM launch script?"
+            ),
+        ),
+        (
+            "#!/bin/bash\nrun() {\n  torchrun t.py --pipeline-model-parallel-size 4\n}\n",
+            "--config",
+            "it is only in a function never called (train.sh line 3)",
+        ),
+        (
+            "#!/bin/bash\nN=9\ntorchrun t.py --num-layers $N --pipeline-model-parallel-size 4\n",
+            "--plan",
+            "places 8 decoder layers; {path} has --num-layers $N (= 9)",
+        ),
+        (
+            '#!/bin/bash\nARGS="--pipeline-model-parallel-size 4\n',
+            "--config",
+            'train.sh line 2: the " of line 2 is never closed; sapp-hook reads a launch script as bash does',
+        ),
+        (
+            "#!/bin/bash\nPP_ARG=--pipeline-model-parallel-size=4\ntorchrun t.py $PP_ARG\n",
+            "--config",
+            (
+                "--pipeline-model-parallel-size is in the unquoted value of PP_ARG (train.sh line 2): sapp-hook adds flags in "
+                "a command, an array or a quoted string; nothing was written"
+            ),
+        ),
+        (
+            "#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2 --no-overlap-p2p-communication\n",
+            "--plan",
+            (
+                "interleaves 2 chunks on 2 pipeline stages; Megatron-LM with --no-overlap-p2p-communication "
+                "interleaves only over 3 stages or more"
+            ),
+        ),
+    ],
+)
 def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_path, script, field, message):
     path = tmp_path / "train.sh"
     path.write_text(script)
@@ -350,15 +600,30 @@ def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.sh"]
 
 
-@pytest.mark.parametrize(("fixture", "chosen", "message"), [
-    ("t5_220m_strings.sh", {}, ("splits one stack of 8 layers; {path} trains an encoder-decoder model "
-     "(--encoder-num-layers and --decoder-num-layers), whose stacks Megatron-LM's layout and first/last-stage flags "
-     "do not split: sapp-hook plans decoder-only models")),
-    ("mamba_hybrid.sh", {}, ("places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
-     "(--hybrid-attention-ratio, --hybrid-mlp-ratio, ../../examples/classes/pretrain_mamba.py), whose MambaStack gives "
-     "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages")),
-    ("mamba_hybrid.sh", {"chunks": 2}, "places [1, 1, 1, 1, 1, 1, 2, 0] layers on its 8 virtual"),
-])
+@pytest.mark.parametrize(
+    ("fixture", "chosen", "message"),
+    [
+        (
+            "t5_220m_strings.sh",
+            {},
+            (
+                "splits one stack of 8 layers; {path} trains an encoder-decoder model "
+                "(--encoder-num-layers and --decoder-num-layers), whose stacks Megatron-LM's layout and first/last-stage flags "
+                "do not split: sapp-hook plans decoder-only models"
+            ),
+        ),
+        (
+            "mamba_hybrid.sh",
+            {},
+            (
+                "places [2, 2, 3, 1] layers on its 4 virtual stages; {path} trains a Mamba hybrid model "
+                "(--hybrid-attention-ratio, --hybrid-mlp-ratio, ../../examples/classes/pretrain_mamba.py), whose MambaStack gives "
+                "every pipeline rank --num-layers / pipeline size layers and runs no virtual stages"
+            ),
+        ),
+        ("mamba_hybrid.sh", {"chunks": 2}, "places [1, 1, 1, 1, 1, 1, 2, 0] layers on its 8 virtual"),
+    ],
+)
 def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixture, chosen, message):
     """T5's two stacks, and Mamba hybrid models, whose MambaStack splits --num-layers evenly over the ranks
     (megatron/core/ssm/mamba_block.py, _select_layers_for_pipeline_parallel), cannot run an uneven plan."""
@@ -373,8 +638,10 @@ def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixt
 def test_a_hybrid_layer_pattern_marks_a_hybrid_model(tmp_path):
     """--hybrid-layer-pattern (Megatron-LM's HybridModel, which replaced the ratio flags) is the same model."""
     script = tmp_path / "train.sh"
-    script.write_text("#!/bin/bash\ntorchrun pretrain_hybrid.py --num-layers 8 --pipeline-model-parallel-size 4 "
-                      "--hybrid-layer-pattern M*M-M*M-\n")
+    script.write_text(
+        "#!/bin/bash\ntorchrun pretrain_hybrid.py --num-layers 8 --pipeline-model-parallel-size 4 "
+        "--hybrid-layer-pattern M*M-M*M-\n"
+    )
     with pytest.raises(InputError, match=r"\(--hybrid-layer-pattern\), whose MambaStack"):
         write_config("megatron", script, layout_of(plan()))
 
@@ -391,8 +658,12 @@ def test_a_mamba_hybrid_model_takes_an_even_plan(fixtures):
 def test_mtp_layers_split_over_two_stages_cannot_be_said(tmp_path):
     path = tmp_path / "train.sh"
     path.write_text("#!/bin/bash\ntorchrun t.py --num-layers 6 --mtp-num-layers 2 --pipeline-model-parallel-size 4\n")
-    with pytest.raises(InputError, match="cannot be said as a Megatron-LM layout: 'Ett|tt|t\\*2m|mL': the MTP layers m "
-                                         "must all be in one stage") as caught:
+    with pytest.raises(
+        InputError,
+        match=re.escape(
+            "cannot be said as a Megatron-LM layout: 'Ett|tt|t*2m|mL': the MTP layers m must all be in one stage"
+        ),
+    ) as caught:
         write_config("megatron", path, layout_of(plan()))
     assert caught.value.field == "--plan"
 
@@ -430,7 +701,7 @@ def test_the_job_check_reads_scripts_as_the_writer_does(fixtures):
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
     for name in ("gpt3_arrays.sh", "rocm_eval.sh", "deepseek_v3_mtp.sh", "llama2_next_line.sh"):
         check_job("megatron", fixtures / name, spec, 8, config_field="--config")
-    with pytest.raises(InputError, match="--config: .* does not fit this job: the plan places 9 decoder layers"):
+    with pytest.raises(InputError, match=r"--config: .* does not fit this job: the plan places 9 decoder layers"):
         check_job("megatron", fixtures / "gpt3_arrays.sh", spec, 9, config_field="--config")
 
 
@@ -445,19 +716,28 @@ def test_megatrons_own_layout_examples():
     assert parse_layout('"Et*3|(tt|)*2,t|L"') == [3, 2, 2, 1, 0]
 
 
-@pytest.mark.parametrize(("text", "sizes", "message"), [
-    ("tE|L", (2, 1, None), "the first layer must be the embedding E"),
-    ("Et|tL|L", (3, 2, None), "the last layer must be the loss L, and L must appear once"),
-    ("Et|tL", (2, 3, None), "has 2 decoder layers t; --num-layers is 3"),
-    ("Et|t|tL", (2, 3, None), "has 3 stages, not a multiple of the pipeline size 2"),
-    ("Et|mtL", (2, 2, 1), "every decoder layer t must come before the MTP layers m"),
-    ("Et|tm||L", (2, 2, 1), ("the MTP layers m must all be in one stage, the last virtual stage of its pipeline rank "
-                            "(stage 1 is virtual stage 0 of rank 1)")),
-    ("Et|tmL", (2, 2, None), "has 1 MTP layers m; --mtp-num-layers is 0"),
-    ("E((t)*2)*2|L", (2, 4, None), "groups do not nest"),
-    ("Et x|L", (2, 1, None), "' ' is not a layer"),
-    ("Et*2*3|L", (2, 2, None), "'*' is not a layer"),
-])
+@pytest.mark.parametrize(
+    ("text", "sizes", "message"),
+    [
+        ("tE|L", (2, 1, None), "the first layer must be the embedding E"),
+        ("Et|tL|L", (3, 2, None), "the last layer must be the loss L, and L must appear once"),
+        ("Et|tL", (2, 3, None), "has 2 decoder layers t; --num-layers is 3"),
+        ("Et|t|tL", (2, 3, None), "has 3 stages, not a multiple of the pipeline size 2"),
+        ("Et|mtL", (2, 2, 1), "every decoder layer t must come before the MTP layers m"),
+        (
+            "Et|tm||L",
+            (2, 2, 1),
+            (
+                "the MTP layers m must all be in one stage, the last virtual stage of its pipeline rank "
+                "(stage 1 is virtual stage 0 of rank 1)"
+            ),
+        ),
+        ("Et|tmL", (2, 2, None), "has 1 MTP layers m; --mtp-num-layers is 0"),
+        ("E((t)*2)*2|L", (2, 4, None), "groups do not nest"),
+        ("Et x|L", (2, 1, None), "' ' is not a layer"),
+        ("Et*2*3|L", (2, 2, None), "'*' is not a layer"),
+    ],
+)
 def test_layouts_megatron_refuses(text, sizes, message):
     pipeline_size, num_layers, mtp = sizes
     with pytest.raises(LayoutError, match=re.escape(message)):
@@ -484,8 +764,13 @@ def test_the_grammar_reads_what_megatron_reads_and_no_more(text):
     assert mine == _megatron_reading(text)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["t", "tt", "t*3", "(t|)*2", "m", ",t", "t*12"]), st.booleans()),
-                min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["t", "tt", "t*3", "(t|)*2", "m", ",t", "t*12"]), st.booleans()),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_well_formed_layouts_read_as_megatron_reads_them(pieces):
     text = "E" + "".join(piece + ("|" if stage_end else "") for piece, stage_end in pieces) + "L"
     assert parse_stages(text) == _megatron_reading(text)
@@ -499,9 +784,11 @@ def test_the_written_layout_is_the_plans_split():
 
 def test_what_the_script_leaves_to_launch_is_said(tmp_path):
     script = tmp_path / "train.sh"
-    script.write_text("#!/bin/bash\nsource ./site_settings.sh 2>/dev/null\n"
-                      "torchrun t.py --num-layers 8 $EXTRA_ARGS --tokenizer-model $TOKENIZER "
-                      "--pipeline-model-parallel-size 4\n")
+    script.write_text(
+        "#!/bin/bash\nsource ./site_settings.sh 2>/dev/null\n"
+        "torchrun t.py --num-layers 8 $EXTRA_ARGS --tokenizer-model $TOKENIZER "
+        "--pipeline-model-parallel-size 4\n"
+    )
     notes = write_config("megatron", script, layout_of(plan())).notes
     # $TOKENIZER is the value of a flag before it; $EXTRA_ARGS may hold flags
     assert "the launch command also expands $EXTRA_ARGS, known only at launch: flags there are not seen" in notes
@@ -513,23 +800,33 @@ def test_flags_continued_on_the_next_line_leave_no_stale_value(tmp_path):
     """A value on the line after its flag is the flag's (bash joins the lines): it is changed or goes with
     it, the first-stage flag goes beside a layout, and a command whose last lines go still ends."""
     script = tmp_path / "train.sh"
-    script.write_text("#!/bin/bash\ntorchrun t.py \\\n    --num-layers 8 \\\n    --pipeline-model-parallel-size \\\n"
-                      "        4 \\\n    --recompute-granularity full --recompute-method block \\\n"
-                      "    --recompute-num-layers \\\n        2 \\\n    --decoder-first-pipeline-num-layers \\\n"
-                      "        1\necho launched\n")
+    script.write_text(
+        "#!/bin/bash\ntorchrun t.py \\\n    --num-layers 8 \\\n    --pipeline-model-parallel-size \\\n"
+        "        4 \\\n    --recompute-granularity full --recompute-method block \\\n"
+        "    --recompute-num-layers \\\n        2 \\\n    --decoder-first-pipeline-num-layers \\\n"
+        "        1\necho launched\n"
+    )
     write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL)))
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     got = flags_of(launched(script)[0])
-    assert got == {"--num-layers": [["8"]], PP: [["4"]], LAYOUT: [["Ett|tt|t*3|tL"]], GRANULARITY: [["full"]],
-                   METHOD: [["block"]], RECOMPUTE_LAYERS: [["1"]]}
+    assert got == {
+        "--num-layers": [["8"]],
+        PP: [["4"]],
+        LAYOUT: [["Ett|tt|t*3|tL"]],
+        GRANULARITY: [["full"]],
+        METHOD: [["block"]],
+        RECOMPUTE_LAYERS: [["1"]],
+    }
     assert script.read_text().endswith("    --recompute-num-layers \\\n        1\necho launched\n")
 
 
 def test_flags_passed_on_as_arguments_are_changed_where_the_caller_writes_them(tmp_path):
     """`"$@"` in a function or a called script passes the caller's arguments: a flag there is the caller's."""
     inner = tmp_path / "inner.sh"
-    inner.write_text('#!/bin/bash\nrun() {\n  torchrun t.py --num-layers 8 --pipeline-model-parallel-size 4 "$@"\n}\n'
-                     'run "$@" --bf16\n')
+    inner.write_text(
+        '#!/bin/bash\nrun() {\n  torchrun t.py --num-layers 8 --pipeline-model-parallel-size 4 "$@"\n}\n'
+        'run "$@" --bf16\n'
+    )
     outer = tmp_path / "outer.sh"
     outer.write_text('#!/bin/bash\nbash "$(dirname "$0")/inner.sh" --recompute-activations --lr 1\n')
     write_config("megatron", outer, layout_of(plan(ALL_SELECTIVE)))
@@ -542,8 +839,10 @@ def test_a_batch_size_ramp_is_said_with_the_micro_batches(tmp_path):
     """`--rampup-batch-size 16 16 5859375` (examples/pretrain_gpt3_175B.sh, Megatron-LM 2021): the global batch
     grows to --global-batch-size, so the plan's micro-batch count holds once the ramp is done."""
     script = tmp_path / "train.sh"
-    script.write_text("#!/bin/bash\ntorchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size 4 "
-                      "--micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 5859375 --lr 1e-4\n")
+    script.write_text(
+        "#!/bin/bash\ntorchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size 4 "
+        "--micro-batch-size 1 --global-batch-size 64 --rampup-batch-size 16 16 5859375 --lr 1e-4\n"
+    )
     notes = write_config("megatron", script, layout_of(plan())).notes
     assert any(note.startswith("--rampup-batch-size 16 16 5859375: the global batch grows to 64") for note in notes)
     assert flags_of(launched(script)[0])["--rampup-batch-size"] == [["16", "16", "5859375"]]

@@ -28,8 +28,12 @@ from solver import PipelineSpec, evaluate_plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
 # head, 8 blocks, tail over 4 virtual stages: blocks [2, 2, 3, 1]
-PARTS_OUTPUT = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3"],
-                ["layers.4", "layers.5", "layers.6"], ["layers.7", "norm", "output"]]
+PARTS_OUTPUT = [
+    ["tok_embeddings", "layers.0", "layers.1"],
+    ["layers.2", "layers.3"],
+    ["layers.4", "layers.5", "layers.6"],
+    ["layers.7", "norm", "output"],
+]
 PARTS_LM_HEAD = [*PARTS_OUTPUT[:3], ["layers.7", "norm", "lm_head"]]
 POINTS = ["layers.2", "layers.4", "layers.7"]
 EVERY_SECOND = {2: "full", 4: "full", 6: "full"}  # blocks 1, 3, 5: the second of ranks 0, 1 and 2
@@ -39,11 +43,20 @@ EVERY_SECOND = {2: "full", 4: "full", 6: "full"}  # blocks 1, 3, 5: the second o
 def no_installed_torchtitan(monkeypatch):
     """The tests say where a TorchTitan source is; one installed where they run would answer for it."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "torchtitan" else real(name, *args))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "torchtitan" else real(name, *args)
+    )
 
 
-def plan(modes: dict[int, str] | None = None, *, stages: int = 4, chunks: int = 1, schedule: str = "1F1B",
-         counts: list[int] | None = None, micro_batches: int = 8):
+def plan(
+    modes: dict[int, str] | None = None,
+    *,
+    stages: int = 4,
+    chunks: int = 1,
+    schedule: str = "1F1B",
+    counts: list[int] | None = None,
+    micro_batches: int = 8,
+):
     spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
     layers = ["none"] * 10
     for index, mode in (modes or {}).items():
@@ -98,31 +111,85 @@ def removed_lines(before: str, after: str) -> list[str]:
 
 # fixture, function, the pipeline keys read back, the checkpointing read back, keys that must be gone
 TOML_CASES = [
-    ("debug_model_v0_2.toml", "parallelism",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"}, ()),
-    ("llama3_405b_2025_02.toml", "parallelism",  # training.batch_size 16 in 8 micro-batches
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 2,
-      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
-    ("llama3_8b_2025_01_split_points.toml", "parallelism",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatches": 8,
-      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
-    ("llama3_8b_2024_experimental.toml", "experimental",  # the 2024 spelling of the schedule kept
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1f1b", "pipeline_parallel_microbatches": 8,
-      "pipeline_parallel_split_points": POINTS}, {"mode": "selective", "selective_ac_option": "2"}, ()),
-    ("deepseek_v3_16b_crlf.toml", "parallelism",  # local_batch_size 32 in 8
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 4,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"},
-     ("pipeline_parallel_layers_per_stage",)),
-    ("qwen3_pp_fqns.toml", "parallelism",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"},
-     ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")),
+    (
+        "debug_model_v0_2.toml",
+        "parallelism",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 1,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        (),
+    ),
+    (
+        "llama3_405b_2025_02.toml",
+        "parallelism",  # training.batch_size 16 in 8 micro-batches
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 2,
+            "pipeline_parallel_split_points": POINTS,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        (),
+    ),
+    (
+        "llama3_8b_2025_01_split_points.toml",
+        "parallelism",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatches": 8,
+            "pipeline_parallel_split_points": POINTS,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        (),
+    ),
+    (
+        "llama3_8b_2024_experimental.toml",
+        "experimental",  # the 2024 spelling of the schedule kept
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1f1b",
+            "pipeline_parallel_microbatches": 8,
+            "pipeline_parallel_split_points": POINTS,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        (),
+    ),
+    (
+        "deepseek_v3_16b_crlf.toml",
+        "parallelism",  # local_batch_size 32 in 8
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 4,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        ("pipeline_parallel_layers_per_stage",),
+    ),
+    (
+        "qwen3_pp_fqns.toml",
+        "parallelism",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 1,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"),
+    ),
 ]
 
 
 @pytest.mark.parametrize("via", ["api", "cli"])
-@pytest.mark.parametrize(("name", "table", "keys", "checkpoint", "gone"), TOML_CASES, ids=[case[0] for case in TOML_CASES])
+@pytest.mark.parametrize(
+    ("name", "table", "keys", "checkpoint", "gone"), TOML_CASES, ids=[case[0] for case in TOML_CASES]
+)
 def test_every_toml_fixture_takes_the_plan(tmp_path, capsys, via, name, table, keys, checkpoint, gone):
     path = copy(tmp_path, name)
     os.chmod(path, 0o640)
@@ -139,8 +206,9 @@ def test_every_toml_fixture_takes_the_plan(tmp_path, capsys, via, name, table, k
     # only lines holding keys the plan sets or removes changed; every comment elsewhere is kept
     text, old = after.decode("utf-8"), before.decode("utf-8")
     for line in removed_lines(old, text):
-        assert any(key in line for key in ("pipeline_parallel", "module_fqns", "mode", "selective_ac_option",
-                                           '["', "]")), line
+        assert any(
+            key in line for key in ("pipeline_parallel", "module_fqns", "mode", "selective_ac_option", '["', "]")
+        ), line
     for line in old.splitlines():
         if line.lstrip().startswith("#"):
             assert line in text.splitlines()
@@ -153,43 +221,138 @@ def test_every_toml_fixture_takes_the_plan(tmp_path, capsys, via, name, table, k
 EVERY_SECOND_AC = "ActivationCheckpointConfig(mode='selective', selective_ac_option='2')"
 # fixture, function, ParallelismConfig fields read back, checkpointing read back, fields that must be gone, side file
 PYTHON_CASES = [
-    ("llama3_config_registry_2026_03.py", "llama3_debugmodel",  # the head named in the file: filter_fqns=["output"]
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": EVERY_SECOND_AC}, (), False),
-    ("llama3_config_registry_2026_03.py", "llama3_8b",  # no ParallelismConfig: one added; 16 in 8
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 2,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"expr": EVERY_SECOND_AC}, (), False),
-    ("llama3_config_registry_2026_03.py", "llama3_debugmodel_float8",  # changes llama3_debugmodel's config
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
-      "module_fqns_per_model_part": PARTS_OUTPUT}, {"mode": "selective", "selective_ac_option": "2"}, (), False),
-    ("qwen3_config_registry_main.py", "qwen3_debugmodel",
-     {"data_parallel_shard_degree": -1, "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B",
-      "num_pp_microbatches": 8, "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD},
-     {"expr": "FullAC.Config()"}, ("pipeline_parallel_layers_per_stage",), True),
-    ("qwen3_config_registry_main.py", "qwen3_debugmodel_long",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
-      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD, "pipeline_parallel_layers_per_stage": None},
-     {"expr": "FullAC.Config()"}, (), True),
-    ("qwen3_config_registry_main.py", "qwen3_14b",
-     {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B",
-      "num_pp_microbatches": 8, "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD},
-     {"expr": "FullAC.Config()"}, (), True),
-    ("deepseek_v3_user_registry_crlf.py", "deepseek_v3_16b_pp",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
-      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
-    ("deepseek_v3_user_registry_crlf.py", "deepseek_v3_small",
-     {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
-      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
-    ("my_llama_job.py", None,  # the file's only function
-     {"pipeline_parallel_degree": 4, "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
-      "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}, {"expr": "FullAC.Config()"}, (), True),
+    (
+        "llama3_config_registry_2026_03.py",
+        "llama3_debugmodel",  # the head named in the file: filter_fqns=["output"]
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 1,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"expr": EVERY_SECOND_AC},
+        (),
+        False,
+    ),
+    (
+        "llama3_config_registry_2026_03.py",
+        "llama3_8b",  # no ParallelismConfig: one added; 16 in 8
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 2,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"expr": EVERY_SECOND_AC},
+        (),
+        False,
+    ),
+    (
+        "llama3_config_registry_2026_03.py",
+        "llama3_debugmodel_float8",  # changes llama3_debugmodel's config
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 1,
+            "module_fqns_per_model_part": PARTS_OUTPUT,
+        },
+        {"mode": "selective", "selective_ac_option": "2"},
+        (),
+        False,
+    ),
+    (
+        "qwen3_config_registry_main.py",
+        "qwen3_debugmodel",
+        {
+            "data_parallel_shard_degree": -1,
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+        },
+        {"expr": "FullAC.Config()"},
+        ("pipeline_parallel_layers_per_stage",),
+        True,
+    ),
+    (
+        "qwen3_config_registry_main.py",
+        "qwen3_debugmodel_long",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+            "pipeline_parallel_layers_per_stage": None,
+        },
+        {"expr": "FullAC.Config()"},
+        (),
+        True,
+    ),
+    (
+        "qwen3_config_registry_main.py",
+        "qwen3_14b",
+        {
+            "tensor_parallel_degree": 2,
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+        },
+        {"expr": "FullAC.Config()"},
+        (),
+        True,
+    ),
+    (
+        "deepseek_v3_user_registry_crlf.py",
+        "deepseek_v3_16b_pp",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+        },
+        {"expr": "FullAC.Config()"},
+        (),
+        True,
+    ),
+    (
+        "deepseek_v3_user_registry_crlf.py",
+        "deepseek_v3_small",
+        {
+            "pipeline_parallel_degree": 4,
+            "pipeline_parallel_schedule": "1F1B",
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+        },
+        {"expr": "FullAC.Config()"},
+        (),
+        True,
+    ),
+    (
+        "my_llama_job.py",
+        None,  # the file's only function
+        {
+            "pipeline_parallel_degree": 4,
+            "num_pp_microbatches": 8,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+        },
+        {"expr": "FullAC.Config()"},
+        (),
+        True,
+    ),
 ]
 
 
 @pytest.mark.parametrize("via", ["api", "cli"])
-@pytest.mark.parametrize(("name", "function", "fields", "checkpoint", "gone", "side_file"), PYTHON_CASES,
-                         ids=[f"{case[0]}:{case[1]}" for case in PYTHON_CASES])
-def test_every_python_fixture_takes_the_plan(tmp_path, capsys, via, name, function, fields, checkpoint, gone, side_file):
+@pytest.mark.parametrize(
+    ("name", "function", "fields", "checkpoint", "gone", "side_file"),
+    PYTHON_CASES,
+    ids=[f"{case[0]}:{case[1]}" for case in PYTHON_CASES],
+)
+def test_every_python_fixture_takes_the_plan(
+    tmp_path, capsys, via, name, function, fields, checkpoint, gone, side_file
+):
     path = copy(tmp_path, name)
     before = path.read_bytes()
     notes = apply(path, function, plan(EVERY_SECOND), via, capsys)
@@ -205,10 +368,13 @@ def test_every_python_fixture_takes_the_plan(tmp_path, capsys, via, name, functi
     if side_file:  # main's FullAC checkpoints every block; the plan only every second one of a rank
         assert any("checkpoints every block alike" in note for note in notes)
     # every other function is as it was
-    functions = [{node.name: ast.dump(node) for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
-                 for source in (before.decode("utf-8"), text)]
+    functions = [
+        {node.name: ast.dump(node) for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+        for source in (before.decode("utf-8"), text)
+    ]
     assert {name: dump for name, dump in functions[0].items() if name != chosen} == {
-        name: dump for name, dump in functions[1].items() if name != chosen}
+        name: dump for name, dump in functions[1].items() if name != chosen
+    }
     for line in before.decode("utf-8").splitlines():
         if line.lstrip().startswith("#"):
             assert line in text.splitlines()
@@ -241,14 +407,17 @@ def test_a_python_edit_is_minimal(tmp_path):
     assert "        activation_checkpoint=None,\n" in after  # the plan recomputes nothing
 
 
-@pytest.mark.parametrize(("modes", "chunks", "every"), [
-    (EVERY_SECOND, 1, 2),
-    ({2: "full", 4: "full"}, 1, None),  # rank 2's second block (5) is not recomputed
-    ({index: "full" for index in range(1, 9)}, 1, None),  # all of them: mode "full", not this
-    # interleaved: rank 0 holds blocks 0, 1, 4, 5, 6 and rank 1 holds 2, 3, 7, each counted on its rank
-    ({2: "full", 6: "full", 4: "full"}, 2, 2),
-    ({2: "full", 4: "full", 6: "full", 8: "full"}, 2, None),  # every second block in model order is not
-])
+@pytest.mark.parametrize(
+    ("modes", "chunks", "every"),
+    [
+        (EVERY_SECOND, 1, 2),
+        ({2: "full", 4: "full"}, 1, None),  # rank 2's second block (5) is not recomputed
+        ({index: "full" for index in range(1, 9)}, 1, None),  # all of them: mode "full", not this
+        # interleaved: rank 0 holds blocks 0, 1, 4, 5, 6 and rank 1 holds 2, 3, 7, each counted on its rank
+        ({2: "full", 6: "full", 4: "full"}, 2, 2),
+        ({2: "full", 4: "full", 6: "full", 8: "full"}, 2, None),  # every second block in model order is not
+    ],
+)
 def test_every_kth_block_counts_on_each_rank(modes, chunks, every):
     stages = 4 // chunks
     chosen = plan(modes, stages=stages, chunks=chunks, schedule="Interleaved1F1B" if chunks > 1 else "1F1B")
@@ -265,11 +434,14 @@ def test_a_plan_torchtitan_cannot_say_per_layer_gets_the_heaviest_mode_and_a_sid
     assert json.loads(side.read_text()) == chosen.to_dict() and str(side) in result.written
 
 
-@pytest.mark.parametrize(("text", "said"), [
-    ('pipeline_parallel_degree = "4"', "the string '4'"),  # not "is for 4 pipeline stages; ... has 4"
-    ("pipeline_parallel_degree = 4.0", "float 4.0"),
-    ("pipeline_parallel_degree = true", "bool True"),
-])
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('pipeline_parallel_degree = "4"', "the string '4'"),  # not "is for 4 pipeline stages; ... has 4"
+        ("pipeline_parallel_degree = 4.0", "float 4.0"),
+        ("pipeline_parallel_degree = true", "bool True"),
+    ],
+)
 def test_a_degree_that_is_not_a_number_is_one_error_saying_so(tmp_path, capsys, text, said):
     path = copy(tmp_path, "debug_model_v0_2.toml")
     path.write_text(path.read_text().replace("pipeline_parallel_degree = 1", text))
@@ -279,8 +451,10 @@ def test_a_degree_that_is_not_a_number_is_one_error_saying_so(tmp_path, capsys, 
     with pytest.raises(SystemExit) as caught:
         main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", str(path)])
     assert caught.value.code == 2
-    assert capsys.readouterr().err == (f"sapp-hook apply: error: --config: {path}: parallelism.pipeline_parallel_degree "
-                                       f"is {said}; TorchTitan expects a whole number of pipeline ranks\n")
+    assert capsys.readouterr().err == (
+        f"sapp-hook apply: error: --config: {path}: parallelism.pipeline_parallel_degree "
+        f"is {said}; TorchTitan expects a whole number of pipeline ranks\n"
+    )
     assert path.read_bytes() == before
 
 
@@ -288,7 +462,9 @@ def test_a_python_degree_that_is_a_string_is_refused(tmp_path):
     path = copy(tmp_path, "my_llama_job.py")
     path.write_text(path.read_text().replace("pipeline_parallel_degree=4", 'pipeline_parallel_degree="4"'))
     before = path.read_bytes()
-    with pytest.raises(InputError, match=r"llama3_pp: parallelism.pipeline_parallel_degree is the string '4'") as caught:
+    with pytest.raises(
+        InputError, match=r"llama3_pp: parallelism.pipeline_parallel_degree is the string '4'"
+    ) as caught:
         write_config("torchtitan", path, layout_of(plan()))
     assert caught.value.field == "--config" and path.read_bytes() == before
 
@@ -297,9 +473,12 @@ def test_the_pipeline_degree_and_schedule_are_set_with_notes(tmp_path):
     path = copy(tmp_path, "qwen3_pp_fqns.toml")
     notes = write_config("torchtitan", path, layout_of(plan())).notes
     assert notes[:2] == [
-        ("parallelism.pipeline_parallel_degree was 2; set to the plan's 4: the job runs 4 pipeline ranks for every rank "
-         "of its other degrees (check data_parallel_shard_degree and the launcher's rank count)"),
-        "parallelism.pipeline_parallel_schedule was 'GPipe'; set to the plan's '1F1B'"]
+        (
+            "parallelism.pipeline_parallel_degree was 2; set to the plan's 4: the job runs 4 pipeline ranks for every rank "
+            "of its other degrees (check data_parallel_shard_degree and the launcher's rank count)"
+        ),
+        "parallelism.pipeline_parallel_schedule was 'GPipe'; set to the plan's '1F1B'",
+    ]
     assert "pipeline_parallel_degree = 4  # two nodes\n" in path.read_text()
 
 
@@ -309,14 +488,17 @@ def test_a_python_config_with_several_functions_needs_one_named(tmp_path, capsys
     with pytest.raises(InputError) as caught:
         write_config("torchtitan", path, layout_of(plan()))
     assert caught.value.field == "--config"
-    assert caught.value.detail == (f"{path} defines 3 config functions (qwen3_debugmodel, qwen3_debugmodel_long, "
-                                   f"qwen3_14b): name the one the job runs as {path}:FUNCTION (TorchTitan's --config "
-                                   "FUNCTION)")
+    assert caught.value.detail == (
+        f"{path} defines 3 config functions (qwen3_debugmodel, qwen3_debugmodel_long, "
+        f"qwen3_14b): name the one the job runs as {path}:FUNCTION (TorchTitan's --config "
+        "FUNCTION)"
+    )
     with pytest.raises(InputError, match=r"has no config function 'qwen3_8b'; it defines qwen3_debugmodel, "):
         write_config("torchtitan", f"{path}:qwen3_8b", layout_of(plan()))
     with pytest.raises(InputError, match=r"does not exist or is not a file"):
-        check_destination("torchtitan", f"{tmp_path / 'missing.py'}:qwen3_14b", target_field="--target",
-                          config_field="--config")
+        check_destination(
+            "torchtitan", f"{tmp_path / 'missing.py'}:qwen3_14b", target_field="--target", config_field="--config"
+        )
     check_destination("torchtitan", f"{path}:qwen3_14b", target_field="--target", config_field="--config")
     assert path.read_bytes() == before
 
@@ -326,11 +508,18 @@ def test_apply_dry_run_shows_the_python_diff_and_writes_nothing(tmp_path, capsys
     before = path.read_bytes()
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan().to_dict()))
-    assert main(["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", f"{path}:llama3_8b",
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            ["apply", "--plan", str(plan_file), "--target", "torchtitan", "--config", f"{path}:llama3_8b", "--dry-run"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(f"--- {path} (before)\n+++ {path} (sapp-hook)\n")
-    assert "+        parallelism=ParallelismConfig(\n" in out and '+                ["layers.7", "norm", "output"],\n' in out
+    assert (
+        "+        parallelism=ParallelismConfig(\n" in out
+        and '+                ["layers.7", "norm", "output"],\n' in out
+    )
     assert path.read_bytes() == before and not Path(f"{path}.sapp-hook.bak").exists()
 
 
@@ -338,7 +527,8 @@ OLD_PYTHON_CONFIG = (
     "from torchtitan.config import ActivationCheckpointConfig, TrainingConfig\n\n\n"
     "def llama3_8b() -> Trainer.Config:\n    return Trainer.Config(\n"
     "        training=TrainingConfig(local_batch_size=8),\n"
-    '        activation_checkpoint=ActivationCheckpointConfig(mode="selective", selective_ac_option="op"),\n    )\n')
+    '        activation_checkpoint=ActivationCheckpointConfig(mode="selective", selective_ac_option="op"),\n    )\n'
+)
 
 
 def _checkout(root: Path, head: str, fields: list[str]) -> None:
@@ -347,17 +537,22 @@ def _checkout(root: Path, head: str, fields: list[str]) -> None:
     (root / "torchtitan" / "distributed").mkdir(parents=True)
     (root / "torchtitan" / "config").mkdir()
     (root / "torchtitan" / "distributed" / "pipeline_parallel.py").write_text(
-        f'def generate_llm_fqn_per_model_part():\n    return [["tok_embeddings"], ["norm", "{head}"]]\n')
+        f'def generate_llm_fqn_per_model_part():\n    return [["tok_embeddings"], ["norm", "{head}"]]\n'
+    )
     (root / "torchtitan" / "config" / "configs.py").write_text(
-        "class ParallelismConfig:\n" + "".join(f"    {name}: int = 1\n" for name in fields))
+        "class ParallelismConfig:\n" + "".join(f"    {name}: int = 1\n" for name in fields)
+    )
 
 
 @pytest.mark.parametrize("head", ["output", "lm_head"])
 def test_an_old_python_config_takes_the_head_name_of_the_torchtitan_it_runs_on(tmp_path, head):
     """A config of 2026-02..06 (ActivationCheckpointConfig, local_batch_size) that names no module does
     not say whether its head is `output` or `lm_head` (renamed 2026-04): the checkout above it does."""
-    _checkout(tmp_path / "titan", head, ["pipeline_parallel_degree", "module_fqns_per_model_part",
-                                         "pipeline_parallel_microbatch_size"])
+    _checkout(
+        tmp_path / "titan",
+        head,
+        ["pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_microbatch_size"],
+    )
     inside = tmp_path / "titan" / "torchtitan" / "models" / "llama3" / "config_registry.py"
     inside.parent.mkdir(parents=True)
     inside.write_text(OLD_PYTHON_CONFIG)
@@ -385,19 +580,28 @@ def test_an_old_python_config_alone_lists_both_head_names(tmp_path, capsys, via)
     assert any("the last model part lists both" in note for note in notes)
     after = path.read_text()
     assert [line for line in before.splitlines() if line.lstrip().startswith("#")] == [
-        line for line in after.splitlines() if line.lstrip().startswith("#")]
+        line for line in after.splitlines() if line.lstrip().startswith("#")
+    ]
     untouched = {node.name: ast.dump(node) for node in ast.parse(before).body if isinstance(node, ast.FunctionDef)}
     changed = {node.name: ast.dump(node) for node in ast.parse(after).body if isinstance(node, ast.FunctionDef)}
     assert {name for name in untouched if untouched[name] != changed[name]} == {"qwen3_14b"}
 
 
 def test_an_installed_torchtitan_answers_where_no_checkout_is_above_the_config(tmp_path, monkeypatch):
-    _checkout(tmp_path / "site-packages", "lm_head", ["pipeline_parallel_degree", "module_fqns_per_model_part",
-                                                      "pipeline_parallel_microbatch_size"])
+    _checkout(
+        tmp_path / "site-packages",
+        "lm_head",
+        ["pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_microbatch_size"],
+    )
     init = tmp_path / "site-packages" / "torchtitan" / "__init__.py"
     init.write_text("")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: importlib.machinery.ModuleSpec(
-        name, None, origin=str(init)) if name == "torchtitan" else None)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: (
+            importlib.machinery.ModuleSpec(name, None, origin=str(init)) if name == "torchtitan" else None
+        ),
+    )
     path = tmp_path / "config_registry.py"
     path.write_text("def llama3_8b():\n    return Trainer.Config(training=TrainingConfig(local_batch_size=16))\n")
     write_config("torchtitan", path, layout_of(plan()))
@@ -415,8 +619,11 @@ def test_a_toml_config_takes_the_keys_of_the_torchtitan_beside_it(tmp_path):
     notes = write_config("torchtitan", alone, layout_of(plan())).notes
     assert tomllib.loads(alone.read_text())["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT
     assert any("does not say which TorchTitan it is for" in note for note in notes)
-    _checkout(tmp_path / "titan", "output", ["pipeline_parallel_degree", "pipeline_parallel_split_points",
-                                             "pipeline_parallel_microbatch_size"])
+    _checkout(
+        tmp_path / "titan",
+        "output",
+        ["pipeline_parallel_degree", "pipeline_parallel_split_points", "pipeline_parallel_microbatch_size"],
+    )
     inside = tmp_path / "titan" / "train_configs" / "train.toml"
     inside.parent.mkdir()
     inside.write_text(text)
@@ -426,21 +633,41 @@ def test_a_toml_config_takes_the_keys_of_the_torchtitan_beside_it(tmp_path):
     assert not any("does not say which TorchTitan" in note for note in notes)
 
 
-@pytest.mark.parametrize(("name", "edit", "message"), [
-    ("debug_model_v0_2.toml", ("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 1\npipeline_parallel_schedule_csv = "s.csv"'),
-     "parallelism.pipeline_parallel_schedule_csv is 's.csv': TorchTitan runs that file's action order"),
-    ("debug_model_v0_2.toml", ("local_batch_size = 8", "local_batch_size = 12"),
-     "is for 8 micro-batches; .* has training.local_batch_size 12, which does not split into 8"),
-    ("debug_model_v0_2.toml", ("local_batch_size = 8", 'local_batch_size = "8"'),
-     "training.local_batch_size is the string '8'; TorchTitan expects a whole number"),
-    ("my_llama_job.py", ("num_pp_microbatches=8)", "num_pp_microbatches=8, pipeline_parallel_schedule_csv=\"s.csv\")"),
-     "sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that file's action order"),
-    ("llama3_config_registry_2026_03.py:llama3_405b", ("", ""),
-     "is for 8 micro-batches; .* llama3_405b has training.local_batch_size 2, which does not split into 8"),
-    ("qwen3_config_registry_main.py:qwen3_debugmodel_long",
-     ("    return config", "    config.parallelism = make_parallelism()\n    return config"),
-     "qwen3_debugmodel_long would not set .* as written; it was left as it was"),
-])
+@pytest.mark.parametrize(
+    ("name", "edit", "message"),
+    [
+        (
+            "debug_model_v0_2.toml",
+            ("pipeline_parallel_degree = 1", 'pipeline_parallel_degree = 1\npipeline_parallel_schedule_csv = "s.csv"'),
+            "parallelism.pipeline_parallel_schedule_csv is 's.csv': TorchTitan runs that file's action order",
+        ),
+        (
+            "debug_model_v0_2.toml",
+            ("local_batch_size = 8", "local_batch_size = 12"),
+            "is for 8 micro-batches; .* has training.local_batch_size 12, which does not split into 8",
+        ),
+        (
+            "debug_model_v0_2.toml",
+            ("local_batch_size = 8", 'local_batch_size = "8"'),
+            "training.local_batch_size is the string '8'; TorchTitan expects a whole number",
+        ),
+        (
+            "my_llama_job.py",
+            ("num_pp_microbatches=8)", 'num_pp_microbatches=8, pipeline_parallel_schedule_csv="s.csv")'),
+            "sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that file's action order",
+        ),
+        (
+            "llama3_config_registry_2026_03.py:llama3_405b",
+            ("", ""),
+            "is for 8 micro-batches; .* llama3_405b has training.local_batch_size 2, which does not split into 8",
+        ),
+        (
+            "qwen3_config_registry_main.py:qwen3_debugmodel_long",
+            ("    return config", "    config.parallelism = make_parallelism()\n    return config"),
+            "qwen3_debugmodel_long would not set .* as written; it was left as it was",
+        ),
+    ],
+)
 def test_configs_that_cannot_take_the_plan_are_refused_and_left_byte_identical(tmp_path, name, edit, message):
     file, _, function = name.partition(":")
     path = copy(tmp_path, file)
@@ -458,8 +685,11 @@ def test_the_2024_schedules_are_spelled_as_that_torchtitan_spells_them(tmp_path)
     write_config("torchtitan", path, layout_of(interleaved))
     assert tomllib.loads(path.read_text())["experimental"]["pipeline_parallel_schedule"] == "interleaved_1f1b"
     before = path.read_bytes()
-    with pytest.raises(InputError, match=r"--plan: is for ZBVZeroBubble; this TorchTitan \(schedules spelled gpipe, 1f1b, "
-                                         r"interleaved_1f1b\) runs only GPipe, 1F1B, Interleaved1F1B$"):
+    with pytest.raises(
+        InputError,
+        match=r"--plan: is for ZBVZeroBubble; this TorchTitan \(schedules spelled gpipe, 1f1b, "
+        r"interleaved_1f1b\) runs only GPipe, 1F1B, Interleaved1F1B$",
+    ):
         write_config("torchtitan", path, layout_of(plan(stages=2, chunks=2, schedule="ZBVZeroBubble")))
     assert path.read_bytes() == before
 
@@ -468,8 +698,11 @@ def test_split_points_cannot_say_a_stage_without_blocks(tmp_path):
     path = copy(tmp_path, "llama3_8b_2025_01_split_points.toml")
     before = path.read_bytes()
     tail_alone = plan(counts=[3, 3, 3, 1])  # head + 2, 3, 3 blocks, then the tail alone
-    with pytest.raises(InputError, match="gives virtual stage 3 no decoder layer; this TorchTitan splits the model at "
-                                         r"decoder layers \(pipeline_parallel_split_points\)"):
+    with pytest.raises(
+        InputError,
+        match="gives virtual stage 3 no decoder layer; this TorchTitan splits the model at "
+        r"decoder layers \(pipeline_parallel_split_points\)",
+    ):
         write_config("torchtitan", path, layout_of(tail_alone))
     assert path.read_bytes() == before
     fqns = copy(tmp_path, "qwen3_pp_fqns.toml")  # module lists can: the last part is the tail
@@ -500,8 +733,11 @@ def test_a_2024_config_without_pipeline_keys_gets_them_where_2024_read_them(tmp_
     path.write_text("[training]\nbatch_size = 8\ndata_parallel_degree = -1\ntensor_parallel_degree = 1\n")
     write_config("torchtitan", path, layout_of(plan()))
     assert tomllib.loads(path.read_text())["experimental"] == {
-        "pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatches": 8,
-        "pipeline_parallel_split_points": POINTS}
+        "pipeline_parallel_degree": 4,
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_microbatches": 8,
+        "pipeline_parallel_split_points": POINTS,
+    }
 
 
 def test_python_that_cannot_be_read_is_one_error(tmp_path):
@@ -516,9 +752,11 @@ def test_python_that_cannot_be_read_is_one_error(tmp_path):
 def test_the_local_batch_may_sit_in_a_batch_config(tmp_path):
     """TrainingConfig's batch fields moved to BatchConfig in 2026-07 (pytorch/torchtitan#3926)."""
     path = tmp_path / "config_registry.py"
-    path.write_text("def qwen3_debugmodel():\n    return Trainer.Config(\n        batch=BatchConfig(local_batch_size=16),\n"
-                    "        parallelism=ParallelismConfig(pipeline_parallel_microbatch_size=1),\n"
-                    "        activation_checkpoint=SelectiveAC.Config(),\n    )\n")
+    path.write_text(
+        "def qwen3_debugmodel():\n    return Trainer.Config(\n        batch=BatchConfig(local_batch_size=16),\n"
+        "        parallelism=ParallelismConfig(pipeline_parallel_microbatch_size=1),\n"
+        "        activation_checkpoint=SelectiveAC.Config(),\n    )\n"
+    )
     write_config("torchtitan", path, layout_of(plan()))
     parallelism, checkpoint = settings(path, "qwen3_debugmodel")
     assert parallelism["pipeline_parallel_microbatch_size"] == 2 and checkpoint == {"expr": "None"}
@@ -528,35 +766,55 @@ def test_the_local_batch_may_sit_in_a_batch_config(tmp_path):
 def test_a_parallelism_changed_through_a_variable_is_written_where_it_is_changed(tmp_path):
     """`p = ParallelismConfig(...)`, then `p.pipeline_parallel_degree = 2`: that assignment runs last."""
     path = tmp_path / "config_registry.py"
-    path.write_text("def llama3_pp():\n    p = ParallelismConfig(num_pp_microbatches=4)\n    p.pipeline_parallel_degree = 2\n"
-                    "    return Trainer.Config(parallelism=p, activation_checkpoint=None)\n")
+    path.write_text(
+        "def llama3_pp():\n    p = ParallelismConfig(num_pp_microbatches=4)\n    p.pipeline_parallel_degree = 2\n"
+        "    return Trainer.Config(parallelism=p, activation_checkpoint=None)\n"
+    )
     write_config("torchtitan", path, layout_of(plan()))
     text = path.read_text()
     assert "    p.pipeline_parallel_degree = 4\n" in text
-    call = next(node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)
-                and getattr(node.func, "id", "") == "ParallelismConfig")
+    call = next(
+        node
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "ParallelismConfig"
+    )
     assert {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords} == {
-        "num_pp_microbatches": 8, "pipeline_parallel_schedule": "1F1B",
-        "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+        "num_pp_microbatches": 8,
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+    }
 
 
 def test_a_config_for_an_older_torchtitan_gets_the_names_of_the_one_it_runs_on(tmp_path):
     """A config of 2026-03 (module_fqns_per_model_part, ActivationCheckpointConfig, filter_fqns=["output"])
     inside a checkout of main: main's names, the old ones taken out, the new class imported."""
     root = tmp_path / "titan"
-    _checkout(root, "lm_head", ["pipeline_parallel_degree", "pipeline_parallel_module_fqns_per_model_part",
-                                "num_pp_microbatches", "pipeline_parallel_schedule"])
+    _checkout(
+        root,
+        "lm_head",
+        [
+            "pipeline_parallel_degree",
+            "pipeline_parallel_module_fqns_per_model_part",
+            "num_pp_microbatches",
+            "pipeline_parallel_schedule",
+        ],
+    )
     (root / "torchtitan" / "distributed" / "activation_checkpoint.py").write_text("class FullAC:\n    pass\n")
     path = root / "torchtitan" / "models" / "llama3" / "config_registry.py"
     path.parent.mkdir(parents=True)
     shutil.copy(FIXTURES / "llama3_config_registry_2026_03.py", path)
-    text = path.read_text().replace("    return config\n", "    config.parallelism.module_fqns_per_model_part = None\n"
-                                                          "    return config\n", 1)
+    text = path.read_text().replace(
+        "    return config\n", "    config.parallelism.module_fqns_per_model_part = None\n    return config\n", 1
+    )
     path.write_text(text)
     write_config("torchtitan", f"{path}:llama3_debugmodel_float8", layout_of(plan(EVERY_SECOND)))
     parallelism, checkpoint = settings(path, "llama3_debugmodel_float8")
-    assert parallelism == {"pipeline_parallel_degree": 4, "pipeline_parallel_schedule": "1F1B", "num_pp_microbatches": 8,
-                           "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD}
+    assert parallelism == {
+        "pipeline_parallel_degree": 4,
+        "pipeline_parallel_schedule": "1F1B",
+        "num_pp_microbatches": 8,
+        "pipeline_parallel_module_fqns_per_model_part": PARTS_LM_HEAD,
+    }
     assert checkpoint == {"expr": "FullAC.Config()"}
     after = path.read_text()
     assert "module_fqns_per_model_part = None" not in after
@@ -565,7 +823,7 @@ def test_a_config_for_an_older_torchtitan_gets_the_names_of_the_one_it_runs_on(t
 
 def test_an_inline_parallelism_table_stays_on_one_line(tmp_path):
     path = tmp_path / "train.toml"
-    path.write_text('parallelism = { pipeline_parallel_degree = 1 }\n[training]\nlocal_batch_size = 8\n')
+    path.write_text("parallelism = { pipeline_parallel_degree = 1 }\n[training]\nlocal_batch_size = 8\n")
     write_config("torchtitan", path, layout_of(plan()))
     data = tomllib.loads(path.read_text())
     assert data["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT

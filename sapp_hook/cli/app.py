@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sapp-hook",
         description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
         epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
-               f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
-               f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM); {EXIT_HUNG_UP} hung up (SIGHUP). "
-               "`run` passes on its command's status.",
+        f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
+        f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM); {EXIT_HUNG_UP} hung up (SIGHUP). "
+        "`run` passes on its command's status.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -75,4 +75,3 @@ def run_command(argv: list[str] | None = None) -> int:
             stop_printing()
             say_error(prog, f"stdout: cannot print the result ({error}); any files asked for were written before")
             return EXIT_OUTPUT
-

@@ -26,7 +26,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--plan", required=True, metavar="FILE", help="plan JSON from sapp-hook solve --plan-out")
     parser.add_argument("--target", required=True, metavar="NAME", help=f"one of: {', '.join(TARGETS)}")
-    parser.add_argument("--config", required=True, metavar="FILE", help="the config to rewrite (created for --target plan)")
+    parser.add_argument(
+        "--config", required=True, metavar="FILE", help="the config to rewrite (created for --target plan)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -38,9 +40,20 @@ def _run(args: argparse.Namespace) -> int:
         layout = layout_from_dict(read_plan_json(args.plan, "--plan"))
     result = write_config(args.target, args.config, layout, dry_run=args.dry_run)
     if args.json:
-        print(json.dumps({"target": args.target, "config": str(result.path), "dry_run": args.dry_run,
-                          "diff": result.diff, "notes": result.notes, "written": result.written,
-                          "backup": str(result.backup) if result.backup else None}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "target": args.target,
+                    "config": str(result.path),
+                    "dry_run": args.dry_run,
+                    "diff": result.diff,
+                    "notes": result.notes,
+                    "written": result.written,
+                    "backup": str(result.backup) if result.backup else None,
+                },
+                indent=2,
+            )
+        )
         return 0
     if args.quiet:
         return 0

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from sapp_hook.cli.common import command, configure_logging, finish, output_paths, read_profile, write_output
+from simulator.files import read_json
 from solver.calibrate import calibrate
-from solver.profile import read_json
 
 PROG = "sapp-hook calibrate"
 
@@ -49,13 +49,18 @@ def _run(args: argparse.Namespace) -> int:
     written = []
     if "profile_out" in outputs:
         written.append(write_output(outputs, "profile_out", profile.with_times_scaled(fit.time_scale).save))
-    solve_with = (f"--profile {outputs['profile_out']}" if "profile_out" in outputs
-                  else f"--profile PROFILE (the times x {fit.time_scale:.4g}: --profile-out writes it)")
-    report = "\n".join([
-        f"{len(runs)} run{'s' if len(runs) > 1 else ''}, {sum(len(run.measured_step_ms) for run in runs)} ranks",
-        f"time factor        {fit.time_scale:.4g} (every layer time)",
-        f"overhead           {fit.action_overhead_ms:.4g} ms per action",
-        f"step-time error    {fit.error_before:.1%} -> {fit.error_after:.1%} (root mean square, relative)",
-        f"plan again with    sapp-hook solve {solve_with} --action-overhead {fit.action_overhead_ms:.4g} ...",
-    ])
+    solve_with = (
+        f"--profile {outputs['profile_out']}"
+        if "profile_out" in outputs
+        else f"--profile PROFILE (the times x {fit.time_scale:.4g}: --profile-out writes it)"
+    )
+    report = "\n".join(
+        [
+            f"{len(runs)} run{'s' if len(runs) > 1 else ''}, {sum(len(run.measured_step_ms) for run in runs)} ranks",
+            f"time factor        {fit.time_scale:.4g} (every layer time)",
+            f"overhead           {fit.action_overhead_ms:.4g} ms per action",
+            f"step-time error    {fit.error_before:.1%} -> {fit.error_after:.1%} (root mean square, relative)",
+            f"plan again with    sapp-hook solve {solve_with} --action-overhead {fit.action_overhead_ms:.4g} ...",
+        ]
+    )
     return finish(args, data, report, written)

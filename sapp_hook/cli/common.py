@@ -78,8 +78,11 @@ def fail(prog: str, message: str, status: int = EXIT_INPUT) -> NoReturn:
 
 def fail_input(prog: str, error: InputError) -> NoReturn:
     flag = FLAGS.get(error.field)
-    fail(prog, f"{flag}: {error.detail}" if flag else str(error),
-         EXIT_NO_PLAN if isinstance(error, InfeasibleError) else EXIT_INPUT)
+    fail(
+        prog,
+        f"{flag}: {error.detail}" if flag else str(error),
+        EXIT_NO_PLAN if isinstance(error, InfeasibleError) else EXIT_INPUT,
+    )
 
 
 def command(prog: str, body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -118,7 +121,9 @@ def read_profile(path: str, flag: str = "--profile") -> ModelProfile:
 def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--schedule", required=required, metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
     parser.add_argument("--stages", required=required, type=int, metavar="S", help="pipeline ranks")
-    parser.add_argument("--chunks", type=int, metavar="V", help="chunks (virtual stages) per rank; default: the schedule's")
+    parser.add_argument(
+        "--chunks", type=int, metavar="V", help="chunks (virtual stages) per rank; default: the schedule's"
+    )
     parser.add_argument("--micro-batches", required=required, type=int, metavar="M")
     parser.add_argument("--p2p", type=float, default=0.0, metavar="T", help="ms to send one activation or gradient")
     parser.add_argument(
@@ -134,28 +139,55 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallel layout (per pipeline rank)")
     group.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
     group.add_argument(
-        "--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+        "--zero-stage",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
         help="shard optimizer state (1), also gradients (2), also parameters (3) over --data-parallel",
     )
-    group.add_argument("--fsdp", action="store_true",
-                       help="torch FSDP2 (fully_shard) on each stage over --data-parallel, as TorchTitan runs it")
-    group.add_argument("--reshard-after-forward", action="store_true",
-                       help="with --fsdp: free the gathered parameters after each forward (TorchTitan's PP default: not)")
+    group.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="torch FSDP2 (fully_shard) on each stage over --data-parallel, as TorchTitan runs it",
+    )
+    group.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="with --fsdp: free the gathered parameters after each forward (TorchTitan's PP default: not)",
+    )
     group.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="tensor-parallel degree")
-    group.add_argument("--sequence-parallel", action="store_true",
-                       help="with --tensor-parallel: split the norms' and dropout's activations too")
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tensor-parallel: split the norms' and dropout's activations too",
+    )
     group.add_argument("--context-parallel", type=int, default=1, metavar="C", help="context-parallel degree")
     group.add_argument("--expert-parallel", type=int, default=1, metavar="E", help="expert-parallel degree")
-    group.add_argument("--expert-tokens", default="balanced", metavar="RULE",
-                       help="token copies an expert-parallel rank receives: balanced, dropless or capacity:FACTOR")
-    group.add_argument("--ddp", action="store_true",
-                       help="torch DistributedDataParallel on each stage: its buckets copy the gradients")
-    group.add_argument("--ddp-bucket-view", action="store_true",
-                       help="with --ddp: gradient_as_bucket_view=True, the gradients are the buckets")
-    group.add_argument("--zero-grad-to-none", action="store_true",
-                       help="zero_grad(set_to_none=True), TorchTitan's: gradients are freed between steps")
-    group.add_argument("--collective-backend", default="nccl", choices=("nccl", "gloo"),
-                       help="gloo's all-gathers hold a temporary of their output's size (default nccl)")
+    group.add_argument(
+        "--expert-tokens",
+        default="balanced",
+        metavar="RULE",
+        help="token copies an expert-parallel rank receives: balanced, dropless or capacity:FACTOR",
+    )
+    group.add_argument(
+        "--ddp", action="store_true", help="torch DistributedDataParallel on each stage: its buckets copy the gradients"
+    )
+    group.add_argument(
+        "--ddp-bucket-view",
+        action="store_true",
+        help="with --ddp: gradient_as_bucket_view=True, the gradients are the buckets",
+    )
+    group.add_argument(
+        "--zero-grad-to-none",
+        action="store_true",
+        help="zero_grad(set_to_none=True), TorchTitan's: gradients are freed between steps",
+    )
+    group.add_argument(
+        "--collective-backend",
+        default="nccl",
+        choices=("nccl", "gloo"),
+        help="gloo's all-gathers hold a temporary of their output's size (default nccl)",
+    )
 
 
 def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -179,17 +211,21 @@ def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
 
 def add_overhead_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--action-overhead", type=float, default=0.0, metavar="MS",
+        "--action-overhead",
+        type=float,
+        default=0.0,
+        metavar="MS",
         help="the engine's own ms per forward, backward and weight-gradient action (sapp-hook calibrate fits it)",
     )
 
 
 def add_receive_buffers_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--receive-buffers", action="store_true",
+        "--receive-buffers",
+        action="store_true",
         help="the job runs on torch.distributed.pipelining (or TorchTitan), which keeps a buffer per micro-batch "
-             "for every stage's received input and output gradient, all run long (the profile's "
-             "stage_output_bytes each), and the last stage's outputs (model_output_bytes) until their backward",
+        "for every stage's received input and output gradient, all run long (the profile's "
+        "stage_output_bytes each), and the last stage's outputs (model_output_bytes) until their backward",
     )
 
 
@@ -239,8 +275,9 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
         try:
             target = writable_target(path)
         except OSError as exc:
-            raise InputError(flag, f"{exc.strerror}; expected a regular file or a new path, in a writable "
-                                   "folder") from None
+            raise InputError(
+                flag, f"{exc.strerror}; expected a regular file or a new path, in a writable folder"
+            ) from None
         if target in taken:
             raise InputError(flag, f"{path} is {taken[target]}'s file too; expected a file of its own")
         taken[target] = flag

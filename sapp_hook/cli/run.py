@@ -59,8 +59,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{PROG}: planning: {' '.join(argv)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="sapp-hook-run-") as folder:
         planned_file = Path(folder) / "planned.json"
-        planning = {**environment, ENVIRONMENT["on_plan"]: "exit", ENVIRONMENT["force"]: "1" if args.force else "0",
-                    ENVIRONMENT["planned_file"]: str(planned_file)}
+        planning = {
+            **environment,
+            ENVIRONMENT["on_plan"]: "exit",
+            ENVIRONMENT["force"]: "1" if args.force else "0",
+            ENVIRONMENT["planned_file"]: str(planned_file),
+        }
         first = _launch(argv, planning)
         planned = first == REPLAN_EXIT_CODE or planned_file.exists()
         trained = planned_file.exists() and not _restart(planned_file)
@@ -69,7 +73,10 @@ def _run(args: argparse.Namespace) -> int:
         return first
     if not planned:
         if first == 0:
-            print(f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)", file=sys.stderr)
+            print(
+                f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)",
+                file=sys.stderr,
+            )
         else:
             print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
         return first

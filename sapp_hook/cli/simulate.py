@@ -15,11 +15,11 @@ from sapp_hook.cli.common import (
     add_receive_buffers_flag,
     check_milliseconds,
     command,
-    parallel_fields,
     fail,
     file_errors,
     finish,
     output_paths,
+    parallel_fields,
     read_profile,
     say,
     size_flag,
@@ -54,7 +54,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--recompute", type=float, default=0.0, metavar="R", help="recompute ms added to each backward")
     parser.add_argument("--activation", default="0", metavar="SIZE", help="activation kept per micro-batch, e.g. 2GiB")
-    parser.add_argument("--static", default="0", metavar="SIZE", help="parameters, gradients, optimizer state, e.g. 20GB")
+    parser.add_argument(
+        "--static", default="0", metavar="SIZE", help="parameters, gradients, optimizer state, e.g. 20GB"
+    )
     parser.add_argument("--working", default="0", metavar="SIZE", help="held while a backward runs, e.g. 1GiB")
     parser.add_argument("--profile", metavar="FILE", help="a profile (sapp-hook JSON or SAPP layer JSON)")
     parser.add_argument(
@@ -86,15 +88,23 @@ def _replay_uniform(args: argparse.Namespace) -> int:
     if args.mindformers_plan or args.plan:
         fail(PROG, "--mindformers-plan and --plan need --profile")
     if args.receive_buffers:
-        fail(PROG, "--receive-buffers needs --profile (the buffers' size is its stage_output_bytes); "
-                   "with --forward and --backward, add them to --static")
+        fail(
+            PROG,
+            "--receive-buffers needs --profile (the buffers' size is its stage_output_bytes); "
+            "with --forward and --backward, add them to --static",
+        )
     if args.action_overhead:
-        fail(PROG, "--action-overhead needs --profile and --mindformers-plan "
-                   "(with --forward and --backward, add it to them)")
+        fail(
+            PROG,
+            "--action-overhead needs --profile and --mindformers-plan (with --forward and --backward, add it to them)",
+        )
     for name, value in parallel_fields(args).items():
         if value != _PARALLEL_DEFAULTS[name]:
-            fail(PROG, f"{FLAGS[name]} needs --profile and --mindformers-plan (with --forward and --backward, give "
-                       "one rank's sizes as they are)")
+            fail(
+                PROG,
+                f"{FLAGS[name]} needs --profile and --mindformers-plan (with --forward and --backward, give "
+                "one rank's sizes as they are)",
+            )
     for flag in ("forward", "backward", "weight", "recompute", "p2p"):
         check_milliseconds(f"--{flag}", getattr(args, flag))
     if args.weight is not None and args.weight > args.backward:
@@ -149,9 +159,12 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
         stated = resolved[name] if name in resolved else getattr(spec, name)
         if value is not None and value != stated:
             flag = flags.get(name, "--" + name.replace("_", "-"))
-            raise InputError(flag, f"{_shown(value)} differs from the plan's spec.{name} ({_shown(stated)}); leave "
-                                   f"{flag} out, or replay the plan's MindFormers keys (--mindformers-plan) under "
-                                   "other settings")
+            raise InputError(
+                flag,
+                f"{_shown(value)} differs from the plan's spec.{name} ({_shown(stated)}); leave "
+                f"{flag} out, or replay the plan's MindFormers keys (--mindformers-plan) under "
+                "other settings",
+            )
 
 
 def _shown(value: object) -> str:
@@ -173,8 +186,10 @@ def _replay_plan(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if args.plan:
         if args.action_overhead:
-            raise InputError("--action-overhead", "a plan JSON states its own (spec.action_overhead_ms); "
-                                                  "give it with --mindformers-plan")
+            raise InputError(
+                "--action-overhead",
+                "a plan JSON states its own (spec.action_overhead_ms); give it with --mindformers-plan",
+            )
         with file_errors("--plan", args.plan):
             plan = plan_from_dict(profile, read_plan_json(args.plan, "--plan"))
         _check_flags_agree(args, plan.spec)

@@ -16,11 +16,11 @@ from sapp_hook.cli.common import (
     add_receive_buffers_flag,
     check_milliseconds,
     command,
-    parallel_fields,
     configure_logging,
     finish,
     mode_list,
     output_paths,
+    parallel_fields,
     read_profile,
     say,
     size_flag,
@@ -56,13 +56,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
     add_receive_buffers_flag(parser)
-    parser.add_argument("--modes", metavar="LIST",
-                        help="recompute modes the plan may use, e.g. none,full (default: all the profile offers)")
+    parser.add_argument(
+        "--modes",
+        metavar="LIST",
+        help="recompute modes the plan may use, e.g. none,full (default: all the profile offers)",
+    )
     parser.add_argument("--mindformers-yaml", metavar="OUT", help="write the plan's MindFormers keys to a YAML file")
     parser.add_argument("--plan-out", metavar="OUT", help="write the plan as JSON (sapp-hook simulate --plan reads it)")
-    parser.add_argument("--keep-best-on-interrupt", action="store_true",
-                        help="on Ctrl-C or SIGTERM during the search, write the best plan found so far (status "
-                             "interrupted) to the outputs before stopping")
+    parser.add_argument(
+        "--keep-best-on-interrupt",
+        action="store_true",
+        help="on Ctrl-C or SIGTERM during the search, write the best plan found so far (status "
+        "interrupted) to the outputs before stopping",
+    )
     add_output_flags(parser)
     parser.set_defaults(run=command(PROG, _run))
 

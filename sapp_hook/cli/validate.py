@@ -50,14 +50,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     layout = parser.add_argument_group("parallel layout (a process per stage x data x tensor-parallel rank)")
     layout.add_argument("--data-parallel", type=int, default=1, metavar="D", help="data-parallel replicas (default 1)")
     sharding = layout.add_mutually_exclusive_group()
-    sharding.add_argument("--fsdp", action="store_true",
-                          help="FSDP2 over the replicas, a unit per layer and the stage module as root (TorchTitan's)")
-    sharding.add_argument("--zero-stage", type=int, default=0, choices=(0, 1), help="1: torch's ZeroRedundancyOptimizer")
+    sharding.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 over the replicas, a unit per layer and the stage module as root (TorchTitan's)",
+    )
+    sharding.add_argument(
+        "--zero-stage", type=int, default=0, choices=(0, 1), help="1: torch's ZeroRedundancyOptimizer"
+    )
     sharding.add_argument("--ddp", action="store_true", help="DistributedDataParallel on each stage module")
-    layout.add_argument("--reshard-after-forward", action="store_true",
-                        help="with --fsdp: re-shard each unit after its forward (TorchTitan's PP default: not)")
-    layout.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                        help="tensor-parallel degree: TorchTitan's Llama plan (default 1)")
+    layout.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        help="with --fsdp: re-shard each unit after its forward (TorchTitan's PP default: not)",
+    )
+    layout.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: TorchTitan's Llama plan (default 1)",
+    )
     layout.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: split the norms too")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -78,11 +91,25 @@ def _run(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()
     outputs = output_paths(args, ("profile_out",))
     plan = args.plan or ("even" if args.even else "even-full" if args.even_full else "solve")
-    setup = Setup(model=args.model, stages=args.stages, chunks=args.chunks, schedule=args.schedule,
-                  micro_batches=args.micro_batches, steps=args.steps, micro_batch_size=args.micro_batch_size,
-                  seq_len=args.seq_len, memory_budget_bytes=budget, plan=plan, data_parallel=args.data_parallel,
-                  fsdp=args.fsdp, reshard_after_forward=args.reshard_after_forward, zero_stage=args.zero_stage,
-                  ddp=args.ddp, tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
+    setup = Setup(
+        model=args.model,
+        stages=args.stages,
+        chunks=args.chunks,
+        schedule=args.schedule,
+        micro_batches=args.micro_batches,
+        steps=args.steps,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        memory_budget_bytes=budget,
+        plan=plan,
+        data_parallel=args.data_parallel,
+        fsdp=args.fsdp,
+        reshard_after_forward=args.reshard_after_forward,
+        zero_stage=args.zero_stage,
+        ddp=args.ddp,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel,
+    )
     profile = read_profile(args.profile) if args.profile else profile_for(setup)
     if "profile_out" in outputs:
         written = write_output(outputs, "profile_out", profile.save)
@@ -98,14 +125,20 @@ def _run(args: argparse.Namespace) -> int:
 
 def validation_report(report: dict) -> str:
     lines = [
-        f"{report['model']}: {report['schedule']}, {report['stages']} x {report['chunks']} (stages x chunks), "
-        f"{report['micro_batches']} micro-batches, plan {report['plan']} (layers per virtual stage "
-        f"{report['stage_layer_counts']}){_layout(report)}",
-        f"iteration       predicted {report['predicted_iteration_ms']:.1f} ms, measured "
-        f"{report['measured_iteration_ms']:.1f} ms ({report['iteration_error']:.1%} apart); "
-        f"P2P measured {report['p2p_ms']:.3f} ms per activation, in the prediction",
-        f"{'rank':>4}  {'step ms: predicted':>18} {'measured':>9} {'error':>6}  {'activations: predicted':>22} "
-        f"{'measured':>10} {'error':>6}  {'allocator: predicted':>20} {'measured':>10} {'error':>6}",
+        (
+            f"{report['model']}: {report['schedule']}, {report['stages']} x {report['chunks']} (stages x chunks), "
+            f"{report['micro_batches']} micro-batches, plan {report['plan']} (layers per virtual stage "
+            f"{report['stage_layer_counts']}){_layout(report)}"
+        ),
+        (
+            f"iteration       predicted {report['predicted_iteration_ms']:.1f} ms, measured "
+            f"{report['measured_iteration_ms']:.1f} ms ({report['iteration_error']:.1%} apart); "
+            f"P2P measured {report['p2p_ms']:.3f} ms per activation, in the prediction"
+        ),
+        (
+            f"{'rank':>4}  {'step ms: predicted':>18} {'measured':>9} {'error':>6}  {'activations: predicted':>22} "
+            f"{'measured':>10} {'error':>6}  {'allocator: predicted':>20} {'measured':>10} {'error':>6}"
+        ),
     ]
     for row in report["ranks"]:
         lines.append(
@@ -114,8 +147,10 @@ def validation_report(report: dict) -> str:
             f"{row['activation_error']:>6.1%}  {format_bytes(row['predicted_peak_bytes']):>20} "
             f"{format_bytes(row['measured_allocated_peak_bytes']):>10} {row['allocated_error']:>6.1%}"
         )
-    lines.append("(activations: what autograd holds for backward; allocator: every byte allocated during a step "
-                 "above its lowest point, working sets and what the engine keeps included)")
+    lines.append(
+        "(activations: what autograd holds for backward; allocator: every byte allocated during a step "
+        "above its lowest point, working sets and what the engine keeps included)"
+    )
     lines += _split_lines(report)
     return "\n".join(lines)
 
@@ -124,26 +159,41 @@ def _layout(report: dict) -> str:
     """The data- and tensor-parallel layout, where the run had one."""
     parts = []
     if report.get("data_parallel", 1) > 1 or report.get("fsdp"):
-        engine = ("FSDP2" + (", reshard after forward" if report.get("reshard_after_forward") else "")
-                  if report.get("fsdp") else "ZeRO-1" if report.get("zero_stage") else "DDP" if report.get("ddp")
-                  else "gradients all-reduced")
+        engine = (
+            "FSDP2" + (", reshard after forward" if report.get("reshard_after_forward") else "")
+            if report.get("fsdp")
+            else "ZeRO-1"
+            if report.get("zero_stage")
+            else "DDP"
+            if report.get("ddp")
+            else "gradients all-reduced"
+        )
         parts.append(f"data parallel {report['data_parallel']} ({engine})")
     if report.get("tensor_parallel", 1) > 1:
-        parts.append(f"tensor parallel {report['tensor_parallel']}" + (" + SP" if report.get("sequence_parallel") else ""))
+        parts.append(
+            f"tensor parallel {report['tensor_parallel']}" + (" + SP" if report.get("sequence_parallel") else "")
+        )
     return "; " + ", ".join(parts) if parts else ""
 
 
 def _split_lines(report: dict) -> list[str]:
     """Each pipeline rank's memory split (its first process's), predicted and measured."""
-    lines = [(f"{'rank':>4}  {'static: predicted':>17} {'measured':>10} {'error':>6}  "
-              f"{'params / grads / optimizer (predicted)':>40}  {'buffers':>9}  {'at peak: DP-held':>16} {'working':>9}")]
+    lines = [
+        (
+            f"{'rank':>4}  {'static: predicted':>17} {'measured':>10} {'error':>6}  "
+            f"{'params / grads / optimizer (predicted)':>40}  {'buffers':>9}  {'at peak: DP-held':>16} {'working':>9}"
+        )
+    ]
     for row in report["ranks"]:
         split = row["predicted_split"]
         kinds = " / ".join(format_bytes(split[key]) for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes"))
         lines.append(
             f"{row['rank']:>4}  {format_bytes(row['predicted_static_bytes']):>17} {format_bytes(row['measured_static_bytes']):>10} "
             f"{row['static_error']:>6.1%}  {kinds:>40}  {format_bytes(split['receive_buffer_bytes']):>9}  "
-            f"{format_bytes(split['sharded_bytes']):>16} {format_bytes(split['working_bytes']):>9}")
-    lines.append("(static: parameters, gradients and optimizer state held for the whole run, local shards; DP-held: "
-                 "gathered parameters and whole gradients within the step)")
+            f"{format_bytes(split['sharded_bytes']):>16} {format_bytes(split['working_bytes']):>9}"
+        )
+    lines.append(
+        "(static: parameters, gradients and optimizer state held for the whole run, local shards; DP-held: "
+        "gathered parameters and whole gradients within the step)"
+    )
     return lines

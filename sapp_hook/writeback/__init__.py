@@ -70,5 +70,12 @@ def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: in
 
 
 __all__ = [
-    "TARGETS", "Layout", "WriteBack", "check_destination", "check_job", "layout_from_dict", "layout_of", "write_config",
+    "TARGETS",
+    "Layout",
+    "WriteBack",
+    "check_destination",
+    "check_job",
+    "layout_from_dict",
+    "layout_of",
+    "write_config",
 ]

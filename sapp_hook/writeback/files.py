@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from simulator.errors import InputError
-from simulator.files import atomic_write_bytes, atomic_write_text, writable_target, write_target
-from solver.profile import read_limited
+from simulator.files import atomic_write_bytes, atomic_write_text, read_limited, writable_target, write_target
 
 BOM = "\ufeff"
 
@@ -49,8 +48,11 @@ def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack
     path = result.path
     target = _target(path, "--config")
     new = in_form_of(old, new)
-    result.diff = "".join(difflib.unified_diff(
-        old.splitlines(keepends=True), new.splitlines(keepends=True), f"{path} (before)", f"{path} (sapp-hook)"))
+    result.diff = "".join(
+        difflib.unified_diff(
+            old.splitlines(keepends=True), new.splitlines(keepends=True), f"{path} (before)", f"{path} (sapp-hook)"
+        )
+    )
     if path.is_symlink():
         result.notes.append(f"{path} is a symbolic link: its target {target} is what is rewritten; the link stays")
     if dry_run or new == old:
@@ -61,8 +63,9 @@ def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack
         check_writable(path, backup)
         if backup is not None and not os.path.lexists(backup):
             # exactly the bytes the config holds (at most read_limited's cap), whole or not at all
-            made = atomic_write_bytes(backup, read_limited(target, "--config"),
-                                      mode=stat.S_IMODE(target.stat().st_mode))
+            made = atomic_write_bytes(
+                backup, read_limited(target, "--config"), mode=stat.S_IMODE(target.stat().st_mode)
+            )
         elif backup is not None:
             write_target(backup)  # the backup there stays; a folder or a device there is refused
         atomic_write_text(target, new)

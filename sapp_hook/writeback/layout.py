@@ -85,8 +85,10 @@ def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
     stages = spec.pipeline_schedule.num_stages
     virtual = [v for v, count in enumerate(even_counts(body_layers, stages)) for _ in range(count)]
     layers = [{"name": "head", "kind": HEAD, "virtual_stage": 0, "recompute": NONE}]
-    layers += [{"name": f"layers.{i}", "kind": "body:block", "virtual_stage": v, "recompute": NONE}
-               for i, v in enumerate(virtual)]
+    layers += [
+        {"name": f"layers.{i}", "kind": "body:block", "virtual_stage": v, "recompute": NONE}
+        for i, v in enumerate(virtual)
+    ]
     layers.append({"name": "tail", "kind": TAIL, "virtual_stage": stages - 1, "recompute": NONE})
     return layout_from_dict({"spec": spec_to_dict(spec), "plan": {"layers": layers}})
 
@@ -138,14 +140,22 @@ def layout_from_dict(data: object) -> Layout:
     for index, layer in enumerate(layers):
         if (layer.kind == HEAD and layer.virtual_stage != 0) or (layer.kind == TAIL and layer.virtual_stage != last):
             where = "first" if layer.kind == HEAD else "last"
-            raise InputError(f"plan.layers[{index}].virtual_stage", f"a {layer.kind} layer belongs on the {where} "
-                                                                   "virtual stage")
+            raise InputError(
+                f"plan.layers[{index}].virtual_stage", f"a {layer.kind} layer belongs on the {where} virtual stage"
+            )
     counts = [sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_stages)]
     mindformers = mindformers_view(schedule, kinds, [layer.recompute for layer in layers], counts)
     for key, derived in mindformers.items():
         given = plan.raw(key)
         if given is not None and json.dumps(given) != json.dumps(derived):  # true is not 1 here
             raise InputError(f"plan.{key}", f"is {shown(given)}; the plan's layers say {derived!r}")
-    return Layout(schedule=schedule.name, stages=schedule.stages, chunks=schedule.chunks,
-                  micro_batches=spec.micro_batches, layers=tuple(layers), mindformers=mindformers, plan_data=data,
-                  microbatch_group_size=spec.microbatch_group_size)
+    return Layout(
+        schedule=schedule.name,
+        stages=schedule.stages,
+        chunks=schedule.chunks,
+        micro_batches=spec.micro_batches,
+        layers=tuple(layers),
+        mindformers=mindformers,
+        plan_data=data,
+        microbatch_group_size=spec.microbatch_group_size,
+    )

@@ -101,17 +101,23 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, gone, notes)
     texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, gone, notes)
     if anchor_flag == TP_SIZE:
-        notes.insert(0, f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
-                        f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added")
+        notes.insert(
+            0,
+            f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
+            f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added",
+        )
     unseen = _unseen(reading, launchers)
     if unseen:
-        notes.append(f"the launch command also expands {', '.join(unseen)}, known only at launch: flags there are "
-                     "not seen")
+        notes.append(
+            f"the launch command also expands {', '.join(unseen)}, known only at launch: flags there are not seen"
+        )
     if reading.unfollowed:
         notes.append(f"not followed: {', '.join(dict.fromkeys(reading.unfollowed))}")
     if any(source.offsets is not None and source.script is not None for source in reading.files):
-        notes.append("CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
-                     "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them")
+        notes.append(
+            "CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
+            "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them"
+        )
     _commit_all(result, texts, dry_run)
     if inexact:
         notes.append(inexact)
@@ -141,14 +147,20 @@ def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
     for flag, fragments in ((PP_SIZE, False), (PP_SIZE, True), (TP_SIZE, False)):
         if fragments:
             _add_fragments(reading, flag)
-        found = [index for index, command in enumerate(reading.commands)
-                 if any(occurrence.flag == flag for occurrence in scan(command.argv, index))
-                 and (text_of(command.argv[0]) if command.argv else "") not in PRINTERS]
+        found = [
+            index
+            for index, command in enumerate(reading.commands)
+            if any(occurrence.flag == flag for occurrence in scan(command.argv, index))
+            and (text_of(command.argv[0]) if command.argv else "") not in PRINTERS
+        ]
         if found:
             return found, flag
     unfollowed = f"; not followed: {', '.join(reading.unfollowed)}" if reading.unfollowed else ""
-    raise InputError("--config", f"{path} has no {PP_SIZE} that bash passes to a command{_commented(reading, PP_SIZE)}"
-                                 f"{unfollowed}: is it a Megatron-LM launch script?")
+    raise InputError(
+        "--config",
+        f"{path} has no {PP_SIZE} that bash passes to a command{_commented(reading, PP_SIZE)}"
+        f"{unfollowed}: is it a Megatron-LM launch script?",
+    )
 
 
 def _add_fragments(reading: Reading, flag: str) -> None:
@@ -173,7 +185,7 @@ def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
         argv = reading.commands[index].argv
         texts = ["".join(ch.unknown or ch.char for ch in field) for field in argv]
         script = next((n for n, text in enumerate(texts) if text.endswith(".py")), -1)  # the launcher's own before
-        for position, field in enumerate(argv[script + 1:], script + 1):
+        for position, field in enumerate(argv[script + 1 :], script + 1):
             if text_of(field) is None and not texts[position - 1].startswith("-"):
                 found.extend(ch.unknown for ch in field if ch.unknown)
     return list(dict.fromkeys(found))
@@ -188,8 +200,9 @@ def _commented(reading: Reading, flag: str) -> str:
             continue
         spans = [(start, end, "a comment") for start, end in script.comments]
         spans += [(start, end, "a here-document") for start, end in script.heredocs]
-        spans += [(start, end, "a function never called") for file, start, end in reading.functions_unused
-                  if file == index]
+        spans += [
+            (start, end, "a function never called") for file, start, end in reading.functions_unused if file == index
+        ]
         for start, end, what in spans:
             text = script.text[start:end]
             if flag in text:
@@ -201,8 +214,17 @@ def _commented(reading: Reading, flag: str) -> str:
 # -- rewriting -----------------------------------------------------------------------------------
 
 
-def _rewrite(path: Path, old: str, arguments_file: bool, reading: Reading, launchers: list[int], anchor_flag: str,
-             wanted: list[tuple[str, list[str]]], gone: list[str], notes: list[str]) -> dict[Path, tuple[str, str]]:
+def _rewrite(
+    path: Path,
+    old: str,
+    arguments_file: bool,
+    reading: Reading,
+    launchers: list[int],
+    anchor_flag: str,
+    wanted: list[tuple[str, list[str]]],
+    gone: list[str],
+    notes: list[str],
+) -> dict[Path, tuple[str, str]]:
     """The new text of every file that changes; InputError (nothing written) where a change cannot be
     made safely or the result does not pass exactly the plan's flags."""
     try:
@@ -222,9 +244,17 @@ def _rewrite(path: Path, old: str, arguments_file: bool, reading: Reading, launc
     return texts
 
 
-def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: list[tuple[str, list[str]]],
-            gone: list[str], notes: list[str], texts: dict[Path, tuple[str, str]], *,
-            insert: bool = False) -> dict[Path, tuple[str, str]]:
+def _change(
+    reading: Reading,
+    launchers: list[int],
+    anchor_flag: str,
+    wanted: list[tuple[str, list[str]]],
+    gone: list[str],
+    notes: list[str],
+    texts: dict[Path, tuple[str, str]],
+    *,
+    insert: bool = False,
+) -> dict[Path, tuple[str, str]]:
     """First pass: values changed and flags taken out; second (`insert`): missing flags added."""
     occurring = occurrences(reading, launchers)
     edits = []
@@ -243,16 +273,31 @@ def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: li
             mine = list(anchors.values())
             for anchor in mine[1:]:
                 if anchor.value_text() != " ".join(values) and not insert:
-                    edits.append(replacement(reading, anchor, values, evaluated=_evaluated(reading, anchor),
-                                             protected=set(uses))[0])
-        keep = mine[0] if flag == anchor_flag and mine else next((o for o in mine if not o.alternative and (
-            not conditional(reading, o) or (o.name[0].trail and o.name[0].trail[-1].box in anchor_boxes))), None)
+                    edits.append(
+                        replacement(
+                            reading, anchor, values, evaluated=_evaluated(reading, anchor), protected=set(uses)
+                        )[0]
+                    )
+        keep = (
+            mine[0]
+            if flag == anchor_flag and mine
+            else next(
+                (
+                    o
+                    for o in mine
+                    if not o.alternative
+                    and (not conditional(reading, o) or (o.name[0].trail and o.name[0].trail[-1].box in anchor_boxes))
+                ),
+                None,
+            )
+        )
         removed.extend(o for o in mine if o is not keep and flag != anchor_flag)
         if keep is None:
             missing.append((flag, values))
         elif values and keep.value_text() != " ".join(values) and not insert:
             own = {(keep.command, keep.position + 1 + k) for k in range(len(keep.values))} | {
-                (keep.command, keep.position)}
+                (keep.command, keep.position)
+            }
             shared = protected | {name for name, places in uses.items() if places - own}
             edit, note = replacement(reading, keep, values, evaluated=_evaluated(reading, keep), protected=shared)
             protected |= shared
@@ -261,8 +306,14 @@ def _change(reading: Reading, launchers: list[int], anchor_flag: str, wanted: li
                 notes.append(note)
     removed.extend(o for o in occurring if o.flag in gone)
     edits.extend(removal(reading, o) for o in removed)
-    branched = [o for o in removed if conditional(reading, o) and o.flag not in LEGACY and o.name[0].trail
-                and o.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)]  # those have a note of their own
+    branched = [
+        o
+        for o in removed
+        if conditional(reading, o)
+        and o.flag not in LEGACY
+        and o.name[0].trail
+        and o.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)
+    ]  # those have a note of their own
     if branched and not insert:
         places = ", ".join(dict.fromkeys(f"{o.flag} ({where(reading, o)})" for o in branched))
         notes.append(f"took out {places}, passed only when a branch runs: the plan's flags hold on every branch")
@@ -309,8 +360,9 @@ def _evaluated(reading: Reading, occurrence: Occurrence) -> bool:
     return occurrence.command >= 0 and reading.commands[occurrence.command].evaluated
 
 
-def _verify(before: Reading, launchers: list[int], after: Reading, wanted: list[tuple[str, list[str]]],
-            gone: list[str]) -> None:
+def _verify(
+    before: Reading, launchers: list[int], after: Reading, wanted: list[tuple[str, list[str]]], gone: list[str]
+) -> None:
     """The rewritten script passes each wanted flag once with the plan's value, none of those gone,
     and every other argument as before."""
     try:
@@ -326,7 +378,9 @@ def _verify(before: Reading, launchers: list[int], after: Reading, wanted: list[
             mine = [o for o in found if o.flag == flag]
             if len(mine) != 1 or mine[0].alternative or (values and mine[0].value_text() != " ".join(values)):
                 said = ", ".join(f"{o.flag} {o.value_text()}" for o in mine) or "none"
-                raise EditError(f"the rewritten script would pass {said} where the plan needs {flag} {' '.join(values)}")
+                raise EditError(
+                    f"the rewritten script would pass {said} where the plan needs {flag} {' '.join(values)}"
+                )
         if any(o.flag in gone for o in found):
             raise EditError(f"the rewritten script still passes {next(o.flag for o in found if o.flag in gone)}")
         if _others(before, old_index, ours) != _others(after, new_index, ours):
@@ -339,9 +393,13 @@ def _others(reading: Reading, index: int, ours: set[str]) -> list[str | None]:
     skip = set()
     for occurrence in scan(argv, index):
         if occurrence.flag in ours:
-            skip |= {occurrence.position, *range(occurrence.position + 1,
-                                                 occurrence.position + 1 + (0 if occurrence.inline else
-                                                                            len(occurrence.values)))}
+            skip |= {
+                occurrence.position,
+                *range(
+                    occurrence.position + 1,
+                    occurrence.position + 1 + (0 if occurrence.inline else len(occurrence.values)),
+                ),
+            }
     return [text_of(field) for position, field in enumerate(argv) if position not in skip]
 
 
@@ -350,10 +408,13 @@ def _bash_syntax(path: Path, before: str, after: str) -> None:
     bash = shutil.which("bash")
     if bash is None:
         return
+
     def passes(text: str) -> bool:
-        done = subprocess.run([bash, "-n"], input=text.replace("\r\n", "\n"), capture_output=True, text=True,
-                              timeout=30, check=False)
+        done = subprocess.run(
+            [bash, "-n"], input=text.replace("\r\n", "\n"), capture_output=True, text=True, timeout=30, check=False
+        )
         return done.returncode == 0
+
     if passes(before) and not passes(after):
         raise InputError("--config", f"{path}: the rewrite does not pass bash -n; nothing was written")
 

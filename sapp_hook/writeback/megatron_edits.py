@@ -55,12 +55,14 @@ def removal(reading: Reading, occurrence: Occurrence) -> Edit:
     """Take the flag and its value out where they are written."""
     depth, prefix = _container(reading, occurrence)
     sites = _sites(reading, occurrence, occurrence.name + _joined(occurrence.values), depth, prefix)
-    return Edit(sites[0].file, min(s.start for s in sites), max(s.end for s in sites), "",
-                reading.boxes[sites[0].box].kind)
+    return Edit(
+        sites[0].file, min(s.start for s in sites), max(s.end for s in sites), "", reading.boxes[sites[0].box].kind
+    )
 
 
-def replacement(reading: Reading, occurrence: Occurrence, values: list[str], *, evaluated: bool,
-                protected: set[str]) -> tuple[Edit, str]:
+def replacement(
+    reading: Reading, occurrence: Occurrence, values: list[str], *, evaluated: bool, protected: set[str]
+) -> tuple[Edit, str]:
     """Give the flag these values where its value is set, and a note when that is in a variable's
     assignment (or where a variable had to give way to a value written out). A variable in
     `protected` (other flags use it) is never changed: its reference is replaced instead."""
@@ -69,8 +71,13 @@ def replacement(reading: Reading, occurrence: Occurrence, values: list[str], *, 
     if not chars:  # a list flag given no value: the values go after it
         site = _sites(reading, occurrence, occurrence.name, depth, prefix)[-1]
         kind = reading.boxes[site.box].kind
-        return Edit(site.file, site.end, site.end, " " + _render(values, "raw" if kind == "arguments" else site.quote,
-                                                                 evaluated), kind), ""
+        return Edit(
+            site.file,
+            site.end,
+            site.end,
+            " " + _render(values, "raw" if kind == "arguments" else site.quote, evaluated),
+            kind,
+        ), ""
     _sites(reading, occurrence, chars, depth, prefix)  # the value is where the flag is
     level, note = depth, ""
     followed: set[str] = set()  # X=${X:-4} names X twice on the way down
@@ -82,32 +89,44 @@ def replacement(reading: Reading, occurrence: Occurrence, values: list[str], *, 
         ref = reading.refs[first.ref] if len(set(sites)) == 1 and first.ref >= 0 else None
         if ref is not None:
             deeper = sites_at(chars, level + 1)
-            if deeper is not None and ref.state in ("set", "environment") and not ref.alternatives \
-                    and (ref.name not in protected or ref.name in followed):  # set once: changed where it is set
+            if (
+                deeper is not None
+                and ref.state in ("set", "environment")
+                and not ref.alternatives
+                and (ref.name not in protected or ref.name in followed)
+            ):  # set once: changed where it is set
                 protected.add(ref.name)
                 followed.add(ref.name)
                 if written_depth(chars) == level + 1:
                     where = reading.where(deeper[0])
-                    note = (f"{occurrence.flag} is ${ref.name}: set in the default of ${{{ref.name}:-...}} ({where}); "
-                            f"{ref.name} set where the script is launched overrides it" if ref.state == "environment"
-                            else f"{occurrence.flag} is ${ref.name}: set where {ref.name} is assigned ({where})")
+                    note = (
+                        f"{occurrence.flag} is ${ref.name}: set in the default of ${{{ref.name}:-...}} ({where}); "
+                        f"{ref.name} set where the script is launched overrides it"
+                        if ref.state == "environment"
+                        else f"{occurrence.flag} is ${ref.name}: set where {ref.name} is assigned ({where})"
+                    )
                 level += 1
                 continue
             note = f"{occurrence.flag} was ${ref.name} ({reading.where(first)}): written out as the plan's value there"
         if any(site.file != first.file or site.box != first.box for site in sites):
-            raise EditError(f"the value of {occurrence.flag} ({_where(reading, occurrence)}) is built in several places")
+            raise EditError(
+                f"the value of {occurrence.flag} ({_where(reading, occurrence)}) is built in several places"
+            )
         start, end = min(site.start for site in sites), max(site.end for site in sites)
         quote = "" if any(site.quote in ("", "\\") for site in sites) else first.quote
         kind = reading.boxes[first.box].kind
         quote = "raw" if kind == "arguments" else quote
         if kind == "value" and not quote and not all(PLAIN.fullmatch(value) for value in values):
-            raise EditError(f"the value of {occurrence.flag} is in the unquoted value of a variable "
-                            f"({reading.where(first)}), where {' '.join(values)} needs quotes")
+            raise EditError(
+                f"the value of {occurrence.flag} is in the unquoted value of a variable "
+                f"({reading.where(first)}), where {' '.join(values)} needs quotes"
+            )
         return Edit(first.file, start, end, _render(values, quote, evaluated), kind), note
 
 
-def insertion(reading: Reading, anchor: Occurrence, flags: list[tuple[str, list[str]]], *,
-              evaluated: bool) -> tuple[Edit, str]:
+def insertion(
+    reading: Reading, anchor: Occurrence, flags: list[tuple[str, list[str]]], *, evaluated: bool
+) -> tuple[Edit, str]:
     """Add flags right after `anchor`'s value, in the same command, array or string; and where."""
     depth, prefix = _container(reading, anchor)
     sites = _sites(reading, anchor, anchor.name + _joined(anchor.values), depth, prefix)
@@ -121,15 +140,17 @@ def insertion(reading: Reading, anchor: Occurrence, flags: list[tuple[str, list[
     if box.kind in ("command", "array") and not quote:
         position = _token_end(reading, last.file, position)
     elif box.kind == "value" and not quote:
-        raise EditError(f"{anchor.flag} is in the unquoted value of {box.name} ({reading.where(last)}): sapp-hook "
-                        "adds flags in a command, an array or a quoted string")
+        raise EditError(
+            f"{anchor.flag} is in the unquoted value of {box.name} ({reading.where(last)}): sapp-hook "
+            "adds flags in a command, an array or a quoted string"
+        )
     newline = "\r\n" if source.offsets is not None else "\n"
     line_start = text.rfind("\n", 0, flag_site.start) + 1
     line_end = text.find("\n", position)
     line_end = len(text) if line_end < 0 else line_end
     rest = text[position:line_end].rstrip("\r")
     continued = bool(CONTINUED.fullmatch(rest))
-    own_line = not text[line_start:flag_site.start].strip()
+    own_line = not text[line_start : flag_site.start].strip()
     if box.kind == "command":
         new_line = continued
     elif box.kind == "array" and not quote:
@@ -142,7 +163,7 @@ def insertion(reading: Reading, anchor: Occurrence, flags: list[tuple[str, list[
     kind = {"command": "command", "array": "array", "arguments": "arguments file"}.get(box.kind, "string")
     where = f"the {kind} {box.name} ({reading.where(last)})" if box.name else f"the {kind} of {reading.where(last)}"
     if own_line and new_line:
-        indent = text[line_start:flag_site.start]
+        indent = text[line_start : flag_site.start]
         tail = " \\" if continued else ""
         block = "".join(f"{indent}{line}{tail}{newline}" for line in rendered)
         at = line_end + 1 if line_end < len(text) else len(text)
@@ -169,7 +190,7 @@ def apply(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
         spans.extend(_line_cleanup(text, start, end, command))
     spans.extend((e.start, e.end, e.text) for e in edits if not e.removal)
     spans.sort(key=lambda span: (span[0], span[1]))
-    for (start, end, _), (next_start, _, _) in pairwise(spans):
+    for (_, end, _), (next_start, _, _) in pairwise(spans):
         if next_start < end:
             raise EditError(f"two changes meet at character {next_start}")
     for start, end, new in reversed(spans):
@@ -183,7 +204,7 @@ def _whole_tokens(text: str, start: int, end: int, tokens: list[tuple[int, int]]
     for token_start, token_end in tokens:
         if token_end <= start or token_start >= end:
             continue
-        rest = text[token_start:max(token_start, start)] + text[min(token_end, end):token_end]
+        rest = text[token_start : max(token_start, start)] + text[min(token_end, end) : token_end]
         if not rest.strip("\"'$"):
             widened_start, widened_end = min(widened_start, token_start), max(widened_end, token_end)
     return widened_start, widened_end
@@ -198,7 +219,7 @@ def _line_cleanup(text: str, start: int, end: int, command: bool) -> list[tuple[
         spans = [(line_start, min(line_end + 1, len(text)), "")]
         if command and not after.strip() and line_start > 0:  # the command's last line went
             previous_start = text.rfind("\n", 0, line_start - 1) + 1
-            previous = text[previous_start:line_start - 1].rstrip("\r")
+            previous = text[previous_start : line_start - 1].rstrip("\r")
             backslash = re.search(r"[ \t]*\\$", previous)
             if backslash:
                 spans.append((previous_start + backslash.start(), previous_start + backslash.end(), ""))
@@ -228,20 +249,27 @@ def reading_tokens(reading: Reading, file: int) -> list[tuple[int, int]]:
 
 
 def _container(reading: Reading, occurrence: Occurrence) -> tuple[int, tuple[Site, ...]]:
-    flag_chars = occurrence.name[:len(occurrence.flag)]
+    flag_chars = occurrence.name[: len(occurrence.flag)]
     depth = written_depth(flag_chars)
     if depth is None:
-        raise EditError(f"{occurrence.flag} is built from variables or a value known only at launch "
-                        f"({_where(reading, occurrence)}): sapp-hook cannot change it where it is written")
+        raise EditError(
+            f"{occurrence.flag} is built from variables or a value known only at launch "
+            f"({_where(reading, occurrence)}): sapp-hook cannot change it where it is written"
+        )
     return depth, flag_chars[0].trail[:depth]
 
 
 def _sites(reading: Reading, occurrence: Occurrence, chars: Field, depth: int, prefix: tuple[Site, ...]) -> list[Site]:
     sites = sites_at(chars, depth)
-    if sites is None or any(ch.trail[:depth] != prefix for ch in chars) or \
-            any((site.file, site.box) != (sites[0].file, sites[0].box) for site in sites):
-        raise EditError(f"{occurrence.flag} and its value ({_where(reading, occurrence)}) are not written in one "
-                        "place: sapp-hook cannot change them")
+    if (
+        sites is None
+        or any(ch.trail[:depth] != prefix for ch in chars)
+        or any((site.file, site.box) != (sites[0].file, sites[0].box) for site in sites)
+    ):
+        raise EditError(
+            f"{occurrence.flag} and its value ({_where(reading, occurrence)}) are not written in one "
+            "place: sapp-hook cannot change them"
+        )
     return sites
 
 

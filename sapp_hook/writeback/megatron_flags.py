@@ -48,14 +48,38 @@ LEGACY = {
 }
 
 FLAGS = {
-    PP_SIZE: ONE, TP_SIZE: ONE, NUM_LAYERS: ONE, MTP_LAYERS: ONE, LAYOUT: ONE, FIRST: ONE, LAST: ONE,
-    GLOBAL_BATCH: ONE, MICRO_BATCH: ONE, RAMPUP: MANY, LAYERS_PER_VIRTUAL: ONE, VIRTUAL_STAGES: ONE, GROUP_SIZE: ONE,
-    GRANULARITY: ONE, METHOD: ONE, RECOMPUTE_LAYERS: ONE, MODULES: MANY, RECOMPUTE_ACTIVATIONS: SWITCH,
-    DISTRIBUTE: SWITCH, GROUPED_GEMM: SWITCH, NO_OVERLAP_P2P: SWITCH, EMBEDDING_IN_SPLIT: SWITCH,
-    LOSS_IN_SPLIT: SWITCH, "--multi-latent-attention": SWITCH, ENCODER_LAYERS: ONE, DECODER_LAYERS: ONE,
+    PP_SIZE: ONE,
+    TP_SIZE: ONE,
+    NUM_LAYERS: ONE,
+    MTP_LAYERS: ONE,
+    LAYOUT: ONE,
+    FIRST: ONE,
+    LAST: ONE,
+    GLOBAL_BATCH: ONE,
+    MICRO_BATCH: ONE,
+    RAMPUP: MANY,
+    LAYERS_PER_VIRTUAL: ONE,
+    VIRTUAL_STAGES: ONE,
+    GROUP_SIZE: ONE,
+    GRANULARITY: ONE,
+    METHOD: ONE,
+    RECOMPUTE_LAYERS: ONE,
+    MODULES: MANY,
+    RECOMPUTE_ACTIVATIONS: SWITCH,
+    DISTRIBUTE: SWITCH,
+    GROUPED_GEMM: SWITCH,
+    NO_OVERLAP_P2P: SWITCH,
+    EMBEDDING_IN_SPLIT: SWITCH,
+    LOSS_IN_SPLIT: SWITCH,
+    "--multi-latent-attention": SWITCH,
+    ENCODER_LAYERS: ONE,
+    DECODER_LAYERS: ONE,
     **dict.fromkeys(HYBRID, ONE),
-    "--checkpoint-activations": SWITCH, "--checkpoint-num-layers": ONE, "--activations-checkpoint-method": ONE,
-    "--activations-checkpoint-num-layers": ONE, "--distribute-checkpointed-activations": SWITCH,
+    "--checkpoint-activations": SWITCH,
+    "--checkpoint-num-layers": ONE,
+    "--activations-checkpoint-method": ONE,
+    "--activations-checkpoint-num-layers": ONE,
+    "--distribute-checkpointed-activations": SWITCH,
     "--moe-layer-recompute": SWITCH,
 }
 
@@ -102,13 +126,13 @@ def scan(fields: tuple[Field, ...], command: int) -> list[Occurrence]:
             continue
         arity = FLAGS[flag]
         if equals:
-            found.append(Occurrence(flag, chars, (chars[len(flag) + 1:],), command, position, True))
+            found.append(Occurrence(flag, chars, (chars[len(flag) + 1 :],), command, position, True))
             continue
         values: list[Field] = []
         if arity == ONE and position + 1 < len(fields):
             values.append(fields[position + 1])
         elif arity == MANY:
-            for following in fields[position + 1:]:
+            for following in fields[position + 1 :]:
                 following_text = text_of(following)
                 if following_text is not None and following_text.startswith("-"):
                     break
@@ -189,11 +213,11 @@ class FlagValue:
 
 def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
     chars = tuple(ch for value in occurrence.values for ch in value)
-    depth = written_depth(occurrence.name[:len(occurrence.flag)])
+    depth = written_depth(occurrence.name[: len(occurrence.flag)])
     environment: list[str] = []
     branches: list[str] = []
     for ch in chars:
-        for site in ch.trail[depth or 0:]:
+        for site in ch.trail[depth or 0 :]:
             if site.ref < 0:
                 continue
             ref = reading.refs[site.ref]
@@ -202,8 +226,14 @@ def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
             elif ref.state == "ambiguous" and ref.name not in branches:
                 branches.append(ref.name)
     choices, exhaustive = _choices(reading, chars, depth or 0)
-    return FlagValue(occurrence.value_text(), tuple(environment), tuple(branches), conditional(reading, occurrence),
-                     choices, exhaustive)
+    return FlagValue(
+        occurrence.value_text(),
+        tuple(environment),
+        tuple(branches),
+        conditional(reading, occurrence),
+        choices,
+        exhaustive,
+    )
 
 
 def _choices(reading: Reading, chars: Field, depth: int) -> tuple[tuple[str, ...], bool]:
@@ -248,8 +278,12 @@ def written_depth(chars: Field) -> int | None:
     first = trails[0][-1]
     for trail in trails:
         last = trail[-1]
-        if len(trail) != depth + 1 or trail[:-1] != trails[0][:-1] or last.ref >= 0 or \
-                (last.file, last.box) != (first.file, first.box):
+        if (
+            len(trail) != depth + 1
+            or trail[:-1] != trails[0][:-1]
+            or last.ref >= 0
+            or (last.file, last.box) != (first.file, first.box)
+        ):
             return None
     return depth
 

@@ -53,8 +53,9 @@ def parse_stages(text: str) -> list[list[str]]:
         elif char in SYMBOLS:
             stages[-1].append(char)
         else:
-            raise LayoutError(f"{text!r}: {char!r} is not a layer (E, t, m, L), a stage end (|), a repeat (*N) "
-                              "or a group ((...)*N)")
+            raise LayoutError(
+                f"{text!r}: {char!r} is not a layer (E, t, m, L), a stage end (|), a repeat (*N) or a group ((...)*N)"
+            )
     return stages
 
 
@@ -73,15 +74,17 @@ def check(text: str, *, pipeline_size: int, num_layers: int, mtp_layers: int | N
     expected_mtp = mtp_layers or 0
     if layers.count(MTP) != expected_mtp:
         raise LayoutError(f"{text!r} has {layers.count(MTP)} MTP layers m; --mtp-num-layers is {expected_mtp}")
-    if MTP in layers and DECODER in layers[layers.index(MTP):]:
+    if MTP in layers and DECODER in layers[layers.index(MTP) :]:
         raise LayoutError(f"{text!r}: every decoder layer t must come before the MTP layers m")
     layout = Layout(tuple(tuple(stage) for stage in stages), pipeline_size)
     last_virtual = layout.virtual_size - 1
     for index, stage in enumerate(layout.stages):
         if MTP in stage and (index // pipeline_size != last_virtual or stage.count(MTP) != expected_mtp):
-            raise LayoutError(f"{text!r}: the MTP layers m must all be in one stage, the last virtual stage of "
-                              f"its pipeline rank (stage {index} is virtual stage {index // pipeline_size} of rank "
-                              f"{index % pipeline_size})")
+            raise LayoutError(
+                f"{text!r}: the MTP layers m must all be in one stage, the last virtual stage of "
+                f"its pipeline rank (stage {index} is virtual stage {index // pipeline_size} of rank "
+                f"{index % pipeline_size})"
+            )
     return layout
 
 
@@ -116,7 +119,7 @@ def _repeat_groups(text: str) -> str:
         count, after = _count(text, close + 1)
         if count is None or close == index + 1:
             raise LayoutError(f"{text!r}: a group (...) must hold layers and be followed by *N")
-        out.append(text[index + 1:close] * count)
+        out.append(text[index + 1 : close] * count)
         index = after
     return "".join(out)
 
@@ -145,7 +148,7 @@ def _count(text: str, index: int) -> tuple[int | None, int]:
         end += 1
     if end == index + 1:
         return None, index
-    count = int(text[index + 1:end])
+    count = int(text[index + 1 : end])
     if count > MAX_LAYERS:
         raise LayoutError(f"{text!r}: *{count} repeats more than {MAX_LAYERS} times")
     return count, end

@@ -93,7 +93,7 @@ def _written(reading: Reading, occurrence: Occurrence) -> str:
     if not sites:
         return occurrence.value_text() or "?"
     source = reading.files[sites[0].file]
-    return source.text[min(site.start for site in sites):max(site.end for site in sites)]
+    return source.text[min(site.start for site in sites) : max(site.end for site in sites)]
 
 
 def _said(reading: Reading, occurrence: Occurrence, value: FlagValue) -> str:
@@ -105,8 +105,9 @@ def _caveat(value: FlagValue) -> str:
     parts = []
     if value.environment:
         names = " or ".join(value.environment)
-        parts.append(f"unless {names} {'is' if len(value.environment) == 1 else 'are'} set where the script is "
-                     "launched")
+        parts.append(
+            f"unless {names} {'is' if len(value.environment) == 1 else 'are'} set where the script is launched"
+        )
     if value.branches:
         parts.append(f"where the branches that set {', '.join(value.branches)} give these")
     if value.conditional:
@@ -124,18 +125,23 @@ def check_stages(reading: Reading, occurrence: Occurrence, layout: Layout, path:
     written = _written(reading, occurrence)
     if stages is None:
         launch = f" (launch it with {value.environment[0]}={layout.stages})" if len(value.environment) == 1 else ""
-        notes.append(f"{PP_SIZE} is {written} in {path.name}, known only where the script is launched: the plan is "
-                     f"for {layout.stages} stages{launch}")
+        notes.append(
+            f"{PP_SIZE} is {written} in {path.name}, known only where the script is launched: the plan is "
+            f"for {layout.stages} stages{launch}"
+        )
         return False
     caveat = _caveat(value)
     if stages != layout.stages:
-        notes.append(f"{PP_SIZE} {_said(reading, occurrence, value)}{f' ({caveat})' if caveat else ''} set to the "
-                     f"plan's {layout.stages} stages: Megatron-LM then runs world size / ({layout.stages} x tensor x "
-                     "context-parallel size) data-parallel replicas")
+        notes.append(
+            f"{PP_SIZE} {_said(reading, occurrence, value)}{f' ({caveat})' if caveat else ''} set to the "
+            f"plan's {layout.stages} stages: Megatron-LM then runs world size / ({layout.stages} x tensor x "
+            "context-parallel size) data-parallel replicas"
+        )
         return True
     if caveat:
-        notes.append(f"{PP_SIZE} is {written} in {path.name}: {stages} {caveat}; the plan is for {layout.stages} "
-                     "stages")
+        notes.append(
+            f"{PP_SIZE} is {written} in {path.name}: {stages} {caveat}; the plan is for {layout.stages} stages"
+        )
     return False
 
 
@@ -145,8 +151,11 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     if MTP_LAYERS in last:
         value = value_of(reading, last[MTP_LAYERS])
         if value.number() is None:
-            raise InputError("--config", f"{MTP_LAYERS} is {_written(reading, last[MTP_LAYERS])} in {path}, known "
-                                         "only at launch: sapp-hook needs it to place the MTP layers")
+            raise InputError(
+                "--config",
+                f"{MTP_LAYERS} is {_written(reading, last[MTP_LAYERS])} in {path}, known "
+                "only at launch: sapp-hook needs it to place the MTP layers",
+            )
         mtp = value.number() or 0
     if mtp >= layout.body_layers:
         raise InputError("--plan", f"places {layout.body_layers} layers; {path} has {MTP_LAYERS} {mtp}")
@@ -159,69 +168,102 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     if value.determined() and declared != expected:  # Megatron refuses a split whose layers do not add up
         raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {said}")
     if value.choices and value.exhaustive and not value.environment and str(expected) not in value.choices:
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} "
-                                   f"{_written(reading, last[NUM_LAYERS])}{mtp_said}, which its branches set to "
-                                   f"{' or '.join(value.choices)}")
+        raise InputError(
+            "--plan",
+            f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} "
+            f"{_written(reading, last[NUM_LAYERS])}{mtp_said}, which its branches set to "
+            f"{' or '.join(value.choices)}",
+        )
     if value.choices and str(expected) in value.choices:
-        notes.append(f"{NUM_LAYERS} is {_written(reading, last[NUM_LAYERS])} in {path.name}, set in branches to "
-                     f"{' or '.join(value.choices)}: the plan is for the branch that sets {expected}")
+        notes.append(
+            f"{NUM_LAYERS} is {_written(reading, last[NUM_LAYERS])} in {path.name}, set in branches to "
+            f"{' or '.join(value.choices)}: the plan is for the branch that sets {expected}"
+        )
     elif declared is not None and declared != expected:
         notes.append(f"the plan places {layout.body_layers} decoder layers; {path.name} has {said} {_caveat(value)}")
     return mtp
 
 
-def check_model(reading: Reading, last: dict[str, Occurrence], launchers: list[int], layout: Layout, path: Path) -> None:
+def check_model(
+    reading: Reading, last: dict[str, Occurrence], launchers: list[int], layout: Layout, path: Path
+) -> None:
     """Models whose layers Megatron-LM does not split by the layout or the first/last-stage flags: T5's
     encoder and decoder stacks; a Mamba hybrid model, whose MambaStack gives every rank --num-layers /
     pipeline size layers and runs no virtual stages (only an even plan of one chunk runs there)."""
     stacks = [flag for flag in (ENCODER_LAYERS, DECODER_LAYERS) if flag in last]
     if stacks:
-        raise InputError("--plan", f"splits one stack of {layout.body_layers} layers; {path} trains an encoder-decoder "
-                                   f"model ({' and '.join(stacks)}), whose stacks Megatron-LM's layout and first/last-"
-                                   "stage flags do not split: sapp-hook plans decoder-only models")
+        raise InputError(
+            "--plan",
+            f"splits one stack of {layout.body_layers} layers; {path} trains an encoder-decoder "
+            f"model ({' and '.join(stacks)}), whose stacks Megatron-LM's layout and first/last-"
+            "stage flags do not split: sapp-hook plans decoder-only models",
+        )
     words = [text_of(field) or "" for index in launchers for field in reading.commands[index].argv]
     hybrid = [flag for flag in HYBRID if flag in last] + [word for word in words if word.endswith("pretrain_mamba.py")]
     body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
     if hybrid and (layout.chunks > 1 or len(set(body)) > 1):
-        raise InputError("--plan", f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} "
-                                   f"trains a Mamba hybrid model ({', '.join(hybrid)}), whose MambaStack gives every "
-                                   "pipeline rank --num-layers / pipeline size layers and runs no virtual stages: only "
-                                   "an even split of one chunk per rank runs there (newer Megatron-LM's HybridModel "
-                                   "also takes stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)")
+        raise InputError(
+            "--plan",
+            f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} "
+            f"trains a Mamba hybrid model ({', '.join(hybrid)}), whose MambaStack gives every "
+            "pipeline rank --num-layers / pipeline size layers and runs no virtual stages: only "
+            "an even split of one chunk per rank runs there (newer Megatron-LM's HybridModel "
+            "also takes stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)",
+        )
 
 
-def check_micro_batches(reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path,
-                         notes: list[str]) -> None:
+def check_micro_batches(
+    reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path, notes: list[str]
+) -> None:
     """Megatron runs global / (micro-batch size x data-parallel size) micro-batches per step: a script
     whose batch sizes cannot make the plan's count at any data-parallel size is refused, else the size
     that makes it is said."""
     if GLOBAL_BATCH not in last or MICRO_BATCH not in last:
         return  # left to Megatron's defaults
     values = value_of(reading, last[GLOBAL_BATCH]), value_of(reading, last[MICRO_BATCH])
-    options = [[int(c) for c in value.choices if c.isdigit()] or ([value.number()] if value.number() else [])
-               for value in values]
+    options = [
+        [int(c) for c in value.choices if c.isdigit()] or ([value.number()] if value.number() else [])
+        for value in values
+    ]
     pairs = [(g, m) for g in options[0] for m in options[1] if m]
     if not pairs:
         return
     fitting = [(g, m) for g, m in pairs if g % m == 0 and (g // m) % layout.micro_batches == 0]
     global_batch, micro_batch = (fitting or pairs)[0]
     said = f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch}"
-    caveat = _caveat(FlagValue(None, tuple(dict.fromkeys(v for value in values for v in value.environment)),
-                               tuple(dict.fromkeys(v for value in values for v in value.branches)),
-                               any(value.conditional for value in values)))
-    if not fitting and (not caveat or all(value.exhaustive for value in values if value.branches) and
-                        not any(value.environment or value.conditional for value in values)):
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}"
-                                   f"{' (or what its branches set)' if len(pairs) > 1 else ''}, Megatron runs "
-                                   f"{global_batch} / ({micro_batch} x data-parallel size): {layout.micro_batches} at "
-                                   "no data-parallel size")
+    caveat = _caveat(
+        FlagValue(
+            None,
+            tuple(dict.fromkeys(v for value in values for v in value.environment)),
+            tuple(dict.fromkeys(v for value in values for v in value.branches)),
+            any(value.conditional for value in values),
+        )
+    )
+    if not fitting and (
+        not caveat
+        or (
+            all(value.exhaustive for value in values if value.branches)
+            and not any(value.environment or value.conditional for value in values)
+        )
+    ):
+        raise InputError(
+            "--plan",
+            f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}"
+            f"{' (or what its branches set)' if len(pairs) > 1 else ''}, Megatron runs "
+            f"{global_batch} / ({micro_batch} x data-parallel size): {layout.micro_batches} at "
+            "no data-parallel size",
+        )
     if fitting:
-        notes.append(f"{said} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size "
-                     f"{global_batch // micro_batch // layout.micro_batches}" + (f" ({caveat})" if caveat else ""))
+        notes.append(
+            f"{said} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size "
+            f"{global_batch // micro_batch // layout.micro_batches}" + (f" ({caveat})" if caveat else "")
+        )
         if RAMPUP in last:  # Megatron steps the global batch up from the ramp's start: fewer micro-batches until then
             ramp = value_of(reading, last[RAMPUP]).text or "?"
-            notes.append(f"{RAMPUP} {ramp}: the global batch grows to {global_batch} over the ramp's samples, with "
-                         f"fewer micro-batches per step until then; the plan's {layout.micro_batches} hold after it")
+            notes.append(
+                f"{RAMPUP} {ramp}: the global batch grows to {global_batch} over the ramp's samples, with "
+                f"fewer micro-batches per step until then; the plan's {layout.micro_batches} hold after it"
+            )
     else:
         notes.append(f"{said} make {layout.micro_batches} micro-batches per step at no data-parallel size ({caveat})")
 
@@ -233,15 +275,26 @@ def check_interleaving(reading: Reading, last: dict[str, Occurrence], layout: La
     least = 3 if NO_OVERLAP_P2P in last else 2
     if layout.stages < least:
         why = f" with {NO_OVERLAP_P2P}" if least == 3 else ""
-        raise InputError("--plan", f"interleaves {layout.chunks} chunks on {layout.stages} pipeline stages; Megatron-LM"
-                                   f"{why} interleaves only over {least} stages or more")
+        raise InputError(
+            "--plan",
+            f"interleaves {layout.chunks} chunks on {layout.stages} pipeline stages; Megatron-LM"
+            f"{why} interleaves only over {least} stages or more",
+        )
 
 
 # -- the flags a plan needs ----------------------------------------------------------------------
 
 
-def plan_flags(reading: Reading, last: dict[str, Occurrence], occurring: list[Occurrence], layout: Layout,
-                mtp: int, wanted: list[tuple[str, list[str]]], gone: list[str], notes: list[str]) -> str:
+def plan_flags(
+    reading: Reading,
+    last: dict[str, Occurrence],
+    occurring: list[Occurrence],
+    layout: Layout,
+    mtp: int,
+    wanted: list[tuple[str, list[str]]],
+    gone: list[str],
+    notes: list[str],
+) -> str:
     """Fill in the flags the plan needs (`wanted`) and those it cannot have (`gone`); what the flags
     cannot say of the plan is returned ("" when they say it exactly)."""
     split = split_flags(layout) if not mtp else None
@@ -265,8 +318,16 @@ def plan_flags(reading: Reading, last: dict[str, Occurrence], occurring: list[Oc
     return _recompute(reading, last, occurring, layout, mtp, wanted, gone, notes)
 
 
-def _recompute(reading: Reading, last: dict[str, Occurrence], occurring: list[Occurrence], layout: Layout, mtp: int,
-               wanted: list[tuple[str, list[str]]], gone: list[str], notes: list[str]) -> str:
+def _recompute(
+    reading: Reading,
+    last: dict[str, Occurrence],
+    occurring: list[Occurrence],
+    layout: Layout,
+    mtp: int,
+    wanted: list[tuple[str, list[str]]],
+    gone: list[str],
+    notes: list[str],
+) -> str:
     cells, seen = [], 0
     for cell in layout.virtual_stages():
         decoders = []
@@ -279,8 +340,10 @@ def _recompute(reading: Reading, last: dict[str, Occurrence], occurring: list[Oc
         notes.append("Megatron-LM's recompute flags do not reach the MTP layers: they keep their activations")
     for occurrence in occurring:
         if occurrence.flag in LEGACY:
-            notes.append(f"{occurrence.flag} ({where(reading, occurrence)}) is a legacy flag Megatron-LM no longer "
-                         f"takes (now {LEGACY[occurrence.flag]}): taken out, the plan's recompute said with current flags")
+            notes.append(
+                f"{occurrence.flag} ({where(reading, occurrence)}) is a legacy flag Megatron-LM no longer "
+                f"takes (now {LEGACY[occurrence.flag]}): taken out, the plan's recompute said with current flags"
+            )
     modes = {mode for cell in cells for mode in cell}
     keep = {DISTRIBUTE} if DISTRIBUTE in last else set()
     if modes <= {NONE}:
@@ -290,10 +353,12 @@ def _recompute(reading: Reading, last: dict[str, Occurrence], occurring: list[Oc
         modules = ["layernorm"] + (["moe_act"] if GROUPED_GEMM in last else [])
         wanted.extend([(GRANULARITY, ["selective"]), (MODULES, modules)])
         gone.extend(flag for flag in RECOMPUTE_FLAGS if flag not in (GRANULARITY, MODULES))
-        return (f"Megatron-LM's selective recompute redoes the modules {MODULES} names; {' '.join(modules)} is the "
-                "nearest to the plan's, and is not the selective recompute the profile measured (norms, activations "
-                "and rotary redone, matmul and attention outputs kept): Megatron keeps the dense MLP's activation and "
-                "the rotary outputs, so its memory is above the plan's")
+        return (
+            f"Megatron-LM's selective recompute redoes the modules {MODULES} names; {' '.join(modules)} is the "
+            "nearest to the plan's, and is not the selective recompute the profile measured (norms, activations "
+            "and rotary redone, matmul and attention outputs kept): Megatron keeps the dense MLP's activation and "
+            "the rotary outputs, so its memory is above the plan's"
+        )
     counts = [sum(1 for mode in cell if mode != NONE) for cell in cells]
     most = max(counts)
     wanted.extend([(GRANULARITY, ["full"]), (METHOD, ["block"]), (RECOMPUTE_LAYERS, [str(most)])])
@@ -303,8 +368,10 @@ def _recompute(reading: Reading, last: dict[str, Occurrence], occurring: list[Oc
     gone.extend(flag for flag in RECOMPUTE_FLAGS if flag not in {GRANULARITY, METHOD, RECOMPUTE_LAYERS} | keep)
     if modes <= {NONE, FULL} and len(set(counts)) == 1:
         return ""
-    return (f"Megatron-LM recomputes the same number of layers on every stage; the plan varies it per stage, so "
-            f"every stage fully recomputes its first {most} layers (at least what the plan asks, slower than the plan)")
+    return (
+        f"Megatron-LM recomputes the same number of layers on every stage; the plan varies it per stage, so "
+        f"every stage fully recomputes its first {most} layers (at least what the plan asks, slower than the plan)"
+    )
 
 
 def where(reading: Reading, occurrence: Occurrence) -> str:

@@ -50,8 +50,9 @@ POSITIONAL = re.compile(r"\$(?:[1-9@*]|\{(?:[1-9]|[@*])\})")
 FILE_CONTENT = re.compile(r"""^\$\(\s*(?:cat\s+|<\s*)(["']?)([^\s"'$`;&|<>()]+)\1\s*\)$""")
 
 
-def read_script(path: Path, text: str, *, overrides: dict[Path, str] | None = None,
-                arguments_file: bool = False) -> Reading:
+def read_script(
+    path: Path, text: str, *, overrides: dict[Path, str] | None = None, arguments_file: bool = False
+) -> Reading:
     """Run the script at `path` (its text given) as described above. `overrides`: other files' texts
     to use instead of what is on disk (a rewrite being checked)."""
     run = _Run(overrides or {})
@@ -76,16 +77,26 @@ class _Scope:
     positional: tuple[Field, ...] | None = None  # $1 $2 ... "$@": None where given at launch
 
     def copy(self) -> _Scope:
-        return _Scope({k: list(v) for k, v in self.variables.items()}, dict(self.environment), set(self.exported),
-                      self.functions, self.positional)
+        return _Scope(
+            {k: list(v) for k, v in self.variables.items()},
+            dict(self.environment),
+            set(self.exported),
+            self.functions,
+            self.positional,
+        )
 
 
 class _Unit:
     """Text being run: a file's (parsed text, offsets into the file) or an eval's (each character's
     trail)."""
 
-    def __init__(self, file: int, source: SourceFile | None, trails: list[Trail] | None = None,
-                 unknowns: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        file: int,
+        source: SourceFile | None,
+        trails: list[Trail] | None = None,
+        unknowns: dict[str, str] | None = None,
+    ) -> None:
         self.file = file
         self.source = source
         self.trails = trails
@@ -102,11 +113,10 @@ class _Unit:
             source = self.source
             return (Site(self.file, source.offset(start), source.offset(end - 1) + 1, box, quote, ref),)  # type: ignore[union-attr]
         trails = [trail for trail in self.trails[start:end] if trail]
-        if not trails or any(trail[:-1] != trails[0][:-1] or trail[-1].file != trails[0][-1].file
-                             for trail in trails):
+        if not trails or any(trail[:-1] != trails[0][:-1] or trail[-1].file != trails[0][-1].file for trail in trails):
             return ()
         first, last = trails[0][-1], trails[-1][-1]
-        return trails[0][:-1] + (Site(first.file, first.start, last.end, last.box, last.quote, ref),)
+        return (*trails[0][:-1], Site(first.file, first.start, last.end, last.box, last.quote, ref))
 
 
 class _Run:
@@ -132,23 +142,29 @@ class _Run:
                 raise ReadError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
         source = SourceFile(path, text, None)
         if "\r\n" in text:  # read a CRLF file as bash would read it converted (its line ends kept on writing)
-            source.offsets = [index for index, char in enumerate(text)
-                              if not (char == "\r" and text.startswith("\n", index + 1))]
+            source.offsets = [
+                index for index, char in enumerate(text) if not (char == "\r" and text.startswith("\n", index + 1))
+            ]
         if not arguments:
             lexed = text.replace("\r\n", "\n") if source.offsets is not None else text
             try:
                 source.script = parse(lexed)
             except ShellError as error:
-                raise ReadError(f"{path.name} line {line_of(lexed, error.position)}: {error.detail}; sapp-hook "
-                                "reads a launch script as bash does and could not read this one") from None
+                raise ReadError(
+                    f"{path.name} line {line_of(lexed, error.position)}: {error.detail}; sapp-hook "
+                    "reads a launch script as bash does and could not read this one"
+                ) from None
         self.reading.files.append(source)
         self.loaded[key] = len(self.reading.files) - 1
         return self.loaded[key]
 
     def file_chars(self, index: int, box: int) -> Field:
         source = self.reading.files[index]
-        return tuple(Ch(char, (Site(index, offset, offset + 1, box, ""),))
-                     for offset, char in enumerate(source.text) if char != "\r")
+        return tuple(
+            Ch(char, (Site(index, offset, offset + 1, box, ""),))
+            for offset, char in enumerate(source.text)
+            if char != "\r"
+        )
 
     def resolve(self, name: str, current: int) -> Path | None:
         """A file a script names, relative to its folder or a folder above it (scripts are often run
@@ -173,8 +189,9 @@ class _Run:
         source = self.reading.files[index]
         self.nodes(source.script.commands, _Unit(index, source), scope, conditional, evaluated, depth)  # type: ignore[union-attr]
 
-    def nodes(self, nodes: tuple[Node, ...], unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool,
-              depth: int) -> None:
+    def nodes(
+        self, nodes: tuple[Node, ...], unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool, depth: int
+    ) -> None:
         for node in nodes:
             self.node(node, unit, scope, conditional, evaluated, depth)
 
@@ -202,7 +219,7 @@ class _Run:
         not as a sibling branch left them; afterwards every branch's definitions may hold."""
         if block.kind == "if":
             bodies = block.bodies[1::2] + ((block.bodies[-1],) if len(block.bodies) % 2 else ())
-            for number, condition in enumerate(block.bodies[0:2 * (len(block.bodies) // 2):2]):
+            for number, condition in enumerate(block.bodies[0 : 2 * (len(block.bodies) // 2) : 2]):
                 self.nodes(condition, unit, scope, number > 0, evaluated, depth)
         else:
             bodies = block.bodies
@@ -212,13 +229,14 @@ class _Run:
             scope.variables = {name: list(definitions) for name, definitions in before.items()}
             self.nodes(body, unit, scope, True, evaluated, depth)
             for name, definitions in scope.variables.items():
-                added.setdefault(name, []).extend(definitions[len(before.get(name, [])):])
+                added.setdefault(name, []).extend(definitions[len(before.get(name, [])) :])
         for name, definitions in added.items():
             before.setdefault(name, []).extend(definitions)
         scope.variables = before
 
-    def simple(self, command: Simple, unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool,
-               depth: int) -> None:
+    def simple(
+        self, command: Simple, unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool, depth: int
+    ) -> None:
         if not command.words:
             for assignment in command.assignments:
                 self.assign(assignment, unit, scope, conditional, exported=False)
@@ -236,8 +254,18 @@ class _Run:
         finally:
             self.collecting.pop()
 
-    def dispatch(self, argv: list[Field], prefix: dict[str, Value], command: Simple, unit: _Unit, scope: _Scope,
-                 conditional: bool, evaluated: bool, depth: int, box: int) -> None:
+    def dispatch(
+        self,
+        argv: list[Field],
+        prefix: dict[str, Value],
+        command: Simple,
+        unit: _Unit,
+        scope: _Scope,
+        conditional: bool,
+        evaluated: bool,
+        depth: int,
+        box: int,
+    ) -> None:
         name = text_of(argv[0]) if argv else ""
         if name in ("exec", "nohup", "command", "builtin", "time") and len(argv) > 1:
             self.dispatch(argv[1:], prefix, command, unit, scope, conditional, evaluated, depth, box)
@@ -245,7 +273,7 @@ class _Run:
             rest = 1
             while rest < len(argv) and re.match(r"[A-Za-z_]\w*=", text_of(argv[rest]) or ""):
                 key, _, _ = (text_of(argv[rest]) or "").partition("=")
-                prefix[key] = Value(argv[rest][len(key) + 1:])
+                prefix[key] = Value(argv[rest][len(key) + 1 :])
                 rest += 1
             if rest < len(argv):
                 self.dispatch(argv[rest:], prefix, command, unit, scope, conditional, evaluated, depth, box)
@@ -269,8 +297,9 @@ class _Run:
         elif name in scope.functions and depth < MAX_DEPTH:
             block, file = scope.functions[name]
             source = self.reading.files[file]
-            self.reading.functions_unused[:] = [f for f in self.reading.functions_unused
-                                                if f != (file, block.start, block.end)]
+            self.reading.functions_unused[:] = [
+                f for f in self.reading.functions_unused if f != (file, block.start, block.end)
+            ]
             outer, scope.positional = scope.positional, tuple(argv[1:])
             try:
                 self.nodes(block.bodies[0], _Unit(file, source), scope, conditional, evaluated, depth + 1)
@@ -280,8 +309,16 @@ class _Run:
             refs = tuple(dict.fromkeys(ref for made in self.collecting for ref in made))
             self.reading.commands.append(Command(tuple(argv), box, conditional, evaluated, refs))
 
-    def include(self, name_field: Field, unit: _Unit, scope: _Scope, conditional: bool, evaluated: bool, depth: int,
-                child: _Scope | None) -> None:
+    def include(
+        self,
+        name_field: Field,
+        unit: _Unit,
+        scope: _Scope,
+        conditional: bool,
+        evaluated: bool,
+        depth: int,
+        child: _Scope | None,
+    ) -> None:
         name = text_of(name_field)
         path = self.resolve(name, unit.file) if name else None
         if path is None or depth >= MAX_DEPTH:
@@ -291,8 +328,9 @@ class _Run:
         index = self.load(path, arguments=False)
         self.block_file(index, child or scope, conditional, evaluated, depth + 1)
 
-    def child_shell(self, argv: list[Field], prefix: dict[str, Value], unit: _Unit, scope: _Scope,
-                    conditional: bool, depth: int) -> None:
+    def child_shell(
+        self, argv: list[Field], prefix: dict[str, Value], unit: _Unit, scope: _Scope, conditional: bool, depth: int
+    ) -> None:
         """`bash FILE` or `bash -c TEXT`: a new shell with the exported variables and the prefix."""
         environment = {name: value for name, value in self._current(scope).items() if name in scope.exported}
         environment.update(prefix)
@@ -304,7 +342,7 @@ class _Run:
                 return
             rest += 1
         if rest < len(argv):
-            child.positional = tuple(argv[rest + 1:])
+            child.positional = tuple(argv[rest + 1 :])
             self.include(argv[rest], unit, scope, conditional, False, depth, child=child)
 
     def evaluate(self, chars: Field, unit: _Unit, scope: _Scope, conditional: bool, depth: int) -> None:
@@ -347,7 +385,9 @@ class _Run:
         if exported:
             scope.exported.add(assignment.name)
 
-    def assignment_value(self, assignment: Assignment, unit: _Unit, scope: _Scope, conditional: bool) -> tuple[Value, int]:
+    def assignment_value(
+        self, assignment: Assignment, unit: _Unit, scope: _Scope, conditional: bool
+    ) -> tuple[Value, int]:
         span = self._file_span(unit, assignment.start, assignment.end)
         if assignment.items is not None:
             box = self.box("array", unit.file, *span, assignment.name, conditional)
@@ -363,12 +403,13 @@ class _Run:
         if assignment.append:
             before = self.lookup(assignment.name, scope)[0]
             if before is not None and before.items is not None:
-                return Value(items=before.items + (chars,)), box
+                return Value(items=(*before.items, chars)), box
             chars = (before.scalar() if before else ()) + chars
         return Value(chars=chars), box
 
-    def define(self, name: str, value: Value | None, box: int, scope: _Scope, conditional: bool,
-               refs: tuple[int, ...] = ()) -> None:
+    def define(
+        self, name: str, value: Value | None, box: int, scope: _Scope, conditional: bool, refs: tuple[int, ...] = ()
+    ) -> None:
         self.reading.definitions.append(Definition(name, value, box, conditional, refs))
         scope.variables.setdefault(name, []).append(len(self.reading.definitions) - 1)
 
@@ -428,8 +469,11 @@ class _Run:
                 if part.op.endswith("="):
                     self.define(part.name, value, box, scope, False)
             elif part.op.endswith("+"):
-                value = None if value is None or empty else Value(chars=self.expand(part.arg, unit, scope, box,
-                                                                                     split=False)[0])
+                value = (
+                    None
+                    if value is None or empty
+                    else Value(chars=self.expand(part.arg, unit, scope, box, split=False)[0])
+                )
         self.reading.refs.append(Ref(part.name, state, used, alternatives))
         for made in self.collecting:
             made.append(len(self.reading.refs) - 1)

@@ -21,8 +21,30 @@ from sapp_hook.writeback.megatron_words import (
 )
 
 BLANKS = " \t"
-RESERVED = frozenset({"if", "then", "elif", "else", "fi", "for", "select", "while", "until", "do", "done", "case",
-                      "esac", "function", "{", "}", "!", "[[", "in", "time"})
+RESERVED = frozenset(
+    {
+        "if",
+        "then",
+        "elif",
+        "else",
+        "fi",
+        "for",
+        "select",
+        "while",
+        "until",
+        "do",
+        "done",
+        "case",
+        "esac",
+        "function",
+        "{",
+        "}",
+        "!",
+        "[[",
+        "in",
+        "time",
+    }
+)
 DECLARATIONS = frozenset({"export", "declare", "typeset", "local", "readonly"})
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^\]]*\])?\+?=")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -133,7 +155,7 @@ class _Parser(WordReader):
             while self.i < self.n:
                 end = self.s.find("\n", self.i)
                 end = self.n if end < 0 else end
-                line = self.s[self.i:end]
+                line = self.s[self.i : end]
                 self.i = min(end + 1, self.n)
                 if (line.lstrip("\t") if strip_tabs else line) == delimiter:
                     break
@@ -438,8 +460,9 @@ class _Parser(WordReader):
                 if self.i >= self.n:
                     raise self.error(f"the array {name}=( of line {line_of(self.s, start)} is never closed", start)
                 if self.peek() in ";&|<>(":
-                    raise self.error(f"unexpected {self.peek()!r} in the array {name}=( of line "
-                                     f"{line_of(self.s, start)}")
+                    raise self.error(
+                        f"unexpected {self.peek()!r} in the array {name}=( of line {line_of(self.s, start)}"
+                    )
                 items.append(self.word())
             return Assignment(name, append, None, tuple(items), start, self.i, open_end)
         value = None if self.peek() in META or self.peek() == "" else self.word()

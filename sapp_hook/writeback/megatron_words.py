@@ -87,7 +87,6 @@ class Word:
         return text
 
 
-
 class WordReader(abc.ABC):
     """The word-level half of the parser: `s` the text, `i` the position, `n` where reading stops."""
 
@@ -167,7 +166,7 @@ class WordReader(abc.ABC):
             if char == '"':
                 self.i += 1
                 return parts
-            if char == "\\" and self.peek(1) in ('$', '`', '"', "\\", "\n"):
+            if char == "\\" and self.peek(1) in ("$", "`", '"', "\\", "\n"):
                 if self.peek(1) != "\n":  # \<newline> inside "" is a line continuation
                     parts.append(Char(self.peek(1), self.i + 1, '"'))
                 self.i += 2
@@ -187,7 +186,7 @@ class WordReader(abc.ABC):
         if index >= self.n:
             raise self.error(f"the ` of line {line_of(self.s, start)} is never closed", start)
         self.i = index + 1
-        return Opaque(self.s[start:self.i], start, self.i, quote, "command")
+        return Opaque(self.s[start : self.i], start, self.i, quote, "command")
 
     def dollar(self, quote: str) -> list[Part]:
         start = self.i
@@ -211,7 +210,7 @@ class WordReader(abc.ABC):
             return [Param(name.group(0), start, self.i, quote)]
         if following and following in SPECIAL_PARAMETERS:
             self.i += 2
-            return [Opaque(self.s[start:self.i], start, self.i, quote, "special")]
+            return [Opaque(self.s[start : self.i], start, self.i, quote, "special")]
         self.i += 1
         return [Char("$", start, quote)]
 
@@ -241,18 +240,19 @@ class WordReader(abc.ABC):
         if self.peek() != ")":
             raise self.error(f"the $( of line {line_of(self.s, start)} is never closed", start)
         self.i += 1
-        return Opaque(self.s[start:self.i], start, self.i, quote, "command", tuple(commands))
+        return Opaque(self.s[start : self.i], start, self.i, quote, "command", tuple(commands))
 
     def braced(self, quote: str) -> Param | Opaque:
         start = self.i
         end = self._braced_end(self.i + 2)
         self.i = end
-        inner = self.s[start + 2:end - 1]
+        inner = self.s[start + 2 : end - 1]
         match = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[([@*])\])?").match(inner)
         if not match:
-            return Opaque(self.s[start:end], start, end, quote, "special" if inner[:1] in SPECIAL_PARAMETERS
-                          else "expansion")
-        rest = inner[match.end():]
+            return Opaque(
+                self.s[start:end], start, end, quote, "special" if inner[:1] in SPECIAL_PARAMETERS else "expansion"
+            )
+        rest = inner[match.end() :]
         name, index = match.group(1), match.group(2) or ""
         if not rest:
             return Param(name, start, end, quote, index=index)
@@ -271,7 +271,7 @@ class WordReader(abc.ABC):
             while self.i < self.n:
                 char = self.s[self.i]
                 if char == "\\" and self.i + 1 < self.n:
-                    if not quote or self.peek(1) in ('$', '`', '"', "\\"):
+                    if not quote or self.peek(1) in ("$", "`", '"', "\\"):
                         parts.append(Char(self.s[self.i + 1], self.i + 1, quote or "\\"))
                     else:
                         parts.append(Char("\\", self.i, quote))
@@ -328,4 +328,3 @@ class WordReader(abc.ABC):
                     return index + 1
             index += 1
         raise self.error("a (( is never closed")
-

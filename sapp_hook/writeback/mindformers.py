@@ -49,12 +49,15 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
             edit.set((key,), value)
     else:
         raise InputError(
-            "--config", f"{path} has none of {', '.join(TRAINING_SECTIONS + TEMPLATE_V2_SECTIONS)} (a MindFormers "
-            f"training config) nor plan keys ({', '.join(MINDFORMERS_PLACES)}) at its top: is it a MindFormers config?"
+            "--config",
+            f"{path} has none of {', '.join(TRAINING_SECTIONS + TEMPLATE_V2_SECTIONS)} (a MindFormers "
+            f"training config) nor plan keys ({', '.join(MINDFORMERS_PLACES)}) at its top: is it a MindFormers config?",
         )
     if "base_config" in document:
-        result.notes.append(f"{path} inherits base_config {document['base_config']}: the plan's keys are written in it, "
-                            "where they override the base's")
+        result.notes.append(
+            f"{path} inherits base_config {document['base_config']}: the plan's keys are written in it, "
+            "where they override the base's"
+        )
     text = edit.result()
     result.notes.extend(edit.notes)
     commit(result, old, text, dry_run=dry_run)
@@ -73,8 +76,9 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     section(document, ("recompute_config",), path)
     pipeline = section(document, ("parallel", "pipeline_config"), path)
     where = "parallel.pipeline_config.pipeline_scheduler"
-    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result,
-                                parallel.get("seq_split_num", MISSING))
+    scheduler = check_scheduler(
+        layout, pipeline.get("pipeline_scheduler", MISSING), where, path, result, parallel.get("seq_split_num", MISSING)
+    )
 
     if "parallel_config" in document:
         edit.set(("parallel_config", "pipeline_stage"), layout.stages)
@@ -95,6 +99,8 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     if layout.chunks == 1 and layout.schedule == "1F1B" and not pipeline:
         return
     where = "parallel.pipeline_config.pipeline_interleave"
-    edit.set(("parallel", "pipeline_config", "pipeline_interleave"),
-             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler, where, result))
+    edit.set(
+        ("parallel", "pipeline_config", "pipeline_interleave"),
+        interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler, where, result),
+    )
     edit.set(("parallel", "pipeline_config", "pipeline_scheduler"), scheduler)

@@ -38,18 +38,36 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     parallel = section(document, PARALLEL, path)
     pipeline = section(document, PIPELINE, path)
     section(document, ("recompute_config",), path)
-    note_stages(parallel, "distribute_parallel_config.pipeline_model_parallel_size",
-                ("data_parallel_size", "tensor_model_parallel_size"), layout, path, result)
+    note_stages(
+        parallel,
+        "distribute_parallel_config.pipeline_model_parallel_size",
+        ("data_parallel_size", "tensor_model_parallel_size"),
+        layout,
+        path,
+        result,
+    )
     check_layers(section(document, ("model_config",), path), "model_config", layout, path, result)
     _check_micro_batches(document, parallel, layout, path, result)
-    scheduler = check_scheduler(layout, pipeline.get("pipeline_scheduler", MISSING),
-                                "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler", path, result,
-                                pipeline.get("seq_split_num", MISSING))
+    scheduler = check_scheduler(
+        layout,
+        pipeline.get("pipeline_scheduler", MISSING),
+        "distribute_parallel_config.pipeline_parallel_config.pipeline_scheduler",
+        path,
+        result,
+        pipeline.get("seq_split_num", MISSING),
+    )
 
     edit.set((*PARALLEL, "pipeline_model_parallel_size"), layout.stages)
-    edit.set((*PIPELINE, "pipeline_interleave"),
-             interleave_value(pipeline.get("pipeline_interleave"), layout, scheduler,
-                              "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave", result))
+    edit.set(
+        (*PIPELINE, "pipeline_interleave"),
+        interleave_value(
+            pipeline.get("pipeline_interleave"),
+            layout,
+            scheduler,
+            "distribute_parallel_config.pipeline_parallel_config.pipeline_interleave",
+            result,
+        ),
+    )
     edit.set((*PIPELINE, "pipeline_scheduler"), scheduler)
     edit.set((*PIPELINE, "virtual_pipeline_model_parallel_size"), layout.chunks)
     set_offset(edit, (*PIPELINE, "pipeline_stage_offset"), layout)
@@ -100,12 +118,19 @@ def _check_micro_batches(document: Mapping, parallel: Mapping, layout: Layout, p
     sizes = f"{said[0]}, {said[1]} and {said[2]}"
     if is_int(data_parallel) and data_parallel > 0:
         if per_replica // data_parallel != layout.micro_batches:
-            raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes} at "
-                                       f"data_parallel_size {data_parallel}, MindFormers runs {per_replica // data_parallel}")
+            raise InputError(
+                "--plan",
+                f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes} at "
+                f"data_parallel_size {data_parallel}, MindFormers runs {per_replica // data_parallel}",
+            )
         return
     replicas = per_replica // layout.micro_batches
     if not replicas or per_replica // replicas != layout.micro_batches:
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes}, "
-                                   f"MindFormers runs {per_replica} // data-parallel size: {layout.micro_batches} at none")
-    result.notes.append(f"{sizes} make the plan's {layout.micro_batches} micro-batches per step at data-parallel "
-                        f"size {replicas}")
+        raise InputError(
+            "--plan",
+            f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes}, "
+            f"MindFormers runs {per_replica} // data-parallel size: {layout.micro_batches} at none",
+        )
+    result.notes.append(
+        f"{sizes} make the plan's {layout.micro_batches} micro-batches per step at data-parallel size {replicas}"
+    )

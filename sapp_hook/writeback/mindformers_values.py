@@ -17,19 +17,39 @@ from simulator.errors import InputError, shown
 
 # The orders MindSpore runs, as its pipeline_scheduler names them; with pipeline_interleave on, 1f1b
 # runs the chunks interleaved.
-SCHEDULERS = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "1f1b", "Interleaved1F1B-less-memory": "1f1b",
-              "ZBVZeroBubble": "zero_bubble_v"}
+SCHEDULERS = {
+    "1F1B": "1f1b",
+    "GPipe": "gpipe",
+    "Interleaved1F1B": "1f1b",
+    "Interleaved1F1B-less-memory": "1f1b",
+    "ZBVZeroBubble": "zero_bubble_v",
+}
 # The plain orders, which sapp-hook sets to the plan's (with a note); any other a config names is the user's
 # choice of an order the plan was not made for.
 PLAIN_SCHEDULERS = ("1f1b", "gpipe")
 OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the plan's
-    "seqpipe": (("MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
-                 "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
-    "seqvpp": (("MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
-                "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)"), ""),
-    "seqsmartvpp": (("MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only "
-                     "without a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches "
-                     "a multiple of the stages)"), ""),
+    "seqpipe": (
+        (
+            "MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
+            "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)"
+        ),
+        "",
+    ),
+    "seqvpp": (
+        (
+            "MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
+            "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)"
+        ),
+        "",
+    ),
+    "seqsmartvpp": (
+        (
+            "MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only "
+            "without a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches "
+            "a multiple of the stages)"
+        ),
+        "",
+    ),
     "zero_bubble_v": ("the order of a ZBVZeroBubble plan", "solve with --schedule ZBVZeroBubble --chunks 2, or "),
 }
 # With seq_split_num 1 (MindFormers' default) MindSpore's sequence schedulers split no sequence and run known
@@ -39,8 +59,11 @@ OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the
 # one backward (the earliest micro-batch's latest chunk). bias is 2 with chunks (1 for seqsmartvpp), so on M a
 # multiple of S: one chunk is 1F1B, seqpipe and seqvpp are Megatron's interleaved order (warm-up
 # 2(S-1-r) + (V-1)S), seqsmartvpp MindFormers' small-memory one ((V-1)S + S-1-r). seqvpp refuses one chunk.
-SEQUENCE_ORDERS = {"seqpipe": ("1F1B", "Interleaved1F1B"), "seqvpp": ("Interleaved1F1B",),
-                   "seqsmartvpp": ("1F1B", "Interleaved1F1B-less-memory")}
+SEQUENCE_ORDERS = {
+    "seqpipe": ("1F1B", "Interleaved1F1B"),
+    "seqvpp": ("Interleaved1F1B",),
+    "seqsmartvpp": ("1F1B", "Interleaved1F1B-less-memory"),
+}
 DECODER_KEYS = ("num_layers", "num_hidden_layers")  # the legacy models' name, then mcore's and Hugging Face's
 # The multi-token-prediction depth: research/deepseek3's classic key, mcore's, Hugging Face's (DeepSeek-V3).
 # MindFormers spreads these layers with the decoder layers: LayerSetting(num_layers + depth, offset, ...).
@@ -73,8 +96,9 @@ def check_count(value: object, where: str, path: Path) -> None:
         raise InputError("--config", f"{path}: {where} is {shown(value)}; expected an integer")
 
 
-def note_stages(parallel: Mapping, where: str, sizes: tuple[str, str], layout: Layout, path: Path,
-                result: WriteBack) -> None:
+def note_stages(
+    parallel: Mapping, where: str, sizes: tuple[str, str], layout: Layout, path: Path, result: WriteBack
+) -> None:
     """A pipeline size other than the plan's is set to the plan's, with a note of the device count it
     then takes (MindFormers runs data x model x pipeline parallel devices; `sizes` the other two keys)."""
     value = parallel.get(where.rsplit(".", 1)[-1])
@@ -87,10 +111,13 @@ def note_stages(parallel: Mapping, where: str, sizes: tuple[str, str], layout: L
     if all(is_int(size) and size > 0 for size in others):
         before, after = others[0] * others[1] * value, others[0] * others[1] * layout.stages
         keep = before // (others[1] * layout.stages) if before % (others[1] * layout.stages) == 0 else None
-        devices = (f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {after} devices (was {before})"
-                   + (f"; for {before} set {sizes[0]} to {keep}" if keep else ""))
-    result.notes.append(f"{where} was {value}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
-                        f"{layout.stages}{devices}")
+        devices = f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {after} devices (was {before})" + (
+            f"; for {before} set {sizes[0]} to {keep}" if keep else ""
+        )
+    result.notes.append(
+        f"{where} was {value}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
+        f"{layout.stages}{devices}"
+    )
 
 
 def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result: WriteBack) -> None:
@@ -104,22 +131,30 @@ def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result:
     mtp = model[mtp_key] if mtp_key else 0
     said = f" + {mtp_key} {mtp}" if mtp_key else ""
     if key is None:
-        result.notes.append(f"{where} declares no {' or '.join(DECODER_KEYS)} (MindFormers then reads the model's "
-                            f"config.json in pretrained_model_dir): the plan places {layout.body_layers} layers, decoder "
-                            "and multi-token-prediction, which sapp-hook could not check against it")
+        result.notes.append(
+            f"{where} declares no {' or '.join(DECODER_KEYS)} (MindFormers then reads the model's "
+            f"config.json in pretrained_model_dir): the plan places {layout.body_layers} layers, decoder "
+            "and multi-token-prediction, which sapp-hook could not check against it"
+        )
         return
     if model[key] + mtp != layout.body_layers:
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {model[key]}{said}")
+        raise InputError(
+            "--plan", f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {model[key]}{said}"
+        )
     body = [index for index, layer in enumerate(layout.layers) if layer.is_body]
     planned = [index for index in body if "mtp" in layout.layers[index].kind.lower()]
-    if planned and (len(planned) != mtp or planned != body[-len(planned):]):
-        raise InputError("--plan", f"places {len(planned)} multi-token-prediction layers ({layout.layers[planned[0]].kind}); "
-                                   f"{path} has {mtp} ({where}.{mtp_key or MTP_KEYS[0]}), which MindFormers places after "
-                                   "the decoder layers")
+    if planned and (len(planned) != mtp or planned != body[-len(planned) :]):
+        raise InputError(
+            "--plan",
+            f"places {len(planned)} multi-token-prediction layers ({layout.layers[planned[0]].kind}); "
+            f"{path} has {mtp} ({where}.{mtp_key or MTP_KEYS[0]}), which MindFormers places after "
+            "the decoder layers",
+        )
 
 
-def check_scheduler(layout: Layout, configured: object, where: str, path: Path, result: WriteBack,
-                    seq_split: object = MISSING) -> str:
+def check_scheduler(
+    layout: Layout, configured: object, where: str, path: Path, result: WriteBack, seq_split: object = MISSING
+) -> str:
     """The pipeline_scheduler MindSpore runs the plan's schedule under. A config naming another plain
     order gets the plan's, with a note; a sequence scheduler without a sequence split (`seq_split`, the
     config's seq_split_num) stays where it runs the plan's order; any other order (seqpipe splitting
@@ -127,8 +162,11 @@ def check_scheduler(layout: Layout, configured: object, where: str, path: Path, 
     wanted = SCHEDULERS.get(layout.schedule)
     if wanted is None:
         known = ", ".join(f"{name} ({scheduler})" for name, scheduler in SCHEDULERS.items())
-        raise InputError("--plan", f"is for {layout.schedule}, an order MindFormers does not run (sapp-hook plans for "
-                                   f"it {known}): solve with one of these")
+        raise InputError(
+            "--plan",
+            f"is for {layout.schedule}, an order MindFormers does not run (sapp-hook plans for "
+            f"it {known}): solve with one of these",
+        )
     if configured is MISSING or configured is None or configured == wanted:
         return wanted
     if configured in PLAIN_SCHEDULERS:
@@ -136,15 +174,23 @@ def check_scheduler(layout: Layout, configured: object, where: str, path: Path, 
         return wanted
     unsplit = seq_split in (MISSING, None, 1)
     if configured in SEQUENCE_ORDERS and unsplit and _sequence_order_runs(configured, layout):
-        result.notes.append(f"{where} {configured} kept: with seq_split_num {'unset (1)' if seq_split in (MISSING, None) else 1} "
-                            f"it splits no sequence and runs the plan's {layout.schedule} order")
+        result.notes.append(
+            f"{where} {configured} kept: with seq_split_num {'unset (1)' if seq_split in (MISSING, None) else 1} "
+            f"it splits no sequence and runs the plan's {layout.schedule} order"
+        )
         return configured
-    what, advice = OTHER_SCHEDULERS.get(configured, ("which MindSpore does not know", "")) \
-        if isinstance(configured, str) else ("which is not a scheduler's name", "")
+    what, advice = (
+        OTHER_SCHEDULERS.get(configured, ("which MindSpore does not know", ""))
+        if isinstance(configured, str)
+        else ("which is not a scheduler's name", "")
+    )
     if configured in SEQUENCE_ORDERS and not unsplit:
         what = f"with seq_split_num {seq_split}, {what}"
-    raise InputError("--plan", f"is for {layout.schedule} (pipeline_scheduler {wanted}); {path} has {where} {configured!r}, "
-                               f"{what}: {advice}set {where} to {wanted} to run this plan")
+    raise InputError(
+        "--plan",
+        f"is for {layout.schedule} (pipeline_scheduler {wanted}); {path} has {where} {configured!r}, "
+        f"{what}: {advice}set {where} to {wanted} to run this plan",
+    )
 
 
 def _sequence_order_runs(scheduler: str, layout: Layout) -> bool:
@@ -197,8 +243,13 @@ def read_counts(value: object, held: list[list[int]]) -> list[list[int]] | None:
     if isinstance(value, list) and len(value) == stages and all(isinstance(item, int) for item in value):
         counts = [[0] * stages for _ in range(chunks)]
         for stage, count in enumerate(value):
-            left = sum(row[stage] for row in held) if count is True else 0 if count is False else \
-                min(count, sum(row[stage] for row in held))
+            left = (
+                sum(row[stage] for row in held)
+                if count is True
+                else 0
+                if count is False
+                else min(count, sum(row[stage] for row in held))
+            )
             while left > 0:
                 for chunk in range(chunks):
                     if left and counts[chunk][stage] < held[chunk][stage]:
@@ -206,8 +257,19 @@ def read_counts(value: object, held: list[list[int]]) -> list[list[int]] | None:
                         left -= 1
         return counts
     if _two_d(value) and len(value) == chunks and all(len(row) == stages for row in value):
-        return [[held[c][s] if item is True else 0 if item is False else max(0, min(item, held[c][s]))
-                 if is_int(item) else -1 for s, item in enumerate(row)] for c, row in enumerate(value)]
+        return [
+            [
+                held[c][s]
+                if item is True
+                else 0
+                if item is False
+                else max(0, min(item, held[c][s]))
+                if is_int(item)
+                else -1
+                for s, item in enumerate(row)
+            ]
+            for c, row in enumerate(value)
+        ]
     return None
 
 
@@ -266,6 +328,8 @@ def set_counts(edit: YamlEdit, place: tuple[str, ...], layout: Layout, result: W
         value = {pattern: value for pattern in current}
         result.notes.append(f"{where} names ops ({', '.join(current)}): each now has the plan's counts")
     elif patterns or isinstance(current, Mapping):
-        result.notes.append(f"{where} named ops, which this format cannot give counts: the plan's counts replace them "
-                            "(MindFormers recomputes its default ops)")
+        result.notes.append(
+            f"{where} named ops, which this format cannot give counts: the plan's counts replace them "
+            "(MindFormers recomputes its default ops)"
+        )
     edit.set(place, value)

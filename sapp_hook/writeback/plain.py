@@ -10,7 +10,7 @@ import yaml
 
 from sapp_hook.writeback.files import WriteBack, commit
 from sapp_hook.writeback.layout import Layout
-from solver.profile import read_limited
+from simulator.files import read_limited
 
 
 def write_plan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:

@@ -50,7 +50,9 @@ def write_torchtitan(path: Path, layout: Layout, *, dry_run: bool = False) -> Wr
     """Write `layout` into a TorchTitan TOML config, or into the config function of a Python config
     (`FILE.py:FUNCTION`; the function may be left out where the file defines one)."""
     check_torch_runs(layout.schedule, "--plan", runner="TorchTitan")
-    check_no_recompute(layout.schedule, layout.body_modes(), "--plan", runner="TorchTitan runs torch.distributed.pipelining: ")
+    check_no_recompute(
+        layout.schedule, layout.body_modes(), "--plan", runner="TorchTitan runs torch.distributed.pipelining: "
+    )
     file, function = config_path(path)
     old = read_config(file)
     if file.suffix == ".py":

@@ -44,21 +44,39 @@ MICRO_COUNT = "num_pp_microbatches"
 MICRO_KEYS = (MICRO_COUNT, MICRO_SIZE, MICRO_COUNT_2024)
 # Other ways of saying the split: a written module list replaces them (TorchTitan refuses a list beside
 # pipeline_parallel_layers_per_stage; the less-layers weights only shape its own even split).
-SHAPING_KEYS = ("pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
-                "pipeline_parallel_last_stage_less_layers")
+SHAPING_KEYS = (
+    "pipeline_parallel_layers_per_stage",
+    "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers",
+)
 LOWERCASE_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved_1f1b"}
-_CONFIG_CLASSES = {"Parallelism": "parallelism", "ParallelismConfig": "parallelism", "Training": "training",
-                   "TrainingConfig": "training", "ActivationCheckpoint": "activation_checkpoint",
-                   "ActivationCheckpointConfig": "activation_checkpoint", "Experimental": "experimental"}
-_HEAD_FILES = ("torchtitan/distributed/pipeline_parallel.py", "torchtitan/distributed/pipeline.py",
-               "torchtitan/models/common/decoder.py", "torchtitan/models/llama3/model/model.py",
-               "torchtitan/models/llama3/model.py", "torchtitan/models/llama/model.py",
-               "torchtitan/parallelisms/pipeline_llama.py")
+_CONFIG_CLASSES = {
+    "Parallelism": "parallelism",
+    "ParallelismConfig": "parallelism",
+    "Training": "training",
+    "TrainingConfig": "training",
+    "ActivationCheckpoint": "activation_checkpoint",
+    "ActivationCheckpointConfig": "activation_checkpoint",
+    "Experimental": "experimental",
+}
+_HEAD_FILES = (
+    "torchtitan/distributed/pipeline_parallel.py",
+    "torchtitan/distributed/pipeline.py",
+    "torchtitan/models/common/decoder.py",
+    "torchtitan/models/llama3/model/model.py",
+    "torchtitan/models/llama3/model.py",
+    "torchtitan/models/llama/model.py",
+    "torchtitan/parallelisms/pipeline_llama.py",
+)
 _LM_HEAD = re.compile(r"""self\.lm_head\s*=|["']norm["'],\s*["']lm_head["']""")
 _OUTPUT = re.compile(r"""self\.output\s*=|["']norm["'],\s*["']output["']""")
 _ARGPARSE_KEY = re.compile(r"""["']--(\w+)\.(\w+)["']""")
-_DEGREES_2024 = ("data_parallel_degree", "data_parallel_shard_degree", "data_parallel_replicate_degree",
-                 "tensor_parallel_degree")
+_DEGREES_2024 = (
+    "data_parallel_degree",
+    "data_parallel_shard_degree",
+    "data_parallel_replicate_degree",
+    "tensor_parallel_degree",
+)
 _SOURCE_LIMIT_BYTES = 4 << 20  # a config class file is tens of kB; anything larger is not one
 
 
@@ -155,8 +173,11 @@ def _dataclass_fields(text: str) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name in _CONFIG_CLASSES:
-            names = {item.target.id for item in node.body
-                     if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+            names = {
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
             found.setdefault(_CONFIG_CLASSES[node.name], set()).update(names)
     return found
 
@@ -172,7 +193,8 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
     """The names a TorchTitan TOML config is read under (every TOML-era TorchTitan names its head `output`)."""
     experimental = document.get("experimental")
     in_experimental = isinstance(experimental, Mapping) and any(
-        str(key).startswith("pipeline_parallel_") for key in experimental)
+        str(key).startswith("pipeline_parallel_") for key in experimental
+    )
     training = document.get("training")
     training = training if isinstance(training, Mapping) else {}
     # 2024: no [parallelism] yet; the degrees sat in [training], the pipeline keys in [experimental]
@@ -183,7 +205,9 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
     model = document.get("model")
     model = model if isinstance(model, Mapping) else {}
     assumed: list[str] = []
-    split = _first_known(source, table, (FQNS, CHUNK_NAMES, SPLIT_POINTS)) or next((key for key in SPLIT_KEYS if key in keys), None)
+    split = _first_known(source, table, (FQNS, CHUNK_NAMES, SPLIT_POINTS)) or next(
+        (key for key in SPLIT_KEYS if key in keys), None
+    )
     micro = _first_known(source, table, MICRO_KEYS) or next((key for key in MICRO_KEYS if key in keys), None)
     if split is None:
         if table == "experimental" or micro == MICRO_COUNT_2024 or "batch_size" in training:
@@ -198,16 +222,33 @@ def toml_dialect(document: Mapping[str, object], source: Source | None) -> Diale
         if table != "experimental" and split == SPLIT_POINTS and "local_batch_size" not in training:
             assumed.append(f"{MICRO_SIZE} (TorchTitan from 2025-04 on; before, {MICRO_COUNT_2024})")
     batch_key = "batch_size" if "batch_size" in training and "local_batch_size" not in training else "local_batch_size"
-    if source is not None and source.knows("training", "local_batch_size") is False and source.knows("training", "batch_size"):
+    if (
+        source is not None
+        and source.knows("training", "local_batch_size") is False
+        and source.knows("training", "batch_size")
+    ):
         batch_key = "batch_size"
     schedule = str(keys.get("pipeline_parallel_schedule", ""))
-    return Dialect(table=table, split_key=split, micro_key=micro, head="output", batch_key=batch_key,
-                   lowercase_schedules=schedule in LOWERCASE_SCHEDULES.values(), assumed=tuple(assumed))
+    return Dialect(
+        table=table,
+        split_key=split,
+        micro_key=micro,
+        head="output",
+        batch_key=batch_key,
+        lowercase_schedules=schedule in LOWERCASE_SCHEDULES.values(),
+        assumed=tuple(assumed),
+    )
 
 
 # What a Python config's own text says about its TorchTitan: names that came late, names that went early.
-_PYTHON_NEW = ("num_pp_microbatches", FQNS_PREFIXED, "FullAC", "SelectiveAC", "MemoryBudgetAC",
-               "num_tokens_per_microbatch_per_dp_rank")
+_PYTHON_NEW = (
+    "num_pp_microbatches",
+    FQNS_PREFIXED,
+    "FullAC",
+    "SelectiveAC",
+    "MemoryBudgetAC",
+    "num_tokens_per_microbatch_per_dp_rank",
+)
 _PYTHON_OLD = (MICRO_SIZE, "ActivationCheckpointConfig", "local_batch_size")
 
 
@@ -218,13 +259,15 @@ def python_dialect(tree: ast.Module, source: Source | None) -> Dialect:
     older = any(name in names for name in _PYTHON_OLD) and not newer
     assumed: list[str] = []
     split = _first_known(source, "parallelism", (FQNS_PREFIXED, FQNS)) or next(
-        (key for key in (FQNS_PREFIXED, FQNS) if key in names), None)
+        (key for key in (FQNS_PREFIXED, FQNS) if key in names), None
+    )
     if split is None:
         split = FQNS if older else FQNS_PREFIXED
         if not older and not newer:
             assumed.append(f"{FQNS_PREFIXED} (TorchTitan main; before, {FQNS})")
     micro = _first_known(source, "parallelism", (MICRO_COUNT, MICRO_SIZE)) or next(
-        (key for key in (MICRO_COUNT, MICRO_SIZE) if key in names), None)
+        (key for key in (MICRO_COUNT, MICRO_SIZE) if key in names), None
+    )
     if micro is None:
         micro = MICRO_SIZE if older else MICRO_COUNT
         if not older and not newer:
@@ -240,9 +283,15 @@ def python_dialect(tree: ast.Module, source: Source | None) -> Dialect:
     layer_checkpointing = (not ac_classes or "selective_ac_option" in names) if known is None else known
     # the prefixed name came after `lm_head` (2026-04): a TorchTitan that takes it names its head so
     head = python_head(tree, source) or ("lm_head" if split == FQNS_PREFIXED else "")
-    return Dialect(table="parallelism", split_key=split, micro_key=micro, head=head,
-                   layer_checkpointing=layer_checkpointing and not ac_classes, ac_classes=ac_classes,
-                   assumed=tuple(assumed))
+    return Dialect(
+        table="parallelism",
+        split_key=split,
+        micro_key=micro,
+        head=head,
+        layer_checkpointing=layer_checkpointing and not ac_classes,
+        ac_classes=ac_classes,
+        assumed=tuple(assumed),
+    )
 
 
 def python_head(tree: ast.Module, source: Source | None) -> str:
@@ -250,8 +299,13 @@ def python_head(tree: ast.Module, source: Source | None) -> str:
     own lists of module names do; "" where neither says."""
     if source is not None and source.head is not None:
         return source.head
-    listed = {item.value for node in ast.walk(tree) if isinstance(node, (ast.List, ast.Tuple, ast.Set))
-              for item in node.elts if isinstance(item, ast.Constant) and isinstance(item.value, str)}
+    listed = {
+        item.value
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set))
+        for item in node.elts
+        if isinstance(item, ast.Constant) and isinstance(item.value, str)
+    }
     if "lm_head" in listed:  # module names are listed: ["norm", "lm_head"], filter_fqns=["output"]
         return "lm_head"
     return "output" if "output" in listed else ""

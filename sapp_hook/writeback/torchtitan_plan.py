@@ -44,8 +44,11 @@ def split_points(layout: Layout, key: str) -> list[str]:
     for index, names in enumerate(module_names(layout, "output")[1:], start=1):
         blocks = [name for name in names if name.startswith("layers.")]
         if not blocks:
-            raise InputError("--plan", f"gives virtual stage {index} no decoder layer; this TorchTitan splits the model at "
-                                       f"decoder layers ({key}) and cannot say that")
+            raise InputError(
+                "--plan",
+                f"gives virtual stage {index} no decoder layer; this TorchTitan splits the model at "
+                f"decoder layers ({key}) and cannot say that",
+            )
         points.append(blocks[0])
     return points
 
@@ -74,11 +77,15 @@ def checkpointing(layout: Layout, dialect: Dialect) -> Checkpointing:
     notes = []
     if mode == SELECTIVE:
         # per op, as the profile measured it; TorchTitan's TOML default ("2") fully checkpoints every second block
-        notes.append("TorchTitan's per-op selective checkpointing also recomputes every second matmul, whose output "
-                     "the profile's selective recompute keeps: less memory and more time than the plan's")
+        notes.append(
+            "TorchTitan's per-op selective checkpointing also recomputes every second matmul, whose output "
+            "the profile's selective recompute keeps: less memory and more time than the plan's"
+        )
     if len(modes) > 1:
-        notes.append(f"TorchTitan checkpoints every block alike; the plan recomputes some layers only, so mode is "
-                     f"{MODE_NAMES[mode]!r} for all (at least what the plan asks)")
+        notes.append(
+            f"TorchTitan checkpoints every block alike; the plan recomputes some layers only, so mode is "
+            f"{MODE_NAMES[mode]!r} for all (at least what the plan asks)"
+        )
     return Checkpointing(MODE_NAMES[mode], "op" if mode == SELECTIVE else None, False, tuple(notes))
 
 
@@ -91,7 +98,9 @@ def every_kth_block(layout: Layout) -> int | None:
     for virtual, cell in enumerate(layout.virtual_stages()):
         ranks[stage_to_rank(virtual, layout.stages, placement)] += [layer.recompute for layer in cell if layer.is_body]
     for every in range(2, max(len(modes) for modes in ranks) + 1):
-        if all(mode == (FULL if index % every == 0 else NONE) for modes in ranks for index, mode in enumerate(modes, 1)):
+        if all(
+            mode == (FULL if index % every == 0 else NONE) for modes in ranks for index, mode in enumerate(modes, 1)
+        ):
             return every
     return None
 
@@ -111,10 +120,19 @@ def change_notes(result: WriteBack, where: str, degree: int | None, schedule: ob
     """Notes for a pipeline degree or schedule the plan changes (`degree` None: the config leaves it at
     TorchTitan's default, 1)."""
     if degree != layout.stages:
-        was = "not set (TorchTitan's default: 1, no pipeline parallelism)" if degree is None else \
-            "1 (no pipeline parallelism)" if degree == 1 else str(degree)
-        result.notes.append(f"{where}.pipeline_parallel_degree was {was}; set to the plan's {layout.stages}: the job "
-                            f"runs {layout.stages} pipeline ranks for every rank of its other degrees (check "
-                            f"data_parallel_shard_degree and the launcher's rank count)")
+        was = (
+            "not set (TorchTitan's default: 1, no pipeline parallelism)"
+            if degree is None
+            else "1 (no pipeline parallelism)"
+            if degree == 1
+            else str(degree)
+        )
+        result.notes.append(
+            f"{where}.pipeline_parallel_degree was {was}; set to the plan's {layout.stages}: the job "
+            f"runs {layout.stages} pipeline ranks for every rank of its other degrees (check "
+            f"data_parallel_shard_degree and the launcher's rank count)"
+        )
     if schedule is not None and str(schedule).lower() != layout.schedule.lower():
-        result.notes.append(f"{where}.pipeline_parallel_schedule was {schedule!r}; set to the plan's {layout.schedule!r}")
+        result.notes.append(
+            f"{where}.pipeline_parallel_schedule was {schedule!r}; set to the plan's {layout.schedule!r}"
+        )

@@ -60,8 +60,12 @@ from simulator.errors import InputError
 CONFIG_MODULE = "torchtitan.config"
 AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 AC_CLASSES = {"none": None, "full": "FullAC", "selective": "SelectiveAC"}
-SECTIONS = {"parallelism": "ParallelismConfig", "training": "TrainingConfig", "batch": "BatchConfig",
-            "activation_checkpoint": "ActivationCheckpointConfig"}
+SECTIONS = {
+    "parallelism": "ParallelismConfig",
+    "training": "TrainingConfig",
+    "batch": "BatchConfig",
+    "activation_checkpoint": "ActivationCheckpointConfig",
+}
 
 
 @dataclass
@@ -105,9 +109,16 @@ class Sites:
             sites.final = last
             if isinstance(last.value, ast.Name):
                 sites.returned = last.value.id
-                sites.base = next((_dotted(node.value.func) for node in function.body if isinstance(node, ast.Assign)
-                                   and isinstance(node.value, ast.Call) and [_dotted(t) for t in node.targets]
-                                   == [sites.returned]), None)
+                sites.base = next(
+                    (
+                        _dotted(node.value.func)
+                        for node in function.body
+                        if isinstance(node, ast.Assign)
+                        and isinstance(node.value, ast.Call)
+                        and [_dotted(t) for t in node.targets] == [sites.returned]
+                    ),
+                    None,
+                )
             elif isinstance(last.value, ast.Call) and (_dotted(last.value.func) or "").endswith("Config"):
                 sites.config_call = last.value
         return sites
@@ -119,8 +130,11 @@ class Sites:
         said: dict[str, object] = {}
         calls = self.calls.get(section, [])
         events: list[tuple[ast.AST, str | None]] = [(call, None) for call in calls]
-        events += [(node, "") for node in self.wholes.get(section, [])
-                   if not isinstance(node, ast.Name) and all(node is not call for call in calls)]
+        events += [
+            (node, "")
+            for node in self.wholes.get(section, [])
+            if not isinstance(node, ast.Name) and all(node is not call for call in calls)
+        ]
         events += [(node, name) for (where, name), node in self.fields.items() if where == section]
         for node, name in sorted(events, key=lambda event: (event[0].lineno, event[0].col_offset)):
             if name is None:
@@ -165,15 +179,22 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     parallelism = {key: value for key, value in parallelism.items() if not isinstance(value, Code)}
     degree = check_degree(parallelism.get("pipeline_parallel_degree"), f"{where}: parallelism.pipeline_parallel_degree")
     if parallelism.get("pipeline_parallel_schedule_csv"):
-        raise InputError("--config", f"{where} sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that "
-                                     f"file's action order, not the plan's {layout.schedule}; remove it to apply the plan")
+        raise InputError(
+            "--config",
+            f"{where} sets parallelism.pipeline_parallel_schedule_csv: TorchTitan runs that "
+            f"file's action order, not the plan's {layout.schedule}; remove it to apply the plan",
+        )
     result = WriteBack(path=path, diff="")
     change_notes(result, f"{chosen.name}: parallelism", degree, parallelism.get("pipeline_parallel_schedule"), layout)
-    wanted = {"pipeline_parallel_degree": layout.stages, "pipeline_parallel_schedule": layout.schedule,
-              # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
-              dialect.micro_key: _micro_batches({**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")},
-                                                dialect, layout, where),
-              dialect.split_key: module_names(layout, heads)}
+    wanted = {
+        "pipeline_parallel_degree": layout.stages,
+        "pipeline_parallel_schedule": layout.schedule,
+        # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
+        dialect.micro_key: _micro_batches(
+            {**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")}, dialect, layout, where
+        ),
+        dialect.split_key: module_names(layout, heads),
+    }
     drop = {FQNS, FQNS_PREFIXED, *MICRO_KEYS, *SHAPING_KEYS} - set(wanted)
     change = Change(text, tree, sites, where)
     _set_parallelism(change, wanted, drop)
@@ -181,13 +202,18 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     checked = _set_checkpointing(change, dialect, choice)
     new = change.apply(old, chosen.name)
     _read_back(new, path, chosen.name, wanted, checked)
-    result.notes += [f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
-                     f"beside it): wrote {what}" for what in dialect.assumed]
+    result.notes += [
+        f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
+        f"beside it): wrote {what}"
+        for what in dialect.assumed
+    ]
     if not dialect.head:
-        result.notes.append(f"{where}: neither the config nor a TorchTitan source beside it says whether its TorchTitan "
-                            "names the output projection 'output' or 'lm_head' (since 2026-04): the last model part "
-                            "lists both; TorchTitan keeps the modules a part names and passes over a name its model "
-                            "lacks, so the head stays on the last stage in either")
+        result.notes.append(
+            f"{where}: neither the config nor a TorchTitan source beside it says whether its TorchTitan "
+            "names the output projection 'output' or 'lm_head' (since 2026-04): the last model part "
+            "lists both; TorchTitan keeps the modules a part names and passes over a name its model "
+            "lacks, so the head stays on the last stage in either"
+        )
     result.notes += list(choice.notes)
     commit(result, as_read, new, dry_run=dry_run)
     if not choice.exact:
@@ -202,8 +228,11 @@ def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.Func
     if name is not None:
         found = [node for node in functions if node.name == name]
         if len(found) > 1:  # Python runs the last; the writer edits the first
-            raise InputError("--config", f"{path} defines {name} {len(found)} times (lines "
-                                         f"{', '.join(str(node.lineno) for node in found)}): expected one")
+            raise InputError(
+                "--config",
+                f"{path} defines {name} {len(found)} times (lines "
+                f"{', '.join(str(node.lineno) for node in found)}): expected one",
+            )
         if found:
             return found[0]
         raise InputError("--config", f"{path} has no config function {name!r}; it defines {_listed(public)}")
@@ -211,8 +240,11 @@ def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.Func
         return next(node for node in functions if node.name == public[0])
     if not public:
         raise InputError("--config", f"{path} defines no config function (a def returning Trainer.Config)")
-    raise InputError("--config", f"{path} defines {len(public)} config functions ({_listed(public)}): name the one "
-                                 f"the job runs as {path}:FUNCTION (TorchTitan's --config FUNCTION)")
+    raise InputError(
+        "--config",
+        f"{path} defines {len(public)} config functions ({_listed(public)}): name the one "
+        f"the job runs as {path}:FUNCTION (TorchTitan's --config FUNCTION)",
+    )
 
 
 def _listed(names: list[str]) -> str:
@@ -224,16 +256,27 @@ def _micro_batches(training: dict[str, object], dialect: Dialect, layout: Layout
         return layout.micro_batches
     local = training.get("local_batch_size")
     if local is None:
-        raise InputError("--config", f"{where} sets no literal training.local_batch_size, which TorchTitan splits into the "
-                                     f"plan's {layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}")
+        raise InputError(
+            "--config",
+            f"{where} sets no literal training.local_batch_size, which TorchTitan splits into the "
+            f"plan's {layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}",
+        )
     if isinstance(local, Code):
-        raise InputError("--config", f"{where} sets training.local_batch_size to {local}, not a number sapp-hook can "
-                                     f"divide into the plan's {layout.micro_batches} micro-batches: write it as one")
+        raise InputError(
+            "--config",
+            f"{where} sets training.local_batch_size to {local}, not a number sapp-hook can "
+            f"divide into the plan's {layout.micro_batches} micro-batches: write it as one",
+        )
     if isinstance(local, bool) or not isinstance(local, int):
-        raise InputError("--config", f"{where}: training.local_batch_size is {local!r}; TorchTitan expects a whole number")
+        raise InputError(
+            "--config", f"{where}: training.local_batch_size is {local!r}; TorchTitan expects a whole number"
+        )
     if local % layout.micro_batches:
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches; {where} has training.local_batch_size "
-                                   f"{local}, which does not split into {layout.micro_batches}")
+        raise InputError(
+            "--plan",
+            f"is for {layout.micro_batches} micro-batches; {where} has training.local_batch_size "
+            f"{local}, which does not split into {layout.micro_batches}",
+        )
     return local // layout.micro_batches
 
 
@@ -265,9 +308,14 @@ class Change:
         host = self.sites.config_call
         if host is None or any(kw.arg == keyword for kw in host.keywords):
             got = self.sites.wholes.get(keyword)
-            said = f"takes its {keyword} from {ast.unparse(got[-1])!r}" if got else "returns no Trainer.Config(...) call"
-            raise InputError("--config", f"{self.where} {said}: sapp-hook cannot tell where to write the plan's "
-                                         f"{keyword} ({', '.join(name or str(value) for name, value in values.items())})")
+            said = (
+                f"takes its {keyword} from {ast.unparse(got[-1])!r}" if got else "returns no Trainer.Config(...) call"
+            )
+            raise InputError(
+                "--config",
+                f"{self.where} {said}: sapp-hook cannot tell where to write the plan's "
+                f"{keyword} ({', '.join(name or str(value) for name, value in values.items())})",
+            )
         self.host[keyword] = (constructor, values)
         if constructor is not None:
             self.uses(CONFIG_MODULE, constructor)
@@ -289,9 +337,15 @@ class Change:
         sites, text = Sites.of(_function(tree, function)), Text(first)
         edits = [edit for module, names in self.imports.items() if (edit := import_edit(text, tree, module, names))]
         if self.host:
-            edits += keyword_edits(text, sites.config_call, {
-                keyword: _construct(text, sites.config_call, constructor, values)
-                for keyword, (constructor, values) in self.host.items()}, set())
+            edits += keyword_edits(
+                text,
+                sites.config_call,
+                {
+                    keyword: _construct(text, sites.config_call, constructor, values)
+                    for keyword, (constructor, values) in self.host.items()
+                },
+                set(),
+            )
         if self.statements:
             edits.append(statement_edit(text, sites.final, self.statements))
         return apply_edits(first, edits)
@@ -317,8 +371,11 @@ def _set_parallelism(change: Change, wanted: dict[str, object], drop: set[str]) 
     sites, text = change.sites, change.text
     calls = sites.calls.get("parallelism", [])
     if len(calls) > 1:
-        raise InputError("--config", f"{change.where} builds ParallelismConfig {len(calls)} times; sapp-hook edits a "
-                                     "function that builds it once")
+        raise InputError(
+            "--config",
+            f"{change.where} builds ParallelismConfig {len(calls)} times; sapp-hook edits a "
+            "function that builds it once",
+        )
     call = calls[0] if calls else None
     in_call = {}
     for name, value in wanted.items():
@@ -355,8 +412,11 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
         if last is not None and _ac_class(last) == checked["class"]:
             return checked
         if any(section == "activation_checkpoint" for section, _ in sites.fields):
-            raise InputError("--config", f"{change.where} sets fields of its activation checkpointing, which the "
-                                         f"plan's {code} would replace: remove them or set {code} by hand")
+            raise InputError(
+                "--config",
+                f"{change.where} sets fields of its activation checkpointing, which the "
+                f"plan's {code} would replace: remove them or set {code} by hand",
+            )
         if name is not None:
             change.uses(AC_MODULE, name)
         if last is not None:
@@ -369,7 +429,11 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
     settings: dict[str, object] = {"mode": choice.mode}
     if choice.option is not None and dialect.layer_checkpointing:
         settings["selective_ac_option"] = choice.option
-    call = last if isinstance(last, ast.Call) and (_dotted(last.func) or "").endswith("ActivationCheckpointConfig") else None
+    call = (
+        last
+        if isinstance(last, ast.Call) and (_dotted(last.func) or "").endswith("ActivationCheckpointConfig")
+        else None
+    )
     in_call = {}
     for name, value in settings.items():
         assigned = sites.fields.get(("activation_checkpoint", name))
@@ -380,8 +444,11 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
         elif last is None:
             change.statement(f"{sites.returned}.activation_checkpoint.{name}", value)
         else:
-            raise InputError("--config", f"{change.where} takes its activation checkpointing from "
-                                         f"{ast.unparse(last)!r}; set mode={choice.mode!r} there")
+            raise InputError(
+                "--config",
+                f"{change.where} takes its activation checkpointing from "
+                f"{ast.unparse(last)!r}; set mode={choice.mode!r} there",
+            )
     if call is not None:
         change.edits += keyword_edits(text, call, in_call, set())
     elif in_call:
@@ -394,7 +461,9 @@ def _read_back(new: str, path: Path, name: str, wanted: dict[str, object], check
     try:
         tree = ast.parse(new)
     except SyntaxError as exc:
-        raise InputError("--config", f"{path} would not parse after the write ({exc.msg}); it was left as it was") from None
+        raise InputError(
+            "--config", f"{path} would not parse after the write ({exc.msg}); it was left as it was"
+        ) from None
     sites = Sites.of(_function(tree, name))
     said = {key: value for key, value in sites.values("parallelism").items() if key in wanted}
     if "class" in checked:
@@ -403,9 +472,13 @@ def _read_back(new: str, path: Path, name: str, wanted: dict[str, object], check
     else:
         said_checkpoint = {key: value for key, value in sites.values("activation_checkpoint").items() if key in checked}
     if said != wanted or said_checkpoint != checked:
-        wrong = sorted({key for key in wanted if said.get(key) != wanted[key]}
-                       | {key for key in checked if said_checkpoint.get(key) != checked[key]})
-        raise InputError("--config", f"{path}: {name} would not set {', '.join(wrong)} as written; it was left as it was")
+        wrong = sorted(
+            {key for key in wanted if said.get(key) != wanted[key]}
+            | {key for key in checked if said_checkpoint.get(key) != checked[key]}
+        )
+        raise InputError(
+            "--config", f"{path}: {name} would not set {', '.join(wrong)} as written; it was left as it was"
+        )
 
 
 def _ac_class(node: ast.AST) -> str | None:

@@ -64,7 +64,7 @@ class Text:
 
     def starts_line(self, node: ast.AST) -> bool:
         start = self.offset(node.lineno, node.col_offset)
-        return not self.text[self.line_start(node.lineno):start].strip()
+        return not self.text[self.line_start(node.lineno) : start].strip()
 
 
 def render(value: object, indent: str, unit: str = "    ") -> str:
@@ -161,15 +161,20 @@ def _append(text: Text, call: ast.Call, kept: list[ast.AST], added: dict[str, ob
     return end, end, with_newlines(f"{comma} {said}", text)
 
 
-def _rebuild(text: Text, call: ast.Call, kept: list[ast.AST], values: dict[str, object],
-             added: dict[str, object]) -> Edit:
+def _rebuild(
+    text: Text, call: ast.Call, kept: list[ast.AST], values: dict[str, object], added: dict[str, object]
+) -> Edit:
     """A call without comments inside, its arguments written again (the set ones with their new
     values): on one line where they fit, else one per line."""
     base = call_indent(text, call)
 
     def items(indent: str) -> list[str]:
-        said = [f"{arg.arg}={render(values[arg.arg], indent)}" if isinstance(arg, ast.keyword) and arg.arg in values
-                else text.source(arg) for arg in kept]
+        said = [
+            f"{arg.arg}={render(values[arg.arg], indent)}"
+            if isinstance(arg, ast.keyword) and arg.arg in values
+            else text.source(arg)
+            for arg in kept
+        ]
         return [*said, *(f"{name}={render(value, indent)}" for name, value in added.items())]
 
     opening = _open_paren(text, call)
@@ -186,7 +191,7 @@ def call_indent(text: Text, call: ast.Call) -> str:
     """The indentation a call's closing bracket gets on a line of its own: its line's, one step more for
     every bracket still open on that line before the call."""
     start = text.offset(call.lineno, call.col_offset)
-    prefix = re.sub(r"\"[^\"]*\"|'[^']*'", "", text.text[text.line_start(call.lineno):start])
+    prefix = re.sub(r"\"[^\"]*\"|'[^']*'", "", text.text[text.line_start(call.lineno) : start])
     depth = sum(prefix.count(c) for c in "([{") - sum(prefix.count(c) for c in ")]}")
     return text.indent(call.lineno) + "    " * max(depth, 0)
 

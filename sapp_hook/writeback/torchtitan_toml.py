@@ -39,8 +39,10 @@ except ModuleNotFoundError:  # Python 3.10: tomlkit's reading is the check
 
 def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteBack:
     if old.startswith(BOM):
-        raise InputError("--config", f"{path} starts with a UTF-8 byte-order mark, which TorchTitan's TOML reader "
-                                     "(tomllib) refuses: remove it")
+        raise InputError(
+            "--config",
+            f"{path} starts with a UTF-8 byte-order mark, which TorchTitan's TOML reader (tomllib) refuses: remove it",
+        )
     try:
         document = tomlkit.parse(old)
     except TOMLKitError as exc:
@@ -55,12 +57,17 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     degree = check_degree(_plain(table.get("pipeline_parallel_degree")), f"{where}.pipeline_parallel_degree")
     csv = table.get("pipeline_parallel_schedule_csv")
     if csv:
-        raise InputError("--config", f"{where}.pipeline_parallel_schedule_csv is {str(csv)!r}: TorchTitan runs that "
-                                     f"file's action order, not the plan's {layout.schedule}; remove it to apply the plan")
+        raise InputError(
+            "--config",
+            f"{where}.pipeline_parallel_schedule_csv is {str(csv)!r}: TorchTitan runs that "
+            f"file's action order, not the plan's {layout.schedule}; remove it to apply the plan",
+        )
     result = WriteBack(path=path, diff="")
     change_notes(result, dialect.table, degree, table.get("pipeline_parallel_schedule"), layout)
-    written = {"pipeline_parallel_degree": layout.stages,
-               "pipeline_parallel_schedule": _schedule(table.get("pipeline_parallel_schedule"), layout, dialect)}
+    written = {
+        "pipeline_parallel_degree": layout.stages,
+        "pipeline_parallel_schedule": _schedule(table.get("pipeline_parallel_schedule"), layout, dialect),
+    }
     written[dialect.micro_key] = _micro_batches(document, dialect, layout, path)
     if dialect.split_key == SPLIT_POINTS:
         written[SPLIT_POINTS] = split_points(layout, SPLIT_POINTS)
@@ -98,8 +105,11 @@ def _schedule(current: object, layout: Layout, dialect: Dialect) -> str:
     if not dialect.lowercase_schedules:
         return layout.schedule
     if layout.schedule not in LOWERCASE_SCHEDULES:
-        raise InputError("--plan", f"is for {layout.schedule}; this TorchTitan (schedules spelled "
-                                   f"{', '.join(LOWERCASE_SCHEDULES.values())}) runs only {', '.join(LOWERCASE_SCHEDULES)}")
+        raise InputError(
+            "--plan",
+            f"is for {layout.schedule}; this TorchTitan (schedules spelled "
+            f"{', '.join(LOWERCASE_SCHEDULES.values())}) runs only {', '.join(LOWERCASE_SCHEDULES)}",
+        )
     return LOWERCASE_SCHEDULES[layout.schedule]
 
 
@@ -112,15 +122,21 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
     key = dialect.batch_key
     local = training.get(key) if isinstance(training, Mapping) else None
     if local is None:
-        raise InputError("--config", f"{path} has no training.{key}, which TorchTitan splits into the plan's "
-                                     f"{layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}")
+        raise InputError(
+            "--config",
+            f"{path} has no training.{key}, which TorchTitan splits into the plan's "
+            f"{layout.micro_batches} micro-batches: set it to a multiple of {layout.micro_batches}",
+        )
     local = _plain(local)
     if isinstance(local, bool) or not isinstance(local, int):
         kind = f"the string {str(local)!r}" if isinstance(local, str) else repr(local)
         raise InputError("--config", f"{path}: training.{key} is {kind}; TorchTitan expects a whole number")
     if local % layout.micro_batches:
-        raise InputError("--plan", f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
-                                   f"{local}, which does not split into {layout.micro_batches}")
+        raise InputError(
+            "--plan",
+            f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
+            f"{local}, which does not split into {layout.micro_batches}",
+        )
     return local // layout.micro_batches
 
 
@@ -131,7 +147,11 @@ def _plain(value: object) -> object:
 
 def _like(current: object, value: object) -> object:
     """`value`, a string quoted as the config quotes the one it replaces ('...' stays '...')."""
-    if isinstance(value, str) and isinstance(current, tomlkit.items.String) and current.type == tomlkit.items.StringType.SLL:
+    if (
+        isinstance(value, str)
+        and isinstance(current, tomlkit.items.String)
+        and current.type == tomlkit.items.StringType.SLL
+    ):
         return tomlkit.string(value, literal=True)
     return value
 
@@ -144,8 +164,10 @@ def _multiline(parts: list[list[str]]) -> tomlkit.items.Array:
 
 
 def _assumed(dialect: Dialect) -> list[str]:
-    return [f"the config does not say which TorchTitan it is for (nor does a TorchTitan source beside it): wrote "
-            f"{what}" for what in dialect.assumed]
+    return [
+        f"the config does not say which TorchTitan it is for (nor does a TorchTitan source beside it): wrote {what}"
+        for what in dialect.assumed
+    ]
 
 
 def _line_endings(new: str, old: str) -> str:
@@ -162,11 +184,14 @@ def _read_back(new: str, path: Path, table: str, written: Mapping[str, object], 
     try:
         data = tomllib.loads(new)
     except tomllib.TOMLDecodeError as exc:
-        raise InputError("--config", f"{path} would not be valid TOML after the write ({exc}); it was left as it was") from None
+        raise InputError(
+            "--config", f"{path} would not be valid TOML after the write ({exc}); it was left as it was"
+        ) from None
     said = {key: data.get(table, {}).get(key) for key in written}
     said.update({f"activation_checkpoint.{key}": data.get("activation_checkpoint", {}).get(key) for key in checked})
     wanted = {**written, **{f"activation_checkpoint.{key}": value for key, value in checked.items()}}
     if said != wanted:
         wrong = sorted(key for key in wanted if said[key] != wanted[key])
-        raise InputError("--config", f"{path} would not read back as written ({', '.join(wrong)}); it was left as it was")
-
+        raise InputError(
+            "--config", f"{path} would not read back as written ({', '.join(wrong)}); it was left as it was"
+        )

@@ -73,7 +73,9 @@ def read_spots(text: str) -> Spot:
             closing = yaml.MappingEndEvent if mapping else yaml.SequenceEndEvent
             for child in events:
                 if isinstance(child, closing):
-                    spot.end = child.end_mark.index if spot.flow else (spot.items[-1][-1] if mapping else spot.items[-1]).end
+                    spot.end = (
+                        child.end_mark.index if spot.flow else (spot.items[-1][-1] if mapping else spot.items[-1]).end
+                    )
                     break
                 spot.items.append((node(child), node(next(events))) if mapping else node(child))
         if spot.anchor:
@@ -119,9 +121,14 @@ class YamlEdit:
                 self._walk(item, (*path, index), None, None)
 
     def _indent_step(self) -> int:
-        steps = Counter(self._column(value.items[0][0].start) - self._column(key.start)
-                        for use in self.uses.values() for spot in [use[0].spot] if spot.kind == "map" and not spot.flow
-                        for key, value in spot.items if value.kind == "map" and not value.flow and value.items)
+        steps = Counter(
+            self._column(value.items[0][0].start) - self._column(key.start)
+            for use in self.uses.values()
+            for spot in [use[0].spot]
+            if spot.kind == "map" and not spot.flow
+            for key, value in spot.items
+            if value.kind == "map" and not value.flow and value.items
+        )
         return max((step for step in steps if step > 0), key=lambda step: steps[step], default=2)
 
     def _column(self, index: int) -> int:
@@ -144,11 +151,17 @@ class YamlEdit:
             return
         mapping, found = self._mapping_at(path)
         where = dotted(path)
-        pair = next((pair for pair in mapping.items if pair[0].value == path[-1]), None) if found == len(path) - 1 else None
+        pair = (
+            next((pair for pair in mapping.items if pair[0].value == path[-1]), None)
+            if found == len(path) - 1
+            else None
+        )
         if pair is None:
             if found == len(path) - 1 and self.get(path) is not MISSING:
-                self.notes.append(f"{where} came from a merge (<<:): it is written in {dotted(path[:-1])} itself, "
-                                  "overriding the merged value; the merged mapping is left as it was")
+                self.notes.append(
+                    f"{where} came from a merge (<<:): it is written in {dotted(path[:-1])} itself, "
+                    "overriding the merged value; the merged mapping is left as it was"
+                )
             self._create(mapping, path[found:], value)
             _put(self.expected, path, value)
             return
@@ -165,20 +178,26 @@ class YamlEdit:
             self._replace(node, value, definition.key_spot)
             for use in uses:
                 _put(self.expected, use.path, value)
-            self.notes.append(f"{where} is {'*' if spot.kind == 'alias' else '&'}{node.anchor}, also {others}: "
-                              f"changed where &{node.anchor} is defined ({dotted(definition.path)}), so every use follows")
+            self.notes.append(
+                f"{where} is {'*' if spot.kind == 'alias' else '&'}{node.anchor}, also {others}: "
+                f"changed where &{node.anchor} is defined ({dotted(definition.path)}), so every use follows"
+            )
             return
         if spot.kind == "alias":
             self._edits.append((spot.start, spot.end, self.render(value)))
         elif node.kind == "scalar" or node.flow:  # the anchor moves to its first alias, which keeps the value
-            self._edits.append((uses[1].spot.start, uses[1].spot.end, self.text[node.start:node.end]))
+            self._edits.append((uses[1].spot.start, uses[1].spot.end, self.text[node.start : node.end]))
             self._edits.append((node.start, node.end, self.render(value, node)))
         else:
-            raise InputError(self.flag, f"{self.source}: {where} is the anchor &{node.anchor} of a block also used as "
-                                        f"{others}: give {where} a value of its own, then apply again")
+            raise InputError(
+                self.flag,
+                f"{self.source}: {where} is the anchor &{node.anchor} of a block also used as "
+                f"{others}: give {where} a value of its own, then apply again",
+            )
         _put(self.expected, path, value)
-        self.notes.append(f"{where} shared &{node.anchor} with {others}: it gets a value of its own and the "
-                          "others keep theirs")
+        self.notes.append(
+            f"{where} shared &{node.anchor} with {others}: it gets a value of its own and the others keep theirs"
+        )
 
     def _mapping_at(self, path: tuple) -> tuple[Spot, int]:
         """The deepest mapping the file writes along `path` (its own keys, aliases followed) and how
@@ -188,17 +207,23 @@ class YamlEdit:
             pair = next((pair for pair in spot.items if pair[0].value == part), None) if spot.kind == "map" else None
             if pair is None:
                 if self.get(path[: depth + 1]) is not MISSING:
-                    raise InputError(self.flag, f"{self.source}: {dotted(path[: depth + 1])} comes from a merge (<<:); "
-                                                f"sapp-hook writes {dotted(path)} only into a section the file writes "
-                                                f"out: write {dotted(path[: depth + 1])} out in {dotted(path[:depth]) or 'the file'}")
+                    raise InputError(
+                        self.flag,
+                        f"{self.source}: {dotted(path[: depth + 1])} comes from a merge (<<:); "
+                        f"sapp-hook writes {dotted(path)} only into a section the file writes "
+                        f"out: write {dotted(path[: depth + 1])} out in {dotted(path[:depth]) or 'the file'}",
+                    )
                 return spot, depth
             node = pair[1].target if pair[1].kind == "alias" else pair[1]
             uses = self.uses[id(node)]
             if len(uses) > 1 and any(use.key != part for use in uses):
                 others = ", ".join(dotted(use.path) for use in uses if use.path != path[: depth + 1])
-                raise InputError(self.flag, f"{self.source}: {dotted(path[: depth + 1])} is shared (&{node.anchor}) "
-                                            f"with {others}: sapp-hook changes a shared section only where every use "
-                                            f"has its name; give {dotted(path[: depth + 1])} a section of its own")
+                raise InputError(
+                    self.flag,
+                    f"{self.source}: {dotted(path[: depth + 1])} is shared (&{node.anchor}) "
+                    f"with {others}: sapp-hook changes a shared section only where every use "
+                    f"has its name; give {dotted(path[: depth + 1])} a section of its own",
+                )
             if node.kind == "scalar" and self.get(path[: depth + 1]) is None:  # `section:` left empty
                 return node, depth + 1
             if node.kind != "map":
@@ -242,8 +267,11 @@ class YamlEdit:
     def render(self, value: object, like: Spot | None = None) -> str:
         """`value` as flow YAML, quoted and capitalised as `like` (the value it replaces) or the file is."""
         if isinstance(value, bool):
-            capitals = like.value[:1].isupper() if like is not None and like.value in ("True", "False", "true", "false") \
+            capitals = (
+                like.value[:1].isupper()
+                if like is not None and like.value in ("True", "False", "true", "false")
                 else self.capitals
+            )
             return str(value) if capitals else str(value).lower()
         if isinstance(value, int):
             return str(value)
@@ -277,7 +305,9 @@ class YamlEdit:
         inserts: dict[int, list[tuple[int, str]]] = defaultdict(list)
         for mapping, tree in self._created.values():
             if mapping.kind == "scalar":  # an empty section gets its keys as a flow mapping
-                self._edits.append((mapping.start, mapping.end, " " * (mapping.start == mapping.end) + self.render(tree)))
+                self._edits.append(
+                    (mapping.start, mapping.end, " " * (mapping.start == mapping.end) + self.render(tree))
+                )
             elif mapping.flow:
                 text = ", ".join(f"{self.render(str(key))}: {self.render(value)}" for key, value in tree.items())
                 inserts[mapping.end - 1].append((0, (", " if mapping.items else "") + text))
@@ -287,20 +317,29 @@ class YamlEdit:
                 inserts[self._line_end(mapping.end)].append((-indent, "".join(self.newline + line for line in lines)))
             else:  # an empty document
                 inserts[len(self.text)].append((0, self.newline.join(self._block(tree, 0)) + self.newline))
-        edits = sorted(self._edits + [(at, at, "".join(text for _, text in sorted(parts, key=lambda part: part[0])))
-                                      for at, parts in inserts.items()])
+        edits = sorted(
+            self._edits
+            + [
+                (at, at, "".join(text for _, text in sorted(parts, key=lambda part: part[0])))
+                for at, parts in inserts.items()
+            ]
+        )
         pieces, done = [], 0
         for start, end, replacement in edits:
             if start < done:
-                raise InputError(self.flag, f"{self.source}: sapp-hook would change one place of it twice; nothing "
-                                            "was written")
+                raise InputError(
+                    self.flag, f"{self.source}: sapp-hook would change one place of it twice; nothing was written"
+                )
             pieces += [self.text[done:start], replacement]
             done = end
         text = "".join([*pieces, self.text[done:]])
         where = difference(parse_yaml(text, self.flag, self.source), self.expected, ())
         if where is not None:
-            raise InputError(self.flag, f"{self.source}: rewritten, it would read differently at {dotted(where) or 'its top'} "
-                                        "from the config with the plan in it; nothing was written")
+            raise InputError(
+                self.flag,
+                f"{self.source}: rewritten, it would read differently at {dotted(where) or 'its top'} "
+                "from the config with the plan in it; nothing was written",
+            )
         return text
 
 
@@ -332,8 +371,14 @@ def difference(a: object, b: object, path: tuple) -> tuple | None:
     if isinstance(a, list):
         if len(a) != len(b):
             return path
-        return next((where for index, (x, y) in enumerate(zip(a, b)) if (where := difference(x, y, (*path, index)))
-                     is not None), None)
+        return next(
+            (
+                where
+                for index, (x, y) in enumerate(zip(a, b))
+                if (where := difference(x, y, (*path, index))) is not None
+            ),
+            None,
+        )
     if isinstance(a, float) and math.isnan(a) and math.isnan(b):
         return None
     return None if a == b else path

@@ -47,45 +47,66 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind(
             "GPipe",
             "all forwards, then all backwards",
-            "loop", 1, 1, lambda s, v: 1,
+            "loop",
+            1,
+            1,
+            lambda s, v: 1,
             lambda s, v, m: gpipe_actions(s, m),
         ),
         ScheduleKind(
             "1F1B",
             "warm-up forwards, then one forward and one backward in turn",
-            "loop", 1, 1, lambda s, v: 1,
+            "loop",
+            1,
+            1,
+            lambda s, v: 1,
             lambda s, v, m: one_f_one_b_actions(s, m),
         ),
         ScheduleKind(
             "Interleaved1F1B",
             "Megatron's interleaved 1F1B over V chunks per rank",
-            "loop", 2, None, lambda s, v: s,
+            "loop",
+            2,
+            None,
+            lambda s, v: s,
             lambda s, v, m: megatron_interleaved_actions(s, v, m, default_group_size(s, m)),
         ),
         ScheduleKind(
             "Interleaved1F1B-less-memory",
             "MindFormers' small-memory interleaved order: fewer forwards in flight",
-            "loop", 2, None, lambda s, v: s,
+            "loop",
+            2,
+            None,
+            lambda s, v: s,
             lambda s, v, m: less_memory_interleaved_actions(s, v, m),
         ),
         ScheduleKind(
             "ZBH1",
             "1F1B with weight gradients deferred into the bubbles (zero bubble H1)",
-            "loop", 1, 1, lambda s, v: 1,
+            "loop",
+            1,
+            1,
+            lambda s, v: 1,
             lambda s, v, m: zbh1_actions(s, m),
             splits_backward=True,
         ),
         ScheduleKind(
             "ZBVZeroBubble",
             "zero bubble V: two chunks per rank in a V, W deferred",
-            "v", 2, 2, lambda s, v: 1,
+            "v",
+            2,
+            2,
+            lambda s, v: 1,
             lambda s, v, m: zbv_actions(s, m),
             splits_backward=True,
         ),
         ScheduleKind(
             "DualPipeV",
             "DeepSeek's DualPipeV: two chunks in a V, forward and backward overlapped",
-            "v", 2, 2, lambda s, v: 2 * s,
+            "v",
+            2,
+            2,
+            lambda s, v: 2 * s,
             lambda s, v, m: dualpipev_actions(s, m),
             splits_backward=True,
         ),
@@ -134,13 +155,15 @@ def build_schedule(
         counts = {"micro_batches": micro_batches, "stages": stages, "chunks": chunks}
         largest = max(counts, key=counts.__getitem__)  # the count that went astray, most likely
         raise InputError(
-            largest, f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
-            f"{actions:,} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)"
+            largest,
+            f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
+            f"{actions:,} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)",
         )
     fewest = kind.min_micro_batches(stages, chunks)
     if micro_batches < fewest:
         raise InputError(
-            "micro_batches", f"{kind.name} on {stages} stages needs at least {fewest} micro-batches, got {micro_batches}"
+            "micro_batches",
+            f"{kind.name} on {stages} stages needs at least {fewest} micro-batches, got {micro_batches}",
         )
 
     if microbatch_group_size is not None:

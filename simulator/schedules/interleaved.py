@@ -15,6 +15,8 @@ with the chunk reversed (the last chunk's gradient comes first).
 
 from __future__ import annotations
 
+import itertools
+
 from simulator.actions import FORWARD, FULL_BACKWARD, Action
 
 Table = list[tuple[int, int]]  # (micro-batch, chunk), in the order forwards run
@@ -33,9 +35,9 @@ def leftover_first_table(micro_batches: int, chunks: int, ranks: int) -> Table:
     """MindFormers' table: groups of S (one micro-batch per rank), the first one holding the M mod S
     leftovers too."""
     leftover = micro_batches % ranks
-    bounds = [0] + list(range(ranks + leftover, micro_batches + 1, ranks))
+    bounds = [0, *list(range(ranks + leftover, micro_batches + 1, ranks))]
     table: Table = []
-    for first, last in zip(bounds, bounds[1:]):
+    for first, last in itertools.pairwise(bounds):
         table.extend((mb, chunk) for chunk in range(chunks) for mb in range(first, last))
     return table
 

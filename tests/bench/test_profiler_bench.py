@@ -52,11 +52,13 @@ def test_weight_split(benchmark):
     hidden = torch.randn(2, 128, CONFIG.hidden_size, requires_grad=True)
     position = model.model.rotary_emb(hidden, torch.arange(128)[None])
     split = benchmark.pedantic(
-        measure_split_backward, args=(block, (hidden,), {"position_embeddings": position}, torch.device("cpu")),
+        measure_split_backward,
+        args=(block, (hidden,), {"position_embeddings": position}, torch.device("cpu")),
         rounds=3,
     )
-    benchmark.extra_info.update(input_share=split.input_share, weight_share=split.weight_share,
-                                pending_bytes=split.pending_bytes)
+    benchmark.extra_info.update(
+        input_share=split.input_share, weight_share=split.weight_share, pending_bytes=split.pending_bytes
+    )
     assert split.input_share > 0 and split.weight_share > 0
 
 
@@ -83,7 +85,9 @@ def test_layers_cover_the_step(benchmark, name):
                 optimizer.zero_grad()
                 profiler.step()
                 if profiler.steps_done > profiler.warmup_steps:
-                    layers_ms = sum(s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.samples.values())
+                    layers_ms = sum(
+                        s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.samples.values()
+                    )
                     ratios.append(layers_ms / step_ms)
 
     benchmark.pedantic(profiled_steps, rounds=1)

@@ -41,7 +41,10 @@ def test_solve(benchmark, case):
     fixture, schedule, stages, chunks, micro_batches, budget_mib, limit = CASES[case]
     profile = load_profile(SAPP / fixture)
     spec = PipelineSpec(
-        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule,
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        schedule=schedule,
         memory_budget_bytes=budget_mib * MIB,
     )
     plan = benchmark.pedantic(solve, args=(profile, spec), kwargs={"time_limit_s": limit}, rounds=1, iterations=1)
@@ -55,10 +58,15 @@ def uneven_profile(body_layers: int, seed: int) -> ModelProfile:
     layers = [layer("embed", "head", 3.0, 3.0, parameter_mib=30)]
     for i in range(body_layers):
         forward, keep_mib = rng.uniform(4, 6), rng.uniform(20, 30)
-        modes = {"none": (0.0, keep_mib, 2.0), "selective": (0.3 * forward, 0.5 * keep_mib, 2.0),
-                 "full": (forward, 0.1 * keep_mib, keep_mib)}
+        modes = {
+            "none": (0.0, keep_mib, 2.0),
+            "selective": (0.3 * forward, 0.5 * keep_mib, 2.0),
+            "full": (forward, 0.1 * keep_mib, keep_mib),
+        }
         kind = "body:dense" if i < body_layers // 2 else "body:moe"
-        layers.append(layer(f"block.{i}", kind, forward, 2 * forward, 0.0, parameter_mib=rng.uniform(10, 20), modes=modes))
+        layers.append(
+            layer(f"block.{i}", kind, forward, 2 * forward, 0.0, parameter_mib=rng.uniform(10, 20), modes=modes)
+        )
     layers.append(layer("lm_head", "tail", 6.0, 6.0, parameter_mib=30, modes={"none": (0.0, 5.0, 0.0)}))
     return ModelProfile(layers=tuple(layers), model="uneven")
 
@@ -74,11 +82,15 @@ UNEVEN = {
 def test_solve_uneven_layers(benchmark, case):
     seed, body_layers, schedule, stages, chunks, micro_batches, budget_mib = UNEVEN[case]
     spec = PipelineSpec(
-        stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule,
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        schedule=schedule,
         memory_budget_bytes=budget_mib * MIB,
     )
-    plan = benchmark.pedantic(solve, args=(uneven_profile(body_layers, seed), spec), kwargs={"time_limit_s": 60},
-                              rounds=1, iterations=1)
+    plan = benchmark.pedantic(
+        solve, args=(uneven_profile(body_layers, seed), spec), kwargs={"time_limit_s": 60}, rounds=1, iterations=1
+    )
     benchmark.extra_info.update(status=plan.status, gap=plan.gap, iteration_ms=plan.iteration_time_ms)
     assert plan.fits
 
@@ -86,13 +98,46 @@ def test_solve_uneven_layers(benchmark, case):
 # Public configs of real models, estimated by profiler.analytic (no weights needed): bf16, 4,096
 # tokens per micro-batch, 400 TFLOP/s.
 MODELS = {
-    "llama3-8b": (dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
-                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256), 1),
-    "llama3-70b-tp8": (dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
-                            num_key_value_heads=8, intermediate_size=28672, vocab_size=128256), 8),
-    "qwen3-30b-a3b": (dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
-                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                           num_experts=128, num_experts_per_tok=8, vocab_size=151936), 1),
+    "llama3-8b": (
+        dict(
+            model_type="llama",
+            num_hidden_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+        ),
+        1,
+    ),
+    "llama3-70b-tp8": (
+        dict(
+            model_type="llama",
+            num_hidden_layers=80,
+            hidden_size=8192,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            intermediate_size=28672,
+            vocab_size=128256,
+        ),
+        8,
+    ),
+    "qwen3-30b-a3b": (
+        dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=48,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+        ),
+        1,
+    ),
 }
 REAL = {
     # model, schedule, stages, chunks, micro-batches, budget: GB, or a multiple of the least that fits
@@ -110,10 +155,17 @@ def test_solve_real_model_shapes(benchmark, case):
 
     model, schedule, stages, chunks, micro_batches, budget = REAL[case]
     config, tensor_parallel = MODELS[model]
-    profile = analytic_profile(shape_from_config(config, sequence=4096, tensor_parallel=tensor_parallel),
-                               flops_per_second=4e14)
-    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule,
-                        memory_budget_bytes=1e6, tensor_parallel=tensor_parallel)  # the rank the profile is for
+    profile = analytic_profile(
+        shape_from_config(config, sequence=4096, tensor_parallel=tensor_parallel), flops_per_second=4e14
+    )
+    spec = PipelineSpec(
+        stages=stages,
+        chunks=chunks,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        memory_budget_bytes=1e6,
+        tensor_parallel=tensor_parallel,
+    )  # the rank the profile is for
     if isinstance(budget, str):  # the least that fits, from the infeasibility report, times the factor
         with pytest.raises(InfeasibleError) as nothing_fits:
             solve(profile, spec)
@@ -122,6 +174,7 @@ def test_solve_real_model_shapes(benchmark, case):
         budget_bytes = budget * 1e9
     spec = dataclasses.replace(spec, memory_budget_bytes=budget_bytes)
     plan = benchmark.pedantic(solve, args=(profile, spec), kwargs={"time_limit_s": 60}, rounds=1, iterations=1)
-    benchmark.extra_info.update(status=plan.status, gap=plan.gap, iteration_ms=plan.iteration_time_ms,
-                                budget_gb=budget_bytes / 1e9)
+    benchmark.extra_info.update(
+        status=plan.status, gap=plan.gap, iteration_ms=plan.iteration_time_ms, budget_gb=budget_bytes / 1e9
+    )
     assert plan.fits
