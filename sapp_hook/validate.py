@@ -172,10 +172,17 @@ def _check_layout(setup: Setup) -> None:
             f"torch runs ZeRO-1 here (ZeroRedundancyOptimizer); for gradients and "
             f"parameters sharded use --fsdp; got {setup.zero_stage}",
         )
-    setup.spec()  # the combinations no engine runs
+    virtual_stages = setup.spec().pipeline_schedule.num_virtual_stages  # the combinations no engine runs
+    config = load_config(setup.model)
+    layers = config.get_text_config().num_hidden_layers + 2  # the blocks, the embedding, the head
+    if virtual_stages > layers:
+        raise InputError(
+            "--stages",
+            f"{virtual_stages} virtual stages ({setup.stages} stages x {virtual_stages // setup.stages} chunks) "
+            f"for {setup.model}'s {layers} layers; expected at most one virtual stage per layer",
+        )
     if setup.processes == setup.stages and not (setup.fsdp or setup.ddp or setup.zero_stage):
         return
-    config = load_config(setup.model)
     if setup.tensor_parallel > 1 and not hasattr(config.get_text_config(), "num_key_value_heads"):
         raise InputError("--tensor-parallel", "the runner splits the Llama family's blocks (q/k/v/o, gate/up/down)")
     check_tensor_parallel(config, setup.tensor_parallel, setup.seq_len, setup.sequence_parallel)

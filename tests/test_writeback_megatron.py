@@ -661,7 +661,7 @@ def test_mtp_layers_split_over_two_stages_cannot_be_said(tmp_path):
     with pytest.raises(
         InputError,
         match=re.escape(
-            "cannot be said as a Megatron-LM layout: 'Ett|tt|t*2m|mL': the MTP layers m must all be in one stage"
+            "cannot be said as a Megatron-LM layout: 'Ett|tt|ttm|mL': the MTP layers m must all be in one stage"
         ),
     ) as caught:
         write_config("megatron", path, layout_of(plan()))
