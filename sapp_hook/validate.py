@@ -178,8 +178,8 @@ def _check_layout(setup: Setup) -> None:
     if virtual_stages > layers:
         raise InputError(
             "--stages",
-            f"{virtual_stages} virtual stages ({setup.stages} stages x {virtual_stages // setup.stages} chunks) "
-            f"for {setup.model}'s {layers} layers; expected at most one virtual stage per layer",
+            f"{setup.stages} x {virtual_stages // setup.stages} (stages x chunks) make {virtual_stages} virtual stages, "
+            f"more than {setup.model}'s {layers} layers (the blocks, the embedding, the head); use fewer stages or chunks",
         )
     if setup.processes == setup.stages and not (setup.fsdp or setup.ddp or setup.zero_stage):
         return

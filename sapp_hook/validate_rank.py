@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -267,36 +268,40 @@ def _p2p_ms(rank: int, peer: int | None, shape: tuple[int, ...], repeats: int = 
     return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
 
 
-def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
-    """The most bytes this process holds during `step` above the step's lowest point (where what the
+def _allocated_bytes(step: Callable[[], object], repeats: int = 3) -> tuple[int, int | None]:
+    """The most bytes this process holds during a step above the step's lowest point (where what the
     step before kept has been freed), and what it holds above that once the schedule's last action
     has run, before torch waits on its sends (None where the schedule does not name its actions:
     torch's Schedule1F1B): the running sum of the allocations and frees torch.profiler records (a
     CPU allocator keeps no peak). The profiler records no free of a block allocated before it
-    started, such as what the step before kept and this one frees, so it watches that step too and
-    measures the second."""
+    started, such as what the step before kept and this one frees, so it watches a step before the
+    measured ones. Of `repeats` steps, the one with the least peak: gloo's worker threads free some
+    buffers late when the CPU is busy, and a late free only raises a peak."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with _stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-        with record_function(MEASURED_STEP):
-            step()
+        for _ in range(repeats):
+            with record_function(MEASURED_STEP):
+                step()
     events = prof.profiler.kineto_results.events()
-    measured_start = next(event.start_ns() for event in events if event.name() == MEASURED_STEP)
+    starts = sorted(event.start_ns() for event in events if event.name() == MEASURED_STEP)
     changes = memory_changes(prof.profiler.kineto_results.experimental_event_tree())
-    last_action_end = max(
-        (
-            event.end_ns()
-            for event in events
-            if event.name().startswith(ACTION_NAMES) and event.start_ns() >= measured_start
-        ),
-        default=None,
-    )
-    start = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
-    live = floor = peak = start
-    held = None if last_action_end is None else start
+    action_ends = [event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)]
+    windows = zip(starts, [*starts[1:], math.inf])
+    return min((_step_peak(changes, action_ends, begin, end) for begin, end in windows), key=lambda peak: peak[0])
+
+
+def _step_peak(
+    changes: list[tuple[int, int]], action_ends: list[int], begin: float, end: float
+) -> tuple[int, int | None]:
+    """`_allocated_bytes` of the step between `begin` and `end` (ns)."""
+    last_action_end = max((ns for ns in action_ends if begin <= ns < end), default=None)
+    live = sum(nbytes for time_ns, nbytes in changes if time_ns < begin)
+    floor = peak = live
+    held = None if last_action_end is None else live
     for time_ns, nbytes in changes:
-        if time_ns < measured_start:
+        if not begin <= time_ns < end:
             continue
         live += nbytes
         floor, peak = min(floor, live), max(peak, live)

@@ -559,7 +559,7 @@ CASES = [
             "--quiet",
         ],
         EXIT_INPUT,
-        "--stages: 64 virtual stages (64 stages x 1 chunks) for tiny-llama's 10 layers",
+        "--stages: 64 x 1 (stages x chunks) make 64 virtual stages, more than tiny-llama's 10 layers",
     ),
     # outputs that are not regular files, through links or not: refused, the node left as it was
     Case("plan-out-device", [*SOLVE, "--plan-out", "{null}", "--quiet"], EXIT_INPUT, "--plan-out"),
