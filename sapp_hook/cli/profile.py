@@ -217,7 +217,8 @@ def _mesh_run(args: argparse.Namespace, steps: int, warmup_steps: int, modes: tu
         raise InputError("--device", "a mesh is measured on gloo processes on the CPU; expected cpu")
     if args.layers:
         raise InputError("--layers", "a mesh run finds the Llama family's blocks itself; leave it out")
-    run = MeshRun(model=args.model, data_parallel=args.data_parallel or 1, tensor_parallel=args.tensor_parallel or 1,
+    run = MeshRun(model=args.model, data_parallel=1 if args.data_parallel is None else args.data_parallel,
+                  tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
                   sequence_parallel=bool(args.sequence_parallel), fsdp=bool(args.fsdp),
                   reshard_after_forward=bool(args.reshard_after_forward), micro_batch_size=args.micro_batch_size,
                   seq_len=args.seq_len, dtype=args.dtype, steps=steps, warmup_steps=warmup_steps, modes=modes)
