@@ -23,10 +23,18 @@ from profiler.recorder import Recorder
 
 MICRO_BATCH, STEP = "micro-batch", "step"
 # torch.distributed's and DTensor's functional collectives, by the operation they run
-OPERATIONS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_into_tensor": "all-gather",
-              "all_gather_single": "all-gather", "reduce_scatter": "reduce-scatter",
-              "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_single": "reduce-scatter",
-              "all_to_all": "all-to-all", "all_to_all_single": "all-to-all", "broadcast": "broadcast"}
+OPERATIONS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "all_gather_into_tensor": "all-gather",
+    "all_gather_single": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter_single": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "all_to_all_single": "all-to-all",
+    "broadcast": "broadcast",
+}
 FUNCTIONAL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
@@ -157,5 +165,3 @@ def _whole_bytes(args: tuple, kwargs: dict, result: object) -> int:
         tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         sizes.append(sum(t.numel() * t.element_size() for t in tensors))
     return max(sizes, default=0)
-
-

@@ -76,7 +76,9 @@ class LayerProfiler:
         _check_count(warmup_steps, "warmup_steps", 1)
         modes = tuple(modes)
         if NONE not in modes or len(set(modes)) != len(modes) or not set(modes) <= set(TORCH_MODES):
-            raise InputError("modes", f"expected distinct modes among {', '.join(TORCH_MODES)}, including none; got {modes}")
+            raise InputError(
+                "modes", f"expected distinct modes among {', '.join(TORCH_MODES)}, including none; got {modes}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.blocks = find_blocks(model, layers)
@@ -130,7 +132,9 @@ class LayerProfiler:
         self.attach()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.detach()
 
     def attach(self) -> None:
@@ -139,8 +143,16 @@ class LayerProfiler:
         self.recorder.attach(self.optimizer)
         self._attached = True
         counting = f" + {len(self.modes)} counting memory" if self._cpu_memory is not None else ""
-        log.info("profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)%s", len(self.blocks),
-                 self.model_name, self.warmup_steps, self.steps, len(self.modes), ", ".join(self.modes), counting)
+        log.info(
+            "profiling %d layers of %s: %d warm-up + %d x %d measured steps (%s)%s",
+            len(self.blocks),
+            self.model_name,
+            self.warmup_steps,
+            self.steps,
+            len(self.modes),
+            ", ".join(self.modes),
+            counting,
+        )
 
     def detach(self) -> None:
         """Remove every hook and restore every block's forward; safe to call twice."""
@@ -152,7 +164,9 @@ class LayerProfiler:
     def step(self) -> None:
         """Call once after each training step (after `optimizer.step()`)."""
         if not self._attached:
-            raise RuntimeError("LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`")
+            raise RuntimeError(
+                "LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`"
+            )
         recorder = self.recorder
         recorder.clock.synchronize()
         mode = self.mode_of(self.steps_done)
@@ -176,10 +190,19 @@ class LayerProfiler:
     def profile(self) -> ModelProfile:
         """The measured profile; after the last profiled step."""
         if not self.done:
-            raise RuntimeError(f"profiled {self.steps_done} of {self.total_steps} steps; call step() after each training step")
+            raise RuntimeError(
+                f"profiled {self.steps_done} of {self.total_steps} steps; call step() after each training step"
+            )
         return build_profile(
-            self.recorder, self.samples, model=self.model, model_name=self.model_name, device=self.device,
-            blocks=self.blocks, modes=self.modes, pool=self.pool, micro_batch=self.micro_batch,
+            self.recorder,
+            self.samples,
+            model=self.model,
+            model_name=self.model_name,
+            device=self.device,
+            blocks=self.blocks,
+            modes=self.modes,
+            pool=self.pool,
+            micro_batch=self.micro_batch,
             backward_splits=self.backward_splits,
         )
 

@@ -50,7 +50,9 @@ class Pass:
     input_key: int | None = None  # the storage of that activation (kept_bytes says whether the layer saved it)
     shared_keys: frozenset[int] = frozenset()  # storages of the other tensors it is handed (rotary tables)
     backward_base_bytes: int = 0
-    backward_peak_bytes: int | None = None  # allocator peak over the backward, above its start (memory steps on the CPU)
+    backward_peak_bytes: int | None = (
+        None  # allocator peak over the backward, above its start (memory steps on the CPU)
+    )
     # per phase ("forward", "backward"): collectives a pipeline runs once a step, left out of the layer's times
     step_collective_ms: dict[str, float] = field(default_factory=dict)
 
@@ -182,9 +184,12 @@ class Recorder:
             raise InputError("layers", f"never ran in the warm-up step: {', '.join(missing)}")
         if self._repeated:
             names = ", ".join(self.blocks[i].name for i in sorted(self._repeated))
-            raise InputError("layers", f"ran more than once in one forward of the model: {names}; a pipeline splits "
-                                       "blocks that each run once per forward (one block's weights cannot serve "
-                                       "layers on two stages)")
+            raise InputError(
+                "layers",
+                f"ran more than once in one forward of the model: {names}; a pipeline splits "
+                "blocks that each run once per forward (one block's weights cannot serve "
+                "layers on two stages)",
+            )
         structure = self.structure
         last = structure.last_body
         for index, block in enumerate(self.blocks):
@@ -196,7 +201,9 @@ class Recorder:
                 continue
             slot = structure.module_slots.get(id(module))
             if slot is None:
-                log.warning("%s never ran in the warm-up step; its parameters count with the head", type(module).__name__)
+                log.warning(
+                    "%s never ran in the warm-up step; its parameters count with the head", type(module).__name__
+                )
                 slot = HEAD
             elif slot == ("after", last):
                 slot = TAIL
@@ -267,8 +274,11 @@ class Recorder:
             if block_input is not None:
                 step.input_key, step.input_bytes = storage_key(block_input)
                 block_input.register_hook(self._input_grad(step, head))
-            step.shared_keys = frozenset(storage_key(t)[0] for t in tree_leaves((args, kwargs))
-                                         if isinstance(t, torch.Tensor) and t is not block_input)
+            step.shared_keys = frozenset(
+                storage_key(t)[0]
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t is not block_input
+            )
 
         return hook
 

@@ -64,8 +64,11 @@ def check_layout(config: Any, tensor_parallel: int, sequence_parallel: bool, fsd
         raise InputError("--tensor-parallel", "the runner splits the Llama family's blocks (q/k/v/o, gate/up/down)")
     check_tensor_parallel(config, tensor_parallel, seq_len, sequence_parallel)
     if getattr(text, "tie_word_embeddings", False) and (fsdp or tensor_parallel > 1):
-        raise InputError("--model", "ties its embedding and LM head, which FSDP and tensor parallelism would split "
-                                    "apart; use an untied model (tie_word_embeddings: false)")
+        raise InputError(
+            "--model",
+            "ties its embedding and LM head, which FSDP and tensor parallelism would split "
+            "apart; use an untied model (tie_word_embeddings: false)",
+        )
 
 
 def check_tensor_parallel(config: Any, tensor_parallel: int, seq_len: int, sequence_parallel: bool) -> None:
@@ -78,14 +81,18 @@ def check_tensor_parallel(config: Any, tensor_parallel: int, seq_len: int, seque
         if value is not None and value % tensor_parallel:
             raise InputError("--tensor-parallel", f"{tensor_parallel} does not divide the model's {name} ({value})")
     if sequence_parallel and seq_len % tensor_parallel:
-        raise InputError("--sequence-parallel", f"--seq-len {seq_len} is not a multiple of --tensor-parallel {tensor_parallel}")
+        raise InputError(
+            "--sequence-parallel", f"--seq-len {seq_len} is not a multiple of --tensor-parallel {tensor_parallel}"
+        )
 
 
 def device_mesh(shape: MeshShape) -> Any:
     """The process's device mesh ("pp", "dp", "tp"), over the default gloo group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (shape.stages, shape.data_parallel, shape.tensor_parallel), mesh_dim_names=MESH_NAMES)
+    return init_device_mesh(
+        "cpu", (shape.stages, shape.data_parallel, shape.tensor_parallel), mesh_dim_names=MESH_NAMES
+    )
 
 
 def block_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -103,18 +110,29 @@ def block_plan(sequence_parallel: bool) -> dict[str, Any]:
 
     output = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan: dict[str, Any] = {
-        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**output),
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(**output),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(**output),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(**output),
     }
     if sequence_parallel:
-        plan.update({
-            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
-        })
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            }
+        )
     return plan
 
 
@@ -184,6 +202,7 @@ def moving_storages(modules: list[nn.Module]) -> Callable[[], set[int]]:
 
     def now() -> set[int]:
         return {storage_key(p._unsharded_param)[0] for p in fsdp_parameters(modules) if hasattr(p, "_unsharded_param")}
+
     return now
 
 
@@ -207,8 +226,9 @@ def optimizer_for(parameters: list[nn.Parameter], shape: MeshShape, mesh: Any) -
     if shape.zero_stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.AdamW,
-                                       process_group=mesh["dp"].get_group(), lr=1e-4)
+        return ZeroRedundancyOptimizer(
+            parameters, optimizer_class=torch.optim.AdamW, process_group=mesh["dp"].get_group(), lr=1e-4
+        )
     return torch.optim.AdamW(parameters, lr=1e-4)
 
 

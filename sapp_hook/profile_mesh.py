@@ -61,9 +61,14 @@ class MeshRun:
     def shape(self) -> Any:
         from sapp_hook.mesh import MeshShape
 
-        return MeshShape(stages=1, data_parallel=self.data_parallel, tensor_parallel=self.tensor_parallel,
-                         fsdp=self.fsdp, reshard_after_forward=self.reshard_after_forward,
-                         sequence_parallel=self.sequence_parallel)
+        return MeshShape(
+            stages=1,
+            data_parallel=self.data_parallel,
+            tensor_parallel=self.tensor_parallel,
+            fsdp=self.fsdp,
+            reshard_after_forward=self.reshard_after_forward,
+            sequence_parallel=self.sequence_parallel,
+        )
 
 
 def check_mesh_run(run: MeshRun) -> None:
@@ -76,8 +81,11 @@ def check_mesh_run(run: MeshRun) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(_flag(name), f"expected an integer >= 1, got {value!r}")
     if run.data_parallel > 1 and not run.fsdp:
-        raise InputError("--data-parallel", "measured replicas run FSDP2 (add --fsdp); plain replicas and ZeRO "
-                                            "reduce once a step, outside every layer: --estimate states those")
+        raise InputError(
+            "--data-parallel",
+            "measured replicas run FSDP2 (add --fsdp); plain replicas and ZeRO "
+            "reduce once a step, outside every layer: --estimate states those",
+        )
     if run.fsdp and run.data_parallel == 1:
         raise InputError("--fsdp", "needs --data-parallel 2 or more")
     if run.reshard_after_forward and not run.fsdp:
@@ -86,8 +94,9 @@ def check_mesh_run(run: MeshRun) -> None:
         raise InputError("--sequence-parallel", "needs --tensor-parallel 2 or more")
     config = load_config(run.model)
     if not hasattr(config.get_text_config(), "num_key_value_heads"):
-        raise InputError("--model", "a mesh is measured for the Llama family (TorchTitan's layout); "
-                                    "for another model use --estimate")
+        raise InputError(
+            "--model", "a mesh is measured for the Llama family (TorchTitan's layout); for another model use --estimate"
+        )
     check_layout(config, run.tensor_parallel, run.sequence_parallel, run.fsdp, run.seq_len)
 
 
@@ -118,11 +127,14 @@ def mesh_profile(memory: ModelProfile, ranks: Sequence[Mapping[str, Any]], mesh:
     measured = [ModelProfile.from_dict(rank["profile"]) for rank in ranks]
     for rank, profile in enumerate(measured):  # FSDP renames the blocks' classes: their kinds differ
         if [_part(layer) for layer in profile.layers] != [_part(layer) for layer in memory.layers]:
-            raise RuntimeError(f"rank {rank} measured layers {[layer.kind for layer in profile.layers]}; the "
-                               f"one-process profile has {[layer.kind for layer in memory.layers]}")
-    layers = tuple(_timed(layer, [profile.layers[index] for profile in measured],
-                          [rank["collectives"][index] for rank in ranks])
-                   for index, layer in enumerate(memory.layers))
+            raise RuntimeError(
+                f"rank {rank} measured layers {[layer.kind for layer in profile.layers]}; the "
+                f"one-process profile has {[layer.kind for layer in memory.layers]}"
+            )
+    layers = tuple(
+        _timed(layer, [profile.layers[index] for profile in measured], [rank["collectives"][index] for rank in ranks])
+        for index, layer in enumerate(memory.layers)
+    )
     return dataclasses.replace(memory, layers=layers, mesh=mesh)
 
 
@@ -139,12 +151,21 @@ def _timed(layer: LayerProfile, ranks: list[LayerProfile], collectives: list[lis
     def share(part: float | None) -> float | None:
         return None if part is None or not layer.backward_ms else min(backward * part / layer.backward_ms, backward)
 
-    recompute = {mode: dataclasses.replace(cost, extra_ms=max(rank.recompute[mode].extra_ms for rank in ranks))
-                 for mode, cost in layer.recompute.items()}
+    recompute = {
+        mode: dataclasses.replace(cost, extra_ms=max(rank.recompute[mode].extra_ms for rank in ranks))
+        for mode, cost in layer.recompute.items()
+    }
     spread = {name: max(rank.spread.get(name, 0.0) for rank in ranks) for name in ("forward_ms", "backward_ms")}
-    return dataclasses.replace(layer, forward_ms=forward, backward_ms=backward, weight_ms=share(layer.weight_ms),
-                               input_ms=share(layer.input_ms), recompute=recompute, spread=spread,
-                               collectives=_slowest(collectives))
+    return dataclasses.replace(
+        layer,
+        forward_ms=forward,
+        backward_ms=backward,
+        weight_ms=share(layer.weight_ms),
+        input_ms=share(layer.input_ms),
+        recompute=recompute,
+        spread=spread,
+        collectives=_slowest(collectives),
+    )
 
 
 def _slowest(ranks: list[list[dict[str, Any]]]) -> tuple[Collective, ...]:
@@ -160,8 +181,10 @@ def _slowest(ranks: list[list[dict[str, Any]]]) -> tuple[Collective, ...]:
         total[0] += row["calls"]
         total[1] += row["bytes"]
         total[2] += max(rank[index]["ms"] for rank in ranks)
-    return tuple(Collective(dimension, operation, per, int(calls), size, ms, ms)
-                 for (dimension, operation, per), (calls, size, ms) in totals.items())
+    return tuple(
+        Collective(dimension, operation, per, int(calls), size, ms, ms)
+        for (dimension, operation, per), (calls, size, ms) in totals.items()
+    )
 
 
 def _key(row: Mapping[str, Any]) -> tuple:
@@ -173,7 +196,9 @@ def _describe(run: MeshRun) -> str:
     if run.tensor_parallel > 1:
         parts.append(f"tensor parallel {run.tensor_parallel}" + (" + SP" if run.sequence_parallel else ""))
     if run.data_parallel > 1:
-        parts.append(f"FSDP2 over {run.data_parallel}" + (", reshard after forward" if run.reshard_after_forward else ""))
+        parts.append(
+            f"FSDP2 over {run.data_parallel}" + (", reshard after forward" if run.reshard_after_forward else "")
+        )
     return " x ".join(parts) or "one process"
 
 
@@ -218,9 +243,17 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
     if shape.reshard_after_forward:
         _gather_own_units(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    profiler = LayerProfiler(module, optimizer, steps=run.steps, warmup_steps=run.warmup_steps, modes=run.modes,
-                             split_backward=False, count_memory=False, model_name=run.model,
-                             micro_batch={"size": run.micro_batch_size, "sequence": run.seq_len})
+    profiler = LayerProfiler(
+        module,
+        optimizer,
+        steps=run.steps,
+        warmup_steps=run.warmup_steps,
+        modes=run.modes,
+        split_backward=False,
+        count_memory=False,
+        model_name=run.model,
+        micro_batch={"size": run.micro_batch_size, "sequence": run.seq_len},
+    )
     groups = {mesh[name].get_group().group_name: dimension for name, dimension in DIMENSIONS if mesh[name].size() > 1}
     collectives = CollectiveLog(profiler.recorder, groups, shape.reshard_after_forward)
     vocab = config.get_text_config().vocab_size
@@ -238,14 +271,19 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
                 plain_steps.append(collectives.calls[before:])
             profiler.step()
     recorder = profiler.recorder
-    slots = [*(["head"] if recorder.has_head else []), *recorder.structure.body_order,
-             *(["tail"] if recorder.has_tail else [])]
+    slots = [
+        *(["head"] if recorder.has_head else []),
+        *recorder.structure.body_order,
+        *(["tail"] if recorder.has_tail else []),
+    ]
     lost = [call for calls in plain_steps for call in calls if call.slot is None]
     if lost:
         raise RuntimeError(f"collectives outside every layer and the optimizer step: {lost}")
-    return {"profile": profiler.profile().to_dict(),
-            "collectives": [_per_layer(slot, plain_steps) for slot in slots],
-            "optimizer_collectives": _per_layer(OPTIMIZER, plain_steps)}
+    return {
+        "profile": profiler.profile().to_dict(),
+        "collectives": [_per_layer(slot, plain_steps) for slot in slots],
+        "optimizer_collectives": _per_layer(OPTIMIZER, plain_steps),
+    }
 
 
 def _gather_own_units(module: Any) -> None:
@@ -275,7 +313,15 @@ def _per_layer(slot: object, steps: list[list[Any]]) -> list[dict[str, Any]]:
             counts.append(len(mine))
             sizes.append(sum(c.bytes for c in mine))
             times.append(sum(c.ms for c in mine))
-        rows.append({"dimension": dimension, "operation": operation, "per": per, "phase": phase,
-                     "calls": int(statistics.median(counts)), "bytes": statistics.median(sizes),
-                     "ms": statistics.median(times)})
+        rows.append(
+            {
+                "dimension": dimension,
+                "operation": operation,
+                "per": per,
+                "phase": phase,
+                "calls": int(statistics.median(counts)),
+                "bytes": statistics.median(sizes),
+                "ms": statistics.median(times),
+            }
+        )
     return rows

@@ -47,7 +47,6 @@ from solver.spec import spec_from_dict
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Setup:
     """One validation run."""
@@ -74,12 +73,22 @@ class Setup:
 
     def spec(self) -> PipelineSpec:
         """The run as the plan sees it: torch's engine on gloo, gradients kept between steps."""
-        return PipelineSpec(stages=self.stages, chunks=self.chunks, micro_batches=self.micro_batches,
-                            schedule=self.schedule, memory_budget_bytes=self.memory_budget_bytes, receive_buffers=True,
-                            data_parallel=self.data_parallel, fsdp=self.fsdp,
-                            fsdp_reshard_after_forward=self.reshard_after_forward, zero_stage=self.zero_stage,
-                            ddp=self.ddp, tensor_parallel=self.tensor_parallel,
-                            sequence_parallel=self.sequence_parallel, collective_backend="gloo")
+        return PipelineSpec(
+            stages=self.stages,
+            chunks=self.chunks,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+            memory_budget_bytes=self.memory_budget_bytes,
+            receive_buffers=True,
+            data_parallel=self.data_parallel,
+            fsdp=self.fsdp,
+            fsdp_reshard_after_forward=self.reshard_after_forward,
+            zero_stage=self.zero_stage,
+            ddp=self.ddp,
+            tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+            collective_backend="gloo",
+        )
 
     @property
     def processes(self) -> int:
@@ -116,14 +125,30 @@ def profile_for(setup: Setup) -> ModelProfile:
     _check(setup)
     config = load_config(setup.model)
     modes = (NONE, SELECTIVE, FULL) if recompute_runs_under(setup.schedule) else (NONE,)
-    log.info("validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len)
-    return profile_example(config, steps=setup.profile_steps, micro_batch_size=setup.micro_batch_size,
-                           seq_len=setup.seq_len, modes=modes, model_name=setup.model)
+    log.info(
+        "validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len
+    )
+    return profile_example(
+        config,
+        steps=setup.profile_steps,
+        micro_batch_size=setup.micro_batch_size,
+        seq_len=setup.seq_len,
+        modes=modes,
+        model_name=setup.model,
+    )
 
 
 def _check(setup: Setup) -> None:
-    for name in ("stages", "micro_batches", "steps", "warmup_steps", "micro_batch_size", "seq_len", "data_parallel",
-                 "tensor_parallel"):
+    for name in (
+        "stages",
+        "micro_batches",
+        "steps",
+        "warmup_steps",
+        "micro_batch_size",
+        "seq_len",
+        "data_parallel",
+        "tensor_parallel",
+    ):
         value = getattr(setup, name)
         if not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
@@ -142,8 +167,11 @@ def _check_layout(setup: Setup) -> None:
     from sapp_hook.models import load_config
 
     if setup.zero_stage not in (0, 1):
-        raise InputError("--zero-stage", f"torch runs ZeRO-1 here (ZeroRedundancyOptimizer); for gradients and "
-                                         f"parameters sharded use --fsdp; got {setup.zero_stage}")
+        raise InputError(
+            "--zero-stage",
+            f"torch runs ZeRO-1 here (ZeroRedundancyOptimizer); for gradients and "
+            f"parameters sharded use --fsdp; got {setup.zero_stage}",
+        )
     setup.spec()  # the combinations no engine runs
     if setup.processes == setup.stages and not (setup.fsdp or setup.ddp or setup.zero_stage):
         return
@@ -160,8 +188,9 @@ def _check_plan_file(setup: Setup) -> None:
         planned = spec_from_dict(data["spec"])
     except InputError as exc:
         raise InputError("--plan", f"{setup.plan}: {exc}") from None
-    run = PipelineSpec(stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches,
-                       schedule=setup.schedule)
+    run = PipelineSpec(
+        stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches, schedule=setup.schedule
+    )
     for flag, theirs, ours in (
         ("--stages", planned.stages, run.stages),
         ("--schedule", schedule_kind(planned.schedule).name, schedule_kind(run.schedule).name),
@@ -178,8 +207,11 @@ def _check_profile_of(setup: Setup, profile: ModelProfile) -> None:
         raise InputError("profile", f"is a profile of {profile.model!r}; this run trains {setup.model!r}")
     shape = (profile.micro_batch.get("size"), profile.micro_batch.get("sequence"))
     if None not in shape and shape != (setup.micro_batch_size, setup.seq_len):
-        raise InputError("profile", f"was measured at {shape[0]} x {shape[1]} tokens per micro-batch; this run uses "
-                                    f"{setup.micro_batch_size} x {setup.seq_len} (--micro-batch-size, --seq-len)")
+        raise InputError(
+            "profile",
+            f"was measured at {shape[0]} x {shape[1]} tokens per micro-batch; this run uses "
+            f"{setup.micro_batch_size} x {setup.seq_len} (--micro-batch-size, --seq-len)",
+        )
 
 
 def choose_plan(profile: ModelProfile, spec: PipelineSpec, which: str) -> Plan:
@@ -238,11 +270,16 @@ def _rank_row(rank: int, row: dict[str, Any], predicted: dict[str, list], plan: 
     step = statistics.median(row["step_ms"])
     activation = max(row["activation_peak_bytes"])
     static_split = predicted["static_split"][stage]
-    measured_static = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"] + row.get("bucket_bytes", 0)
+    measured_static = (
+        row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"] + row.get("bucket_bytes", 0)
+    )
     schedule = plan.spec.pipeline_schedule
     sharded = [plan.simulation.costs.chunk_costs[stage][chunk].sharded for chunk in range(schedule.chunks)]
     return {
-        "rank": rank, "stage": stage, "dp_rank": row.get("dp_rank", 0), "tp_rank": row.get("tp_rank", 0),
+        "rank": rank,
+        "stage": stage,
+        "dp_rank": row.get("dp_rank", 0),
+        "tp_rank": row.get("tp_rank", 0),
         "predicted_step_ms": predicted["step_ms"][stage],
         "measured_step_ms": step,
         "measured_step_spread_ms": max(row["step_ms"]) - min(row["step_ms"]),
@@ -257,17 +294,30 @@ def _rank_row(rank: int, row: dict[str, Any], predicted: dict[str, list], plan: 
         "measured_step_end_bytes": row["step_end_bytes"],
         "predicted_static_bytes": predicted["static_bytes"][stage] - predicted["receive_buffer_bytes"][stage],
         "measured_static_bytes": measured_static,
-        "static_error": _error(predicted["static_bytes"][stage] - predicted["receive_buffer_bytes"][stage], measured_static),
+        "static_error": _error(
+            predicted["static_bytes"][stage] - predicted["receive_buffer_bytes"][stage], measured_static
+        ),
         "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][stage],
         "measured_receive_buffer_bytes": row["receive_buffer_bytes"],
-        "predicted_split": {**static_split, "receive_buffer_bytes": predicted["receive_buffer_bytes"][stage],
-                            **predicted["peak_split"][stage]},
-        "measured_split": {"parameter_bytes": row["parameter_bytes"], "gradient_bytes": row["gradient_bytes"],
-                           "optimizer_bytes": row["optimizer_bytes"], "bucket_bytes": row.get("bucket_bytes", 0),
-                           "receive_buffer_bytes": row["receive_buffer_bytes"],
-                           "activation_peak_bytes": activation, "peak_bytes": row["allocated_peak_bytes"]},
-        "predicted_at_reduce": {str(schedule.stage_index(stage, chunk)): [costs.gathered_bytes, costs.gradient_bytes]
-                                for chunk, costs in enumerate(sharded) if costs is not None and costs.gathered_bytes},
+        "predicted_split": {
+            **static_split,
+            "receive_buffer_bytes": predicted["receive_buffer_bytes"][stage],
+            **predicted["peak_split"][stage],
+        },
+        "measured_split": {
+            "parameter_bytes": row["parameter_bytes"],
+            "gradient_bytes": row["gradient_bytes"],
+            "optimizer_bytes": row["optimizer_bytes"],
+            "bucket_bytes": row.get("bucket_bytes", 0),
+            "receive_buffer_bytes": row["receive_buffer_bytes"],
+            "activation_peak_bytes": activation,
+            "peak_bytes": row["allocated_peak_bytes"],
+        },
+        "predicted_at_reduce": {
+            str(schedule.stage_index(stage, chunk)): [costs.gathered_bytes, costs.gradient_bytes]
+            for chunk, costs in enumerate(sharded)
+            if costs is not None and costs.gathered_bytes
+        },
         "measured_at_reduce": row.get("fsdp_at_reduce", {}),
         "collectives": row.get("collectives", []),
         "layers": row["layers"],
@@ -301,15 +351,22 @@ def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
     counts, modes, ranks = (fields.raw(key) for key in ("stage_layer_counts", "layer_modes", "ranks"))
     if not isinstance(ranks, list) or len(ranks) != spec.stages:
         raise InputError(fields.at("ranks"), f"expected a list of {spec.stages} ranks, got {ranks!r:.80}")
-    steps = tuple(Fields(row, f"{fields.at('ranks')}[{i}]").number("measured_step_ms", required=True)
-                  for i, row in enumerate(ranks))
+    steps = tuple(
+        Fields(row, f"{fields.at('ranks')}[{i}]").number("measured_step_ms", required=True)
+        for i, row in enumerate(ranks)
+    )
     if not all(steps):
         raise InputError(fields.at("ranks"), "expected every measured_step_ms > 0")
     if not isinstance(counts, list) or not isinstance(modes, list):
-        raise InputError(fields.at("stage_layer_counts"), "expected the plan's stage_layer_counts and layer_modes as lists")
+        raise InputError(
+            fields.at("stage_layer_counts"), "expected the plan's stage_layer_counts and layer_modes as lists"
+        )
     if len(modes) != len(profile.layers):
-        raise InputError(fields.at("layer_modes"), f"{len(modes)} layers, but the profile has {len(profile.layers)}: "
-                                                   "calibrate with the profile the run was planned from")
+        raise InputError(
+            fields.at("layer_modes"),
+            f"{len(modes)} layers, but the profile has {len(profile.layers)}: "
+            "calibrate with the profile the run was planned from",
+        )
     plan = evaluate_plan(profile, spec, tuple(counts), tuple(modes))  # checks the plan against the profile
     return Run(profile, spec, plan.stage_layer_counts, plan.layer_modes, steps)
 

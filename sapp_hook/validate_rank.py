@@ -53,9 +53,16 @@ def spawn_ranks(main: Callable[..., None], args: tuple, world: int, folder: Path
 def mesh_shape(setup: Any) -> Any:
     from sapp_hook.mesh import MeshShape
 
-    return MeshShape(stages=setup.stages, data_parallel=setup.data_parallel, tensor_parallel=setup.tensor_parallel,
-                     fsdp=setup.fsdp, reshard_after_forward=setup.reshard_after_forward, zero_stage=setup.zero_stage,
-                     ddp=setup.ddp, sequence_parallel=setup.sequence_parallel)
+    return MeshShape(
+        stages=setup.stages,
+        data_parallel=setup.data_parallel,
+        tensor_parallel=setup.tensor_parallel,
+        fsdp=setup.fsdp,
+        reshard_after_forward=setup.reshard_after_forward,
+        zero_stage=setup.zero_stage,
+        ddp=setup.ddp,
+        sequence_parallel=setup.sequence_parallel,
+    )
 
 
 def _stop(processes: list[Any], grace_s: float = 2.0) -> None:
@@ -120,8 +127,10 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     stage_modules = [module for _, module in modules]
     run = stage_modules if mesh is None else parallelize(stage_modules, shape, mesh)
     num_stages = setup.stages * len(modules)
-    stages = [PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_group)
-              for (index, _), module in zip(modules, run)]
+    stages = [
+        PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_group)
+        for (index, _), module in zip(modules, run)
+    ]
     parameters = [p for module in stage_modules for p in module.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=1e-4) if mesh is None else optimizer_for(parameters, shape, mesh)
 
@@ -129,8 +138,11 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
         return model.loss_function(logits=logits, labels=labels, vocab_size=config.get_text_config().vocab_size)
 
     runner = schedule_class(plan_data)
-    schedule = runner(stages[0], setup.micro_batches, loss_fn=loss_fn) if len(stages) == 1 else runner(
-        stages, setup.micro_batches, loss_fn=loss_fn)
+    schedule = (
+        runner(stages[0], setup.micro_batches, loss_fn=loss_fn)
+        if len(stages) == 1
+        else runner(stages, setup.micro_batches, loss_fn=loss_fn)
+    )
     first = any(stage.is_first for stage in stages)
     last = any(stage.is_last for stage in stages)
     peer = shape.rank_of(1) if setup.stages > 1 else None
@@ -139,8 +151,9 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     step_ms, peaks, losses = [], [], []
     for step in range(setup.warmup_steps + setup.steps):
         # replicas train on their own data; tensor-parallel ranks on the same
-        batch = random_batch(config, setup.micro_batch_size * setup.micro_batches, setup.seq_len,
-                             seed=step + 1000 * dp)["input_ids"]
+        batch = random_batch(
+            config, setup.micro_batch_size * setup.micro_batches, setup.seq_len, seed=step + 1000 * dp
+        )["input_ids"]
         step_losses: list[torch.Tensor] = []
         dist.barrier()
         # the token ids are data the schedule holds for the whole step, in one storage: not activations
@@ -148,8 +161,9 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
             step_held[:] = [held]
             started = time.perf_counter()
             # return_outputs=False: else torch keeps every micro-batch's logits on the last rank to the end
-            schedule.step(*((batch,) if first else ()), target=batch if last else None, losses=step_losses,
-                          return_outputs=False)
+            schedule.step(
+                *((batch,) if first else ()), target=batch if last else None, losses=step_losses, return_outputs=False
+            )
             elapsed = (time.perf_counter() - started) * 1e3
         step_held.clear()
         tied()  # outside the timed step, like the optimizer: the simulator does not model them
@@ -169,10 +183,13 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     at_reduce = _at_reduce(stages, stage_modules) if shape.fsdp else contextlib.nullcontext({})
     # two more steps, untimed, for what the allocator holds above a step's lowest point: the profiler that
     # counts it slows every allocation
-    with (contextlib.nullcontext() if mesh is None else settled_collectives()), at_reduce as reduced:
+    with contextlib.nullcontext() if mesh is None else settled_collectives(), at_reduce as reduced:
         allocated, held_at_end = _allocated_bytes(step)
     measured = {
-        "rank": rank, "stage": pp, "dp_rank": dp, "tp_rank": tp,
+        "rank": rank,
+        "stage": pp,
+        "dp_rank": dp,
+        "tp_rank": tp,
         "step_ms": step_ms,
         "allocated_peak_bytes": allocated,
         "step_end_bytes": held_at_end,
@@ -200,8 +217,13 @@ def _at_reduce(stages: list[Any], modules: list[Any]) -> Iterator[dict[str, list
     for stage, module in zip(stages, modules):
         original = stage.perform_reduce_grad
 
-        def reduce(scale: int, *, _original: Callable[[int], None] = original, _index: int = stage.stage_index,
-                   _module: Any = module) -> None:
+        def reduce(
+            scale: int,
+            *,
+            _original: Callable[[int], None] = original,
+            _index: int = stage.stage_index,
+            _module: Any = module,
+        ) -> None:
             seen[str(_index)] = list(unsharded_bytes([_module]))
             _original(scale)
 
@@ -267,8 +289,14 @@ def _allocated_bytes(step: Callable[[], object]) -> tuple[int, int | None]:
     events = prof.profiler.kineto_results.events()
     measured_start = next(event.start_ns() for event in events if event.name() == MEASURED_STEP)
     changes = memory_changes(prof.profiler.kineto_results.experimental_event_tree())
-    last_action_end = max((event.end_ns() for event in events if event.name().startswith(ACTION_NAMES)
-                           and event.start_ns() >= measured_start), default=None)
+    last_action_end = max(
+        (
+            event.end_ns()
+            for event in events
+            if event.name().startswith(ACTION_NAMES) and event.start_ns() >= measured_start
+        ),
+        default=None,
+    )
     start = sum(nbytes for time_ns, nbytes in changes if time_ns < measured_start)
     live = floor = peak = start
     held = None if last_action_end is None else start
@@ -325,8 +353,13 @@ def _stderr_to_devnull() -> Iterator[None]:
 def _receive_buffers(stages: list[Any]) -> list[Any]:
     """The tensors torch's stages keep to receive inputs and output gradients into, one per micro-batch
     (after a step: a stage fed by another on its rank keeps that stage's outputs there)."""
-    return [info.buffer for stage in stages for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-            for info in infos if info.buffer is not None]
+    return [
+        info.buffer
+        for stage in stages
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in infos
+        if info.buffer is not None
+    ]
 
 
 def _layer_names(model: Any, module: Any) -> list[str]:

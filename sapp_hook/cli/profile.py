@@ -27,8 +27,15 @@ PROG = "sapp-hook profile"
 STEPS, WARMUP_STEPS, MODES = 2, 1, "none,selective,full"
 MEASURING = ("steps", "warmup_steps", "modes", "layers", "device")
 LAYOUT = ("tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel", "expert_tokens")
-NETWORK = ("link_bandwidth", "data_link_bandwidth", "link_latency", "data_parallel", "zero_stage", "fsdp",
-           "reshard_after_forward")
+NETWORK = (
+    "link_bandwidth",
+    "data_link_bandwidth",
+    "link_latency",
+    "data_parallel",
+    "zero_stage",
+    "fsdp",
+    "reshard_after_forward",
+)
 # the layout a rank is measured on (D x T gloo processes) or estimated for
 MESH = ("tensor_parallel", "sequence_parallel", "data_parallel", "fsdp", "reshard_after_forward")
 ESTIMATING = tuple(name for name in ("flops", "bandwidth", "optimizer_bytes", *LAYOUT, *NETWORK) if name not in MESH)
@@ -52,55 +59,101 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "--model", required=True, metavar="NAME",
+        "--model",
+        required=True,
+        metavar="NAME",
         help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a transformers config.json or a folder holding one",
     )
     parser.add_argument("--micro-batch-size", type=int, default=2, metavar="B", help="default 2")
     parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
-    parser.add_argument("--dtype", default="float32", metavar="NAME",
-                        help="the parameters' dtype: float32 (default), bfloat16 or float16")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="NAME",
+        help="the parameters' dtype: float32 (default), bfloat16 or float16",
+    )
     measured = parser.add_argument_group("measuring")
     measured.add_argument("--steps", type=int, metavar="N", help=f"measured steps per recompute mode (default {STEPS})")
-    measured.add_argument("--warmup-steps", type=int, metavar="N", help=f"steps before measuring (default {WARMUP_STEPS})")
+    measured.add_argument(
+        "--warmup-steps", type=int, metavar="N", help=f"steps before measuring (default {WARMUP_STEPS})"
+    )
     measured.add_argument("--modes", metavar="LIST", help=f"recompute modes to measure (default {MODES})")
     measured.add_argument(
-        "--layers", action="append", metavar="PATTERN",
+        "--layers",
+        action="append",
+        metavar="PATTERN",
         help="module-name pattern of the body blocks, e.g. 'model.layers.*' (repeatable; found automatically otherwise)",
     )
     measured.add_argument("--device", metavar="NAME", help="cpu (default), cuda, cuda:1, ...")
     estimated = parser.add_argument_group("estimating (--estimate)")
-    estimated.add_argument("--estimate", action="store_true",
-                           help="estimate a Llama-family config's costs instead of measuring (no torch needed)")
-    estimated.add_argument("--flops", type=float, metavar="RATE",
-                           help=f"FLOP/s one device sustains: its peak times the utilisation expected (default {FLOPS:g})")
-    estimated.add_argument("--bandwidth", type=float, metavar="RATE",
-                           help=f"bytes/s of device memory for elementwise work (default {BANDWIDTH:g})")
+    estimated.add_argument(
+        "--estimate",
+        action="store_true",
+        help="estimate a Llama-family config's costs instead of measuring (no torch needed)",
+    )
+    estimated.add_argument(
+        "--flops",
+        type=float,
+        metavar="RATE",
+        help=f"FLOP/s one device sustains: its peak times the utilisation expected (default {FLOPS:g})",
+    )
+    estimated.add_argument(
+        "--bandwidth",
+        type=float,
+        metavar="RATE",
+        help=f"bytes/s of device memory for elementwise work (default {BANDWIDTH:g})",
+    )
     layout = parser.add_argument_group(
-        "parallel layout (one rank, measured on D x T gloo processes as TorchTitan lays a Llama out, or estimated)")
-    layout.add_argument("--tensor-parallel", type=int, metavar="N",
-                        help="one rank of a tensor-parallel job of N (default 1)")
-    layout.add_argument("--sequence-parallel", action="store_true", default=None,
-                        help="with --tensor-parallel: sequence parallel too")
-    layout.add_argument("--data-parallel", type=int, metavar="N",
-                        help="data-parallel replicas, for their collectives (default 1; solve shards memory)")
+        "parallel layout (one rank, measured on D x T gloo processes as TorchTitan lays a Llama out, or estimated)"
+    )
+    layout.add_argument(
+        "--tensor-parallel", type=int, metavar="N", help="one rank of a tensor-parallel job of N (default 1)"
+    )
+    layout.add_argument(
+        "--sequence-parallel", action="store_true", default=None, help="with --tensor-parallel: sequence parallel too"
+    )
+    layout.add_argument(
+        "--data-parallel",
+        type=int,
+        metavar="N",
+        help="data-parallel replicas, for their collectives (default 1; solve shards memory)",
+    )
     layout.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP2 over --data-parallel")
-    layout.add_argument("--reshard-after-forward", action="store_true", default=None,
-                        help="with --fsdp: gather the parameters again in every forward and backward")
+    layout.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        default=None,
+        help="with --fsdp: gather the parameters again in every forward and backward",
+    )
     estimated.add_argument("--context-parallel", type=int, metavar="N", help="context-parallel degree (default 1)")
     estimated.add_argument("--expert-parallel", type=int, metavar="N", help="expert-parallel degree (default 1)")
-    estimated.add_argument("--expert-tokens", metavar="RULE",
-                           help="token copies an expert-parallel rank receives: balanced (default), dropless or "
-                                "capacity:FACTOR")
+    estimated.add_argument(
+        "--expert-tokens",
+        metavar="RULE",
+        help="token copies an expert-parallel rank receives: balanced (default), dropless or capacity:FACTOR",
+    )
     estimated.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, for its collectives")
-    estimated.add_argument("--link-bandwidth", type=float, metavar="RATE",
-                           help="bytes/s a rank's link moves within a node (tensor, context, expert parallel); "
-                                "with it each layer's collectives and their exposed time are estimated")
-    estimated.add_argument("--data-link-bandwidth", type=float, metavar="RATE",
-                           help="bytes/s between nodes, where data parallelism runs (default --link-bandwidth)")
+    estimated.add_argument(
+        "--link-bandwidth",
+        type=float,
+        metavar="RATE",
+        help="bytes/s a rank's link moves within a node (tensor, context, expert parallel); "
+        "with it each layer's collectives and their exposed time are estimated",
+    )
+    estimated.add_argument(
+        "--data-link-bandwidth",
+        type=float,
+        metavar="RATE",
+        help="bytes/s between nodes, where data parallelism runs (default --link-bandwidth)",
+    )
     estimated.add_argument("--link-latency", type=float, metavar="SECONDS", help="per collective call (default 0)")
-    estimated.add_argument("--optimizer-bytes", type=float, metavar="N",
-                           help=f"optimizer state per parameter (default {OPTIMIZER_BYTES:g}: Adam's two fp32 states; "
-                                "12 with an fp32 master copy of 16-bit weights)")
+    estimated.add_argument(
+        "--optimizer-bytes",
+        type=float,
+        metavar="N",
+        help=f"optimizer state per parameter (default {OPTIMIZER_BYTES:g}: Adam's two fp32 states; "
+        "12 with an fp32 master copy of 16-bit weights)",
+    )
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -128,18 +181,27 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
     from sapp_hook.models import config_data
 
     data, where = config_data(args.model)
-    flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype",
-             "flops_per_second": "--flops", "bytes_per_second": "--bandwidth",
-             "optimizer_bytes_per_parameter": "--optimizer-bytes", "link_bytes_per_second": "--link-bandwidth",
-             "data_link_bytes_per_second": "--data-link-bandwidth", "latency_s": "--link-latency",
-             "fsdp_reshard_after_forward": "--reshard-after-forward",
-             **{name: "--" + name.replace("_", "-") for name in (*LAYOUT, *NETWORK)}}
+    flags = {
+        "sequence": "--seq-len",
+        "micro_batch_size": "--micro-batch-size",
+        "dtype": "--dtype",
+        "flops_per_second": "--flops",
+        "bytes_per_second": "--bandwidth",
+        "optimizer_bytes_per_parameter": "--optimizer-bytes",
+        "link_bytes_per_second": "--link-bandwidth",
+        "data_link_bytes_per_second": "--data-link-bandwidth",
+        "latency_s": "--link-latency",
+        "fsdp_reshard_after_forward": "--reshard-after-forward",
+        **{name: "--" + name.replace("_", "-") for name in (*LAYOUT, *NETWORK)},
+    }
     layout = {name: getattr(args, name) for name in LAYOUT if getattr(args, name) is not None}
     try:
-        shape = shape_from_config(data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-                                  **layout)
+        shape = shape_from_config(
+            data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype, **layout
+        )
         profile = analytic_profile(
-            shape, flops_per_second=FLOPS if args.flops is None else args.flops,
+            shape,
+            flops_per_second=FLOPS if args.flops is None else args.flops,
             bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
             optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
             network=_network(args),
@@ -149,7 +211,8 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
             raise InputError(flags[exc.field], exc.detail) from None
         if exc.field.startswith("layers") or exc.field.endswith(("_bytes", "_ms")):  # what the estimate came to
             shape = f"--micro-batch-size {args.micro_batch_size:,}, --seq-len {args.seq_len:,}" + (
-                f", --optimizer-bytes {args.optimizer_bytes:g}" if args.optimizer_bytes is not None else "")
+                f", --optimizer-bytes {args.optimizer_bytes:g}" if args.optimizer_bytes is not None else ""
+            )
             raise InputError("--model", f"{where} at {shape}: the estimate's {exc.field}: {exc.detail}") from None
         raise InputError("--model", f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
@@ -159,9 +222,15 @@ def _network(args: argparse.Namespace) -> Network | None:
     """The links and data-parallel side the flags give; None where none is given (no collectives stated)."""
     if all(getattr(args, name) is None for name in NETWORK):
         return None
-    given = {"link_bytes_per_second": args.link_bandwidth, "data_link_bytes_per_second": args.data_link_bandwidth,
-             "latency_s": args.link_latency, "data_parallel": args.data_parallel, "zero_stage": args.zero_stage,
-             "fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
+    given = {
+        "link_bytes_per_second": args.link_bandwidth,
+        "data_link_bytes_per_second": args.data_link_bandwidth,
+        "latency_s": args.link_latency,
+        "data_parallel": args.data_parallel,
+        "zero_stage": args.zero_stage,
+        "fsdp": args.fsdp,
+        "reshard_after_forward": args.reshard_after_forward,
+    }
     return Network(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -191,9 +260,17 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
 
     try:
         profile = profile_example(
-            config, steps=steps, warmup_steps=warmup_steps, micro_batch_size=args.micro_batch_size,
-            seq_len=args.seq_len, modes=modes, layers=args.layers, model_name=args.model, on_step=progress,
-            device=_device(args.device or "cpu"), dtype=args.dtype,
+            config,
+            steps=steps,
+            warmup_steps=warmup_steps,
+            micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len,
+            modes=modes,
+            layers=args.layers,
+            model_name=args.model,
+            on_step=progress,
+            device=_device(args.device or "cpu"),
+            dtype=args.dtype,
         )
     except InputError as exc:
         if exc.field in ("modes", "layers"):
@@ -209,7 +286,8 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
 def _mesh_run(args: argparse.Namespace, steps: int, warmup_steps: int, modes: tuple[str, ...]) -> object:
     """The mesh the flags ask one rank of measured on (checked before anything runs); None: one process."""
     if all(getattr(args, name) in (None, 1) for name in ("tensor_parallel", "data_parallel")) and not (
-            args.sequence_parallel or args.fsdp or args.reshard_after_forward):
+        args.sequence_parallel or args.fsdp or args.reshard_after_forward
+    ):
         return None
     from sapp_hook.profile_mesh import MeshRun, check_mesh_run
 
@@ -217,11 +295,20 @@ def _mesh_run(args: argparse.Namespace, steps: int, warmup_steps: int, modes: tu
         raise InputError("--device", "a mesh is measured on gloo processes on the CPU; expected cpu")
     if args.layers:
         raise InputError("--layers", "a mesh run finds the Llama family's blocks itself; leave it out")
-    run = MeshRun(model=args.model, data_parallel=1 if args.data_parallel is None else args.data_parallel,
-                  tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
-                  sequence_parallel=bool(args.sequence_parallel), fsdp=bool(args.fsdp),
-                  reshard_after_forward=bool(args.reshard_after_forward), micro_batch_size=args.micro_batch_size,
-                  seq_len=args.seq_len, dtype=args.dtype, steps=steps, warmup_steps=warmup_steps, modes=modes)
+    run = MeshRun(
+        model=args.model,
+        data_parallel=1 if args.data_parallel is None else args.data_parallel,
+        tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
+        sequence_parallel=bool(args.sequence_parallel),
+        fsdp=bool(args.fsdp),
+        reshard_after_forward=bool(args.reshard_after_forward),
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        steps=steps,
+        warmup_steps=warmup_steps,
+        modes=modes,
+    )
     check_mesh_run(run)
     return run
 
@@ -233,7 +320,9 @@ def _device(name: str) -> str:
         device = torch.device(name)
     except RuntimeError:
         raise InputError("--device", f"expected cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type != "cpu" and not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type):
+    if device.type != "cpu" and not (
+        torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == device.type
+    ):
         raise InputError("--device", f"no {device.type} device here")
     return str(device)
 
@@ -245,10 +334,14 @@ def profile_report(profile: ModelProfile) -> str:
     rows: list[tuple[list[str], tuple]] = []
     for layer in profile.layers:
         cells = (
-            layer.kind, f"{layer.forward_ms:.2f}", f"{layer.backward_ms:.2f}", format_bytes(layer.parameter_bytes),
+            layer.kind,
+            f"{layer.forward_ms:.2f}",
+            f"{layer.backward_ms:.2f}",
+            format_bytes(layer.parameter_bytes),
             *(
                 f"{format_bytes(layer.recompute[m].activation_bytes):>14} {layer.recompute[m].extra_ms:>7.2f}"
-                if m in layer.recompute else f"{'-':>14} {'-':>7}"
+                if m in layer.recompute
+                else f"{'-':>14} {'-':>7}"
                 for m in modes
             ),
         )
@@ -267,17 +360,26 @@ def profile_report(profile: ModelProfile) -> str:
     ]
     for label, (_, cells) in zip(labels, rows):
         kind, fwd, bwd, params, *per_mode = cells
-        lines.append(f"{label:<{name_width}}  {kind:<{kind_width}}  {fwd:>8} {bwd:>8} {params:>10} " + " ".join(per_mode))
+        lines.append(
+            f"{label:<{name_width}}  {kind:<{kind_width}}  {fwd:>8} {bwd:>8} {params:>10} " + " ".join(per_mode)
+        )
     for tied in profile.tied_parameters:
-        lines.append(f"tied            {' = '.join(tied.names)} ({format_bytes(tied.bytes)}), held by {', '.join(tied.layers)}")
+        lines.append(
+            f"tied            {' = '.join(tied.names)} ({format_bytes(tied.bytes)}), held by {', '.join(tied.layers)}"
+        )
     body_modes = [m for m in modes if m != NONE]
     if body_modes:
         lines.append("act MODE: activation bytes kept per micro-batch; +ms: what the mode adds to forward+backward")
     lines.extend(collectives_report(profile))
-    unmeasured = [name for name, degree in (("context", profile.mesh.context_parallel),
-                                             ("expert", profile.mesh.expert_parallel)) if degree > 1]
+    unmeasured = [
+        name
+        for name, degree in (("context", profile.mesh.context_parallel), ("expert", profile.mesh.expert_parallel))
+        if degree > 1
+    ]
     if unmeasured:
-        lines.append(f"{' and '.join(unmeasured)} parallel: by rule, not measured on a run (torch 2.13 runs neither on a CPU)")
+        lines.append(
+            f"{' and '.join(unmeasured)} parallel: by rule, not measured on a run (torch 2.13 runs neither on a CPU)"
+        )
     return "\n".join(lines)
 
 
@@ -291,9 +393,11 @@ def collectives_report(profile: ModelProfile) -> list[str]:
             total[1] += collective.bytes
             total[2] += collective.ms
             total[3] += collective.exposed_ms
-    lines = [f"collectives ({'in the forward and backward times' if per == 'micro-batch' else 'once a step, in no layer time'}): "
-             f"{dimension} {operation} x{calls:.0f} per {per}, {format_bytes(moved)}, {ms:.2f} ms ({exposed:.2f} ms exposed)"
-             for (dimension, operation, per), (calls, moved, ms, exposed) in totals.items()]
+    lines = [
+        f"collectives ({'in the forward and backward times' if per == 'micro-batch' else 'once a step, in no layer time'}): "
+        f"{dimension} {operation} x{calls:.0f} per {per}, {format_bytes(moved)}, {ms:.2f} ms ({exposed:.2f} ms exposed)"
+        for (dimension, operation, per), (calls, moved, ms, exposed) in totals.items()
+    ]
     if not lines and not profile.mesh.is_one_d and profile.source == "analytic":
         lines.append("collectives: not estimated (give --link-bandwidth)")
     return lines
