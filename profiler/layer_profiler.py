@@ -33,7 +33,7 @@ from profiler.clock import clock_for, device_of, memory_for
 from profiler.cpu_memory import CpuMemory
 from profiler.layers import find_blocks
 from profiler.recompute import TORCH_MODES
-from profiler.recorder import TAIL, Recorder
+from profiler.recorder import BACKWARD, FORWARD, TAIL, Recorder
 from profiler.samples import LayerSamples
 from profiler.split import SplitBackward, measure_split_backward
 from profiler.tp_roles import role_bytes
@@ -229,13 +229,14 @@ class LayerProfiler:
                 continue  # a forward without backward (evaluation under no_grad)
             ends = [record.backward_end] if record.backward_end is not None else record.parameter_marks
             backward_ms = max((elapsed(record.backward_start, end) for end in ends), default=0.0)
+            once = record.step_collective_ms  # what a pipeline runs once a step: not the layer's per micro-batch
             # what a stage computes for all its blocks (the rotary tables) is kept by the first block
             # to save it: counted per stage (`ModelProfile.stage_shared_bytes`), not as that block's
             shared = sum(size for key, size in record.kept_bytes.items() if key in record.shared_keys)
             self.samples.setdefault(slot, LayerSamples()).add(
                 mode,
-                forward_ms=elapsed(record.forward_start, record.forward_end),
-                backward_ms=backward_ms,
+                forward_ms=elapsed(record.forward_start, record.forward_end) - once.get(FORWARD, 0.0),
+                backward_ms=backward_ms - once.get(BACKWARD, 0.0),
                 kept_bytes=sum(record.kept_bytes.values()) - shared,
                 input_bytes=record.input_bytes,
                 backward_peak_bytes=record.backward_peak_bytes,

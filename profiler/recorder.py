@@ -31,6 +31,7 @@ from solver.profile import NONE
 log = logging.getLogger(__name__)
 
 HEAD, TAIL = "head", "tail"  # slot names next to the body layers' indices
+FORWARD, BACKWARD = "forward", "backward"
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Pass:
     backward_peak_bytes: int | None = (
         None  # allocator peak over the backward, above its start (memory steps on the CPU)
     )
+    # per phase ("forward", "backward"): collectives a pipeline runs once a step, left out of the layer's times
+    step_collective_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Recorder:
         self.passes: list[tuple[object, Pass]] = []  # this step's, in the order they started
         self.mode = NONE
         self.recording = False
+        self.running: tuple[Pass, str] | None = None  # in recorded steps: the pass running now and its phase
         self.has_head = self.has_tail = False
         self._forward: _Forward | None = None
         self._in_backward: dict[object, Pass] = {}
@@ -131,11 +135,12 @@ class Recorder:
     def attach(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._excluded_storages = {storage_key(t)[0] for t in [*self.model.parameters(), *self.model.buffers()]}
         add = self._handles.append
-        add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        # first among a module's hooks: what others do there (FSDP's gathers) counts in the layer's time
+        add(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True, prepend=True))
         add(self.model.register_forward_hook(self._model_post))
         for index, block in enumerate(self.blocks):
-            add(block.module.register_forward_pre_hook(self._block_pre(index), with_kwargs=True))
-            add(block.module.register_forward_hook(self._block_post(index)))
+            add(block.module.register_forward_pre_hook(self._block_pre(index), with_kwargs=True, prepend=True))
+            add(block.module.register_forward_hook(self._block_post(index), prepend=True))
         for param in self.model.parameters():
             if param.requires_grad:
                 add(param.register_post_accumulate_grad_hook(self._gradient_accumulated))
@@ -167,6 +172,7 @@ class Recorder:
         self._forward = None
         self._in_backward.clear()
         self._memory_window = None
+        self.running = None
 
     def finish_discovery(self) -> None:
         """After the warm-up: fix the order the blocks ran in and who owns each parameter."""
@@ -238,6 +244,7 @@ class Recorder:
             return
         passes = {HEAD: Pass(self.mode, forward_start=self.clock.mark())} if self.has_head else {}
         self._forward = _Forward(passes=passes, current=HEAD)
+        self.running = (passes[HEAD], FORWARD) if passes else None
         self._add_passes(passes)
 
     def _block_pre(self, index: int) -> Callable:
@@ -259,6 +266,7 @@ class Recorder:
             step = Pass(self.mode, forward_start=now)
             forward.passes[index] = step
             forward.current = index
+            self.running = (step, FORWARD)
             self._add_passes({index: step})
             if index in self.capture_for and index not in self.captured_inputs:
                 self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
@@ -284,11 +292,13 @@ class Recorder:
             step = forward.passes[index]
             step.forward_end = now
             tail = None
+            self.running = None
             if index == self.structure.last_body and self.has_tail:
                 tail = Pass(self.mode, forward_start=now)
                 forward.passes[TAIL] = tail
                 forward.current = TAIL
                 self._add_passes({TAIL: tail})
+                self.running = (tail, FORWARD)
             block_output = _output_tensor(output)
             if block_output is not None:
                 if tail is not None:
@@ -334,6 +344,7 @@ class Recorder:
             if tail is not None:
                 tail.forward_end = tail.backward_start = self.clock.mark()
                 self._in_backward[TAIL] = tail
+                self.running = (tail, BACKWARD)
                 if self.memory is not None:  # the loss and LM head's backward: closed by the last block's
                     self._open_memory_window(tail)
 
@@ -344,8 +355,12 @@ class Recorder:
             now = self.clock.mark()
             if tail is not None:
                 tail.backward_end = now
+            later = self.running[0] if self.running is not None and self.running[1] == BACKWARD else None
+            if later is not None and later.backward_end is None:  # ends where this one starts: what runs
+                later.backward_end = now  # between (FSDP's gathers for this one) is this one's
             step.backward_start = now
             self._in_backward[index] = step
+            self.running = (step, BACKWARD)
             if self.memory is not None:
                 self._open_memory_window(step)
 
@@ -354,16 +369,29 @@ class Recorder:
     def _input_grad(self, step: Pass, head: Pass | None) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             now = self.clock.mark()
-            step.backward_end = now
+            if step.backward_end is None:
+                step.backward_end = now
             if self.memory is not None:
                 self._close_memory_window(step)
             if head is not None:
                 head.backward_start = now
                 self._in_backward[HEAD] = head
+                self.running = (head, BACKWARD)
+                # where no gradient lands through autograd (FSDP sets its shards' own), the backward's end ends it
+                torch.autograd.Variable._execution_engine.queue_callback(self._head_backward_done(head))
                 if self.memory is not None:  # no hook ends the embedding's backward: read as its gradients land
                     self._open_memory_window(head, read_on_close=False)
 
         return hook
+
+    def _head_backward_done(self, head: Pass) -> Callable[[], None]:
+        def callback() -> None:
+            if not head.parameter_marks:
+                head.backward_end = self.clock.mark()
+            if self.running is not None and self.running[0] is head:
+                self.running = None
+
+        return callback
 
     def _open_memory_window(self, step: Pass, read_on_close: bool = True) -> None:
         """Start `step`'s backward memory window, closing the open one. A block's input is the block

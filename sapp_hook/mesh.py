@@ -55,6 +55,22 @@ class MeshShape:
         return self.data_parallel == self.tensor_parallel == 1 and not self.fsdp
 
 
+def check_layout(config: Any, tensor_parallel: int, sequence_parallel: bool, fsdp: bool, seq_len: int) -> None:
+    """One InputError where the mesh runner cannot lay the model out: tensor parallelism splits the Llama
+    family's blocks (q/k/v/o, gate/up/down) by degrees that divide them; FSDP and tensor parallelism
+    need an untied embedding."""
+    text = config.get_text_config()
+    if tensor_parallel > 1 and not hasattr(text, "num_key_value_heads"):
+        raise InputError("--tensor-parallel", "the runner splits the Llama family's blocks (q/k/v/o, gate/up/down)")
+    check_tensor_parallel(config, tensor_parallel, seq_len, sequence_parallel)
+    if getattr(text, "tie_word_embeddings", False) and (fsdp or tensor_parallel > 1):
+        raise InputError(
+            "--model",
+            "ties its embedding and LM head, which FSDP and tensor parallelism would split "
+            "apart; use an untied model (tie_word_embeddings: false)",
+        )
+
+
 def check_tensor_parallel(config: Any, tensor_parallel: int, seq_len: int, sequence_parallel: bool) -> None:
     """One InputError where `tensor_parallel` does not divide what the Llama plan splits."""
     text = config.get_text_config()

@@ -163,7 +163,7 @@ def _check(setup: Setup) -> None:
 def _check_layout(setup: Setup) -> None:
     """What the mesh runner runs: FSDP, ZeRO-1 or DDP over the data-parallel ranks, the Llama family's
     tensor-parallel plan, an untied embedding where either splits it (checked here, before profiling)."""
-    from sapp_hook.mesh import check_tensor_parallel
+    from sapp_hook.mesh import check_layout
     from sapp_hook.models import load_config
 
     if setup.zero_stage not in (0, 1):
@@ -183,15 +183,7 @@ def _check_layout(setup: Setup) -> None:
         )
     if setup.processes == setup.stages and not (setup.fsdp or setup.ddp or setup.zero_stage):
         return
-    if setup.tensor_parallel > 1 and not hasattr(config.get_text_config(), "num_key_value_heads"):
-        raise InputError("--tensor-parallel", "the runner splits the Llama family's blocks (q/k/v/o, gate/up/down)")
-    check_tensor_parallel(config, setup.tensor_parallel, setup.seq_len, setup.sequence_parallel)
-    if getattr(config.get_text_config(), "tie_word_embeddings", False) and (setup.fsdp or setup.tensor_parallel > 1):
-        raise InputError(
-            "--model",
-            "ties its embedding and LM head, which FSDP and tensor parallelism would split "
-            "apart; use an untied model (tie_word_embeddings: false)",
-        )
+    check_layout(config, setup.tensor_parallel, setup.sequence_parallel, setup.fsdp, setup.seq_len)
 
 
 def _check_plan_file(setup: Setup) -> None:

@@ -33,14 +33,19 @@ MEASURED_STEP = "sapp-hook: measured step"
 
 def run_ranks(setup: Any, plan_data: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
     """Run the plan on the setup's processes (stages x data x tensor parallel); what each rank measured."""
+    return spawn_ranks(_rank_main, (setup, plan_data, str(folder)), mesh_shape(setup).world_size, folder)
+
+
+def spawn_ranks(main: Callable[..., None], args: tuple, world: int, folder: Path) -> list[dict[str, Any]]:
+    """`main(rank, *args)` on `world` processes, each writing `rank{rank}.json` into `folder`; their
+    JSON in rank order. A failed rank, Ctrl-C or SIGTERM ends every rank."""
     import torch.multiprocessing as mp
 
-    world = mesh_shape(setup).world_size
-    ranks = mp.spawn(_rank_main, args=(setup, plan_data, str(folder)), nprocs=world, join=False)
+    ranks = mp.spawn(main, args=args, nprocs=world, join=False)
     try:
         while not ranks.join():
             pass
-    except BaseException:  # a failed rank, Ctrl-C or SIGTERM: no rank outlives the run
+    except BaseException:  # no rank outlives the run
         _stop(ranks.processes)
         raise
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -36,7 +36,9 @@ NETWORK = (
     "fsdp",
     "reshard_after_forward",
 )
-ESTIMATING = ("flops", "bandwidth", "optimizer_bytes", *LAYOUT, *NETWORK)
+# the layout a rank is measured on (D x T gloo processes) or estimated for
+MESH = ("tensor_parallel", "sequence_parallel", "data_parallel", "fsdp", "reshard_after_forward")
+ESTIMATING = tuple(name for name in ("flops", "bandwidth", "optimizer_bytes", *LAYOUT, *NETWORK) if name not in MESH)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -49,7 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Build a transformers model from its config with random weights (no download), train it for a "
             "few steps on random tokens and write what every layer costs: forward and backward time, "
             "activation bytes per recompute mode and what each mode adds, parameter, gradient and "
-            "optimizer bytes. `sapp-hook solve --profile` reads the result. With --estimate, nothing "
+            "optimizer bytes. `sapp-hook solve --profile` reads the result. With --tensor-parallel or "
+            "--data-parallel --fsdp, one rank of that mesh is profiled: the memory from one process, the "
+            "times and each layer's collectives on D x T gloo processes. With --estimate, nothing "
             "runs: a Llama-family config's costs are estimated (times from FLOPs at --flops, memory as "
             "transformers' blocks keep it), for planning before the hardware is there."
         ),
@@ -99,11 +103,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="RATE",
         help=f"bytes/s of device memory for elementwise work (default {BANDWIDTH:g})",
     )
-    estimated.add_argument(
-        "--tensor-parallel", type=int, metavar="N", help="estimate one rank of a tensor-parallel job of N (default 1)"
+    layout = parser.add_argument_group(
+        "parallel layout (one rank, measured on D x T gloo processes as TorchTitan lays a Llama out, or estimated)"
     )
-    estimated.add_argument(
+    layout.add_argument(
+        "--tensor-parallel", type=int, metavar="N", help="one rank of a tensor-parallel job of N (default 1)"
+    )
+    layout.add_argument(
         "--sequence-parallel", action="store_true", default=None, help="with --tensor-parallel: sequence parallel too"
+    )
+    layout.add_argument(
+        "--data-parallel",
+        type=int,
+        metavar="N",
+        help="data-parallel replicas, for their collectives (default 1; solve shards memory)",
+    )
+    layout.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP2 over --data-parallel")
+    layout.add_argument(
+        "--reshard-after-forward",
+        action="store_true",
+        default=None,
+        help="with --fsdp: gather the parameters again in every forward and backward",
     )
     estimated.add_argument("--context-parallel", type=int, metavar="N", help="context-parallel degree (default 1)")
     estimated.add_argument("--expert-parallel", type=int, metavar="N", help="expert-parallel degree (default 1)")
@@ -112,20 +132,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="RULE",
         help="token copies an expert-parallel rank receives: balanced (default), dropless or capacity:FACTOR",
     )
-    estimated.add_argument(
-        "--data-parallel",
-        type=int,
-        metavar="N",
-        help="data-parallel replicas, for their collectives (default 1; solve shards memory)",
-    )
     estimated.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, for its collectives")
-    estimated.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP2 over --data-parallel")
-    estimated.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        default=None,
-        help="with --fsdp: gather the parameters again in every forward and backward",
-    )
     estimated.add_argument(
         "--link-bandwidth",
         type=float,
@@ -244,6 +251,7 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
 
     torch.set_num_threads(1)  # see the README: two threads per process are far slower on small CPUs
     transformers.logging.set_verbosity_error()  # the CLI owns the terminal
+    run = _mesh_run(args, steps, warmup_steps, modes)
     config = load_config(args.model)
 
     def progress(done: int, total: int, what: str) -> None:
@@ -251,7 +259,7 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
             print(f"profiling: step {done}/{total} done ({what})", file=sys.stderr, flush=True)
 
     try:
-        return profile_example(
+        profile = profile_example(
             config,
             steps=steps,
             warmup_steps=warmup_steps,
@@ -268,6 +276,41 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
         if exc.field in ("modes", "layers"):
             raise InputError(f"--{exc.field}", exc.detail) from None
         raise
+    if run is None:
+        return profile
+    from sapp_hook.profile_mesh import profile_on_mesh
+
+    return profile_on_mesh(run, profile)
+
+
+def _mesh_run(args: argparse.Namespace, steps: int, warmup_steps: int, modes: tuple[str, ...]) -> object:
+    """The mesh the flags ask one rank of measured on (checked before anything runs); None: one process."""
+    if all(getattr(args, name) in (None, 1) for name in ("tensor_parallel", "data_parallel")) and not (
+        args.sequence_parallel or args.fsdp or args.reshard_after_forward
+    ):
+        return None
+    from sapp_hook.profile_mesh import MeshRun, check_mesh_run
+
+    if (args.device or "cpu") != "cpu":
+        raise InputError("--device", "a mesh is measured on gloo processes on the CPU; expected cpu")
+    if args.layers:
+        raise InputError("--layers", "a mesh run finds the Llama family's blocks itself; leave it out")
+    run = MeshRun(
+        model=args.model,
+        data_parallel=1 if args.data_parallel is None else args.data_parallel,
+        tensor_parallel=1 if args.tensor_parallel is None else args.tensor_parallel,
+        sequence_parallel=bool(args.sequence_parallel),
+        fsdp=bool(args.fsdp),
+        reshard_after_forward=bool(args.reshard_after_forward),
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        steps=steps,
+        warmup_steps=warmup_steps,
+        modes=modes,
+    )
+    check_mesh_run(run)
+    return run
 
 
 def _device(name: str) -> str:
