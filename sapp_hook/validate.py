@@ -29,7 +29,7 @@ from sapp_hook.torch_engine import (
     recompute_runs_under,
 )
 from simulator import schedule_kind
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from solver import (
     ModelProfile,
     PipelineSpec,
@@ -358,7 +358,10 @@ def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
             raise InputError(fields.at(name), f"is {fields.raw(name)}: calibrate fits runs of the pipeline alone")
     counts, modes, ranks = (fields.raw(key) for key in ("stage_layer_counts", "layer_modes", "ranks"))
     if not isinstance(ranks, list) or len(ranks) != spec.stages:
-        raise InputError(fields.at("ranks"), f"expected a list of {spec.stages} ranks, got {ranks!r:.80}")
+        got = f"{len(ranks)} rows" if isinstance(ranks, list) else shown(ranks)
+        raise InputError(
+            fields.at("ranks"), f"expected one row per rank of its {spec.stages} stages (stages), got {got}"
+        )
     steps = tuple(
         Fields(row, f"{fields.at('ranks')}[{i}]").number("measured_step_ms", required=True)
         for i, row in enumerate(ranks)

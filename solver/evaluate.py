@@ -92,7 +92,12 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
         modes.append(layer.text("recompute", required=True))
     if not isinstance(counts, list):
         raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {shown(counts)}")
-    return evaluate_plan(profile, spec, counts, modes)
+    try:
+        return evaluate_plan(profile, spec, counts, modes)
+    except InputError as exc:  # the file's name for the split, not the Python API's
+        if exc.field != "stage_layer_counts":
+            raise
+        raise InputError("plan.virtual_stage_layers", exc.detail) from None
 
 
 def even_counts(layers: int, parts: int) -> list[int]:

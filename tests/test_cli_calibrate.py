@@ -123,7 +123,11 @@ def test_solve_plans_with_the_overhead(runs, capsys):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda r: r.pop("ranks"), "run0.json.ranks: expected a list of 4 ranks"),
+        (lambda r: r.pop("ranks"), "run0.json.ranks: expected one row per rank of its 4 stages (stages), got None"),
+        (
+            lambda r: r.update(stages=2),
+            "run0.json.ranks: expected one row per rank of its 2 stages (stages), got 4 rows",
+        ),
         (lambda r: r["ranks"][1].pop("measured_step_ms"), "run0.json.ranks[1].measured_step_ms: missing"),
         (lambda r: r.update(layer_modes=["none"] * 4), "run0.json.layer_modes: 4 layers, but the profile has 10"),
         (lambda r: r.update(stage_layer_counts=[3, 3, 3, 3]), "run0.json.stage_layer_counts: sum to 12"),

@@ -988,6 +988,30 @@ def test_a_signal_while_the_commands_load_ends_with_its_line(number, status, wor
     assert (done.returncode, done.stderr, done.stdout) == (status, f"sapp-hook: {word}\n", "")
 
 
+# The command stops on Ctrl-C; a second Ctrl-C and a SIGTERM arrive as the process exits.
+SECOND_SIGNAL = """
+import os, signal, sys
+import sapp_hook.cli.app as app
+def interrupted():
+    raise KeyboardInterrupt
+app.build_parser = interrupted
+from sapp_hook.cli import main
+sys.argv = ["sapp-hook", "solve"]
+status = main()
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGTERM)
+raise SystemExit(status)
+"""
+
+
+def test_a_second_signal_as_the_process_exits_keeps_its_status_and_line():
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, env=environment, timeout=60
+    )
+    assert (done.returncode, done.stderr, done.stdout) == (EXIT_INTERRUPTED, "sapp-hook: interrupted\n", "")
+
+
 # -- the Python API: one InputError naming the argument -------------------------------------------------------------
 
 SPEC = PipelineSpec(stages=4, micro_batches=8)

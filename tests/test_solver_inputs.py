@@ -362,3 +362,7 @@ def test_plan_json_round_trip(receive_buffers):
     assert again.spec == plan.spec
     with pytest.raises(InputError, match=r"spec.receive_buffers: expected true or false, got 1"):
         plan_from_dict(profile, {**plan.to_dict(), "spec": {**plan.to_dict()["spec"], "receive_buffers": 1}})
+    damaged = plan.to_dict()
+    damaged["plan"]["virtual_stage_layers"] = [-1, *damaged["plan"]["virtual_stage_layers"][1:]]
+    with pytest.raises(InputError, match=r"^plan\.virtual_stage_layers: expected integers >= 0, got \[-1, "):
+        plan_from_dict(profile, damaged)  # the file's key, not the Python API's stage_layer_counts

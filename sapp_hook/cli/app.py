@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(argv: list[str] | None = None) -> int:
     """Run one command; its exit status (bad input raises SystemExit(2), no plan SystemExit(3))."""
     prog = "sapp-hook"
-    with standard_streams(), signals_end_the_command(lambda: prog) as stopping, guarded_stdout():
+    # argv None: the process's own command line, which exits after the command
+    ends = argv is None
+    with standard_streams(), signals_end_the_command(lambda: prog, process_ends=ends) as stopping, guarded_stdout():
         try:
             args = build_parser().parse_args(argv)
             prog = f"sapp-hook {args.command}"

@@ -29,13 +29,17 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def signals_end_the_command(prog: Callable[[], str]) -> Iterator[Callable[[int], int]]:
+def signals_end_the_command(prog: Callable[[], str], *, process_ends: bool = False) -> Iterator[Callable[[int], int]]:
     """Within the block, SIGTERM and SIGHUP raise Terminated(number) (Ctrl-C raises KeyboardInterrupt, as
     always), so that clean-up runs on the way out; yields `stopping(status)`, which the command's handler
     of either calls: it removes temp files, says `PROG: interrupted` (`terminated`, `hung up`) and returns
-    `status`. A watchdog thread ends the process itself where the exception does not arrive in GRACE_S."""
+    `status`. A watchdog thread ends the process itself where the exception does not arrive in GRACE_S.
+    `process_ends`: the process exits after the command, so once a signal stopped it, later ones stay
+    ignored (a second Ctrl-C must not turn the exit status into a kill)."""
+    stopped: list[int] = []
 
     def stopping(status: int) -> int:
+        stopped.append(status)
         for number in _STOPPING:  # a second signal must not break the clean-up
             with contextlib.suppress(ValueError):
                 signal.signal(number, signal.SIG_IGN)
@@ -61,8 +65,9 @@ def signals_end_the_command(prog: Callable[[], str]) -> Iterator[Callable[[int],
     finally:
         done.set()
         signal.set_wakeup_fd(wakeup)
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
+        if not (stopped and process_ends):
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
         writer.close()
         watchdog.join()
         reader.close()
