@@ -66,16 +66,6 @@ class Schedule:
         """Virtual stages in the model: ranks x chunks."""
         return self.ranks * self.chunks
 
-    @property
-    def stages(self) -> int:
-        """The former name of `ranks` (a pipeline stage per rank)."""
-        return self.ranks
-
-    @property
-    def num_stages(self) -> int:
-        """The former name of `num_virtual_stages`."""
-        return self.num_virtual_stages
-
     def describe(self) -> str:
         """`1F1B: 4 stages x 1 chunk, 8 micro-batches` (a pipeline stage per rank)."""
         chunk_word = "chunk" if self.chunks == 1 else "chunks"
@@ -97,10 +87,6 @@ class Schedule:
     def virtual_stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages rank `rank` holds, in chunk order (also ascending)."""
         return tuple(self.stage_index(rank, chunk) for chunk in range(self.chunks))
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The former name of `virtual_stages_of`."""
-        return self.virtual_stages_of(rank)
 
     @cached_property
     def compiled(self) -> CompiledSchedule:

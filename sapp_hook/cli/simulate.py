@@ -122,7 +122,7 @@ def _replay_uniform(args: argparse.Namespace) -> int:
         microbatch_group_size=args.microbatch_group_size,
     )
     costs = PipelineCosts.uniform(
-        schedule.stages,
+        schedule.ranks,
         schedule.chunks,
         forward_ms=args.forward,
         backward_ms=args.backward,

@@ -82,7 +82,7 @@ class Layout:
 def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
     """A head, `body_layers` blocks and a tail split evenly over the virtual stages, without recompute:
     a stand-in plan for checking a config before any plan exists."""
-    stages = spec.pipeline_schedule.num_stages
+    stages = spec.pipeline_schedule.num_virtual_stages
     virtual = [v for v, count in enumerate(even_counts(body_layers, stages)) for _ in range(count)]
     layers = [{"name": "head", "kind": HEAD, "virtual_stage": 0, "recompute": NONE}]
     layers += [
@@ -127,8 +127,8 @@ def layout_from_dict(data: object) -> Layout:
             virtual_stage=layer.integer("virtual_stage", required=True, least=0),
             recompute=layer.text("recompute", required=True),
         )
-        if placed.virtual_stage >= schedule.num_stages:
-            raise InputError(layer.at("virtual_stage"), f"expected < {schedule.num_stages} (stages x chunks)")
+        if placed.virtual_stage >= schedule.num_virtual_stages:
+            raise InputError(layer.at("virtual_stage"), f"expected < {schedule.num_virtual_stages} (stages x chunks)")
         if placed.recompute not in RECOMPUTE_MODES:
             raise InputError(layer.at("recompute"), f"expected one of {', '.join(RECOMPUTE_MODES)}")
         if layers and placed.virtual_stage < layers[-1].virtual_stage:
@@ -136,14 +136,16 @@ def layout_from_dict(data: object) -> Layout:
         layers.append(placed)
     kinds = [layer.kind for layer in layers]
     check_kinds(kinds, [f"plan.layers[{index}].kind" for index in range(len(layers))])
-    last = schedule.num_stages - 1
+    last = schedule.num_virtual_stages - 1
     for index, layer in enumerate(layers):
         if (layer.kind == HEAD and layer.virtual_stage != 0) or (layer.kind == TAIL and layer.virtual_stage != last):
             where = "first" if layer.kind == HEAD else "last"
             raise InputError(
                 f"plan.layers[{index}].virtual_stage", f"a {layer.kind} layer belongs on the {where} virtual stage"
             )
-    counts = [sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_stages)]
+    counts = [
+        sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_virtual_stages)
+    ]
     mindformers = mindformers_view(schedule, kinds, [layer.recompute for layer in layers], counts)
     for key, derived in mindformers.items():
         given = plan.raw(key)
@@ -151,7 +153,7 @@ def layout_from_dict(data: object) -> Layout:
             raise InputError(f"plan.{key}", f"is {shown(given)}; the plan's layers say {derived!r}")
     return Layout(
         schedule=schedule.name,
-        stages=schedule.stages,
+        stages=schedule.ranks,
         chunks=schedule.chunks,
         micro_batches=spec.micro_batches,
         layers=tuple(layers),
