@@ -11,11 +11,13 @@ plan is solved, checked in the simulator, written into the launch config and rep
 on (`on_plan="continue"`) or the process exits with status 75 (`on_plan="exit"`) so the launcher
 restarts the job with the new config. A run whose model, micro-batch shape, parallel settings and
 device match a cached plan skips profiling after its first step. Under torchrun every rank profiles
-the stage it holds, rank 0 solves and writes, and every rank gets the plan.
+the stage it holds, rank 0 joins its pipeline's profiles (`pipeline_group`: one replica's stages where
+the job is also data or tensor parallel), solves and writes, and every rank gets the plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -34,6 +36,7 @@ from torch import nn
 from profiler import LayerProfiler
 from profiler.build import fingerprint
 from profiler.distributed import all_gather_bytes, gather_profiles
+from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
 from sapp_hook.cache import PlanCache, cache_key
 from sapp_hook.protocol import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
@@ -45,7 +48,7 @@ from simulator.errors import InputError, check_non_negative, check_seconds
 from simulator.files import atomic_write_text
 from simulator.units import format_bytes, format_ms, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, solve
-from solver.profile import NONE
+from solver.profile import NONE, Mesh
 from solver.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,7 @@ class AutoTuner:
         expert_parallel: int = 1,
         expert_tokens: str = "balanced",
         collective_backend: str = "nccl",
+        pipeline_group: Any = None,
         p2p_ms: float = 0.0,
         action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
@@ -164,6 +168,16 @@ class AutoTuner:
         if not recompute_runs_under(schedule) and set(modes) != {NONE}:
             modes = (NONE,)
             log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
+        self.measured_tensor_parallel = tensor_parallel_degree(model, optimizer)
+        if self.measured_tensor_parallel > 1 and self.measured_tensor_parallel != tensor_parallel:
+            raise InputError(
+                "tensor_parallel",
+                f"the model's parameters are split over {self.measured_tensor_parallel} ranks (DTensor): "
+                f"expected {self.measured_tensor_parallel}, got {tensor_parallel!r}",
+            )
+        self._pipeline_group = pipeline_group
+        self._pipeline: Pipeline | None = None
+        self._solving_ranks: tuple[int, ...] = ()
         self.profiler = LayerProfiler(
             model,
             optimizer,
@@ -176,11 +190,8 @@ class AutoTuner:
         )
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field="target", config_field="config")
-            blocks = len(self.profiler.blocks)
-            if _distributed():  # each rank holds its stage's blocks, the ranks one pipeline (as the profiles join)
-                blocks = sum(int(part) for part in _everyone(str(blocks).encode()))
-            if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
-                check_job(target, config, self.spec, blocks, config_field="config")
+        if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
+            self._check_job()
         self.result: TuneResult | None = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}
@@ -227,6 +238,23 @@ class AutoTuner:
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    def _check_job(self) -> None:
+        """Refuse, on every rank, a job the plan cannot take: its pipeline's ranks, and a config for another
+        layer count (each rank of a pipeline holds its stage's blocks, as the profiles join)."""
+        pipeline = self.pipeline
+        counts = _everyone(str(len(self.profiler.blocks)).encode())
+        if self.target is not None:
+            blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
+            check_job(self.target, self.config, self.spec, blocks, config_field="config")
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """This rank's pipeline (found once the job's process group exists); rank 0's pipeline is profiled."""
+        if self._pipeline is None:
+            self._pipeline = pipeline_of(self._pipeline_group, self.spec.stages)
+            self._solving_ranks = tuple(json.loads(_from_rank0(json.dumps(self._pipeline.ranks).encode())))
+        return self._pipeline
 
     # -- deciding ----------------------------------------------------------------------------------
 
@@ -277,7 +305,14 @@ class AutoTuner:
 
     def _plan(self) -> None:
         local = self.profiler.profile()
-        profile = gather_profiles([(_rank(), local)]) if _distributed() else local
+        if self.measured_tensor_parallel > 1:  # measured on one rank of it: the solver divides no further
+            mesh = Mesh(tensor_parallel=self.measured_tensor_parallel, sequence_parallel=self.spec.sequence_parallel)
+            local = dataclasses.replace(local, mesh=mesh)
+        if _distributed():  # the stages of rank 0's pipeline, joined there
+            stage = self.pipeline.stage
+            profile = gather_profiles([(stage, local)] if _rank() in self._solving_ranks else [])
+        else:
+            profile = local
         error = ""
         plan = None
         if profile is not None:  # the rank that solves

@@ -1,0 +1,114 @@
+"""A rank's place in a parallel job, as the profiler needs it: which ranks are one pipeline (the stages
+of one replica), and how the model it profiles is already split.
+
+A model tensor-parallelised with DTensor (`parallelize_module`) is measured as one rank of that degree:
+its local shards and local activations are what the plan needs, so the profile says so (`mesh`) and the
+solver does not divide them again. FSDP2 and ZeRO hold a shard of each layer at rest and gather it while
+the layer runs, which a layer's measurement cannot tell apart from its own bytes: such a model is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from simulator.errors import InputError
+
+PIPELINE_GROUPS = "TorchTitan: world_mesh['pp'], Megatron: parallel_state.get_pipeline_model_parallel_group()"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """This process's pipeline: the global ranks of one replica's stages in stage order, and its own
+    stage among them. One rank alone holds the whole model."""
+
+    ranks: tuple[int, ...]
+    stage: int
+
+    @property
+    def whole_model(self) -> bool:
+        return len(self.ranks) == 1
+
+
+def pipeline_of(group: Any, stages: int) -> Pipeline:
+    """The pipeline this process is a stage of: `group` (a ProcessGroup, or a one-dimensional DeviceMesh,
+    over the ranks of this process's pipeline), or the whole job where `group` is None. It must hold one
+    rank (the whole model on each) or `stages` ranks (one stage each)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if group is not None:
+            raise InputError("pipeline_group", "is for a torch.distributed job; this process runs alone: give None")
+        return Pipeline(ranks=(0,), stage=0)
+    if group is None:
+        world = dist.get_world_size()
+        if world != stages:
+            raise InputError(
+                "pipeline_group",
+                f"this job has {world} ranks and the plan {stages} stages: give the process group of this "
+                f"rank's pipeline ({PIPELINE_GROUPS})",
+            )
+        return Pipeline(ranks=tuple(range(world)), stage=dist.get_rank())
+    group = _process_group(group)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) not in (1, stages):
+        raise InputError(
+            "pipeline_group",
+            f"holds {len(ranks)} ranks; expected {stages} (stages: one stage on each) or 1 (the whole model here)",
+        )
+    return Pipeline(ranks=ranks, stage=dist.get_rank(group))
+
+
+def _process_group(group: Any) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise InputError("pipeline_group", f"is a {group.ndim}-D DeviceMesh; expected its pipeline dimension")
+        return group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise InputError("pipeline_group", f"expected a ProcessGroup, a 1-D DeviceMesh or None, got {type(group)}")
+    return group
+
+
+def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """The ranks `model`'s DTensor parameters are split over (1 for plain tensors). A model under FSDP2,
+    parameters on a mesh of more than one dimension, and torch's ZeRO optimizer are refused."""
+    from torch.distributed.tensor import DTensor
+
+    if _is_fsdp(model):
+        raise InputError(
+            "model",
+            "is sharded by FSDP (fully_shard): autotune measures each layer whole and plans FSDP itself; "
+            "profile the model before fully_shard (with fsdp=True and data_parallel), or measure one rank of "
+            "the mesh with `sapp-hook profile --data-parallel D --fsdp`",
+        )
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise InputError(
+            "optimizer",
+            "is torch's ZeroRedundancyOptimizer, whose state this rank holds only in part: give the plain "
+            "optimizer (AdamW, ...) and zero_stage=1",
+        )
+    meshes = {(p.device_mesh.mesh_dim_names, p.device_mesh.shape) for p in model.parameters() if isinstance(p, DTensor)}
+    if not meshes:
+        return 1
+    if len(meshes) > 1 or len(next(iter(meshes))[1]) != 1:
+        shown = ", ".join(f"{names or 'unnamed'} {tuple(shape)}" for names, shape in sorted(meshes, key=str))
+        raise InputError(
+            "model",
+            f"its parameters are DTensors on {shown}; expected one 1-D tensor-parallel mesh (tensor parallelism "
+            "alone: data parallelism is planned from data_parallel, fsdp and zero_stage)",
+        )
+    return int(next(iter(meshes))[1][0])
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 has no FSDP2 model either
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())

@@ -1,0 +1,152 @@
+"""`autotune` inside a parallel job: one replica's pipeline is profiled, a tensor-parallel (DTensor) model
+is measured as one rank of its degree, and what it cannot measure (FSDP, ZeRO) is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from profiler_cases import batch, llama
+from test_profiler_distributed import FirstStage, LastStage, train_stage
+
+from profiler import LayerProfiler
+from sapp_hook import autotune
+from sapp_hook.gloo import gloo_group
+from sapp_hook.mesh import block_plan
+from simulator import InputError
+from solver.mesh import profile_for_mesh
+from solver.profile import Mesh, ModelProfile
+
+MODES = ("none", "full")
+SETTING = {"micro_batches": 4, "schedule": "1F1B", "profile_steps": 1, "modes": MODES}
+
+
+def whole_model_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    ids = batch(step)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def tensor_parallel(model: torch.nn.Module, tp_mesh: object) -> torch.nn.Module:
+    """TorchTitan's Llama plan on the whole model: blocks, embedding rows, LM head columns (whole logits)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, block_plan(False))
+    parallelize_module(model.model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    return model
+
+
+def tensor_parallel_rank(rank: int, store: str, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with gloo_group(rank, 2, store):
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("tp", "pp"))  # each rank holds the whole model
+        model = tensor_parallel(llama(), mesh["tp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        try:
+            autotune(model, optimizer, stages=2, **SETTING, pipeline_group=mesh["pp"])
+        except InputError as error:
+            Path(folder, f"refused{rank}").write_text(str(error))
+        options = {"stages": 2, **SETTING, "tensor_parallel": 2, "pipeline_group": mesh["pp"]}
+        with autotune(model, optimizer, **options, cache_dir=Path(folder) / "cache") as tuner:
+            for step in range(tuner.profiler.total_steps):
+                whole_model_step(model, optimizer, step)
+                tuner.step()
+        if rank == 0:
+            tuner.result.profile.save(Path(folder) / "profile.json")
+
+
+def test_a_tensor_parallel_model_is_profiled_as_one_rank_of_its_degree(tmp_path):
+    mp.spawn(tensor_parallel_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):  # the degree the model is split over, not the spec's default
+        said = (tmp_path / f"refused{rank}").read_text()
+        assert said == "tensor_parallel: the model's parameters are split over 2 ranks (DTensor): expected 2, got 1"
+    measured = ModelProfile.from_dict(json.loads((tmp_path / "profile.json").read_text()))
+    assert measured.mesh == Mesh(tensor_parallel=2)  # so the solver divides it no further
+
+    model = llama()  # the same model on one process, then the tensor-parallel rule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with LayerProfiler(model, optimizer, steps=1, modes=MODES) as profiler:
+        while not profiler.done:
+            whole_model_step(model, optimizer, profiler.steps_done)
+            profiler.step()
+    predicted = profile_for_mesh(profiler.profile(), Mesh(tensor_parallel=2))
+    assert [layer.name for layer in measured.layers] == [layer.name for layer in predicted.layers]
+    for got, want in zip(measured.layers, predicted.layers):  # the rule and the rank agree to the byte
+        assert (got.parameter_bytes, got.gradient_bytes, got.optimizer_bytes) == (
+            want.parameter_bytes,
+            want.gradient_bytes,
+            want.optimizer_bytes,
+        ), got.name
+        assert got.recompute.keys() == want.recompute.keys()
+        for mode in got.recompute:
+            assert got.recompute[mode].activation_bytes == want.recompute[mode].activation_bytes, (got.name, mode)
+
+
+def data_parallel_rank(rank: int, store: str, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with gloo_group(rank, 4, store):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # rank = 2 pp + dp, as TorchTitan
+        stage_index = mesh.get_local_rank("pp")
+        stage = (FirstStage if stage_index == 0 else LastStage)(llama())
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        plan_file = Path(folder) / "plan.json"
+        options = {"stages": 2, **SETTING, "data_parallel": 2, "config": plan_file, "target": "plan"}
+        try:
+            autotune(stage, optimizer, **options)
+        except InputError as error:
+            Path(folder, f"refused{rank}").write_text(str(error))
+        with autotune(stage, optimizer, **options, pipeline_group=mesh["pp"], cache_dir=Path(folder) / "c") as tuner:
+            for step in range(tuner.profiler.total_steps):
+                train_stage(stage, stage_index, step, optimizer)
+                tuner.step()
+        (Path(folder) / f"layout{rank}.json").write_text(tuner.result.layout.plan_json())
+
+
+def test_under_data_parallelism_one_replicas_pipeline_is_planned_and_every_rank_gets_the_plan(tmp_path):
+    mp.spawn(data_parallel_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):  # without the pipeline's group, four ranks cannot be two stages: refused on each
+        said = (tmp_path / f"refused{rank}").read_text()
+        assert said.startswith("pipeline_group: this job has 4 ranks and the plan 2 stages: give the process group")
+    layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in range(4)]
+    assert all(layout == layouts[0] for layout in layouts)
+    kinds = [layer["kind"] for layer in layouts[0]["plan"]["layers"]]
+    assert kinds == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]  # one replica's blocks, not both
+    assert layouts[0]["spec"]["data_parallel"] == 2
+    assert json.loads((tmp_path / "plan.json").read_text()) == layouts[0]
+
+
+def refusing_rank(rank: int, store: str, folder: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    with gloo_group(rank, 1, store):
+        said = []
+        zero = ZeroRedundancyOptimizer(llama().parameters(), optimizer_class=torch.optim.AdamW)
+        sharded = llama()
+        fully_shard(sharded)
+        for model, optimizer in ((llama(), zero), (sharded, None)):
+            with pytest.raises(InputError) as caught:
+                autotune(model, optimizer, stages=2, **SETTING)
+            said.append(str(caught.value))
+        Path(folder, "said.json").write_text(json.dumps(said))
+
+
+def test_fsdp_and_zero_are_refused_by_name(tmp_path):
+    mp.spawn(refusing_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=1, join=True)
+    zero, fsdp = json.loads((tmp_path / "said.json").read_text())
+    assert zero.startswith("optimizer: is torch's ZeroRedundancyOptimizer, whose state this rank holds only in part")
+    assert fsdp.startswith("model: is sharded by FSDP (fully_shard): autotune measures each layer whole")
+
+
+def test_a_pipeline_group_outside_a_distributed_job_is_refused():
+    with pytest.raises(InputError, match=r"^pipeline_group: is for a torch.distributed job"):
+        autotune(llama(), stages=2, **SETTING, pipeline_group=object())
