@@ -2,7 +2,7 @@
 what of it is exposed (added to the layer's forward and backward). Needs no torch.
 
 Counts per block and micro-batch are what eager DTensor runs under TorchTitan's plan on torch 2.13
-(FINDINGS 2.3, counted on 2 x 2 gloo ranks): without sequence parallel 2 all-reduces forward and 5
+(counted on 2 x 2 gloo ranks; tests/test_profile_mesh.py runs them): without sequence parallel 2 all-reduces forward and 5
 backward (one per column-parallel projection: DTensor reduces each projection's input gradient apart);
 with it 2 all-gathers and 2 reduce-scatters forward, 2 all-gathers and 5 all-reduces backward; the
 embedding and the LM head one or two each. Each moves a rank's hidden state. Ring algorithms: an

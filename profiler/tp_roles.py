@@ -1,7 +1,7 @@
 """What tensor parallelism splits of a transformers Llama-family model under TorchTitan's plan, tagged
 while the profiler measures one process: each saved tensor and parameter by the module that owns it.
 
-The plan (FINDINGS 2, measured with DTensor on torch 2.13): q/k/v and gate/up projections and the LM head
+The plan (measured with DTensor on torch 2.13: docs/results/nd-validation.md): q/k/v and gate/up projections and the LM head
 column-parallel (their input whole on every rank, their output split), o/down projections row-parallel
 (input split, output whole: partial sums, then reduced), attention and the MLP's inner work split by
 heads and FFN width, norms, the router and row-parallel biases replicated, the embedding split by

@@ -1,7 +1,7 @@
 """One rank of a tensor-parallel x FSDP job, profiled on that job's own mesh.
 
 The model is profiled on one process first: its memory, which `solver.mesh` turns into one rank's
-exactly (FINDINGS 2). Then D x T gloo processes run the whole model (no pipeline) laid out as `sapp-hook
+exactly (docs/results/nd-validation.md). Then D x T gloo processes run the whole model (no pipeline) laid out as `sapp-hook
 validate` lays a stage out (`sapp_hook.mesh`: TorchTitan's Llama plan per block, FSDP2 per layer on the
 data-parallel ranks), each timing every layer with the `LayerProfiler` and putting every collective down
 to the layer it ran in (`profiler.collective_log`). The rank profile holds the one-process profile's

@@ -6,7 +6,7 @@ what the profile does not say it has applied already (`ModelProfile.mesh`), and 
 would divide twice or that does not divide the model.
 
 Tensor parallel (TorchTitan's plan for transformers' Llama family under DTensor, measured on torch 2.13
-with 2 x 2 gloo ranks, FINDINGS 2): a layer keeps (A - W) / t + W of each recompute mode's activation,
+with 2 x 2 gloo ranks: docs/results/nd-validation.md): a layer keeps (A - W) / t + W of each recompute mode's activation,
 W what stays whole on every rank (its `tp_whole_activation_bytes`, or `sp_whole_activation_bytes`
 with sequence parallel); split weights / t, replicated ones whole (norms, row-parallel biases, the
 router); the embedding's gradient whole; a block's backward gradients / t, the head's and the tail's
@@ -97,8 +97,8 @@ def token_copies_ratio(expert_tokens: str, experts: int, per_token: int, expert_
     """The token copies an expert-parallel rank's experts receive over the balanced share (which equals
     what a rank routes, its tokens x experts per token): 1 balanced; a capacity factor, at most the
     dropless bound; dropless, the most a router can send: from each of the e ranks, each token at most
-    once to each of the rank's E / e experts, e x min(k, E / e) / k (reached by an untrained router:
-    FINDINGS 5)."""
+    once to each of the rank's E / e experts, e x min(k, E / e) / k (an untrained router reaches it:
+    docs/results/sapp-nd-mixtral.md)."""
     dropless = expert_parallel * min(per_token, experts // expert_parallel) / per_token
     if expert_tokens == BALANCED:
         return 1.0

@@ -2,9 +2,8 @@
 
 The tensor-parallel numbers below were measured on real runs: tiny-llama (8 blocks, h 256, 1 x 128 tokens,
 fp32), PP2 x TP2 on 4 gloo processes of torch 2.13 CPU, Schedule1F1B, 4 micro-batches, split [5, 5], the
-TorchTitan plan under DTensor (`/work/scratch/nd/pp_tp.py`, run as `PYTHONPATH=/work/main:/work/scratch/nd
-OMP_NUM_THREADS=1 python pp_tp.py [--sp] [--recompute none|full]`; FINDINGS.md section 2.1, raw per-rank JSON
-in `out/pp_tp.{nosp,sp}.{none,full}.json`). The profile they are planned from is sapp-hook's own, measured
+TorchTitan plan under DTensor (`sapp-hook validate --model tiny-llama --stages 2 --micro-batches 4 --even
+--tensor-parallel 2 [--sequence-parallel]`; docs/results/nd-validation.md has the per-rank figures). The profile they are planned from is sapp-hook's own, measured
 on one process (`tests/fixtures/nd/tiny-llama.profile.json`: `sapp_hook.validate.profile_for` of that setup).
 """
 
@@ -85,7 +84,7 @@ def test_tensor_parallel_ranks_hold_what_the_pp2_tp2_runs_measured(measured_prof
 
 
 def test_a_block_keeps_what_tensor_parallelism_leaves_whole_plus_the_split_part_over_t(measured_profile):
-    # FINDINGS 2.1, per block and micro-batch (hooks on each block of the runs above): 1,690,624 without SP,
+    # per block and micro-batch (hooks on each block of the runs above): 1,690,624 without SP,
     # 1,427,968 with it; fully recomputed, the block input whole (131,072) or / t (65,536)
     block = measured_profile.layers[1]
     kept = block.recompute[NONE].activation_bytes

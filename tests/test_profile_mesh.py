@@ -1,7 +1,7 @@
 """`sapp-hook profile` on the job's own mesh: one rank of tensor parallel x FSDP2 measured on 2-4 gloo
 processes. The rank profile's memory is the one-process profile's through `profile_for_mesh`, to the
 byte; every layer states the collectives it ran, counted as eager DTensor and FSDP2 run them on torch
-2.13 (FINDINGS 2.3, 7.5); its times are the slowest rank's; planning divides nothing again. Counts and
+2.13; its times are the slowest rank's; planning divides nothing again. Counts and
 formulas only: times on this machine are noise."""
 
 from __future__ import annotations
