@@ -76,8 +76,6 @@ def _process_group(group: Any) -> Any:
 def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """The ranks `model`'s DTensor parameters are split over (1 for plain tensors). A model under FSDP2,
     parameters on a mesh of more than one dimension, and torch's ZeRO optimizer are refused."""
-    from torch.distributed.tensor import DTensor
-
     if _is_fsdp(model):
         raise InputError(
             "model",
@@ -85,15 +83,13 @@ def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | 
             "profile the model before fully_shard (with fsdp=True and data_parallel), or measure one rank of "
             "the mesh with `sapp-hook profile --data-parallel D --fsdp`",
         )
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero(optimizer):
         raise InputError(
             "optimizer",
             "is torch's ZeroRedundancyOptimizer, whose state this rank holds only in part: give the plain "
             "optimizer (AdamW, ...) and zero_stage=1",
         )
-    meshes = {(p.device_mesh.mesh_dim_names, p.device_mesh.shape) for p in model.parameters() if isinstance(p, DTensor)}
+    meshes = {(p.device_mesh.mesh_dim_names, p.device_mesh.shape) for p in model.parameters() if _is_dtensor(p)}
     if not meshes:
         return 1
     if len(meshes) > 1 or len(next(iter(meshes))[1]) != 1:
@@ -109,6 +105,22 @@ def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | 
 def _is_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2 has no FSDP2 model either
+    except ImportError:  # a torch built without distributed has no such model
         return False
     return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def _is_zero(optimizer: torch.optim.Optimizer | None) -> bool:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return False
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)
