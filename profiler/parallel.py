@@ -34,23 +34,26 @@ class Pipeline:
         return len(self.ranks) == 1
 
 
-def pipeline_of(group: Any, stages: int) -> Pipeline:
+def pipeline_of(group: Any, stages: int, replicas: int = 1) -> Pipeline:
     """The pipeline this process is a stage of: `group` (a ProcessGroup, or a one-dimensional DeviceMesh,
-    over the ranks of this process's pipeline), or the whole job where `group` is None. It must hold one
-    rank (the whole model on each) or `stages` ranks (one stage each)."""
+    over the ranks of this process's pipeline), which must hold one rank (the whole model on each) or
+    `stages` ranks (one stage each). Where `group` is None, a job of `stages` x `replicas` ranks (the
+    data, tensor and context parallel ranks of a stage) has the pipeline dimension outermost, as
+    TorchTitan's and Megatron-LM's rank orders do: rank = stage x replicas + its place in the stage."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if group is not None:
             raise InputError("pipeline_group", "is for a torch.distributed job; this process runs alone: give None")
         return Pipeline(ranks=(0,), stage=0)
     if group is None:
-        world = dist.get_world_size()
-        if world != stages:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != stages * replicas:
             raise InputError(
                 "pipeline_group",
-                f"this job has {world} ranks and the plan {stages} stages: give the process group of this "
-                f"rank's pipeline ({PIPELINE_GROUPS})",
+                f"this job has {world} ranks and the plan {stages} stages x {replicas} ranks each (data, tensor "
+                f"and context parallel): give the process group of this rank's pipeline ({PIPELINE_GROUPS})",
             )
-        return Pipeline(ranks=tuple(range(world)), stage=dist.get_rank())
+        place = rank % replicas
+        return Pipeline(ranks=tuple(stage * replicas + place for stage in range(stages)), stage=rank // replicas)
     group = _process_group(group)
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) not in (1, stages):

@@ -11,8 +11,9 @@ plan is solved, checked in the simulator, written into the launch config and rep
 on (`on_plan="continue"`) or the process exits with status 75 (`on_plan="exit"`) so the launcher
 restarts the job with the new config. A run whose model, micro-batch shape, parallel settings and
 device match a cached plan skips profiling after its first step. Under torchrun every rank profiles
-the stage it holds, rank 0 joins its pipeline's profiles (`pipeline_group`: one replica's stages where
-the job is also data or tensor parallel), solves and writes, and every rank gets the plan.
+the stage it holds, rank 0 joins its pipeline's profiles (one replica's stages where the job is also
+data or tensor parallel: `pipeline_group`, or the pipeline dimension outermost), solves and writes, and
+every rank gets the plan.
 """
 
 from __future__ import annotations
@@ -252,7 +253,9 @@ class AutoTuner:
     def pipeline(self) -> Pipeline:
         """This rank's pipeline (found once the job's process group exists); rank 0's pipeline is profiled."""
         if self._pipeline is None:
-            self._pipeline = pipeline_of(self._pipeline_group, self.spec.stages)
+            spec = self.spec
+            replicas = spec.data_parallel * spec.tensor_parallel * spec.context_parallel
+            self._pipeline = pipeline_of(self._pipeline_group, spec.stages, replicas)
             self._solving_ranks = tuple(json.loads(_from_rank0(json.dumps(self._pipeline.ranks).encode())))
         return self._pipeline
 

@@ -99,12 +99,14 @@ def data_parallel_rank(rank: int, store: str, folder: str) -> None:
         stage = (FirstStage if stage_index == 0 else LastStage)(llama())
         optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
         plan_file = Path(folder) / "plan.json"
-        options = {"stages": 2, **SETTING, "data_parallel": 2, "config": plan_file, "target": "plan"}
-        try:
+        options = {"stages": 2, **SETTING, "config": plan_file, "target": "plan"}
+        try:  # four ranks cannot be two stages of one rank each
             autotune(stage, optimizer, **options)
         except InputError as error:
             Path(folder, f"refused{rank}").write_text(str(error))
-        with autotune(stage, optimizer, **options, pipeline_group=mesh["pp"], cache_dir=Path(folder) / "c") as tuner:
+        # two stages of two data-parallel ranks each, the pipeline outermost (rank = 2 stage + dp), or the group
+        group = {"pipeline_group": mesh["pp"]} if rank % 2 else {}
+        with autotune(stage, optimizer, **options, data_parallel=2, **group, cache_dir=Path(folder) / "c") as tuner:
             for step in range(tuner.profiler.total_steps):
                 train_stage(stage, stage_index, step, optimizer)
                 tuner.step()
@@ -113,9 +115,11 @@ def data_parallel_rank(rank: int, store: str, folder: str) -> None:
 
 def test_under_data_parallelism_one_replicas_pipeline_is_planned_and_every_rank_gets_the_plan(tmp_path):
     mp.spawn(data_parallel_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
-    for rank in range(4):  # without the pipeline's group, four ranks cannot be two stages: refused on each
+    for rank in range(4):  # refused on each rank
         said = (tmp_path / f"refused{rank}").read_text()
-        assert said.startswith("pipeline_group: this job has 4 ranks and the plan 2 stages: give the process group")
+        assert said.startswith(
+            "pipeline_group: this job has 4 ranks and the plan 2 stages x 1 ranks each (data, tensor"
+        )
     layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in range(4)]
     assert all(layout == layouts[0] for layout in layouts)
     kinds = [layer["kind"] for layer in layouts[0]["plan"]["layers"]]
