@@ -228,11 +228,12 @@ def check_model(
     body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
     segments = _pattern_segments(reading, last)
     if segments is not None and len(segments) > 1:  # the pattern's | marks are the split Megatron runs
-        if segments != body:
+        if segments != body or layout.chunks > 1:
             raise InputError(
                 "--plan",
                 f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path}'s "
-                f"{PATTERN} marks {len(segments)} stages of {segments} layers with |, which sapp-hook does not rewrite",
+                f"{PATTERN} marks {len(segments)} stages of {segments} layers with |, which sapp-hook does not "
+                "rewrite: only a plan of one chunk per rank that those marks say runs there as it is",
             )
         return
     if hybrid and (layout.chunks > 1 or len(set(body)) > 1):
@@ -339,6 +340,9 @@ def plan_flags(
     """Fill in the flags the plan needs (`wanted`) and those it cannot have (`gone`); what the flags
     cannot say of the plan is returned ("" when they say it exactly)."""
     split = split_flags(layout) if not mtp else None
+    segments = _pattern_segments(reading, last)
+    if segments is not None and len(segments) > 1:  # the | marks say the split (check_model): no split flags
+        split = []
     if split is None:
         text = layout_string(layout, mtp)
         try:
