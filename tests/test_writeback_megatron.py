@@ -636,14 +636,86 @@ def test_models_megatron_does_not_split_by_layers_refuse_the_plan(fixtures, fixt
 
 
 def test_a_hybrid_layer_pattern_marks_a_hybrid_model(tmp_path):
-    """--hybrid-layer-pattern (Megatron-LM's HybridModel, which replaced the ratio flags) is the same model."""
+    """--hybrid-layer-pattern (Megatron-LM's HybridModel, which replaced the ratio flags) splits the pattern
+    at its | marks, else evenly (megatron/core/models/hybrid/hybrid_layer_allocation.py): an uneven plan
+    cannot run as the script is, and the refusal says what HybridModel would take."""
     script = tmp_path / "train.sh"
     script.write_text(
         "#!/bin/bash\ntorchrun pretrain_hybrid.py --num-layers 8 --pipeline-model-parallel-size 4 "
         "--hybrid-layer-pattern M*M-M*M-\n"
     )
-    with pytest.raises(InputError, match=r"\(--hybrid-layer-pattern\), whose MambaStack"):
+    with pytest.raises(
+        InputError, match=r"\(--hybrid-layer-pattern\), whose HybridModel takes any other split only as \| stage"
+    ):
         write_config("megatron", script, layout_of(plan()))
+
+
+def test_a_hybrid_layer_pattern_without_num_layers_is_the_layer_count(tmp_path):
+    """Newer hybrid scripts (examples/dsv4_hybrid) pass no --num-layers: the pattern's symbols are the layers
+    (`|` marks stages, a `/` starts its MTP patterns); an even plan of another count is refused."""
+    script = tmp_path / "train.sh"
+    script.write_text(
+        '#!/bin/bash\nHYBRID_PATTERN="M-M-M*M-M*"\n'
+        "torchrun pretrain_hybrid.py --hybrid-layer-pattern $HYBRID_PATTERN --pipeline-model-parallel-size 1\n"
+    )
+    before = script.read_bytes()
+    even = plan(counts=[3, 2, 2, 3])  # 2 body layers on each stage
+    with pytest.raises(
+        InputError, match=r"places 8 decoder layers; .*train.sh has --hybrid-layer-pattern M-M-M\*M-M\* \(10 layers\)$"
+    ):
+        write_config("megatron", script, layout_of(even))
+    assert script.read_bytes() == before
+    script.write_text(before.decode().replace("M-M-M*M-M*", "M-M-M*M-/MM"))  # 8 layers, then an MTP pattern
+    write_config("megatron", script, layout_of(even))
+    assert flags_of(launched(script)[0])[PP] == [["4"]]
+
+
+def test_the_stage_marks_of_a_hybrid_layer_pattern_are_the_split(tmp_path):
+    """Megatron-LM runs segment vp x pp + rank of a pattern with | marks on each rank: a plan of that
+    split is written (the pipeline size), any other is refused, as sapp-hook does not move the marks."""
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "#!/bin/bash\ntorchrun pretrain_hybrid.py --hybrid-layer-pattern 'M-M|-[M*]|M|-' --pipeline-model-parallel-size 4\n"
+    )
+    before = script.read_bytes()
+    with pytest.raises(
+        InputError, match=r"marks 4 stages of \[3, 3, 1, 1\] layers with \|, which sapp-hook does not rewrite: "
+    ):
+        write_config("megatron", script, layout_of(plan(counts=[3, 2, 3, 2])))  # [2, 2, 3, 1] body layers
+    assert script.read_bytes() == before
+    script.write_text(before.decode().replace("M-M|-[M*]|M|-", "M-|M-|-M*|M"))
+    write_config("megatron", script, layout_of(plan(counts=[3, 2, 3, 2])))
+    got = flags_of(launched(script)[0])
+    # HybridModel refuses first/last-stage counts beside | marks; the marks say the split
+    assert got[PP] == [["4"]] and LAYOUT not in got and "--decoder-first-pipeline-num-layers" not in got
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "kind"),
+    [
+        (
+            "model_config.yaml",
+            (
+                "ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\nMODEL_ARGS:\n  --num-layers: 8\n"
+                "  --pipeline-model-parallel-size: 4\n  --num-layers-per-virtual-pipeline-stage: 1\nTEST_TYPE: regular\n"
+            ),
+            "the MODEL_ARGS of a functional-test model_config.yaml",
+        ),
+        (
+            "gpt_config.yaml",
+            "language_model:\n  num_layers: 8\nmodel_parallel:\n  pipeline_model_parallel_size: 1\n",
+            "a --yaml-cfg file",
+        ),
+    ],
+)
+def test_a_megatron_yaml_config_is_refused_as_what_it_is(tmp_path, name, text, kind):
+    """Megatron-LM's YAML configs (its functional tests' MODEL_ARGS, examples/gpt3's --yaml-cfg) are not
+    scripts bash runs: the refusal names the format, not a missing flag (the YAML has the flag)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InputError, match=re.escape(f"is a Megatron-LM YAML config ({kind}), not a launch script")):
+        write_config("megatron", path, layout_of(plan()))
+    assert path.read_text() == text
 
 
 def test_a_mamba_hybrid_model_takes_an_even_plan(fixtures):

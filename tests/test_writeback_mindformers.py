@@ -892,3 +892,21 @@ def test_any_plan_reads_back_as_planned(tmp_path, file, body, stages, chunks, mt
         assert layer_setting(yaml.safe_load(path.read_text(encoding="utf-8")), plan) == plan_cells(plan)
 
     check()
+
+
+def test_a_pynative_trainer_config_is_refused_saying_why(tmp_path):
+    """MindFormers' pynative trainer (configs/deepseek3/pretrain_deepseek3_1b_8p_pynative.yaml) keeps its split
+    in parallelism.pipeline_parallel_layers_per_stage, typed List[List[int]] in some versions of its config.py
+    and per-rank 'start-end' strings in others (pipeline_parallel.py): the refusal says so, not that the file
+    lacks model.model_config."""
+    path = tmp_path / "pretrain_pynative.yaml"
+    text = (
+        "training:\n  local_batch_size: 1\n  global_batch_size: 8\n"
+        'parallelism:\n  pipeline_parallel: 1\n  pipeline_parallel_schedule: "1f1b"\n'
+        "  pipeline_parallel_layers_per_stage: null\n"
+        "model:\n  model_type: deepseek_v3\n  num_hidden_layers: 8\n"
+    )
+    path.write_text(text)
+    with pytest.raises(InputError, match=r"is a config of MindFormers' pynative trainer .* does not write it"):
+        write_config("mindformers", path, layout([2, 2, 2, 2]))
+    assert path.read_text() == text

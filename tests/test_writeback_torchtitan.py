@@ -734,10 +734,26 @@ def test_a_2024_config_without_pipeline_keys_gets_them_where_2024_read_them(tmp_
     write_config("torchtitan", path, layout_of(plan()))
     assert tomllib.loads(path.read_text())["experimental"] == {
         "pipeline_parallel_degree": 4,
-        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_schedule": "1f1b",  # what every 2024 TorchTitan reads (see the test below)
         "pipeline_parallel_microbatches": 8,
         "pipeline_parallel_split_points": POINTS,
     }
+
+
+@pytest.mark.parametrize(("schedule", "spelled"), [("1F1B", "1f1b"), ("GPipe", "gpipe")])
+def test_a_2024_config_that_spells_no_schedule_gets_the_lowercase_name_every_2024_torchtitan_reads(
+    tmp_path, schedule, spelled
+):
+    """Until mid-2024 TorchTitan compared the name with "1f1b", "gpipe" and "interleaved_1f1b" (anything
+    else: NotImplementedError at launch); later it looked names up in any case: the lowercase name runs in both."""
+    path = tmp_path / "test_pp_split_points.toml"
+    path.write_text(
+        "[training]\nbatch_size = 8\n\n[experimental]\npipeline_parallel_degree = 1\n"
+        'pipeline_parallel_split_points = "layers.2,layers.4,layers.6"\n'
+    )
+    write_config("torchtitan", path, layout_of(plan(schedule=schedule)))
+    written = tomllib.loads(path.read_text())["experimental"]
+    assert written["pipeline_parallel_schedule"] == spelled and written["pipeline_parallel_split_points"] == POINTS
 
 
 def test_python_that_cannot_be_read_is_one_error(tmp_path):
@@ -828,3 +844,94 @@ def test_an_inline_parallelism_table_stays_on_one_line(tmp_path):
     data = tomllib.loads(path.read_text())
     assert data["parallelism"]["module_fqns_per_model_part"] == PARTS_OUTPUT
     assert path.read_text().startswith("parallelism = { pipeline_parallel_degree = 4, ")
+
+
+def test_the_transformers_backend_lists_its_rotary_embedding_in_every_model_part(tmp_path):
+    """TorchTitan's transformers backend (experiments/transformers_backend) splits with
+    generate_llm_fqn_per_model_part(..., include_rotary_emb=True): its HF model's shared `rotary_emb`
+    sits in every part; a part that does not name it gets an Identity there (use_identity_for_missing_modules)."""
+    path = tmp_path / "qwen3_fsdp2_tp2_pp2.toml"
+    path.write_text(
+        '[model]\nname = "transformers_backend"\nflavor = "debugmodel"\nhf_assets_path = "./assets"\n\n'
+        "[training]\nlocal_batch_size = 8\n\n[parallelism]\npipeline_parallel_degree = 2\n"
+        'pipeline_parallel_schedule = "1F1B"\n'
+    )
+    write_config("torchtitan", path, layout_of(plan()))
+    parts = tomllib.loads(path.read_text())["parallelism"]["module_fqns_per_model_part"]
+    assert parts == [[*part, "rotary_emb"] for part in PARTS_OUTPUT]
+
+
+FLUX_TOML = '[model]\nname = "flux"\nflavor = "flux-dev"\n\n[training]\nbatch_size = 4\n\n[parallelism]\ndata_parallel_shard_degree = -1\n'
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "function"),
+    [
+        ("flux_dev_model.toml", FLUX_TOML, None),
+        (
+            "config_registry.py",
+            "def flux_debugmodel():\n    return Trainer.Config(model_spec=model_registry('flux-debug'))\n",
+            "flux_debugmodel",
+        ),
+    ],
+)
+def test_a_model_torchtitan_runs_without_pipeline_parallelism_is_refused(tmp_path, name, text, function):
+    """TorchTitan registers flux (and the VLM, llama3-siglip2) with pipelining_fn=None and refuses a pipeline
+    degree above 1 for them: a pipeline plan written there would only stop the job at launch."""
+    folder = tmp_path / "flux"
+    folder.mkdir()
+    path = folder / name
+    path.write_text(text)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=r"trains TorchTitan's 'flux' model .* without a pipelining function"):
+        write_config("torchtitan", f"{path}:{function}" if function else path, layout_of(plan()))
+    assert path.read_bytes() == before
+
+
+JOB_CONFIG_PY = """# a preset for 128 GPUs
+
+from torchtitan.config import ActivationCheckpoint, JobConfig, Model, Parallelism, Training
+
+default_config = JobConfig(
+    model=Model(name="llama3", flavor="debugmodel"),
+    training=Training(local_batch_size=8, seq_len=2048),  # the local batch
+    parallelism=Parallelism(
+        tensor_parallel_degree=2,
+    ),
+    activation_checkpoint=ActivationCheckpoint(mode="full"),
+)
+"""
+
+
+def test_a_module_level_job_config_takes_the_plan(tmp_path):
+    """TorchTitan's train_configs/*.py of late 2025 set `default_config = JobConfig(...)` at module level
+    with Parallelism(...), Training(...) and ActivationCheckpoint(...): the plan goes into those calls."""
+    path = tmp_path / "llama3_405b.py"
+    path.write_text(JOB_CONFIG_PY)
+    notes = write_config("torchtitan", path, layout_of(plan(EVERY_SECOND))).notes
+    tree = ast.parse(path.read_text())
+    call = tree.body[-1].value
+    sections = {kw.arg: kw.value for kw in call.keywords}
+    parallelism = {kw.arg: ast.literal_eval(kw.value) for kw in sections["parallelism"].keywords}
+    assert parallelism == {
+        "tensor_parallel_degree": 2,
+        "pipeline_parallel_degree": 4,
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_microbatch_size": 1,
+        "module_fqns_per_model_part": PARTS_OUTPUT,
+    }
+    checkpoint = {kw.arg: ast.literal_eval(kw.value) for kw in sections["activation_checkpoint"].keywords}
+    assert checkpoint == {"mode": "selective", "selective_ac_option": "2"}
+    assert "# the local batch" in path.read_text() and any("default_config" in note for note in notes)
+
+
+def test_a_module_level_job_config_gets_a_parallelism_of_its_own_classes(tmp_path):
+    path = tmp_path / "debug_model.py"
+    path.write_text(
+        JOB_CONFIG_PY.replace("    parallelism=Parallelism(\n        tensor_parallel_degree=2,\n    ),\n", "")
+    )
+    write_config("torchtitan", path, layout_of(plan()))
+    text = path.read_text()
+    assert "parallelism=Parallelism(" in text and "ParallelismConfig" not in text
+    sections = {kw.arg: kw.value for kw in ast.parse(text).body[-1].value.keywords}
+    assert ast.literal_eval(sections["parallelism"].keywords[0].value) == 4

@@ -19,6 +19,7 @@ recomputes at least as much, a note, and a side file with the exact plan.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -82,6 +83,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     if layout.schedule not in SCHEDULES:
         raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
     old = read_config(path)
+    _refuse_yaml(path, old)
     arguments_file = not _is_script(path, old)
     reading = _read(path, old, arguments_file, {})
     result = WriteBack(path=path, diff="")
@@ -126,6 +128,24 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
 
 
 # -- reading -------------------------------------------------------------------------------------
+
+
+def _refuse_yaml(path: Path, text: str) -> None:
+    """One InputError for a Megatron-LM YAML config, which is neither a script nor a file of arguments."""
+    if path.suffix not in (".yaml", ".yml"):
+        return
+    kind = (
+        "the MODEL_ARGS of a functional-test model_config.yaml"
+        if re.search(r"^MODEL_ARGS\s*:", text, re.MULTILINE)
+        else "a --yaml-cfg file"
+        if re.search(r"^(language_model|model_parallel)\s*:", text, re.MULTILINE)
+        else "YAML"
+    )
+    raise InputError(
+        "--config",
+        f"{path} is a Megatron-LM YAML config ({kind}), not a launch script: sapp-hook writes the flags "
+        "of a bash launch script or an arguments file; apply the plan to the script that launches the job",
+    )
 
 
 def _is_script(path: Path, text: str) -> bool:

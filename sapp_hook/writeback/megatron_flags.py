@@ -33,8 +33,9 @@ NO_OVERLAP_P2P = "--no-overlap-p2p-communication"
 EMBEDDING_IN_SPLIT = "--account-for-embedding-in-pipeline-split"
 LOSS_IN_SPLIT = "--account-for-loss-in-pipeline-split"
 ENCODER_LAYERS, DECODER_LAYERS = "--encoder-num-layers", "--decoder-num-layers"  # T5's encoder-decoder stacks
-# A Mamba hybrid model's layer mix (megatron/core/ssm/mamba_block.py)
-HYBRID = ("--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern", "--hybrid-layer-pattern")
+# A Mamba hybrid model's layer mix (megatron/core/ssm/mamba_block.py); the pattern alone is HybridModel's
+PATTERN = "--hybrid-layer-pattern"
+HYBRID = ("--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern", PATTERN)
 
 # Legacy recompute flags and what replaced them (Megatron-LM exits on --checkpoint-activations; the
 # others are gone from its parser, which then refuses the script)

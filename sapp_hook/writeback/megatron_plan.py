@@ -31,6 +31,7 @@ from sapp_hook.writeback.megatron_flags import (
     MTP_LAYERS,
     NO_OVERLAP_P2P,
     NUM_LAYERS,
+    PATTERN,
     PP_SIZE,
     RAMPUP,
     RECOMPUTE_ACTIVATIONS,
@@ -160,6 +161,7 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     if mtp >= layout.body_layers:
         raise InputError("--plan", f"places {layout.body_layers} layers; {path} has {MTP_LAYERS} {mtp}")
     if NUM_LAYERS not in last:
+        _check_pattern_layers(reading, last, layout.body_layers - mtp, path)
         return mtp
     value = value_of(reading, last[NUM_LAYERS])
     declared, expected = value.number(), layout.body_layers - mtp
@@ -184,6 +186,29 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     return mtp
 
 
+def _pattern_segments(reading: Reading, last: dict[str, Occurrence]) -> list[int] | None:
+    """The layers of each |-separated segment of --hybrid-layer-pattern as written (None where it is not
+    given or known only at launch): its symbols before any `/`, which starts its MTP patterns; `[...]`
+    brackets group layers without adding any."""
+    occurrence = last.get(PATTERN)
+    value = value_of(reading, occurrence) if occurrence is not None else None
+    if value is None or not value.determined():
+        return None
+    main = value.text.split("/")[0]
+    return [sum(1 for symbol in segment if symbol not in "[]") for segment in main.split("|")]
+
+
+def _check_pattern_layers(reading: Reading, last: dict[str, Occurrence], expected: int, path: Path) -> None:
+    """Without --num-layers, a HybridModel's layers are its --hybrid-layer-pattern's."""
+    segments = _pattern_segments(reading, last)
+    if segments is not None and sum(segments) != expected:
+        raise InputError(
+            "--plan",
+            f"places {expected} decoder layers; {path} has {PATTERN} "
+            f"{value_of(reading, last[PATTERN]).text} ({sum(segments)} layers)",
+        )
+
+
 def check_model(
     reading: Reading, last: dict[str, Occurrence], launchers: list[int], layout: Layout, path: Path
 ) -> None:
@@ -201,14 +226,31 @@ def check_model(
     words = [text_of(field) or "" for index in launchers for field in reading.commands[index].argv]
     hybrid = [flag for flag in HYBRID if flag in last] + [word for word in words if word.endswith("pretrain_mamba.py")]
     body = [sum(1 for layer in cell if layer.is_body) for cell in layout.virtual_stages()]
+    segments = _pattern_segments(reading, last)
+    if segments is not None and len(segments) > 1:  # the pattern's | marks are the split Megatron runs
+        if segments != body or layout.chunks > 1:
+            raise InputError(
+                "--plan",
+                f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path}'s "
+                f"{PATTERN} marks {len(segments)} stages of {segments} layers with |, which sapp-hook does not "
+                "rewrite: only a plan of one chunk per rank that those marks say runs there as it is",
+            )
+        return
     if hybrid and (layout.chunks > 1 or len(set(body)) > 1):
+        why = (
+            # HybridModel (megatron/core/models/hybrid/hybrid_layer_allocation.py), whose layers are the pattern's
+            "a hybrid model ({}), whose HybridModel takes any other split only as | stage boundaries "
+            "in --hybrid-layer-pattern (or, in some versions, first/last-stage layer counts), which "
+            "sapp-hook does not write"
+            if PATTERN in last
+            else "a Mamba hybrid model ({}), whose MambaStack gives every pipeline rank --num-layers / "
+            "pipeline size layers and runs no virtual stages (newer Megatron-LM's HybridModel also takes "
+            "stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)"
+        )
         raise InputError(
             "--plan",
-            f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} "
-            f"trains a Mamba hybrid model ({', '.join(hybrid)}), whose MambaStack gives every "
-            "pipeline rank --num-layers / pipeline size layers and runs no virtual stages: only "
-            "an even split of one chunk per rank runs there (newer Megatron-LM's HybridModel "
-            "also takes stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)",
+            f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} trains "
+            f"{why.format(', '.join(hybrid))}: only an even split of one chunk per rank runs there as it is",
         )
 
 
@@ -298,6 +340,9 @@ def plan_flags(
     """Fill in the flags the plan needs (`wanted`) and those it cannot have (`gone`); what the flags
     cannot say of the plan is returned ("" when they say it exactly)."""
     split = split_flags(layout) if not mtp else None
+    segments = _pattern_segments(reading, last)
+    if segments is not None and len(segments) > 1:  # the | marks say the split (check_model): no split flags
+        split = []
     if split is None:
         text = layout_string(layout, mtp)
         try:

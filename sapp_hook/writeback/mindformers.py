@@ -40,6 +40,7 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
         raise InputError("--config", f"{path} is not a MindFormers config (a YAML mapping)")
     result = WriteBack(path=path, diff="")
     side_file = False
+    _refuse_pynative(document, path)
     if any(name in document for name in TEMPLATE_V2_SECTIONS):
         side_file = write_template_v2(edit, layout, path, result)
     elif any(name in document for name in TRAINING_SECTIONS):
@@ -64,6 +65,21 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
     if side_file:
         write_side_file(result, layout.plan_json(), dry_run=dry_run)
     return result
+
+
+def _refuse_pynative(document: Mapping[str, object], path: Path) -> None:
+    """One InputError for a config of MindFormers' pynative trainer (`parallelism.pipeline_parallel*`, 2026),
+    whose split key changed type between its versions (lists of layer ids, then per-rank 'start-end' strings)
+    with nothing in the config to tell which."""
+    parallelism = document.get("parallelism")
+    if isinstance(parallelism, Mapping) and any(str(key).startswith("pipeline_parallel") for key in parallelism):
+        raise InputError(
+            "--config",
+            f"{path} is a config of MindFormers' pynative trainer (parallelism.pipeline_parallel*), whose "
+            "parallelism.pipeline_parallel_layers_per_stage is lists of layer ids in some versions and "
+            "'start-end' strings per rank in others, and the config does not say which: sapp-hook does not "
+            "write it; set it from the plan by hand",
+        )
 
 
 def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack) -> None:

@@ -16,11 +16,21 @@ from solver.profile import FULL, NONE, SELECTIVE
 HEAD_MODULES = ["tok_embeddings"]
 NORM = "norm"
 MODE_NAMES = {NONE: "none", SELECTIVE: "selective", FULL: "full"}
+# TorchTitan models registered without a pipelining function, where they are: TorchTitan refuses a
+# pipeline degree above 1 for them ("Pipeline Parallel is enabled but ... does not support pipelining")
+NO_PIPELINE = {
+    "flux": "torchtitan/models/flux, experiments/flux before",
+    "llama3-siglip2": "torchtitan/experiments/vlm",
+}
+# Modules every model part of a model must list: the transformers backend's rotary embedding, shared by
+# all its layers (its own split lists it in every part; a part that does not gets an Identity there)
+EVERY_PART = {"transformers_backend": ("rotary_emb",)}
 
 
-def module_names(layout: Layout, head: str | tuple[str, ...]) -> list[list[str]]:
+def module_names(layout: Layout, head: str | tuple[str, ...], model: str | None = None) -> list[list[str]]:
     """Every model part's modules; `head` the output projection's name (or names: TorchTitan keeps the
-    modules a part names and passes over names its model lacks)."""
+    modules a part names and passes over names its model lacks); `model` the TorchTitan model's name,
+    for the modules its every part lists (EVERY_PART)."""
     heads = (head,) if isinstance(head, str) else head
     parts, body = [], 0
     for cell in layout.virtual_stages():
@@ -33,8 +43,19 @@ def module_names(layout: Layout, head: str | tuple[str, ...]) -> list[list[str]]
             else:
                 names.append(f"layers.{body}")
                 body += 1
-        parts.append(names)
+        parts.append(names + list(EVERY_PART.get(model or "", ())))
     return parts
+
+
+def check_pipelines(model: object, where: str) -> None:
+    """One InputError where the TorchTitan model the config trains has no pipeline parallelism."""
+    if isinstance(model, str) and model in NO_PIPELINE:
+        raise InputError(
+            "--config",
+            f"{where} trains TorchTitan's {model!r} model ({NO_PIPELINE[model]}), which TorchTitan "
+            "registers without a pipelining function: it refuses any pipeline_parallel_degree above 1, "
+            "so no pipeline plan runs there",
+        )
 
 
 def split_points(layout: Layout, key: str) -> list[str]:

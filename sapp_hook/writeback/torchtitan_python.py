@@ -1,5 +1,6 @@
-"""TorchTitan Python configs (`config_registry.py`, TorchTitan main since 2026-02): the plan written into
-one config function as a minimal edit of its source.
+"""TorchTitan Python configs (`config_registry.py`, TorchTitan main since 2026-02, and before it the
+`train_configs/*.py` files whose module sets `default_config = JobConfig(...)`): the plan written into
+one config function (or that module-level config) as a minimal edit of its source.
 
 A config function returns `Trainer.Config(parallelism=ParallelismConfig(...), activation_checkpoint=...,
 ...)`, or takes another function's config and changes fields of it (`config = llama3_debugmodel();
@@ -40,6 +41,7 @@ from sapp_hook.writeback.torchtitan_plan import (
     Checkpointing,
     change_notes,
     check_degree,
+    check_pipelines,
     checkpointing,
     module_names,
 )
@@ -66,6 +68,13 @@ SECTIONS = {
     "batch": "BatchConfig",
     "activation_checkpoint": "ActivationCheckpointConfig",
 }
+# the classes of the module-level `default_config = JobConfig(...)` files (late 2025), which lack the suffix
+JOB_CONFIG_SECTIONS = {
+    "parallelism": "Parallelism",
+    "training": "Training",
+    "activation_checkpoint": "ActivationCheckpoint",
+}
+MODULE_CONFIG = "default_config"  # the name such a file's config has
 
 
 @dataclass
@@ -169,11 +178,15 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     except (ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting deeper than the parser goes
         raise InputError("--config", f"{path} is not Python sapp-hook can read: {exc}") from None
     chosen = _config_function(tree, function, path)
-    dialect = python_dialect(tree, find_source(path))
     where = f"{path}: {chosen.name}"
-    # neither its TorchTitan nor its text names the head: list both names, of which the model has one
-    heads = (dialect.head,) if dialect.head else BOTH_HEADS
+    model = _model_name(chosen, path)
+    check_pipelines(model, where)
+    dialect = python_dialect(tree, find_source(path))
     sites, text = Sites.of(chosen), Text(old)
+    # a JobConfig(...) is older than `lm_head` (2026-04); where neither its TorchTitan nor its text names
+    # the head, both names are listed, of which the model has one
+    head = dialect.head or ("output" if _called(sites.config_call) == "JobConfig" else "")
+    heads = (head,) if head else BOTH_HEADS
     parallelism = inherited(tree, sites, "parallelism")
     # an expression (not a literal) is what it is at launch: no note, no check
     parallelism = {key: value for key, value in parallelism.items() if not isinstance(value, Code)}
@@ -193,7 +206,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
         dialect.micro_key: _micro_batches(
             {**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")}, dialect, layout, where
         ),
-        dialect.split_key: module_names(layout, heads),
+        dialect.split_key: module_names(layout, heads, model),
     }
     drop = {FQNS, FQNS_PREFIXED, *MICRO_KEYS, *SHAPING_KEYS} - set(wanted)
     change = Change(text, tree, sites, where)
@@ -207,7 +220,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
         f"beside it): wrote {what}"
         for what in dialect.assumed
     ]
-    if not dialect.head:
+    if not head:
         result.notes.append(
             f"{where}: neither the config nor a TorchTitan source beside it says whether its TorchTitan "
             "names the output projection 'output' or 'lm_head' (since 2026-04): the last model part "
@@ -222,9 +235,13 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
 
 
 def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.FunctionDef:
-    """The config function `name`, or the file's only one (as TorchTitan's `--config` names it)."""
+    """The config function `name`, or the file's only one (as TorchTitan's `--config` names it); in a
+    file that defines none, its module-level `default_config = JobConfig(...)`, as a function returning it."""
     functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
     public = [node.name for node in functions if not node.name.startswith("_")]
+    module_config = _module_config(tree, name or MODULE_CONFIG)
+    if module_config is not None and (name is not None or not public):
+        return module_config
     if name is not None:
         found = [node for node in functions if node.name == name]
         if len(found) > 1:  # Python runs the last; the writer edits the first
@@ -239,7 +256,11 @@ def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.Func
     if len(public) == 1:
         return next(node for node in functions if node.name == public[0])
     if not public:
-        raise InputError("--config", f"{path} defines no config function (a def returning Trainer.Config)")
+        raise InputError(
+            "--config",
+            f"{path} defines no config function (a def returning Trainer.Config) and no module-level "
+            f"{MODULE_CONFIG} = JobConfig(...)",
+        )
     raise InputError(
         "--config",
         f"{path} defines {len(public)} config functions ({_listed(public)}): name the one "
@@ -316,6 +337,8 @@ class Change:
                 f"{self.where} {said}: sapp-hook cannot tell where to write the plan's "
                 f"{keyword} ({', '.join(name or str(value) for name, value in values.items())})",
             )
+        if constructor is not None and _called(host) == "JobConfig":
+            constructor = JOB_CONFIG_SECTIONS[keyword]
         self.host[keyword] = (constructor, values)
         if constructor is not None:
             self.uses(CONFIG_MODULE, constructor)
@@ -363,7 +386,35 @@ def _construct(text: Text, host: ast.Call, constructor: str | None, values: dict
 
 
 def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
-    return next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
+    found = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
+    return found or _module_config(tree, name)  # type: ignore[return-value]
+
+
+def _module_config(tree: ast.Module, name: str) -> ast.FunctionDef | None:
+    """A module-level `name = JobConfig(...)` as a function that returns the call, so that the rest of
+    the writer reads and edits it as it does a config function (None where the module has none)."""
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and [_dotted(target) for target in node.targets] == [name]
+            and isinstance(node.value, ast.Call)
+            and (_dotted(node.value.func) or "").endswith("Config")
+        ):
+            returned = ast.copy_location(ast.Return(value=node.value), node)
+            function = ast.FunctionDef(name=name, args=ast.arguments(), body=[returned], decorator_list=[])
+            return ast.copy_location(function, node)
+    return None
+
+
+def _model_name(chosen: ast.FunctionDef, path: Path) -> str | None:
+    """The TorchTitan model a config trains: `Model(name=...)` of a JobConfig, else the model package a
+    config_registry.py sits in (`torchtitan/models/NAME/config_registry.py`)."""
+    for node in ast.walk(chosen):
+        if isinstance(node, ast.Call) and _called(node) == "Model":
+            named = next((kw.value for kw in node.keywords if kw.arg == "name"), None)
+            if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                return named.value
+    return path.parent.name if path.name == "config_registry.py" else None
 
 
 def _set_parallelism(change: Change, wanted: dict[str, object], drop: set[str]) -> None:
@@ -429,11 +480,7 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
     settings: dict[str, object] = {"mode": choice.mode}
     if choice.option is not None and dialect.layer_checkpointing:
         settings["selective_ac_option"] = choice.option
-    call = (
-        last
-        if isinstance(last, ast.Call) and (_dotted(last.func) or "").endswith("ActivationCheckpointConfig")
-        else None
-    )
+    call = last if isinstance(last, ast.Call) and _section(last) == "activation_checkpoint" else None
     in_call = {}
     for name, value in settings.items():
         assigned = sites.fields.get(("activation_checkpoint", name))
@@ -490,10 +537,18 @@ def _ac_class(node: ast.AST) -> str | None:
     return None
 
 
+def _called(call: ast.Call | None) -> str:
+    """The last name of what a call calls (`JobConfig` for `config.JobConfig(...)`)."""
+    return (_dotted(call.func) or "").split(".")[-1] if call is not None else ""
+
+
 def _section(call: ast.Call) -> str | None:
-    """The section a call builds the config of (`ParallelismConfig(...)`: parallelism)."""
-    name = (_dotted(call.func) or "").split(".")[-1]
-    return next((section for section, config in SECTIONS.items() if config == name), None)
+    """The section a call builds the config of (`ParallelismConfig(...)`, `Parallelism(...)`: parallelism)."""
+    name = _called(call)
+    return next(
+        (section for names in (SECTIONS, JOB_CONFIG_SECTIONS) for section, config in names.items() if config == name),
+        None,
+    )
 
 
 def _literal(node: ast.AST) -> object:

@@ -25,6 +25,7 @@ from sapp_hook.writeback.torchtitan_dialects import (
 from sapp_hook.writeback.torchtitan_plan import (
     change_notes,
     check_degree,
+    check_pipelines,
     checkpointing,
     module_names,
     split_points,
@@ -47,6 +48,9 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
         document = tomlkit.parse(old)
     except TOMLKitError as exc:
         raise InputError("--config", f"{path} is not valid TOML: {exc}") from None
+    model = document.get("model")
+    model = _plain(model.get("name")) if isinstance(model, Mapping) else None
+    check_pipelines(model, str(path))
     dialect = toml_dialect(document, find_source(path))
     if dialect.table == "experimental" and "experimental" not in document:
         document["experimental"] = tomlkit.table()  # where 2024's TorchTitan reads the pipeline keys
@@ -72,7 +76,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     if dialect.split_key == SPLIT_POINTS:
         written[SPLIT_POINTS] = split_points(layout, SPLIT_POINTS)
     else:
-        written[dialect.split_key] = module_names(layout, dialect.head)
+        written[dialect.split_key] = module_names(layout, dialect.head, model)
     for key in (*SPLIT_KEYS, *MICRO_KEYS, *SHAPING_KEYS):
         if key not in written:
             table.pop(key, None)
@@ -102,7 +106,9 @@ def _schedule(current: object, layout: Layout, dialect: Dialect) -> str:
     """The plan's schedule as this TorchTitan spells it (the config's own spelling where it is the same)."""
     if isinstance(current, str) and current.lower() == layout.schedule.lower():
         return current
-    if not dialect.lowercase_schedules:
+    # 2024's [experimental] TorchTitan: until mid-2024 it took only the lowercase names; after, any case
+    unspelled = dialect.table == "experimental" and layout.schedule in ("1F1B", "GPipe")
+    if not dialect.lowercase_schedules and not unspelled:
         return layout.schedule
     if layout.schedule not in LOWERCASE_SCHEDULES:
         raise InputError(
