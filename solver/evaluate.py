@@ -32,9 +32,9 @@ def evaluate_plan(
             "stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}"
         )
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-        raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
+        raise InputError("stage_layer_counts", f"expected integers >= 0, got {shown(list(counts))}")
     if sum(counts) != len(layers):
-        raise InputError("stage_layer_counts", f"sum to {sum(counts)}; the profile has {len(layers)} layers")
+        raise InputError("stage_layer_counts", f"sum to {shown(sum(counts))}; the profile has {len(layers)} layers")
     heads = sum(1 for layer in layers if layer.kind == HEAD)
     tails = sum(1 for layer in layers if layer.kind == TAIL)
     if counts[0] < heads:

@@ -29,7 +29,9 @@ from sapp_hook.writeback.torchtitan_plan import (
     module_names,
     split_points,
 )
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
+
+TOML_INT_MAX = 2**63 - 1
 
 try:
     import tomllib
@@ -129,13 +131,17 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
         )
     local = _plain(local)
     if isinstance(local, bool) or not isinstance(local, int):
-        kind = f"the string {str(local)!r}" if isinstance(local, str) else repr(local)
+        kind = f"the string {shown(str(local))}" if isinstance(local, str) else shown(local)
         raise InputError("--config", f"{path}: training.{key} is {kind}; TorchTitan expects a whole number")
+    if abs(local) > TOML_INT_MAX:  # the micro-batch size written from it must be a TOML integer too
+        raise InputError(
+            "--config", f"{path}: training.{key} is {shown(local)}; expected a 64-bit integer, as TOML's are"
+        )
     if local % layout.micro_batches:
         raise InputError(
             "--plan",
             f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
-            f"{local}, which does not split into {layout.micro_batches}",
+            f"{shown(local)}, which does not split into {layout.micro_batches}",
         )
     return local // layout.micro_batches
 
