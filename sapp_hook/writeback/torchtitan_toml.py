@@ -75,17 +75,26 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
         written[SPLIT_POINTS] = split_points(layout, SPLIT_POINTS)
     else:
         written[dialect.split_key] = module_names(layout, dialect.head)
+    # each change through the table fetched anew: a table spread over dotted keys is a proxy one change outdates
     for key in (*SPLIT_KEYS, *MICRO_KEYS, *SHAPING_KEYS):
         if key not in written:
-            table.pop(key, None)
+            document[dialect.table].pop(key, None)
     one_line = isinstance(table, tomlkit.items.InlineTable)  # `parallelism = {...}` holds no line break
     for key, value in written.items():
         lists_parts = key == dialect.split_key and key != SPLIT_POINTS and not one_line
-        table[key] = _multiline(value) if lists_parts else _like(table.get(key), value)
+        current = document[dialect.table].get(key)
+        document[dialect.table][key] = _multiline(value) if lists_parts else _like(current, value)
     choice = checkpointing(layout, dialect)
     section = document.get("activation_checkpoint")
-    if not isinstance(section, dict):
+    if section is None:
         section = document["activation_checkpoint"] = tomlkit.table()
+    elif not isinstance(section, dict):  # an array of tables, a string: TorchTitan reads a table; none is replaced
+        kind = (
+            "an array of tables" if isinstance(section, list) else f"{type(_plain(section)).__name__} {shown(section)}"
+        )
+        raise InputError(
+            "--config", f"{path}: activation_checkpoint is {kind}; expected a table ([activation_checkpoint])"
+        )
     checked = {"mode": choice.mode}
     if choice.option is not None:
         checked["selective_ac_option"] = choice.option
