@@ -101,7 +101,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     for key, value in checked.items():
         section[key] = _like(section.get(key), value)
     result.notes += [*_assumed(dialect), *choice.notes]
-    new = _line_endings(tomlkit.dumps(document), old)
+    new = tomlkit.dumps(document)  # its line endings: commit's, as the config had them
     _read_back(new, path, dialect.table, written, checked)
     commit(result, old, new, dry_run=dry_run)
     if not choice.exact:
@@ -183,13 +183,6 @@ def _assumed(dialect: Dialect) -> list[str]:
         f"the config does not say which TorchTitan it is for (nor does a TorchTitan source beside it): wrote {what}"
         for what in dialect.assumed
     ]
-
-
-def _line_endings(new: str, old: str) -> str:
-    """`new` with the line endings of `old` (tomlkit writes the keys it adds with '\\n')."""
-    if "\r\n" in old:
-        return new.replace("\r\n", "\n").replace("\n", "\r\n")
-    return new
 
 
 def _read_back(new: str, path: Path, table: str, written: Mapping[str, object], checked: Mapping[str, str]) -> None:
