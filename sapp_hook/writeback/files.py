@@ -88,6 +88,9 @@ def check_writable(path: Path, backup: Path | None = None) -> None:
     side = side_file_path(path)
     if os.path.lexists(side):  # written after the config: found now, while the config is as it was
         writable_target(side)
+    for beside in (path.with_name(path.name + ".sapp-hook.bak"), side):
+        if os.path.exists(path) and os.path.exists(beside) and os.path.samefile(beside, path):
+            raise OSError(errno.EINVAL, f"{beside} is {path} itself (a link to it); expected a file of its own")
 
 
 def _drop_backup_of_unchanged(backup: Path | None, target: Path) -> None:
