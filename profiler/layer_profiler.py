@@ -154,6 +154,11 @@ class LayerProfiler:
             counting,
         )
 
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are on: between `attach()` (or `with`) and `detach()`."""
+        return self._attached
+
     def detach(self) -> None:
         """Remove every hook and restore every block's forward; safe to call twice."""
         self._stop_counting()

@@ -39,6 +39,17 @@ class _StrictLoader(yaml.SafeLoader):
         _check_expansion(node)
         return node
 
+    def construct_yaml_int(self, node):  # type: ignore[no-untyped-def]
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python reads at most 4,300 decimal digits into an integer
+            raise InputError(
+                "yaml", f"line {_line(node)}: an integer of {len(node.value):,} digits; expected at most 4,300"
+            ) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.SequenceNode):

@@ -127,15 +127,19 @@ class AutoTuner:
             force=force,
             out_dir=out_dir,
         )
-        config = os.environ.get(ENVIRONMENT["config"]) or config
-        target = os.environ.get(ENVIRONMENT["target"]) or target
-        on_plan = os.environ.get(ENVIRONMENT["on_plan"]) or on_plan
-        cache_dir = os.environ.get(ENVIRONMENT["cache_dir"]) or cache_dir
-        force = force or os.environ.get(ENVIRONMENT["force"]) == "1"
+        given = _environment()  # `sapp-hook run`'s settings override the script's; their errors name them
+        field = {name: ENVIRONMENT[name] if name in given else name for name in ENVIRONMENT}
+        config, target = given.get("config", config), given.get("target", target)
+        on_plan, cache_dir = given.get("on_plan", on_plan), given.get("cache_dir", cache_dir)
+        force = force or given.get("force") == "1"
         if on_plan not in ON_PLAN:
-            raise InputError("on_plan", f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
+            raise InputError(field["on_plan"], f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
         if (config is None) != (target is None):
-            raise InputError("target" if target is None else "config", "give config and target together")
+            missing, other = ("target", "config") if target is None else ("config", "target")
+            raise InputError(
+                ENVIRONMENT[missing] if other in given else missing,
+                f"give config and target together ({field[other]} is set)",
+            )
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(
@@ -165,7 +169,12 @@ class AutoTuner:
         self.config, self.target = (Path(config) if config else None), target
         self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
         self.out_dir = Path(out_dir) if out_dir else None
-        self.cache = PlanCache(cache_dir)
+        if self.out_dir is not None:
+            _check_out_dir(self.out_dir)
+        try:
+            self.cache = PlanCache(cache_dir)
+        except InputError as exc:
+            raise InputError(field["cache_dir"], exc.detail) from None
         if not recompute_runs_under(schedule) and set(modes) != {NONE}:
             modes = (NONE,)
             log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
@@ -190,7 +199,8 @@ class AutoTuner:
             on_step=self._progress,
         )
         if target is not None:  # now, not after the profiling steps
-            check_destination(target, config, target_field="target", config_field="config")
+            check_destination(target, config, target_field=field["target"], config_field=field["config"])
+        self._config_field = field["config"]  # the argument or the environment variable that gave the config
         if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
             self._check_job()
         self.result: TuneResult | None = None
@@ -213,6 +223,11 @@ class AutoTuner:
         """Call once after each training step."""
         if self.result is not None:
             return
+        if not self.profiler.attached:
+            raise RuntimeError(
+                "autotune's step() outside its profiling window: call it inside `with sapp_hook.autotune(...) "
+                "as tuner:` (or decorate the step function with the tuner), before the block ends"
+            )
         self.profiler.step()
         if self.profiler.steps_done == self.profiler.warmup_steps and self._cached():
             return
@@ -247,7 +262,7 @@ class AutoTuner:
         counts = _everyone(str(len(self.profiler.blocks)).encode())
         if self.target is not None:
             blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
-            check_job(self.target, self.config, self.spec, blocks, config_field="config")
+            check_job(self.target, self.config, self.spec, blocks, config_field=self._config_field)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -435,6 +450,26 @@ def _check_arguments(model: object, optimizer: object, **given: object) -> None:
         raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
     if not isinstance(given["force"], bool):
         raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
+
+
+def _environment() -> dict[str, str]:
+    """The settings `sapp-hook run` passes in the environment (ENVIRONMENT), those set and not empty."""
+    given = {name: os.environ[variable] for name, variable in ENVIRONMENT.items() if os.environ.get(variable)}
+    if given.get("force", "0") not in ("0", "1"):
+        raise InputError(ENVIRONMENT["force"], f"expected 1 (profile again) or 0, got {given['force']!r}")
+    return given
+
+
+def _check_out_dir(folder: Path) -> None:
+    """The folder for the plan, report and chart: refused now where it cannot be made or written, not
+    once the profiling steps are done."""
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError("out_dir", f"{existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError("out_dir", f"folder {existing} is read-only")
 
 
 def _kind(value: object) -> str:

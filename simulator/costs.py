@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from simulator.errors import InputError, check_non_negative
+from simulator.errors import InputError, check_non_negative, shown
+from simulator.schedules import MAX_ACTIONS
+
+MAX_CELLS = MAX_ACTIONS // 2  # (stage, chunk) cells: a replay runs at least 2 actions on each
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,11 @@ class PipelineCosts:
         """Identical stages; each figure is a whole rank's, split evenly over its chunks."""
         for name, value in (("stages", stages), ("chunks", chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(name, f"expected an integer >= 1, got {value!r}")
+                raise InputError(name, f"expected an integer >= 1, got {shown(value)}")
+        if stages * chunks > MAX_CELLS:
+            raise InputError(
+                "stages", f"{shown(stages)} x {shown(chunks)} (stages x chunks); expected at most {MAX_CELLS:,}"
+            )
         for name, value in (
             ("forward_ms", forward_ms),
             ("backward_ms", backward_ms),

@@ -17,7 +17,23 @@ _SHORT.maxstring = _SHORT.maxother = 40
 
 def shown(value: object) -> str:
     """`value` as an error line quotes it: nested and long values cut short, so the line stays one line."""
-    return _SHORT.repr(value)
+    try:
+        return _SHORT.repr(value)
+    except ValueError:  # an integer past Python's 4,300 digits (0x..., 0b... in a YAML or TOML file)
+        return f"an integer of {value.bit_length():,} bits" if isinstance(value, int) else type(value).__name__
+
+
+def named(text: str, most: int = 40) -> str:
+    """A name as an error line shows it, unquoted: a long one cut short."""
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def check_printable(text: object, field: str) -> None:
+    """A name that tables and error lines show: printable text, no line break, tab or control character."""
+    if not isinstance(text, str) or not text.isprintable():
+        raise InputError(
+            field, f"is {shown(text)}; expected printable text (no line breaks, tabs or control characters)"
+        )
 
 
 class InputError(ValueError):
@@ -44,27 +60,39 @@ def check_instance(value: object, kind: type | tuple[type, ...], field: str, exp
         raise InputError(field, f"expected {expected}, got {'None' if value is None else type(value).__name__}")
 
 
+def _float(value: object) -> float | None:
+    """`value` as a float if it is a number a float holds (not a bool, not an integer past 1.8e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def check_non_negative(value: object, field: str) -> float:
     """`value` as a float if it is a finite number >= 0; InputError naming `field` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise InputError(field, f"expected a finite number >= 0, got {value!r}")
-    return float(value)
+    number = _float(value)
+    if number is None or not math.isfinite(number) or number < 0:
+        raise InputError(field, f"expected a finite number >= 0, got {shown(value)}")
+    return number
 
 
 def check_seconds(value: object, field: str) -> float:
     """A time limit: a number of seconds > 0, `math.inf` for none."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InputError(field, f"expected a number of seconds > 0 (inf: no limit), got {value!r}")
-    return float(value)
+    number = _float(value)
+    if number is None or not number > 0:
+        raise InputError(field, f"expected a number of seconds > 0 (inf: no limit), got {shown(value)}")
+    return number
 
 
 def check_ms(value: object, field: str) -> None:
     """A duration: a finite number of milliseconds, >= 0 and at most MAX_MS."""
     if check_non_negative(value, field) > MAX_MS:
-        raise InputError(field, f"expected at most {MAX_MS:g} ms, got {value!r}")
+        raise InputError(field, f"expected at most {MAX_MS:g} ms, got {shown(value)}")
 
 
 def check_bytes(value: object, field: str) -> None:
     """A size: a finite number of bytes, >= 0 and at most MAX_BYTES."""
     if check_non_negative(value, field) > MAX_BYTES:
-        raise InputError(field, f"expected at most 2**50 bytes (1 PiB), got {value!r}")
+        raise InputError(field, f"expected at most 2**50 bytes (1 PiB), got {shown(value)}")

@@ -32,7 +32,8 @@ def write_target(path: str | Path) -> Path:
     link). OSError if that exists and is not a regular file: a device, a pipe or a folder is never replaced."""
     target = Path(os.path.realpath(path))
     try:
-        mode = os.stat(target).st_mode
+        # `path` itself, through its links: /dev/stdout's leads to a pipe that realpath cannot name
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         return target
     if not stat.S_ISREG(mode):

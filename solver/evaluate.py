@@ -3,6 +3,7 @@ MindFormers' keys, or the even split people start from."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from simulator import simulate
@@ -32,9 +33,9 @@ def evaluate_plan(
             "stage_layer_counts", f"expected {schedule.num_virtual_stages} virtual stages, got {len(counts)}"
         )
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-        raise InputError("stage_layer_counts", f"expected integers >= 0, got {list(counts)}")
+        raise InputError("stage_layer_counts", f"expected integers >= 0, got {shown(list(counts))}")
     if sum(counts) != len(layers):
-        raise InputError("stage_layer_counts", f"sum to {sum(counts)}; the profile has {len(layers)} layers")
+        raise InputError("stage_layer_counts", f"sum to {shown(sum(counts))}; the profile has {len(layers)} layers")
     heads = sum(1 for layer in layers if layer.kind == HEAD)
     tails = sum(1 for layer in layers if layer.kind == TAIL)
     if counts[0] < heads:
@@ -87,17 +88,40 @@ def plan_from_dict(profile: ModelProfile, data: object) -> Plan:
         name = layer.text("name", required=True)
         if name != profile.layers[index].name:
             raise InputError(
-                layer.at("name"), f"is {name!r}; the profile's layer {index} is {profile.layers[index].name!r}"
+                layer.at("name"),
+                f"is {shown(name)}; the profile's layer {index} is {shown(profile.layers[index].name)}",
             )
         modes.append(layer.text("recompute", required=True))
     if not isinstance(counts, list):
         raise InputError("plan.virtual_stage_layers", f"expected a list of integers, got {shown(counts)}")
     try:
-        return evaluate_plan(profile, spec, counts, modes)
+        evaluated = evaluate_plan(profile, spec, counts, modes)
     except InputError as exc:  # the file's name for the split, not the Python API's
         if exc.field != "stage_layer_counts":
             raise
         raise InputError("plan.virtual_stage_layers", exc.detail) from None
+    _check_views(evaluated, plan)
+    return evaluated
+
+
+def _check_views(plan: Plan, given: Fields) -> None:
+    """Every view of the split a plan JSON gives (MindFormers' keys, the per-stage counts, each layer's
+    place and kind) says what its virtual_stage_layers and recompute modes do: `apply` reads the layers,
+    `simulate` the split, and both must read one plan."""
+    derived = plan.to_dict()["plan"]
+    saying = "plan.virtual_stage_layers and the layers' recompute say"
+    for key, value in derived.items():
+        said = given.raw(key)
+        if key not in ("virtual_stage_layers", "layers") and said is not None and json.dumps(said) != json.dumps(value):
+            raise InputError(f"plan.{key}", f"is {shown(said)}; {saying} {shown(value)}")
+    for index, (item, layer) in enumerate(zip(given.raw("layers"), derived["layers"])):
+        for key in ("virtual_stage", "stage", "chunk", "kind"):
+            said = item.get(key)
+            if said is not None and json.dumps(said) != json.dumps(layer[key]):
+                raise InputError(
+                    f"plan.layers[{index}].{key}",
+                    f"is {shown(said)}; plan.virtual_stage_layers and the profile say {shown(layer[key])}",
+                )
 
 
 def even_counts(layers: int, parts: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from simulator.errors import InputError, check_non_negative
+from simulator.errors import InputError, check_non_negative, shown
 
 
 class Fields:
@@ -44,7 +44,7 @@ class Fields:
             return default
         value = self.data[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise InputError(self.at(key), f"expected an integer >= {least}, got {value!r}")
+            raise InputError(self.at(key), f"expected an integer >= {least}, got {shown(value)}")
         return value
 
     def text(self, key: str, default: str = "", *, required: bool = False) -> str:
@@ -55,7 +55,7 @@ class Fields:
             return default
         value = self.data[key]
         if not isinstance(value, str):
-            raise InputError(self.at(key), f"expected a string, got {value!r}")
+            raise InputError(self.at(key), f"expected a string, got {shown(value)}")
         return value
 
     def done(self) -> None:

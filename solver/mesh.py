@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from simulator.errors import InputError
+from simulator.errors import InputError, named
 from solver.profile import NONE, LayerProfile, ModelProfile, RecomputeCost
 from solver.profile_parts import BALANCED, Mesh
 from solver.spec import PipelineSpec, capacity_factor
@@ -166,7 +166,7 @@ def _needed(value: float | None, where: str, flag: str) -> float:
 
 
 def _layers(profile: ModelProfile, change: Callable[[LayerProfile, str], LayerProfile]) -> tuple[LayerProfile, ...]:
-    return tuple(change(layer, f"layers[{index}] ({layer.name})") for index, layer in enumerate(profile.layers))
+    return tuple(change(layer, f"layers[{index}] ({named(layer.name)})") for index, layer in enumerate(profile.layers))
 
 
 def _static(layer: LayerProfile, parameter_bytes: float, gradient_bytes: float, expert_bytes: float | None) -> dict:

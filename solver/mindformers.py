@@ -63,7 +63,7 @@ def mindformers_split(
     stages, chunks = schedule.ranks, schedule.chunks
     interleave = keys.get("pp_interleave_num", chunks)
     if interleave != chunks:
-        raise InputError("pp_interleave_num", f"the plan has {interleave!r} chunks; the spec runs {chunks}")
+        raise InputError("pp_interleave_num", f"the plan has {shown(interleave)} chunks; the spec runs {chunks}")
     body = [i for i, layer in enumerate(profile.layers) if layer.is_body]
     share = len(body) // schedule.num_virtual_stages
     offset = _per_chunk_and_stage(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
@@ -163,6 +163,8 @@ def _count(item: object, where: str, per_stage: list[list[int]] | None, held: in
         return (held if held is not None else _ALL) if item else 0
     if isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
         raise InputError(where, f"expected an integer{' >= 0' if per_stage else ''}, got {shown(item)}")
+    if abs(item) > _ALL:  # beyond any layer count: what counts and offsets add up to stays printable
+        raise InputError(where, f"expected an integer between {-_ALL:,} and {_ALL:,}, got {shown(item)}")
     return item if held is None else min(item, held)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simulator.errors import InputError, check_bytes, check_ms, check_non_negative
+from simulator.errors import InputError, check_bytes, check_ms, check_non_negative, check_printable, named, shown
 from simulator.files import atomic_write_text
 from solver.fields import Fields
 from solver.profile_parts import (
@@ -277,7 +277,7 @@ class ModelProfile:
         fields = Fields(data, "")
         version = fields.raw("schema_version")
         if isinstance(version, bool) or version != SCHEMA_VERSION:
-            raise InputError("schema_version", f"expected {SCHEMA_VERSION}, got {version!r}")
+            raise InputError("schema_version", f"expected {SCHEMA_VERSION}, got {shown(version)}")
         layers_data = fields.raw("layers")
         if not isinstance(layers_data, list) or not layers_data:
             raise InputError("layers", "expected a non-empty list of layers")
@@ -437,11 +437,15 @@ def _check_profile(profile: ModelProfile) -> None:
         )
     check_dimensions(profile.dimensions)
     layers = profile.layers
+    check_printable(profile.model, "model")
+    for index, layer in enumerate(layers):  # names go into tables and error lines: each one line
+        check_printable(layer.name, f"layers[{index}].name")
+        check_printable(layer.kind, f"layers[{index}].kind")
     check_kinds(
-        [layer.kind for layer in layers], [f"layers[{i}] ({layer.name}).kind" for i, layer in enumerate(layers)]
+        [layer.kind for layer in layers], [f"layers[{i}] ({named(layer.name)}).kind" for i, layer in enumerate(layers)]
     )
     for index, layer in enumerate(layers):
-        _check_layer(layer, f"layers[{index}] ({layer.name})")
+        _check_layer(layer, f"layers[{index}] ({named(layer.name)})")
     names = {layer.name for layer in layers}
     for index, tied in enumerate(profile.tied_parameters):
         check_bytes(tied.bytes, f"tied_parameters[{index}].bytes")
@@ -543,12 +547,9 @@ def _check_layer(layer: LayerProfile, where: str) -> None:
 
 def _check_parts(layer: LayerProfile, where: str) -> None:
     """The parts of a layer's parameter and gradient bytes that tensor and expert parallelism treat apart."""
-    if layer.parameter_tensors is not None and (
-        isinstance(layer.parameter_tensors, bool)
-        or not isinstance(layer.parameter_tensors, int)
-        or layer.parameter_tensors < 0
-    ):
-        raise InputError(f"{where}.parameter_tensors", f"expected an integer >= 0, got {layer.parameter_tensors!r}")
+    tensors = layer.parameter_tensors
+    if tensors is not None and (isinstance(tensors, bool) or not isinstance(tensors, int) or not 0 <= tensors <= 2**50):
+        raise InputError(f"{where}.parameter_tensors", f"expected an integer from 0 to 2**50, got {shown(tensors)}")
     apart = 0.0
     for name in ("replicated_parameter_bytes", "expert_parameter_bytes"):
         if getattr(layer, name) is not None:

@@ -77,7 +77,11 @@ def test_run_launches_once_where_the_config_already_says_the_plan(tmp_path):
     launch trains on with it and is the only launch."""
     script, log, config = tmp_path / "train.py", tmp_path / "runs.jsonl", tmp_path / "train.yaml"
     script.write_text(TRAIN)
-    config.write_text((TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 4"))
+    # micro_batch_num 4: the plan's 8 changes it, so the first run writes whatever split it measures
+    template = (TEMPLATES / "mindformers_llama.yaml").read_text()
+    config.write_text(
+        template.replace("num_layers: 8", "num_layers: 4").replace("micro_batch_num: 8", "micro_batch_num: 4")
+    )
     argv = [
         sys.executable,
         "-m",

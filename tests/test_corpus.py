@@ -286,15 +286,93 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
         ),
     ),
     "plan_offset_true": lambda folder: _changed_plan(folder, lambda data: data["plan"]["offset"].__setitem__(1, True)),
+    # numbers past a float (JSON) or past Python's 4,300 decimal digits (0x... in YAML and TOML)
+    "int_past_floats_profile": lambda folder: _profile_with(
+        folder, "int-past-floats.json", lambda data: data["layers"][1].update(forward_ms=10**400)
+    ),
+    "tensors_past_floats_profile": lambda folder: _profile_with(
+        folder, "tensors-past-floats.json", lambda data: data["layers"][1].update(parameter_tensors=10**400)
+    ),
+    "long_version_profile": lambda folder: _profile_with(
+        folder, "long-version.json", lambda data: data.update(schema_version=4 * 10**4000)
+    ),
+    "digits_yaml": _text("digits.yaml", "offset: [" + "9" * 5000 + ", 1, 0, -1]\n"),
+    "hex_layers_yaml": _text(
+        "hex-layers.yaml",
+        (TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 0x" + "f" * 5000),
+    ),
+    "hex_degree_toml": _text(
+        "hex-degree.toml",
+        (TEMPLATES / "torchtitan_llama.toml")
+        .read_text()
+        .replace("pipeline_parallel_degree = 4", "pipeline_parallel_degree = 0x" + "f" * 5000),
+    ),
+    "digits_script": _text(
+        "digits.sh",
+        (TEMPLATES / "megatron_llama.sh").read_text().replace("--num-layers 8", "--num-layers " + "9" * 5000),
+    ),
+    # TOML the TorchTitan writer met with a traceback, or rewrote into something else
+    "dotted_toml": lambda folder: _dotted_parallelism(folder),
+    "checkpointing_array_toml": _text(
+        "checkpointing-array.toml",
+        (TEMPLATES / "torchtitan_llama.toml")
+        .read_text()
+        .replace("[activation_checkpoint]", "[[activation_checkpoint]]")
+        + '\n[[activation_checkpoint]]\nmode = "full"\n',
+    ),
+    # line endings: a CRLF Python config; a bash script of LF lines but one
+    "crlf_python": lambda folder: _python_config(folder, crlf=True),
+    "mostly_lf_script": lambda folder: _one_crlf(folder, "megatron_llama.sh"),
+    "line_break_name_profile": lambda folder: _profile_with(
+        folder, "line-break-name.json", lambda data: data["layers"][1].update(name="block\n0")
+    ),
+    # a plan JSON edited in one of its views only: apply and simulate must not read two plans
+    "edited_split_plan": lambda folder: _changed_plan(
+        folder, lambda data: data["plan"].update(virtual_stage_layers=[2, 4, 2, 2])
+    ),
+    "moved_layer_plan": lambda folder: _changed_plan(
+        folder, lambda data: data["plan"]["layers"][2].update(virtual_stage=1)
+    ),
+    # the backup's and the side file's names, links to the config itself
+    "backup_links_to_config": lambda folder: _beside(folder, "yaml", ".sapp-hook.bak"),
+    "side_file_links_to_config": lambda folder: _beside(folder, "toml", ".sapp-hook.json"),
 }
 
 
-def _python_config(folder: Path, *, bom: bool = False, twice: bool = False) -> Path:
+def _dotted_parallelism(folder: Path) -> Path:
+    """The template's [parallelism] written as dotted keys (parallelism.x = ...) before its first table."""
+    text = (TEMPLATES / "torchtitan_llama.toml").read_text()
+    table = text[text.index("[parallelism]") : text.index("[activation_checkpoint]")]
+    dotted = "".join(f"parallelism.{line}\n" for line in table.splitlines()[1:] if "=" in line)
+    path = folder / "dotted.toml"
+    path.write_text(dotted + text.replace(table, ""))
+    return path
+
+
+def _one_crlf(folder: Path, template: str) -> Path:
+    """The template with its second line ending CRLF, the others LF."""
+    lines = (TEMPLATES / template).read_bytes().split(b"\n")
+    path = folder / f"one-crlf-{template}"
+    path.write_bytes(b"\n".join(line + (b"\r" if index == 1 else b"") for index, line in enumerate(lines)))
+    return path
+
+
+def _beside(folder: Path, config: str, suffix: str) -> Path:
+    """A link named as the config's backup or side file, to the config itself."""
+    target = _input(folder, config)
+    path = target.with_name(target.name + suffix)
+    path.symlink_to(target.name)
+    return path
+
+
+def _python_config(folder: Path, *, bom: bool = False, twice: bool = False, crlf: bool = False) -> Path:
     """A TorchTitan Python config (one function, as pytorch/torchtitan's config_registry.py writes them)."""
     text = (ROOT / "tests" / "fixtures" / "torchtitan" / "my_llama_job.py").read_text()
     if twice:
         text += "\n\ndef llama3_pp():\n    return None\n"
-    path = folder / ("bom-job.py" if bom else "twice-job.py")
+    if crlf:
+        text = text.replace("\n", "\r\n")
+    path = folder / ("bom-job.py" if bom else "twice-job.py" if twice else "crlf-job.py")
     path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
     return path
 
@@ -398,6 +476,23 @@ def _bom_kept(folder: Path) -> None:
 
 def _plan_written(folder: Path) -> None:
     assert json.loads((folder / "out.json").read_text())["spec"]["stages"] == 4
+
+
+def _toml_says(path: Path, key: str) -> None:
+    import tomllib
+
+    assert key in tomllib.loads(path.read_text())["parallelism"]
+
+
+def _endings(path: Path, *, crlf: bool) -> None:
+    """The rewrite added lines (its backup is the file as it was), each ending as most of the file's
+    lines did; the one line that ended otherwise still does; no CR doubled."""
+    old, new = path.with_name(path.name + ".sapp-hook.bak").read_bytes(), path.read_bytes()
+    assert new.count(b"\n") > old.count(b"\n") and b"\r\r" not in new
+    if crlf:
+        assert new.count(b"\r\n") == new.count(b"\n")
+    else:
+        assert new.count(b"\r\n") == old.count(b"\r\n") == 1
 
 
 CASES = [
@@ -817,6 +912,121 @@ CASES = [
         EXIT_INPUT,
         "starts with a UTF-8 byte-order mark",
     ),
+    # numbers past a float or past Python's digits: one short line, no traceback
+    Case(
+        "int-past-floats-in-profile",
+        [*SOLVE, "--profile", "{int_past_floats_profile}"],
+        EXIT_INPUT,
+        "layers[1].forward_ms: expected a finite number >= 0, got 100000000000000000...",
+    ),
+    Case(
+        "tensor-count-past-floats",
+        [*SOLVE, "--profile", "{tensors_past_floats_profile}"],
+        EXIT_INPUT,
+        "layers[1] (block.0).parameter_tensors: expected an integer from 0 to 2**50",
+    ),
+    Case("version-of-4000-digits", [*SOLVE, "--profile", "{long_version_profile}"], EXIT_INPUT, "schema_version"),
+    Case(
+        "yaml-int-past-the-digit-limit",
+        [*SIMULATE[:7], "--profile", "{profile}", "--mindformers-plan", "{digits_yaml}"],
+        EXIT_INPUT,
+        "--mindformers-plan: {dir}/digits.yaml: line 1: an integer of 5,000 digits; expected at most 4,300",
+    ),
+    Case(
+        "yaml-hex-layer-count",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{hex_layers_yaml}"],
+        EXIT_INPUT,
+        "model.model_config.num_layers an integer of 20,000 bits",
+    ),
+    Case(
+        "toml-hex-pipeline-degree",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{hex_degree_toml}", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+    ),
+    Case(
+        "megatron-layers-of-5000-digits",
+        ["apply", "--plan", "{plan}", "--target", "megatron", "--config", "{digits_script}"],
+        EXIT_INPUT,
+        "--num-layers is a number of 5,000 digits; Megatron-LM reads at most 4,300",
+    ),
+    Case("flag-value-a-page-long", [*SOLVE, "--stages", "9" * 5000], EXIT_INPUT, "argument --stages: invalid int"),
+    # TOML: a table of dotted keys rewritten; an array of tables refused, not turned into a table
+    Case(
+        "toml-parallelism-as-dotted-keys",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{dotted_toml}", "--quiet"],
+        0,
+        None,
+        unchanged=False,
+        check=lambda folder: _toml_says(folder / "dotted.toml", "module_fqns_per_model_part"),
+    ),
+    Case(
+        "toml-checkpointing-as-array-of-tables",
+        ["apply", "--plan", "{plan}", "--target", "torchtitan", "--config", "{checkpointing_array_toml}"],
+        EXIT_INPUT,
+        "activation_checkpoint is an array of tables; expected a table",
+    ),
+    # line endings: each line as it ended, added lines as most do; no doubled CR
+    Case(
+        "python-config-crlf-rebuilt",
+        ["apply", "--plan", "{plan_recomputing}", "--target", "torchtitan", "--config", "{crlf_python}:llama3_pp"],
+        0,
+        None,
+        unchanged=False,
+        check=lambda folder: _endings(folder / "crlf-job.py", crlf=True),
+    ),
+    Case(
+        "script-of-lf-lines-but-one",
+        ["apply", "--plan", "{plan_recomputing}", "--target", "megatron", "--config", "{mostly_lf_script}"],
+        0,
+        None,
+        unchanged=False,
+        check=lambda folder: _endings(folder / "one-crlf-megatron_llama.sh", crlf=False),
+    ),
+    # names go into tables and error lines
+    Case(
+        "layer-name-with-a-line-break",
+        [*SOLVE, "--profile", "{line_break_name_profile}"],
+        EXIT_INPUT,
+        "layers[1].name: is 'block\\n0'; expected printable text",
+    ),
+    # a plan JSON says its split once, however many views of it it holds
+    Case(
+        "plan-split-edited-for-apply",
+        ["apply", "--plan", "{edited_split_plan}", "--target", "plan", "--config", "{dir}/out.json"],
+        EXIT_INPUT,
+        "plan.virtual_stage_layers: is [2, 4, 2, 2]; the plan's layers say [3, 3, 2, 2]",
+    ),
+    Case(
+        "plan-layer-moved-for-simulate",
+        ["simulate", "--profile", "{profile}", "--plan", "{moved_layer_plan}"],
+        EXIT_INPUT,
+        "plan.layers[2].virtual_stage: is 1; plan.virtual_stage_layers and the profile say 0",
+    ),
+    # outputs and the files beside a config
+    Case(
+        "plan-out-to-a-pipe",
+        [*SOLVE, "--plan-out", "/dev/stdout", "--quiet"],
+        EXIT_INPUT,
+        "--plan-out: /dev/stdout is a named pipe (FIFO)",
+        run="process",
+    ),
+    Case("plan-out-empty", [*SOLVE, "--plan-out", ""], EXIT_INPUT, "--plan-out: expected a file name"),
+    Case(
+        "backup-name-links-to-config",
+        ["apply", "--plan", "{plan}", "--target", "mindformers", "--config", "{yaml}"],
+        EXIT_INPUT,
+        "train.yaml.sapp-hook.bak is {dir}/train.yaml itself",
+        prepare=("backup_links_to_config",),
+    ),
+    Case(
+        "side-file-name-links-to-config",
+        ["apply", "--plan", "{plan_recomputing}", "--target", "torchtitan", "--config", "{toml}"],
+        EXIT_INPUT,
+        "train.toml.sapp-hook.json is {dir}/train.toml itself",
+        prepare=("side_file_links_to_config",),
+    ),
     # the environment
     Case(
         "torch-too-old",
@@ -925,6 +1135,7 @@ def test_corpus(case, tmp_path, capsys, monkeypatch):
         assert said == [], err
     else:
         assert len(said) == 1 and case.names.replace("{dir}", str(tmp_path)) in said[0], err
+        assert len(said[0]) <= 2000, said[0][:300]  # a value a page long is cut short
     assert status == case.status, err
     if case.unchanged:
         assert _snapshot(tmp_path) == before
@@ -1012,6 +1223,40 @@ def test_a_second_signal_as_the_process_exits_keeps_its_status_and_line():
     assert (done.returncode, done.stderr, done.stdout) == (EXIT_INTERRUPTED, "sapp-hook: interrupted\n", "")
 
 
+# The command is done; SIGTERM and Ctrl-C arrive as the process exits.
+AFTER_THE_COMMAND = """
+import os, signal, sys
+from sapp_hook.cli import main
+sys.argv = ["sapp-hook", "simulate", "--schedule", "1F1B", "--stages", "2", "--micro-batches", "2", "--forward", "1",
+            "--backward", "1", "--quiet"]
+status = main()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGINT)
+raise SystemExit(status)
+"""
+
+
+def test_a_signal_as_a_finished_command_exits_keeps_its_status():
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_THE_COMMAND], capture_output=True, text=True, env=environment, timeout=60
+    )
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "")
+
+
+def test_a_second_signal_raises_nothing_while_the_first_unwinds():
+    """Ctrl-C twice as torch loads: the second must not raise inside the first one's unwinding (in a
+    library's C++ code an exception there aborts the process); the watchdog ends the process for it."""
+    from sapp_hook.cli.terminal import signals_end_the_command
+
+    for first, raised in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)):
+        with signals_end_the_command(lambda: "sapp-hook test"):
+            with pytest.raises(raised):
+                signal.getsignal(first)(first, None)
+            for later in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                assert signal.getsignal(later)(later, None) is None
+
+
 # -- the Python API: one InputError naming the argument -------------------------------------------------------------
 
 SPEC = PipelineSpec(stages=4, micro_batches=8)
@@ -1092,7 +1337,42 @@ API_CASES = [
         "keys",
     ),
     ("times-scaled-by-nan", lambda tmp_path, monkeypatch: small_profile(8).with_times_scaled(float("nan")), "factor"),
+    (
+        "budget-past-floats",
+        lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, memory_budget_bytes=10**400),
+        "memory_budget_bytes",
+    ),
+    ("stages-of-20000-bits", lambda tmp_path, monkeypatch: build_schedule("1F1B", 2**20000, 8), "stages"),
+    (
+        "uniform-stages-past-any-replay",
+        lambda tmp_path, monkeypatch: PipelineCosts.uniform(5_000_001, 1, forward_ms=1.0, backward_ms=2.0),
+        "stages",
+    ),
+    (
+        "time-limit-past-floats",
+        lambda tmp_path, monkeypatch: solve(small_profile(8), SPEC, time_limit_s=10**400),
+        "time_limit_s",
+    ),
+    ("autotune-out-dir-a-file", lambda tmp_path, monkeypatch: _autotune(out_dir=ROOT / "pyproject.toml"), "out_dir"),
+    (
+        "environment-on-plan",
+        lambda tmp_path, monkeypatch: _from_environment(monkeypatch, ON_PLAN="never"),
+        "SAPP_HOOK_ON_PLAN",
+    ),
+    ("environment-force", lambda tmp_path, monkeypatch: _from_environment(monkeypatch, FORCE="yes"), "SAPP_HOOK_FORCE"),
+    (
+        "environment-cache-dir",
+        lambda tmp_path, monkeypatch: _from_environment(monkeypatch, CACHE_DIR=str(ROOT / "pyproject.toml")),
+        "SAPP_HOOK_CACHE_DIR",
+    ),
 ]
+
+
+def _from_environment(monkeypatch, **settings: str):
+    """autotune under `sapp-hook run`, whose settings arrive as SAPP_HOOK_* variables."""
+    for name, value in settings.items():
+        monkeypatch.setenv(f"SAPP_HOOK_{name}", value)
+    return _autotune()
 
 
 @pytest.mark.parametrize(("call", "field"), [case[1:] for case in API_CASES], ids=[case[0] for case in API_CASES])
@@ -1101,6 +1381,26 @@ def test_api_corpus(call, field, tmp_path, monkeypatch):
         call(tmp_path, monkeypatch)
     assert caught.value.field == field and "\n" not in str(caught.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_outside_the_tuners_block_says_how_to_call_it():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tuner = __import__("sapp_hook").autotune(model, stages=2, micro_batches=4, force=True)
+    with tuner:
+        model(torch.randn(2, 4)).sum().backward()
+        tuner.step()
+    with pytest.raises(RuntimeError, match=r"^autotune's step\(\) outside its profiling window: call it inside `with"):
+        tuner.step()
+
+
+def test_run_gives_the_job_its_config_whatever_folder_it_runs_in(tmp_path, monkeypatch, capsys):
+    """`--config train.yaml` reaches the job as a path it finds after a `cd` (torchrun's workers may)."""
+    shutil.copy(TEMPLATES / "mindformers_llama.yaml", tmp_path / "train.yaml")
+    monkeypatch.chdir(tmp_path)
+    check = 'cd / && test -f "$SAPP_HOOK_CONFIG"'
+    assert main(["run", "--config", "train.yaml", "--target", "mindformers", "--", "bash", "-c", check]) == 0
 
 
 def test_a_cache_that_takes_no_plan_costs_only_the_cache(tmp_path, monkeypatch, caplog):

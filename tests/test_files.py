@@ -96,8 +96,14 @@ def test_an_interrupted_write_leaves_no_temp_file_and_the_old_bytes(tmp_path, mo
     [
         ("a: 1\r\nb: 2\r\n", "a: 1\r\nb: 3\nc: 4\n", "a: 1\r\nb: 3\r\nc: 4\r\n"),  # CRLF throughout
         ("a: 1\nb: 2\n", "a: 1\nb: 3\n", "a: 1\nb: 3\n"),
-        ("a: 1\r\nb: 2\n", "a: 1\nb: 3\n", "a: 1\nb: 3\n"),  # mixed before: the writer's text as it is
+        ("a: 1\r\nb: 2\n", "a: 1\nb: 3\n", "a: 1\r\nb: 3\n"),  # mixed: each line as it ended
         ("\ufeffa: 1\n", "a: 2\n", "\ufeffa: 2\n"),  # the byte-order mark stays
+        # most lines LF, one CRLF: a line added is LF (a CRLF after a bash `\\` continues no line), the CRLF
+        # one stays CRLF, a writer's CRLF throughout is undone where the file did not say it
+        ("a \\\n# x\r\nb\n", "a \\\r\n  c \\\r\n# x\r\nb\r\n", "a \\\n  c \\\n# x\r\nb\n"),
+        ("a\r\nb\r\nc\n", "a\r\nb\nX\nc\n", "a\r\nb\r\nX\r\nc\n"),  # most lines CRLF: an added one too
+        ("a\r\n", "a\r\r\n", "a\r\r\n"),  # a CR inside a line is the line's own text
+        ("a\r\nb", "a\r\nb\nc", "a\r\nb\r\nc"),  # the last line's ending as the file's others
     ],
 )
 def test_new_text_takes_the_old_files_form(old, new, kept):

@@ -37,7 +37,10 @@ def _signals_while_loading() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
-    handlers = {number: signal.signal(number, _stop) for number in _LOADING}
+    handlers = {number: signal.getsignal(number) for number in _LOADING}
+    for number, handler in handlers.items():
+        if handler != signal.SIG_IGN:  # a shell's background job keeps ignoring Ctrl-C; nohup, SIGHUP
+            signal.signal(number, _stop)
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ loads them)."""
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from typing import NoReturn
@@ -29,7 +30,8 @@ class _Parser(argparse.ArgumentParser):
     """Errors are one line on stderr and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        fail(self.prog, message)
+        # argparse quotes the values it refuses whole: a page-long one is cut, so the line stays readable
+        fail(self.prog, re.sub(r"\S{60,}", lambda word: word.group(0)[:40] + "...", message))
 
 
 def build_parser() -> argparse.ArgumentParser:

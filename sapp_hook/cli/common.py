@@ -268,7 +268,11 @@ def say(notes: list[str], talk: bool) -> None:
 def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Path]:
     """The output files asked for, checked before any work: the folder exists, the name is a regular
     file or a new one (a symbolic link is written through; a device, a pipe or a folder is refused)."""
-    outputs = {name: Path(getattr(args, name)) for name in names if getattr(args, name, None)}
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for name, text in given.items():
+        if not text:  # `--plan-out "$OUT"` with OUT unset: not a request for no file
+            raise InputError("--" + name.replace("_", "-"), "expected a file name, got an empty one")
+    outputs = {name: Path(text) for name, text in given.items()}
     taken: dict[Path, str] = {}
     for name, path in outputs.items():
         flag = "--" + name.replace("_", "-")

@@ -53,9 +53,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.cache_dir is not None:
         _check_cache_dir(Path(args.cache_dir))
     environment = dict(os.environ)
-    for name in ("config", "target", "cache_dir"):
+    for name in ("config", "cache_dir"):  # the job may run in another folder than this command
         if getattr(args, name):
-            environment[ENVIRONMENT[name]] = str(getattr(args, name))
+            environment[ENVIRONMENT[name]] = os.path.abspath(getattr(args, name))
+    if args.target:
+        environment[ENVIRONMENT["target"]] = args.target
     print(f"{PROG}: planning: {' '.join(argv)}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="sapp-hook-run-") as folder:
         planned_file = Path(folder) / "planned.json"

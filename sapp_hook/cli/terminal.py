@@ -21,11 +21,21 @@ from simulator.files import remove_pending
 # loop that never returns) is ended without waiting; so is one signalled a second time.
 GRACE_S = 5.0
 _STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
-ENDING = (signal.SIGTERM, signal.SIGHUP)  # raise Terminated(number); SIGINT raises KeyboardInterrupt
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signum)
+def _raising_once() -> Callable[[int, object], None]:
+    """The handler of Ctrl-C, SIGTERM and SIGHUP within a command: the first raises KeyboardInterrupt (or
+    Terminated(number)); a later one raises nothing where the first is unwinding (inside a library's
+    C++ code, an exception there aborts the process), and the watchdog ends the process for it."""
+    raised: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if raised:
+            return
+        raised.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    return handler
 
 
 @contextlib.contextmanager
@@ -55,8 +65,10 @@ def signals_end_the_command(prog: Callable[[], str], *, process_ends: bool = Fal
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     done = threading.Event()
-    for number in ENDING:
-        signal.signal(number, _raise_terminated)
+    raising = _raising_once()
+    for number in _STOPPING:
+        if handlers[number] != signal.SIG_IGN:  # a shell's background job keeps ignoring Ctrl-C
+            signal.signal(number, raising)
     wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     watchdog = threading.Thread(target=_watch, args=(reader, done, prog), name="sapp-hook signals", daemon=True)
     watchdog.start()
@@ -65,9 +77,9 @@ def signals_end_the_command(prog: Callable[[], str], *, process_ends: bool = Fal
     finally:
         done.set()
         signal.set_wakeup_fd(wakeup)
-        if not (stopped and process_ends):
-            for number, handler in handlers.items():
-                signal.signal(number, handler)
+        for number, handler in handlers.items():
+            # the process exits with the command's status: a signal as it exits must not turn it into a kill
+            signal.signal(number, signal.SIG_IGN if process_ends else handler)
         writer.close()
         watchdog.join()
         reader.close()

@@ -88,6 +88,9 @@ def check_writable(path: Path, backup: Path | None = None) -> None:
     side = side_file_path(path)
     if os.path.lexists(side):  # written after the config: found now, while the config is as it was
         writable_target(side)
+    for beside in (path.with_name(path.name + ".sapp-hook.bak"), side):
+        if os.path.exists(path) and os.path.exists(beside) and os.path.samefile(beside, path):
+            raise OSError(errno.EINVAL, f"{beside} is {path} itself (a link to it); expected a file of its own")
 
 
 def _drop_backup_of_unchanged(backup: Path | None, target: Path) -> None:
@@ -99,12 +102,25 @@ def _drop_backup_of_unchanged(backup: Path | None, target: Path) -> None:
 
 
 def in_form_of(old: str, new: str) -> str:
-    """`new` with the line endings of `old` where all of them are CRLF, and its byte-order mark."""
-    if "\r\n" in old and old.count("\r\n") == old.count("\n"):
-        new = new.replace("\r\n", "\n").replace("\n", "\r\n")
-    if old.startswith(BOM) and not new.startswith(BOM):
-        new = BOM + new
-    return new
+    """`new` in the form of `old`: its byte-order mark, and its line endings: a line kept from `old` ends
+    as it did there, a changed line as the one it replaces, an added line as most of `old`'s lines do."""
+    old_lines, new_lines = _lines(old.removeprefix(BOM)), _lines(new.removeprefix(BOM))
+    ended = [ending for _, ending in old_lines if ending]
+    newline = "\r\n" if ended.count("\r\n") * 2 > len(ended) else "\n"
+    matcher = difflib.SequenceMatcher(None, [text for text, _ in old_lines], [text for text, _ in new_lines], False)
+    out = []
+    for tag, old_start, old_end, new_start, new_end in matcher.get_opcodes():
+        for step, (text, ending) in enumerate(new_lines[new_start:new_end]):
+            was = old_lines[old_start + step][1] if tag != "insert" and old_start + step < old_end else ""
+            out.append(text + (was or newline if ending else ""))
+    return (BOM if old.startswith(BOM) or new.startswith(BOM) else "") + "".join(out)
+
+
+def _lines(text: str) -> list[tuple[str, str]]:
+    """Each line of `text` and its ending: CRLF, LF, or none for a last line without one."""
+    parts = text.split("\n")
+    lines = [(part[:-1], "\r\n") if part.endswith("\r") else (part, "\n") for part in parts[:-1]]
+    return [*lines, (parts[-1], "")] if parts[-1] else lines
 
 
 def _target(path: Path, flag: str) -> Path:

@@ -143,11 +143,24 @@ def layout_from_dict(data: object) -> Layout:
             raise InputError(
                 f"plan.layers[{index}].virtual_stage", f"a {layer.kind} layer belongs on the {where} virtual stage"
             )
+    for index, (item, layer) in enumerate(zip(items, layers)):  # the rank and chunk each layer says, as simulate reads
+        for key, derived in (
+            ("stage", schedule.rank_of(layer.virtual_stage)),
+            ("chunk", schedule.chunk_of(layer.virtual_stage)),
+        ):
+            given = item.get(key)
+            if given is not None and json.dumps(given) != json.dumps(derived):
+                raise InputError(
+                    f"plan.layers[{index}].{key}",
+                    f"is {shown(given)}; its virtual_stage {layer.virtual_stage} says {derived}",
+                )
     counts = [
         sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_virtual_stages)
     ]
     mindformers = mindformers_view(schedule, kinds, [layer.recompute for layer in layers], counts)
-    for key, derived in mindformers.items():
+    per_stage = [[counts[virtual] for virtual in schedule.virtual_stages_of(rank)] for rank in range(schedule.ranks)]
+    views = {**mindformers, "virtual_stage_layers": counts, "stage_chunk_layers": per_stage}  # simulate reads one
+    for key, derived in views.items():
         given = plan.raw(key)
         if given is not None and json.dumps(given) != json.dumps(derived):  # true is not 1 here
             raise InputError(f"plan.{key}", f"is {shown(given)}; the plan's layers say {derived!r}")

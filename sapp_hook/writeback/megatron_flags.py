@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from sapp_hook.writeback.megatron_script import IFS
 from sapp_hook.writeback.megatron_trace import Ch, Field, Reading, Site, text_of
+from simulator.errors import InputError
 
 SWITCH, ONE, MANY = 0, 1, -1
 PP_SIZE = "--pipeline-model-parallel-size"
@@ -206,13 +207,28 @@ class FlagValue:
     exhaustive: bool = False  # ... and one of those branches always runs
 
     def number(self) -> int | None:
-        return int(self.text) if self.text is not None and self.text.isdigit() else None
+        return as_int(self.text)
 
     def determined(self) -> bool:
         return self.text is not None and not self.environment and not self.branches
 
 
+def as_int(text: str | None) -> int | None:
+    """`text` as Megatron-LM's argparse reads an int flag, None where it reads none."""
+    if text is None or not text.isdecimal():
+        return None
+    try:
+        return int(text)
+    except ValueError:  # past Python's 4,300 digits
+        return None
+
+
 def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
+    text = occurrence.value_text()
+    if text is not None and text.isdecimal() and as_int(text) is None:
+        raise InputError(
+            "--config", f"{occurrence.flag} is a number of {len(text):,} digits; Megatron-LM reads at most 4,300"
+        )
     chars = tuple(ch for value in occurrence.values for ch in value)
     depth = written_depth(occurrence.name[: len(occurrence.flag)])
     environment: list[str] = []
@@ -228,7 +244,7 @@ def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
                 branches.append(ref.name)
     choices, exhaustive = _choices(reading, chars, depth or 0)
     return FlagValue(
-        occurrence.value_text(),
+        text,
         tuple(environment),
         tuple(branches),
         conditional(reading, occurrence),

@@ -39,6 +39,7 @@ from sapp_hook.writeback.megatron_flags import (
     VIRTUAL_STAGES,
     FlagValue,
     Occurrence,
+    as_int,
     value_of,
 )
 from sapp_hook.writeback.megatron_layout import LayoutError, check, layout_text
@@ -264,7 +265,7 @@ def check_micro_batches(
         return  # left to Megatron's defaults
     values = value_of(reading, last[GLOBAL_BATCH]), value_of(reading, last[MICRO_BATCH])
     options = [
-        [int(c) for c in value.choices if c.isdigit()] or ([value.number()] if value.number() else [])
+        [n for n in map(as_int, value.choices) if n is not None] or ([value.number()] if value.number() else [])
         for value in values
     ]
     pairs = [(g, m) for g in options[0] for m in options[1] if m]

@@ -26,7 +26,7 @@ from sapp_hook.writeback.mindformers_values import (
     set_offset,
 )
 from sapp_hook.writeback.yaml_edit import MISSING, YamlEdit
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 
 TRAINING_SECTIONS = ("parallel_config", "model", "recompute_config")
 RECOMPUTE_KEYS = ("recompute", "select_recompute", "select_comm_recompute")
@@ -101,7 +101,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
         before = parallel.get("micro_batch_num")
         if before != layout.micro_batches:
             result.notes.append(
-                f"parallel_config.micro_batch_num {'unset (1)' if before is None else before} -> {layout.micro_batches}, "
+                f"parallel_config.micro_batch_num {'unset (1)' if before is None else shown(before)} -> {layout.micro_batches}, "
                 f"the plan's: MindFormers' global batch (batch_size x data_parallel x micro_batch_num) changes with it"
             )
         edit.set(("parallel_config", "micro_batch_num"), layout.micro_batches)

@@ -85,7 +85,7 @@ def section(data: object, place: tuple[str, ...], path: Path, *, required: bool 
                 raise InputError("--config", f"{path} lacks the section {where}, where MindFormers keeps it")
             return {}
         if not isinstance(node, Mapping):
-            kind = "a list" if isinstance(node, list) else f"the {type(node).__name__} {node!r}"
+            kind = "a list" if isinstance(node, list) else f"the {type(node).__name__} {shown(node)}"
             raise InputError("--config", f"{path}: {where} is {kind}; expected a mapping")
     return node
 
@@ -111,11 +111,12 @@ def note_stages(
     if all(is_int(size) and size > 0 for size in others):
         before, after = others[0] * others[1] * value, others[0] * others[1] * layout.stages
         keep = before // (others[1] * layout.stages) if before % (others[1] * layout.stages) == 0 else None
-        devices = f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {after} devices (was {before})" + (
-            f"; for {before} set {sizes[0]} to {keep}" if keep else ""
+        devices = (
+            f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {shown(after)} devices "
+            f"(was {shown(before)})" + (f"; for {shown(before)} set {sizes[0]} to {shown(keep)}" if keep else "")
         )
     result.notes.append(
-        f"{where} was {value}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
+        f"{where} was {shown(value)}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
         f"{layout.stages}{devices}"
     )
 
@@ -129,7 +130,7 @@ def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result:
     key = next((name for name in DECODER_KEYS if is_int(model.get(name))), None)
     mtp_key = next((name for name in MTP_KEYS if is_int(model.get(name)) and model.get(name)), None)
     mtp = model[mtp_key] if mtp_key else 0
-    said = f" + {mtp_key} {mtp}" if mtp_key else ""
+    said = f" + {mtp_key} {shown(mtp)}" if mtp_key else ""
     if key is None:
         result.notes.append(
             f"{where} declares no {' or '.join(DECODER_KEYS)} (MindFormers then reads the model's "
@@ -139,7 +140,7 @@ def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result:
         return
     if model[key] + mtp != layout.body_layers:
         raise InputError(
-            "--plan", f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {model[key]}{said}"
+            "--plan", f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {shown(model[key])}{said}"
         )
     body = [index for index, layer in enumerate(layout.layers) if layer.is_body]
     planned = [index for index in body if "mtp" in layout.layers[index].kind.lower()]

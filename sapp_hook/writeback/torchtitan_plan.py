@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan_dialects import Dialect
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
 from simulator.schedule import stage_to_rank
 from simulator.schedules import schedule_kind
 from solver.profile import FULL, NONE, SELECTIVE
@@ -132,7 +132,7 @@ def check_degree(value: object, where: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        kind = f"the string {value!r}" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        kind = f"the string {shown(value)}" if isinstance(value, str) else f"{type(value).__name__} {shown(value)}"
         raise InputError("--config", f"{where} is {kind}; TorchTitan expects a whole number of pipeline ranks")
     return value
 
@@ -146,7 +146,7 @@ def change_notes(result: WriteBack, where: str, degree: int | None, schedule: ob
             if degree is None
             else "1 (no pipeline parallelism)"
             if degree == 1
-            else str(degree)
+            else shown(degree)
         )
         result.notes.append(
             f"{where}.pipeline_parallel_degree was {was}; set to the plan's {layout.stages}: the job "

@@ -84,7 +84,8 @@ def render(value: object, indent: str, unit: str = "    ") -> str:
 
 
 def with_newlines(source: str, text: Text) -> str:
-    return source.replace("\n", text.newline) if text.newline != "\n" else source
+    """`source` with the text's line ending; a part already converted (an edit inside an edit) stays so."""
+    return source.replace("\r\n", "\n").replace("\n", text.newline) if text.newline != "\n" else source
 
 
 def has_comment(text: Text, node: ast.AST) -> bool:

@@ -30,7 +30,9 @@ from sapp_hook.writeback.torchtitan_plan import (
     module_names,
     split_points,
 )
-from simulator.errors import InputError
+from simulator.errors import InputError, shown
+
+TOML_INT_MAX = 2**63 - 1
 
 try:
     import tomllib
@@ -77,24 +79,33 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
         written[SPLIT_POINTS] = split_points(layout, SPLIT_POINTS)
     else:
         written[dialect.split_key] = module_names(layout, dialect.head, model)
+    # each change through the table fetched anew: a table spread over dotted keys is a proxy one change outdates
     for key in (*SPLIT_KEYS, *MICRO_KEYS, *SHAPING_KEYS):
         if key not in written:
-            table.pop(key, None)
+            document[dialect.table].pop(key, None)
     one_line = isinstance(table, tomlkit.items.InlineTable)  # `parallelism = {...}` holds no line break
     for key, value in written.items():
         lists_parts = key == dialect.split_key and key != SPLIT_POINTS and not one_line
-        table[key] = _multiline(value) if lists_parts else _like(table.get(key), value)
+        current = document[dialect.table].get(key)
+        document[dialect.table][key] = _multiline(value) if lists_parts else _like(current, value)
     choice = checkpointing(layout, dialect)
     section = document.get("activation_checkpoint")
-    if not isinstance(section, dict):
+    if section is None:
         section = document["activation_checkpoint"] = tomlkit.table()
+    elif not isinstance(section, dict):  # an array of tables, a string: TorchTitan reads a table; none is replaced
+        kind = (
+            "an array of tables" if isinstance(section, list) else f"{type(_plain(section)).__name__} {shown(section)}"
+        )
+        raise InputError(
+            "--config", f"{path}: activation_checkpoint is {kind}; expected a table ([activation_checkpoint])"
+        )
     checked = {"mode": choice.mode}
     if choice.option is not None:
         checked["selective_ac_option"] = choice.option
     for key, value in checked.items():
         section[key] = _like(section.get(key), value)
     result.notes += [*_assumed(dialect), *choice.notes]
-    new = _line_endings(tomlkit.dumps(document), old)
+    new = tomlkit.dumps(document)  # its line endings: commit's, as the config had them
     _read_back(new, path, dialect.table, written, checked)
     commit(result, old, new, dry_run=dry_run)
     if not choice.exact:
@@ -135,13 +146,17 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
         )
     local = _plain(local)
     if isinstance(local, bool) or not isinstance(local, int):
-        kind = f"the string {str(local)!r}" if isinstance(local, str) else repr(local)
+        kind = f"the string {shown(str(local))}" if isinstance(local, str) else shown(local)
         raise InputError("--config", f"{path}: training.{key} is {kind}; TorchTitan expects a whole number")
+    if abs(local) > TOML_INT_MAX:  # the micro-batch size written from it must be a TOML integer too
+        raise InputError(
+            "--config", f"{path}: training.{key} is {shown(local)}; expected a 64-bit integer, as TOML's are"
+        )
     if local % layout.micro_batches:
         raise InputError(
             "--plan",
             f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
-            f"{local}, which does not split into {layout.micro_batches}",
+            f"{shown(local)}, which does not split into {layout.micro_batches}",
         )
     return local // layout.micro_batches
 
@@ -174,13 +189,6 @@ def _assumed(dialect: Dialect) -> list[str]:
         f"the config does not say which TorchTitan it is for (nor does a TorchTitan source beside it): wrote {what}"
         for what in dialect.assumed
     ]
-
-
-def _line_endings(new: str, old: str) -> str:
-    """`new` with the line endings of `old` (tomlkit writes the keys it adds with '\\n')."""
-    if "\r\n" in old:
-        return new.replace("\r\n", "\n").replace("\n", "\r\n")
-    return new
 
 
 def _read_back(new: str, path: Path, table: str, written: Mapping[str, object], checked: Mapping[str, str]) -> None:

@@ -156,8 +156,8 @@ def build_schedule(
         largest = max(counts, key=counts.__getitem__)  # the count that went astray, most likely
         raise InputError(
             largest,
-            f"{stages:,} x {chunks:,} x {micro_batches:,} (stages x chunks x micro-batches) make "
-            f"{actions:,} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)",
+            f"{_count(stages)} x {_count(chunks)} x {_count(micro_batches)} (stages x chunks x micro-batches) make "
+            f"{_count(actions)} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)",
         )
     fewest = kind.min_micro_batches(stages, chunks)
     if micro_batches < fewest:
@@ -192,4 +192,9 @@ def build_schedule(
 
 def _check_count(field: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise InputError(field, f"expected an integer >= {least}, got {value!r}")
+        raise InputError(field, f"expected an integer >= {least}, got {shown(value)}")
+
+
+def _count(number: int) -> str:
+    """A count in an error line: with thousands separators, a number past any real one cut short."""
+    return f"{number:,}" if number < 10**30 else shown(number)
