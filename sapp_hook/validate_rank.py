@@ -158,7 +158,10 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
         step_losses: list[torch.Tensor] = []
         dist.barrier()
         # the token ids are data the schedule holds for the whole step, in one storage: not activations
-        with HeldActivations([*model.parameters(), *model.buffers(), batch], moving=moving) as held:
+        with (
+            _unsynced(run) if step == 0 and shape.ddp else contextlib.nullcontext(),
+            HeldActivations([*model.parameters(), *model.buffers(), batch], moving=moving) as held,
+        ):
             step_held[:] = [held]
             started = time.perf_counter()
             # return_outputs=False: else torch keeps every micro-batch's logits on the last rank to the end
@@ -205,6 +208,17 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
         "layers": sorted(id_ for module in stage_modules for id_ in _layer_names(model, module)),
     }
     Path(folder, f"rank{rank}.json").write_text(json.dumps(measured))
+
+
+@contextlib.contextmanager
+def _unsynced(modules: list[Any]) -> Iterator[None]:
+    """Every DDP module under no_sync: the warm-up step of a schedule that runs two chunks on a rank
+    (Interleaved1F1B) trips DDP's first bucket rebuild otherwise (torch 2.13 asserts that it recorded
+    each parameter twice, at the next step's first forward)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(module.no_sync())
+        yield
 
 
 @contextlib.contextmanager

@@ -68,6 +68,14 @@ def test_reshard_after_forward_is_predicted_to_the_byte(llama_profile):
         assert set(_all_gathers(row).values()) == {finds_sharded}
 
 
+def test_pipeline_x_ddp_under_an_interleaved_schedule_runs_and_is_predicted_to_the_byte(llama_profile):
+    """Two DDP chunks a rank: the warm-up step runs unsynced, or DDP's first bucket rebuild asserts."""
+    setup = Setup(**{**LLAMA, "schedule": "Interleaved1F1B"}, plan="even", data_parallel=2, ddp=True)
+    report = validate(setup, profile=llama_profile)
+    assert report["chunks"] == 2
+    _exact(report)
+
+
 def _unsharded(profile, data_parallel: int):
     """The profile as the spec's ZeRO-3 division alone plans it: every layer's bytes / data_parallel."""
     return dataclasses.replace(
