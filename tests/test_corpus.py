@@ -211,6 +211,10 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "plan": _plan,
     "yaml": _copy("mindformers_llama.yaml", "train.yaml"),
     "toml": _copy("torchtitan_llama.toml", "train.toml"),
+    "script": _copy("megatron_llama.sh", "train.sh"),
+    "earlier_plan": _text("plan.json", '{"spec": {}}\n'),
+    "earlier_csv": _text("schedule.csv", "0F0,0B0\n1F0,1B0\n"),
+    "earlier_keys": _text("keys.yaml", "offset: [1, -1]\npp_interleave_num: 1\n"),
     "crlf_yaml": _crlf("mindformers_llama.yaml"),
     "crlf_toml": _crlf("torchtitan_llama.toml"),
     "malformed_json": _text("malformed.json", '{"schema_version": 1, "layers": [{"name": "embed",'),
@@ -449,6 +453,12 @@ class Case:
     printed: str | None = None  # what stdout must say
 
 
+def _earlier_outputs_replaced(folder: Path) -> None:
+    assert "plan" in json.loads((folder / "plan.json").read_text())
+    assert (folder / "schedule.csv").read_text().startswith("0F0,0F1,")
+    assert "recompute" in (folder / "keys.yaml").read_text()
+
+
 def _symlink_written_through(folder: Path) -> None:
     link, target = folder / "links" / "train.yaml", folder / "train.yaml"
     assert link.is_symlink() and link.resolve() == target.resolve()
@@ -677,6 +687,39 @@ CASES = [
         [*SOLVE, "--plan-out", "{dir}/out.json", "--trace", "{dir}/out.json"],
         EXIT_INPUT,
         "--plan-out: {dir}/out.json is --trace's file too",
+    ),
+    # an output onto a launch config named by mistake: refused, the config as it was (apply writes plans)
+    Case("plan-out-onto-a-yaml-config", [*SOLVE, "--plan-out", "{yaml}"], EXIT_INPUT, "--plan-out: {dir}/train.yaml"),
+    Case("csv-onto-a-toml-config", [*SOLVE, "--csv", "{toml}"], EXIT_INPUT, "--csv: {dir}/train.toml"),
+    Case("trace-onto-a-script", [*SOLVE, "--trace", "{script}"], EXIT_INPUT, "--trace: {dir}/train.sh"),
+    Case(
+        "mindformers-yaml-onto-a-training-config",
+        [*SOLVE, "--mindformers-yaml", "{yaml}"],
+        EXIT_INPUT,
+        "--mindformers-yaml: {dir}/train.yaml",
+    ),
+    Case(
+        "profile-out-onto-a-script",
+        ["profile", "--estimate", "--model", "tiny-llama", "--out", "{script}", "--quiet"],
+        EXIT_INPUT,
+        "--out: {dir}/train.sh",
+    ),
+    Case(
+        "outputs-onto-earlier-outputs",
+        [
+            *SOLVE,
+            "--plan-out",
+            "{earlier_plan}",
+            "--csv",
+            "{earlier_csv}",
+            "--mindformers-yaml",
+            "{earlier_keys}",
+            "--quiet",
+        ],
+        0,
+        None,
+        unchanged=False,
+        check=_earlier_outputs_replaced,
     ),
     Case(
         "backup-slot-a-folder",

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -284,10 +285,53 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
             ) from None
         if target in taken:
             raise InputError(flag, f"{path} is {taken[target]}'s file too; expected a file of its own")
+        _check_replaceable(flag, name, target)
         taken[target] = flag
     if "plot" in outputs:
         check_plot_path(outputs["plot"], "--plot")
     return outputs
+
+
+# What each output file holds: an existing file is replaced only where it holds the same kind (an earlier
+# run's output), never a launch config named by mistake.
+_JSON_OUTPUTS = ("plan_out", "profile_out", "out", "trace")
+_CSV_TEXT = re.compile(r"[A-Za-z0-9_,\s]*")  # torch's schedule CSV: action names and commas
+
+
+def _check_replaceable(flag: str, name: str, target: Path) -> None:
+    if name not in (*_JSON_OUTPUTS, "csv", "mindformers_yaml") or not target.is_file():
+        return
+    with target.open("rb") as file:
+        head = file.read(4096)
+    if not head.strip():
+        return
+    text = head.decode("utf-8", errors="replace")
+    if name in _JSON_OUTPUTS:
+        same = text.lstrip()[:1] in ("{", "[")
+        kind = "JSON"
+    elif name == "csv":
+        same = _CSV_TEXT.fullmatch(text) is not None
+        kind = "a schedule CSV"
+    else:
+        same = _holds_only_mindformers_keys(target, flag)
+        kind = "the plan's MindFormers keys alone"
+    if not same:
+        raise InputError(
+            flag,
+            f"{target} exists and does not hold {kind} (a launch config?); expected a new path or an earlier "
+            "output of this flag (sapp-hook apply writes a plan into a launch config)",
+        )
+
+
+def _holds_only_mindformers_keys(target: Path, flag: str) -> bool:
+    from sapp_hook.inputs import read_yaml
+    from solver.mindformers import MINDFORMERS_KEYS
+
+    try:
+        document = read_yaml(target, flag)
+    except InputError:
+        return False
+    return isinstance(document, dict) and set(document) <= set(MINDFORMERS_KEYS)
 
 
 def write_replay_outputs(result: SimulationResult, outputs: dict[str, Path], talk: bool) -> list[str]:
