@@ -299,6 +299,7 @@ _CSV_TEXT = re.compile(r"[A-Za-z0-9_,\s]*")  # torch's schedule CSV: action name
 
 
 def _check_replaceable(flag: str, name: str, target: Path) -> None:
+    """InputError naming `flag` where `target` exists and holds something other than what `name` writes."""
     if name not in (*_JSON_OUTPUTS, "csv", "mindformers_yaml") or not target.is_file():
         return
     with target.open("rb") as file:
@@ -324,6 +325,7 @@ def _check_replaceable(flag: str, name: str, target: Path) -> None:
 
 
 def _holds_only_mindformers_keys(target: Path, flag: str) -> bool:
+    """Whether `target` is a YAML mapping of the plan's MindFormers keys and nothing else."""
     from sapp_hook.inputs import read_yaml
     from solver.mindformers import MINDFORMERS_KEYS
 
