@@ -26,7 +26,11 @@ class ShardedCosts:
     `backward_gather_working_bytes` where a backward does (in place of its working set),
     `reduce_working_bytes` during the reduce, `layer_gather_bytes` on top of every backward action's working
     set where each layer is gathered for its own backward (ZeRO-3 without FSDP). Working sets are above
-    what was held when the action began, like a backward's."""
+    what was held when the action began, like a backward's. `first_backward_working_bytes` and
+    `first_backward_gather_working_bytes` (None: not known, the gradients then counted from the start)
+    are the working sets of the full backward that makes the step's gradients, finding the chunk
+    gathered or not: each layer's gradient arrives with its own backward, so a layer's backward holds
+    those of the layers after it only."""
 
     gathered_bytes: float = 0.0
     forward_kept_bytes: float = 0.0
@@ -36,10 +40,13 @@ class ShardedCosts:
     backward_gather_working_bytes: float = 0.0
     reduce_working_bytes: float = 0.0
     layer_gather_bytes: float = 0.0
+    first_backward_working_bytes: float | None = None
+    first_backward_gather_working_bytes: float | None = None
 
     def check(self, where: str) -> None:
         for name, value in vars(self).items():
-            check_non_negative(value, f"{where} sharded.{name}")
+            if value is not None:
+                check_non_negative(value, f"{where} sharded.{name}")
         if self.forward_kept_bytes > self.gathered_bytes:
             raise InputError(
                 f"{where} sharded.forward_kept_bytes",

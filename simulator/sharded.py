@@ -98,22 +98,12 @@ def memory_points(
             change = costs.forward_kept_bytes - state.gathered
             state.gathered = costs.forward_kept_bytes
         else:
-            if op != BACKWARD_INPUT and not state.gradients:
-                state.gradients = True
+            working, arriving = _backward_working(chunk, op, state)
+            if arriving is None:  # the step's gradients counted from the action's start
                 memory += costs.gradient_bytes
                 sharded += costs.gradient_bytes
-            _see(
-                most,
-                memory,
-                (
-                    costs.backward_gather_working_bytes
-                    if state.gathered < costs.gathered_bytes
-                    else chunk.working_bytes_during(op)
-                )
-                + costs.layer_gather_bytes,
-                sharded,
-            )
-            change = costs.gathered_bytes - state.gathered
+            _see(most, memory, working + costs.layer_gather_bytes, sharded)
+            change = costs.gathered_bytes - state.gathered + (arriving or 0.0)
             state.gathered = costs.gathered_bytes
         memory += change + chunk.held_change_bytes(op)
         sharded += change
@@ -126,6 +116,23 @@ def memory_points(
             sharded -= released
             state.gathered, state.gradients = 0.0, False
         yield MemoryPoint(memory, sharded, *most)
+
+
+def _backward_working(chunk: ChunkCosts, op: str, state: _ChunkState) -> tuple[float, float | None]:
+    """A backward action's working set, and the step gradients it makes: 0 where it makes none, their
+    bytes where they arrive layer by layer within the working set given, None where the working set
+    does not count them and they are held from the action's start."""
+    costs = chunk.sharded
+    assert costs is not None
+    regathers = state.gathered < costs.gathered_bytes
+    working = costs.backward_gather_working_bytes if regathers else chunk.working_bytes_during(op)
+    if op == BACKWARD_INPUT or state.gradients:
+        return working, 0.0
+    state.gradients = True
+    first = costs.first_backward_gather_working_bytes if regathers else costs.first_backward_working_bytes
+    if op != FULL_BACKWARD or first is None:
+        return working, None
+    return first, costs.gradient_bytes
 
 
 def _see(most: list[float], memory: float, working: float, sharded: float) -> None:

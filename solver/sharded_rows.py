@@ -1,7 +1,8 @@
 """Data parallelism's memory within a step as the program states it (`solver.sharding` for one split,
 `simulator.sharded` for its replay): per virtual stage, as expressions in the layer counts, what it holds
 gathered, its step gradients and what its reduce leaves, exactly; the working sets of gathering and of
-the reduce as bounds from above (the replay, exact, checks every plan)."""
+the reduce, and the full backward that makes the step gradients (counted from its start, where the
+replay adds them layer by layer), as bounds from above (the replay, exact, checks every plan)."""
 
 from __future__ import annotations
 

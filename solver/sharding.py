@@ -101,6 +101,8 @@ def sharded_costs(
             reduced_gradient_bytes=sum(reduced),
             forward_gather_working_bytes=_forward_walk(units, start_bytes, gloo),
             backward_gather_working_bytes=_backward_walk(units, seed_bytes, gloo),
+            first_backward_working_bytes=_backward_walk(units, seed_bytes, gloo, arriving=gradient, gathers=False),
+            first_backward_gather_working_bytes=_backward_walk(units, seed_bytes, gloo, arriving=gradient),
             # one unit at a time: the reduce-scatter's input (a copy of the whole gradient) and its output shard
             reduce_working_bytes=max(
                 (unit.gradient_bytes * (1 + 1 / spec.data_parallel) for unit in units), default=0.0
@@ -139,16 +141,30 @@ def _forward_walk(units: Sequence[Unit], start_bytes: float, gloo: bool) -> floa
     return most
 
 
-def _backward_walk(units: Sequence[Unit], seed_bytes: float, gloo: bool) -> float:
+def _backward_walk(
+    units: Sequence[Unit],
+    seed_bytes: float,
+    gloo: bool,
+    *,
+    arriving: Sequence[float] | None = None,
+    gathers: bool = True,
+) -> float:
     """The most a backward holds above its start where it finds the units forwards re-shard sharded
-    (reshard after forward, after a forward): last unit first, each such unit is all-gathered at its
-    pre-backward (or taken from the prefetch), copied out and kept (a backward never re-shards), and the
-    unit before it is prefetched (its flat output held, with gloo's temporary while it runs) before its
-    own backward computes. Gradients are counted from the backward's start (`ShardedCosts.gradient_bytes`)."""
-    gathered, prefetched, most = 0.0, -1, 0.0
+    (reshard after forward, after a forward; `gathers`): last unit first, each such unit is all-gathered
+    at its pre-backward (or taken from the prefetch), copied out and kept (a backward never re-shards),
+    and the unit before it is prefetched (its flat output held, with gloo's temporary while it runs)
+    before its own backward computes. Gradients are counted from the backward's start
+    (`ShardedCosts.gradient_bytes`), or, given per unit (`arriving`: the backward that makes the step's
+    gradients), from each unit's own backward on: the gradient it computes is kept, not added."""
+    gathered, prefetched, most, made = 0.0, -1, 0.0, 0.0
     for index in reversed(range(len(units))):
         unit = units[index]
-        before = seed_bytes + unit.handed_bytes - unit.freed_bytes  # at its pre-backward
+        before = seed_bytes + unit.handed_bytes - unit.freed_bytes + made  # at its pre-backward
+        if arriving is not None:
+            made += arriving[index]
+        if not gathers:
+            most = max(most, before + unit.working_bytes)
+            continue
         size = unit.parameter_bytes
         if unit.reshards_after_forward:
             if prefetched == index:

@@ -237,7 +237,9 @@ def test_pipeline_costs_state_each_chunks_fsdp_terms():
 def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_the_pipelines_peak(schedule, counts):
     """Measured on torch 2.13 (docs/results): without reshard after forward, a rank peaks at its sharded
     static bytes + what the pipeline alone holds above its static bytes + its chunks' whole parameters
-    and gradients, where the gathering and the reduce (which these large layers' make) do not set it."""
+    and gradients, where the gathering and the reduce (which these large layers' make) do not set it.
+    Under GPipe the pipeline peaks in the first backward, which makes the gradients layer by layer: the
+    peak is lower by what its layers had not made yet."""
     profile = _fsdp_profile()
     modes = ("none",) * len(profile.layers)
     base = {"stages": 2, "micro_batches": 4, "schedule": schedule, "receive_buffers": True}
@@ -262,7 +264,12 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
         row, plain_row = costs.chunk_costs[rank], alone.simulation.costs.chunk_costs[rank]
         whole = sum(c.sharded.gathered_bytes + c.sharded.gradient_bytes for c in row)
         above_static = alone.stage_peak_memory_bytes[rank] - sum(c.static_bytes for c in plain_row)
-        assert without_transients[rank] == sum(c.static_bytes for c in row) + above_static + whole
+        every_gradient_first = sum(c.static_bytes for c in row) + above_static + whole
+        if schedule == "GPipe":
+            gradients = sum(c.sharded.gradient_bytes for c in row)
+            assert every_gradient_first - gradients < without_transients[rank] < every_gradient_first
+        else:
+            assert without_transients[rank] == every_gradient_first
         assert fsdp.stage_peak_memory_bytes[rank] >= without_transients[rank]
 
 
@@ -281,11 +288,13 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
 )
 def test_the_programs_memory_is_the_replays(fields, schedule, counts):
     """Gathered parameters, step gradients and what reduces leave are stated exactly; here the bounds
-    on gathering's working sets bind nowhere, so each rank's largest row is its replayed peak."""
+    on gathering's working sets bind nowhere, so each rank's largest row is its replayed peak. Where a
+    full backward that makes FSDP's step gradients sets the peak (DualPipeV's here), the program counts
+    them from its start and the replay layer by layer: the rows bound the peak from above."""
     _check_rows(
         PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, **fields),
         counts,
-        exact=True,
+        exact=not (schedule == "DualPipeV" and fields.get("fsdp")),
     )
 
 
