@@ -212,9 +212,9 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
 
 @contextlib.contextmanager
 def _unsynced(modules: list[Any]) -> Iterator[None]:
-    """Every DDP module under no_sync: the warm-up step of a schedule that runs two chunks on a rank
-    (Interleaved1F1B) trips DDP's first bucket rebuild otherwise (torch 2.13 asserts that it recorded
-    each parameter twice, at the next step's first forward)."""
+    """Every DDP module under no_sync, for the first step: torch's pipelining infers each stage's shapes
+    then with a forward outside no_sync, which leaves DDP's reducer expecting a backward, and under
+    Interleaved1F1B its first bucket rebuild then finds every parameter counted twice and asserts."""
     with contextlib.ExitStack() as stack:
         for module in modules:
             stack.enter_context(module.no_sync())

@@ -20,7 +20,8 @@ class ShardedCosts:
     `gathered_bytes`: the chunk's whole parameters, held once gathered (by its first forward, or the
     engine's unshard before it) until its reduce; `forward_kept_bytes` of them stay gathered after a
     forward (all, unless forwards re-shard). `gradient_bytes` come at the chunk's first weight-gradient
-    action (B, or W where the backward is split), counted from its start, and stay to its reduce, right
+    action (B, or W where the backward is split), counted from its start (within a B's working set
+    where `first_backward_*` says it), and stay to its reduce, right
     after its last one, which leaves `reduced_gradient_bytes` in their place to the step's end. While an
     action runs: `forward_gather_working_bytes` where a forward finds the chunk not all gathered,
     `backward_gather_working_bytes` where a backward does (in place of its working set),

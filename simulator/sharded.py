@@ -99,7 +99,7 @@ def memory_points(
             state.gathered = costs.forward_kept_bytes
         else:
             working, arriving = _backward_working(chunk, op, state)
-            if arriving is None:  # the step's gradients counted from the action's start
+            if arriving is None:
                 memory += costs.gradient_bytes
                 sharded += costs.gradient_bytes
             _see(most, memory, working + costs.layer_gather_bytes, sharded)
@@ -121,7 +121,8 @@ def memory_points(
 def _backward_working(chunk: ChunkCosts, op: str, state: _ChunkState) -> tuple[float, float | None]:
     """A backward action's working set, and the step gradients it makes: 0 where it makes none, their
     bytes where they arrive layer by layer within the working set given, None where the working set
-    does not count them and they are held from the action's start."""
+    does not count them and they are held from the action's start. Arriving ones count in the working
+    set at its peak, not in `MemoryPoint.during_sharded_bytes`: the total is exact, its split is not."""
     costs = chunk.sharded
     assert costs is not None
     regathers = state.gathered < costs.gathered_bytes

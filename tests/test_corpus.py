@@ -212,8 +212,10 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "yaml": _copy("mindformers_llama.yaml", "train.yaml"),
     "toml": _copy("torchtitan_llama.toml", "train.toml"),
     "script": _copy("megatron_llama.sh", "train.sh"),
-    "earlier_plan": _text("plan.json", '{"spec": {}}\n'),
-    "earlier_csv": _text("schedule.csv", "0F0,0B0\n1F0,1B0\n"),
+    "earlier_plan": _text("plan.json", '{"status": "optimal", "spec": {}, "plan": {}}\n'),
+    "earlier_csv": _text("schedule.csv", "0F0,0B0,,(0F1;1B0)OVERLAP_F_B\n1F0,1B0\n"),
+    "bracketed_toml": _text("bracketed.toml", "[job]\ndump_folder = './outputs'\n"),
+    "json_launch_config": _text("ds_config.json", '{"train_batch_size": 32, "zero_optimization": {"stage": 1}}\n'),
     "earlier_keys": _text("keys.yaml", "offset: [1, -1]\npp_interleave_num: 1\n"),
     "crlf_yaml": _crlf("mindformers_llama.yaml"),
     "crlf_toml": _crlf("torchtitan_llama.toml"),
@@ -704,6 +706,8 @@ CASES = [
         EXIT_INPUT,
         "--out: {dir}/train.sh",
     ),
+    Case("plan-out-onto-a-toml-of-brackets", [*SOLVE, "--plan-out", "{bracketed_toml}"], EXIT_INPUT, "--plan-out"),
+    Case("trace-onto-a-json-launch-config", [*SOLVE, "--trace", "{json_launch_config}"], EXIT_INPUT, "--trace"),
     Case(
         "outputs-onto-earlier-outputs",
         [

@@ -137,6 +137,34 @@ def test_reshard_after_forward_gathers_again_in_each_backward_after_a_forward():
     ]
 
 
+def test_the_full_backward_that_makes_the_gradients_holds_them_within_its_working_set():
+    """Where the walk with the gradients arriving is known, the first full backward peaks at it on top of
+    what it began with (not gradients + working set), and holds the gradients after; a later backward,
+    and the W of a split backward, count as before."""
+    ops = [(0, FORWARD), (0, FORWARD), (0, FULL_BACKWARD), (0, FULL_BACKWARD)]
+    assert _points(ops, _row(first_backward_working_bytes=25.0))[2:] == [
+        (195.0, 200.0, 90.0),  # 170 + 25; then + 40 gradients - 10 activation
+        (250.0, 100.0, 0.0),
+    ]
+    regather = _row(
+        forward_kept_bytes=0.0, backward_gather_working_bytes=80.0, first_backward_gather_working_bytes=85.0
+    )
+    ops = [(0, FORWARD), (0, FULL_BACKWARD), (0, FORWARD), (0, FULL_BACKWARD)]
+    assert _points(ops, regather)[1] == (195.0, 190.0, 90.0)  # 110 + 85; then + 50 gathered + 40 - 10
+    split = [(0, FORWARD), (0, "I"), (0, BACKWARD_WEIGHT)]
+    assert _points(split, _row(first_backward_working_bytes=1.0)) == _points(split, _row())
+
+
+def test_the_first_backward_walk_makes_each_units_gradient_at_its_own_backward():
+    """The blocks' gradients (3 each) are there by the head's backward, not its own (8): 3 + 5 = 8,
+    where counting all 14 from the start makes 18; with the gathering walk, 19's moment (the head's copy
+    out of its prefetch) holds the blocks' 6: 25, not 33."""
+    arriving = [8.0, 3.0, 3.0]
+    assert _backward_walk(_units(False), 0.0, gloo=True, arriving=arriving, gathers=False) == 8.0
+    assert _backward_walk(_units(False), 0.0, gloo=True, gathers=False) + 14.0 == 18.0
+    assert _backward_walk(_units(True), 0.0, gloo=False, arriving=arriving) == 25.0
+
+
 def test_what_a_reduce_leaves_stays_to_the_steps_end():
     ops = [(0, FORWARD), (0, FULL_BACKWARD)]
     assert _points(ops, _row(reduced_gradient_bytes=10.0))[-1][1:] == (110.0, 10.0)  # static 100 + the shard 10
@@ -228,6 +256,27 @@ def test_pipeline_costs_state_each_chunks_fsdp_terms():
         assert sharded.reduce_working_bytes == max(layer.gradient_bytes for layer in layers) * 1.5
     plain = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, receive_buffers=True)
     assert pipeline_costs(profile, plain, (3, 3), ("none",) * 6).chunk_costs[0][0].sharded is None
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_the_first_backward_walk_never_exceeds_what_the_program_counts(reshard):
+    """The program counts the step gradients from the first backward's start, over the backward's own
+    working set: a bound from above only if the walk with them arriving stays within it."""
+    profile = _fsdp_profile()
+    spec = PipelineSpec(
+        stages=2, micro_batches=4, data_parallel=2, fsdp=True, fsdp_reshard_after_forward=reshard, receive_buffers=True
+    )
+    for counts in ((3, 3), (1, 5), (5, 1)):
+        for chunk in (row[0] for row in pipeline_costs(profile, spec, counts, ("none",) * 6).chunk_costs):
+            sharded = chunk.sharded
+            assert (
+                sharded.first_backward_working_bytes
+                <= chunk.working_bytes_during(FULL_BACKWARD) + sharded.gradient_bytes
+            )
+            assert (
+                sharded.first_backward_gather_working_bytes
+                <= sharded.backward_gather_working_bytes + sharded.gradient_bytes
+            )
 
 
 @pytest.mark.parametrize(

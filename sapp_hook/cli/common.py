@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import io
 import json
 import logging
 import math
-import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import NoReturn
 
 from simulator import SCHEDULES, InputError, SimulationResult
 from simulator.errors import check_ms
-from simulator.files import writable_target
+from simulator.files import MAX_FILE_BYTES, writable_target
 from simulator.plot import check_plot_path
 from simulator.units import format_bytes, parse_bytes
 from solver import ModelProfile, load_profile
@@ -285,52 +286,75 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
             ) from None
         if target in taken:
             raise InputError(flag, f"{path} is {taken[target]}'s file too; expected a file of its own")
-        _check_replaceable(flag, name, target)
+        _check_replaceable(flag, name, path, target)
         taken[target] = flag
     if "plot" in outputs:
         check_plot_path(outputs["plot"], "--plot")
     return outputs
 
 
-# What each output file holds: an existing file is replaced only where it holds the same kind (an earlier
-# run's output), never a launch config named by mistake.
-_JSON_OUTPUTS = ("plan_out", "profile_out", "out", "trace")
-_CSV_TEXT = re.compile(r"[A-Za-z0-9_,\s]*")  # torch's schedule CSV: action names and commas
+# The keys that mark each JSON output's own earlier file: only such a file, or a new path, is replaced
+_JSON_KEYS = {"plan_out": ("plan", "spec"), "profile_out": ("layers",), "out": ("layers",), "trace": ("traceEvents",)}
+_KINDS = {"plan_out": "a plan JSON", "profile_out": "a profile JSON", "out": "a profile JSON", "trace": "a trace JSON"}
 
 
-def _check_replaceable(flag: str, name: str, target: Path) -> None:
-    """InputError naming `flag` where `target` exists and holds something other than what `name` writes."""
-    if name not in (*_JSON_OUTPUTS, "csv", "mindformers_yaml") or not target.is_file():
+def _check_replaceable(flag: str, name: str, path: Path, target: Path) -> None:
+    """InputError naming `flag` where `target` (`path` as given) exists and holds something other than
+    what `name` writes: a launch config named by mistake is never replaced."""
+    if name not in (*_JSON_KEYS, "csv", "mindformers_yaml") or not target.is_file():
         return
-    with target.open("rb") as file:
-        head = file.read(4096)
-    if not head.strip():
+    shown = str(path) if Path(path) == target else f"{path} (-> {target})"
+    try:
+        size = target.stat().st_size
+        with target.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InputError(flag, f"cannot read {shown}: {exc.strerror or exc}; expected a new path") from None
+    text = data.decode("utf-8-sig", errors="replace")
+    if not text.strip():
         return
-    text = head.decode("utf-8", errors="replace")
-    if name in _JSON_OUTPUTS:
-        same = text.lstrip()[:1] in ("{", "[")
-        kind = "JSON"
+    if name in _JSON_KEYS:
+        kind, same = _KINDS[name], size > MAX_FILE_BYTES or _holds_keys(text, _JSON_KEYS[name])
     elif name == "csv":
-        same = _CSV_TEXT.fullmatch(text) is not None
-        kind = "a schedule CSV"
+        kind, same = "a schedule CSV", _is_schedule_csv(text)
     else:
-        same = _holds_only_mindformers_keys(target, flag)
-        kind = "the plan's MindFormers keys alone"
+        kind, same = "the plan's MindFormers keys alone", _holds_only_mindformers_keys(text, flag, shown)
     if not same:
         raise InputError(
             flag,
-            f"{target} exists and does not hold {kind} (a launch config?); expected a new path or an earlier "
-            "output of this flag (sapp-hook apply writes a plan into a launch config)",
+            f"{shown} exists and is not {kind} (a launch config?); expected a new path or this flag's earlier "
+            "output (sapp-hook apply writes a plan into a launch config)",
         )
 
 
-def _holds_only_mindformers_keys(target: Path, flag: str) -> bool:
-    """Whether `target` is a YAML mapping of the plan's MindFormers keys and nothing else."""
-    from sapp_hook.inputs import read_yaml
+def _holds_keys(text: str, keys: tuple[str, ...]) -> bool:
+    """Whether `text` is a JSON object with every key of `keys`."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(document, dict) and all(key in document for key in keys)
+
+
+def _is_schedule_csv(text: str) -> bool:
+    """Whether every row of `text` is torch's schedule CSV: action cells, overlapped pairs, empty cells."""
+    from simulator.actions import parse_rank_cells
+
+    try:
+        for row in csv.reader(io.StringIO(text)):
+            parse_rank_cells(row)
+    except (ValueError, csv.Error):
+        return False
+    return True
+
+
+def _holds_only_mindformers_keys(text: str, flag: str, shown: str) -> bool:
+    """Whether `text` is a YAML mapping of the plan's MindFormers keys and nothing else."""
+    from sapp_hook.inputs import parse_yaml
     from solver.mindformers import MINDFORMERS_KEYS
 
     try:
-        document = read_yaml(target, flag)
+        document = parse_yaml(text, flag, shown)
     except InputError:
         return False
     return isinstance(document, dict) and set(document) <= set(MINDFORMERS_KEYS)
