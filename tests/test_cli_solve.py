@@ -302,3 +302,13 @@ def test_the_plan_table_keeps_its_columns_with_long_recompute_lists():
     rows = [line for line in table if line.lstrip().startswith(("stage", "0 ", "1 "))]
     assert "full 1, selective+comm 1, comm 1" in rows[1]
     assert len({len(row) for row in rows}) == 1  # the peak memory column, right-aligned, ends where its header does
+
+
+@pytest.mark.parametrize(("schedule", "noted"), [("ZBVZeroBubble", True), ("1F1B", False)])
+def test_solve_notes_the_margin_zbv_x_tensor_parallel_needs(capsys, tmp_path, schedule, noted):
+    """The one layout measured to run above its prediction (docs/results/nd-validation.md) says so."""
+    profile = tmp_path / "p.json"
+    assert main(["profile", "--estimate", "--model", "tiny-llama", "--out", str(profile), "--quiet"]) == 0
+    argv = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", schedule]
+    assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2"]) == 0
+    assert ("up to 8% above its prediction" in capsys.readouterr().err) == noted
