@@ -62,6 +62,13 @@ def check_layout(config: Any, tensor_parallel: int, sequence_parallel: bool, fsd
     text = config.get_text_config()
     if tensor_parallel > 1 and not hasattr(text, "num_key_value_heads"):
         raise InputError("--tensor-parallel", "the runner splits the Llama family's blocks (q/k/v/o, gate/up/down)")
+    if tensor_parallel > 1 and (getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)):
+        # the rule splits routed experts over t (Megatron's expert TP): a run with them whole checks nothing
+        raise InputError(
+            "--tensor-parallel",
+            "the runner's plan (TorchTitan's Llama plan) leaves an MoE model's experts whole, where sapp-hook's "
+            "rule splits them over the degree; expected a dense Llama-family model",
+        )
     check_tensor_parallel(config, tensor_parallel, seq_len, sequence_parallel)
     if getattr(text, "tie_word_embeddings", False) and (fsdp or tensor_parallel > 1):
         raise InputError(
