@@ -119,10 +119,11 @@ def memory_points(
 
 
 def _backward_working(chunk: ChunkCosts, op: str, state: _ChunkState) -> tuple[float, float | None]:
-    """A backward action's working set, and the step gradients it makes: 0 where it makes none, their
-    bytes where they arrive layer by layer within the working set given, None where the working set
-    does not count them and they are held from the action's start. Arriving ones count in the working
-    set at its peak, not in `MemoryPoint.during_sharded_bytes`: the total is exact, its split is not."""
+    """A backward action's working set, and the step gradients it makes (marking them made in `state`):
+    0 where it makes none, their bytes where they arrive layer by layer within the working set given,
+    None where the working set does not count them and they are held from the action's start. Arriving
+    ones count in the working set at its peak, not in `MemoryPoint.during_sharded_bytes`: the total is
+    exact, its split is not."""
     costs = chunk.sharded
     assert costs is not None
     regathers = state.gathered < costs.gathered_bytes

@@ -293,19 +293,24 @@ def output_paths(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
     return outputs
 
 
-# The keys that mark each JSON output's own earlier file: only such a file, or a new path, is replaced
-_JSON_KEYS = {"plan_out": ("plan", "spec"), "profile_out": ("layers",), "out": ("layers",), "trace": ("traceEvents",)}
-_KINDS = {"plan_out": "a plan JSON", "profile_out": "a profile JSON", "out": "a profile JSON", "trace": "a trace JSON"}
+# What each JSON output is and the keys that mark its earlier file: only such a file, or a new path, is replaced
+_JSON_OUTPUTS = {
+    "plan_out": ("a plan JSON", ("plan", "spec")),
+    "profile_out": ("a profile JSON", ("layers",)),
+    "out": ("a profile JSON", ("layers",)),
+    "trace": ("a trace JSON", ("traceEvents",)),
+}
 
 
 def _check_replaceable(flag: str, name: str, path: Path, target: Path) -> None:
     """InputError naming `flag` where `target` (`path` as given) exists and holds something other than
     what `name` writes: a launch config named by mistake is never replaced."""
-    if name not in (*_JSON_KEYS, "csv", "mindformers_yaml") or not target.is_file():
+    if name not in (*_JSON_OUTPUTS, "csv", "mindformers_yaml") or not target.is_file():
         return
     shown = str(path) if Path(path) == target else f"{path} (-> {target})"
     try:
-        size = target.stat().st_size
+        if name in _JSON_OUTPUTS and target.stat().st_size > MAX_FILE_BYTES:
+            return  # no config is that large: an earlier trace
         with target.open("rb") as file:
             data = file.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
@@ -313,8 +318,9 @@ def _check_replaceable(flag: str, name: str, path: Path, target: Path) -> None:
     text = data.decode("utf-8-sig", errors="replace")
     if not text.strip():
         return
-    if name in _JSON_KEYS:
-        kind, same = _KINDS[name], size > MAX_FILE_BYTES or _holds_keys(text, _JSON_KEYS[name])
+    if name in _JSON_OUTPUTS:
+        kind, keys = _JSON_OUTPUTS[name]
+        same = _holds_keys(text, keys)
     elif name == "csv":
         kind, same = "a schedule CSV", _is_schedule_csv(text)
     else:
