@@ -155,18 +155,11 @@ def _layer(
             working = 2 * boundary_bytes + (kept_none - kept)
         else:
             working = 0.0
-        # the halves' working sets are measured without recompute; with it the whole backward's stands for both
-        halves = split is not None and mode == NONE
         recompute[mode] = RecomputeCost(
             extra_ms=extra_ms,
             activation_bytes=kept,
             working_bytes=working,
-            pending_bytes=split.pending_bytes if split is not None else 0.0,
-            input_working_bytes=split.input_working_bytes if halves else None,
-            weight_working_bytes=split.weight_working_bytes if halves else None,
-            input_held_bytes=None if split is None else split.input_held_bytes,
-            output_gradient_freed_bytes=0.0 if split is None else split.output_gradient_freed_bytes,
-            weight_freed_bytes=min(split.weight_freed_bytes, split.pending_bytes + kept) if halves else None,
+            **split_cost_fields(split, mode, kept),
             saved_input_bytes=saved_input,
             **parts.of_mode(memory, mode, kept, 0 if mode == NONE else checkpoint_state),
         )
@@ -282,6 +275,21 @@ def fingerprint(model: nn.Module, kinds: list[str]) -> str:
     """The model's structure: every parameter's name, shape and dtype, and the body kinds in order."""
     parts = [kinds, [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def split_cost_fields(split: SplitBackward | None, mode: str, kept: float) -> dict[str, float | None]:
+    """A recompute mode's split-backward fields (`RecomputeCost`) from its layer kind's measured split;
+    `kept`: the mode's activation bytes."""
+    # the halves' working sets are measured without recompute; with it the whole backward's stands for both
+    halves = split is not None and mode == NONE
+    return {
+        "pending_bytes": split.pending_bytes if split is not None else 0.0,
+        "input_working_bytes": split.input_working_bytes if halves else None,
+        "weight_working_bytes": split.weight_working_bytes if halves else None,
+        "input_held_bytes": None if split is None else split.input_held_bytes,
+        "output_gradient_freed_bytes": 0.0 if split is None else split.output_gradient_freed_bytes,
+        "weight_freed_bytes": min(split.weight_freed_bytes, split.pending_bytes + kept) if halves else None,
+    }
 
 
 def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:

@@ -1,13 +1,15 @@
 """One rank of a tensor-parallel x FSDP job, profiled on that job's own mesh.
 
 The model is profiled on one process first: its memory, which `solver.mesh` turns into one rank's
-exactly (docs/results/nd-validation.md). Then D x T gloo processes run the whole model (no pipeline) laid out as `sapp-hook
-validate` lays a stage out (`sapp_hook.mesh`: TorchTitan's Llama plan per block, FSDP2 per layer on the
-data-parallel ranks), each timing every layer with the `LayerProfiler` and putting every collective down
-to the layer it ran in (`profiler.collective_log`). The rank profile holds the one-process profile's
-memory for one rank, and for every layer the slowest rank's times (a stage moves at its slowest rank:
-its collectives make the others wait) and the collectives it ran; its `mesh` says the numbers are per
-rank already, so planning divides neither times nor memory again.
+exactly (docs/results/nd-validation.md). Then D x T gloo processes run the whole model (no pipeline)
+laid out as `sapp-hook validate` lays a stage out (`sapp_hook.mesh`: TorchTitan's Llama plan per
+block, FSDP2 per layer on the data-parallel ranks), each timing every layer with the `LayerProfiler`,
+putting every collective down to the layer it ran in (`profiler.collective_log`) and, under tensor
+parallel, measuring what each body kind's split backward holds (`measures_split_backward`). The rank
+profile holds the one-process profile's memory for one rank, its split backward as the mesh measured
+it, and for every layer the slowest rank's times (a stage moves at its slowest rank: its collectives
+make the others wait) and the collectives it ran; its `mesh` says the numbers are per rank already, so
+planning divides neither times nor memory again.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from profiler.build import split_cost_fields
 from profiler.recompute import TORCH_MODES
+from profiler.split import SplitBackward
 from simulator.errors import InputError
 from solver import PipelineSpec, even_plan
 from solver.mesh import profile_for_mesh
@@ -69,6 +73,15 @@ class MeshRun:
             reshard_after_forward=self.reshard_after_forward,
             sequence_parallel=self.sequence_parallel,
         )
+
+
+def measures_split_backward(run: MeshRun) -> bool:
+    """Whether the mesh run measures what each body kind's split backward holds: under tensor parallel,
+    where that is not the one process's / t (some gradients stay whole) and a block measured alone
+    holds what a pipeline stage does. Not with sequence parallel (the block alone holds more than a
+    stage does) nor FSDP (its unsharding refuses a block's backward run alone): the rule's division
+    stands there (docs/results/nd-validation.md)."""
+    return run.tensor_parallel > 1 and not run.sequence_parallel and not run.fsdp
 
 
 def check_mesh_run(run: MeshRun) -> None:
@@ -132,10 +145,30 @@ def mesh_profile(memory: ModelProfile, ranks: Sequence[Mapping[str, Any]], mesh:
                 f"one-process profile has {[layer.kind for layer in memory.layers]}"
             )
     layers = tuple(
-        _timed(layer, [profile.layers[index] for profile in measured], [rank["collectives"][index] for rank in ranks])
+        _split_on_mesh(
+            _timed(
+                layer, [profile.layers[index] for profile in measured], [rank["collectives"][index] for rank in ranks]
+            ),
+            [rank.get("splits", {}).get(profile.layers[index].kind) for rank, profile in zip(ranks, measured)],
+        )
         for index, layer in enumerate(memory.layers)
     )
     return dataclasses.replace(memory, layers=layers, mesh=mesh)
+
+
+def _split_on_mesh(layer: LayerProfile, measured: list[Mapping[str, Any] | None]) -> LayerProfile:
+    """`layer` with what its split backward holds as every rank measured it (the most any held), where
+    they did: under tensor parallel, what the input-gradient half leaves for the weight-gradient half
+    keeps some gradients whole and, with sequence parallel, all-gathered inputs no one process holds."""
+    if not measured or any(split is None for split in measured):
+        return layer
+    splits = [SplitBackward(**split) for split in measured]
+    most = SplitBackward(**{field: max(getattr(split, field) for split in splits) for field in measured[0]})
+    recompute = {
+        mode: dataclasses.replace(cost, **split_cost_fields(most, mode, cost.activation_bytes))
+        for mode, cost in layer.recompute.items()
+    }
+    return dataclasses.replace(layer, recompute=recompute)
 
 
 def _part(layer: LayerProfile) -> str:
@@ -144,7 +177,7 @@ def _part(layer: LayerProfile) -> str:
 
 def _timed(layer: LayerProfile, ranks: list[LayerProfile], collectives: list[list[dict[str, Any]]]) -> LayerProfile:
     """`layer` with the slowest rank's times; its backward split in the shares the one-process profile
-    measured (the mesh run does not split it)."""
+    measured (the mesh run's split counts for its memory only)."""
     forward = max(rank.forward_ms for rank in ranks)
     backward = max(rank.backward_ms for rank in ranks)
 
@@ -249,7 +282,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
         steps=run.steps,
         warmup_steps=run.warmup_steps,
         modes=run.modes,
-        split_backward=False,
+        split_backward=measures_split_backward(run),
         count_memory=False,
         model_name=run.model,
         micro_batch={"size": run.micro_batch_size, "sequence": run.seq_len},
@@ -281,6 +314,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
         raise RuntimeError(f"collectives outside every layer and the optimizer step: {lost}")
     return {
         "profile": profiler.profile().to_dict(),
+        "splits": {kind: dataclasses.asdict(split) for kind, split in profiler.backward_splits.items()},
         "collectives": [_per_layer(slot, plain_steps) for slot in slots],
         "optimizer_collectives": _per_layer(OPTIMIZER, plain_steps),
     }

@@ -119,7 +119,9 @@ def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str 
 
 
 def profile_for(setup: Setup) -> ModelProfile:
-    """The setup's model profiled in this process, in the recompute modes its schedule can run."""
+    """The setup's model profiled in this process, in the recompute modes its schedule can run; under a
+    schedule that splits the backward with tensor parallel, one rank of it measured on its mesh as
+    `sapp-hook profile --tensor-parallel` does (`profile_mesh.measures_split_backward`)."""
     from sapp_hook.models import load_config, profile_example
 
     _check(setup)
@@ -128,7 +130,7 @@ def profile_for(setup: Setup) -> ModelProfile:
     log.info(
         "validate: profiling %s (%d x %d tokens per micro-batch)", setup.model, setup.micro_batch_size, setup.seq_len
     )
-    return profile_example(
+    profile = profile_example(
         config,
         steps=setup.profile_steps,
         micro_batch_size=setup.micro_batch_size,
@@ -136,6 +138,20 @@ def profile_for(setup: Setup) -> ModelProfile:
         modes=modes,
         model_name=setup.model,
     )
+    from sapp_hook.profile_mesh import MeshRun, measures_split_backward, profile_on_mesh
+
+    run = MeshRun(
+        model=setup.model,
+        tensor_parallel=setup.tensor_parallel,
+        sequence_parallel=setup.sequence_parallel,
+        micro_batch_size=setup.micro_batch_size,
+        seq_len=setup.seq_len,
+        steps=setup.profile_steps,
+        modes=modes,
+    )
+    if recompute_runs_under(setup.schedule) or not measures_split_backward(run):
+        return profile
+    return profile_on_mesh(run, profile)
 
 
 def _check(setup: Setup) -> None:

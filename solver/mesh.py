@@ -10,8 +10,9 @@ with 2 x 2 gloo ranks: docs/results/nd-validation.md): a layer keeps (A - W) / t
 W what stays whole on every rank (its `tp_whole_activation_bytes`, or `sp_whole_activation_bytes`
 with sequence parallel); split weights / t, replicated ones whole (norms, row-parallel biases, the
 router); the embedding's gradient whole; a block's backward gradients / t, the head's and the tail's
-working sets whole (the embedding's whole gradient, the replicated logits); times / t. With sequence
-parallel, what stages pass is each rank's sequence shard (/ t).
+working sets whole (the embedding's whole gradient, the replicated logits); a split backward's fields
+/ t (some of them stay whole on a rank: a profile measured on the mesh has each rank's); times / t.
+With sequence parallel, what stages pass is each rank's sequence shard (/ t).
 Context parallel (not measured: torch 2.13 has no CPU ring attention): every activation, working set,
 what stages pass and the rotary tables / c, times / c; each block's backward also holds one remote
 key-value chunk and its gradient.

@@ -16,7 +16,7 @@ from sapp_hook.models import load_config, profile_example
 from sapp_hook.profile_mesh import MeshRun, mesh_profile, run_mesh
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan, load_profile
-from solver.mesh import profile_for_mesh, rank_profile
+from solver.mesh import SPLIT_FIELDS, profile_for_mesh, rank_profile
 from solver.profile import NONE, ModelProfile
 from solver.profile_parts import Mesh
 
@@ -42,15 +42,34 @@ def _phases(rows: list[dict]) -> dict[tuple[str, str, str], tuple[int, float]]:
     return {(row["dimension"], row["operation"], row["phase"]): (row["calls"], row["bytes"]) for row in rows}
 
 
-def _memory(profile: ModelProfile) -> dict:
-    """The profile without its times: every byte it states, per layer and mode."""
+def _memory(profile: ModelProfile, leaving_out: tuple[str, ...] = ()) -> dict:
+    """The profile without its times: every byte it states, per layer and mode (but `leaving_out`)."""
     data = profile.to_dict()
     for layer in data["layers"]:
         for name in TIMES:
             layer.pop(name, None)
         for cost in layer["recompute"].values():
-            cost.pop("extra_ms")
+            for name in ("extra_ms", *leaving_out):
+                cost.pop(name, None)
     return data
+
+
+def _measured_split(profile: ModelProfile, rule: ModelProfile, ranks: list[dict]) -> None:
+    """Each body layer's split backward as the ranks measured it (the most any held), not the rule's."""
+    for index, layer in enumerate(profile.layers):
+        if not layer.is_body:
+            assert layer.recompute == rule.layers[index].recompute
+            continue
+        splits = [rank["splits"][ModelProfile.from_dict(rank["profile"]).layers[index].kind] for rank in ranks]
+        none, full = layer.recompute["none"], layer.recompute["full"]
+        for name in ("pending_bytes", "input_working_bytes", "weight_working_bytes", "input_held_bytes"):
+            assert getattr(none, name) == max(split[name] for split in splits), name
+        assert none.weight_freed_bytes == min(
+            max(split["weight_freed_bytes"] for split in splits), none.pending_bytes + none.activation_bytes
+        )
+        assert full.pending_bytes == none.pending_bytes and full.input_working_bytes is None  # halves: no recompute
+        # a rank holds more than the one process's / t: some gradients stay whole
+        assert none.pending_bytes > rule.layers[index].recompute["none"].pending_bytes
 
 
 def _slowest_times(profile: ModelProfile, ranks: list[dict]) -> None:
@@ -70,7 +89,9 @@ def _slowest_times(profile: ModelProfile, ranks: list[dict]) -> None:
 def test_a_tensor_parallel_rank_is_measured_on_its_mesh(one_d):
     _, ranks, profile = _measured(one_d, tensor_parallel=2)
     assert profile.mesh == Mesh(tensor_parallel=2)
-    assert _memory(profile) == _memory(profile_for_mesh(one_d, Mesh(tensor_parallel=2)))
+    rule = profile_for_mesh(one_d, Mesh(tensor_parallel=2))
+    assert _memory(profile, SPLIT_FIELDS) == _memory(rule, SPLIT_FIELDS)
+    _measured_split(profile, rule, ranks)
     _slowest_times(profile, ranks)
     for rank in ranks:
         head, *blocks, tail = rank["collectives"]

@@ -103,10 +103,17 @@ def _run(args: argparse.Namespace) -> int:
     )
     check_seconds(args.time_limit, "--time-limit")
     if spec.schedule == "ZBVZeroBubble" and spec.tensor_parallel > 1:
-        notes.append(
-            "note: under ZBVZeroBubble x tensor parallel a middle rank's peak was measured up to 8% above its "
-            "prediction (docs/results/nd-validation.md): leave it that margin in --memory"
-        )
+        if spec.sequence_parallel:
+            notes.append(
+                "note: under ZBVZeroBubble x tensor x sequence parallel a middle rank's peak was measured up to "
+                "8% above its prediction (docs/results/nd-validation.md): leave it that margin in --memory"
+            )
+        elif profile.mesh.tensor_parallel == 1:
+            notes.append(
+                "note: under ZBVZeroBubble x tensor parallel a middle rank's peak was measured up to 8% above its "
+                "prediction from a one-process profile (docs/results/nd-validation.md): profile with "
+                "--tensor-parallel to measure it on the mesh, or leave that margin in --memory"
+            )
     say(notes, talk)
     configure_logging(talk)
     keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
