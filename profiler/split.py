@@ -19,6 +19,8 @@ from profiler.clock import clock_for, memory_for
 from profiler.cpu_memory import CpuMemory
 from profiler.recorder import _output_tensor
 
+HELD_COUNTS = 3  # what a split holds is counted this many times, the median kept
+
 
 @dataclass(frozen=True)
 class SplitBackward:
@@ -51,8 +53,8 @@ def measure_split_backward(
     module: nn.Module, args: tuple, kwargs: dict, device: torch.device, repeats: int = 3
 ) -> SplitBackward | None:
     """Time `repeats` plain backwards and split ones of `module` after a warm-up (medians of the
-    shares), then count what one more split holds between its halves. None where the block takes no
-    input gradient or has no parameters."""
+    shares), then count what a split holds between its halves (HELD_COUNTS times, the median of
+    each field). None where the block takes no input gradient or has no parameters."""
     inputs, params = _differentiable(module, args, kwargs)
     if not inputs or not params:
         return None
@@ -83,7 +85,9 @@ def measure_split_backward(
                         (clock.elapsed_ms(begin, middle) / plain_ms, clock.elapsed_ms(middle, end) / plain_ms)
                     )
                 _clear_gradients(inputs, params)
-            held = _held_bytes(module, args, kwargs, inputs, params, device)
+            # a collective's buffer its backend frees late (gloo, on its own thread) can fall in one count
+            counts = [_held_bytes(module, args, kwargs, inputs, params, device) for _ in range(HELD_COUNTS)]
+            held = None if None in counts else tuple(map(statistics.median_low, zip(*counts)))
     finally:
         for p, gradient in zip(params, gradients):
             p.grad = gradient
