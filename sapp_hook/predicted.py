@@ -15,7 +15,7 @@ from solver import ModelProfile, Plan
 from solver.costs import buffered_input_bytes
 from solver.engine_memory import boundary_bytes, torch_1f1b_held_bytes
 from solver.mesh import rank_profile
-from solver.profile import FULL, NONE
+from solver.profile import NONE
 from solver.sharding import layer_static
 
 
@@ -39,7 +39,8 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     in_buffers = buffered_input_bytes(profile, plan.spec, plan.stage_layer_counts)  # autograd holds them too
     # checkpointing keeps what a stage computes for its blocks (the rotary tables) through its own
     # frame, out of the saved-tensor hook's sight: not in the autograd view where every block of the
-    # stage is fully recomputed (the allocator holds them all the same); nor is each checkpoint's state
+    # stage is recomputed, fully or selectively (the allocator holds them all the same); nor is each
+    # checkpoint's state
     starts = list(itertools.accumulate(plan.stage_layer_counts, initial=0))
     unseen = []
     for start, count in zip(starts, plan.stage_layer_counts):
@@ -48,7 +49,7 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
             for layer, mode in zip(profile.layers[start : start + count], plan.layer_modes[start : start + count])
             if layer.is_body
         ]
-        shared = profile.stage_shared_bytes if modes and all(mode == FULL for mode in modes) else 0.0
+        shared = profile.stage_shared_bytes if modes and all(mode != NONE for mode in modes) else 0.0
         unseen.append(shared + profile.checkpoint_state_bytes * sum(mode != NONE for mode in modes))
     held_sends = torch_1f1b_held_bytes(profile, plan.spec)  # counted with the static bytes, not there at a step's start
 

@@ -139,7 +139,8 @@ def _working_bytes(
     went before them leaves them the gradient of their output (`handed_bytes`, as large as a stage's
     output), which their working sets, measured from its arrival, do not hold; the blocks have freed
     what the stage computed for them too (`shared_bytes`, the rotary tables, 0 where the chunk holds
-    no block). Body layers are counted less the tail's activations only, as the search states them."""
+    no block). A body layer's backward comes after the tail's and the later blocks', which have freed
+    their activations (and handed on a gradient as large as the one each took)."""
     if not one_backward:
         return max([layer.recompute[mode].working_bytes for layer, mode in layers], default=0.0)
     kinds = {layer.kind for layer, _ in layers}
@@ -149,9 +150,15 @@ def _working_bytes(
     )
     freed = {TAIL: 0.0, HEAD: freed_before_head - (handed_bytes if kinds - {HEAD} else 0.0)}
     body_freed = freed_by_tail - (handed_bytes if TAIL in kinds else 0.0)
-    return max(
-        [layer.recompute[mode].working_bytes - freed.get(layer.kind, body_freed) for layer, mode in layers], default=0.0
-    )
+    working = []
+    for layer, mode in reversed(layers):  # the backward's order
+        cost = layer.recompute[mode]
+        if layer.kind in freed:
+            working.append(cost.working_bytes - freed[layer.kind])
+        else:
+            working.append(cost.working_bytes - body_freed)
+            body_freed += cost.activation_bytes
+    return max(working, default=0.0)
 
 
 def buffered_input_bytes(profile: ModelProfile, spec: PipelineSpec, counts: Sequence[int]) -> list[float]:

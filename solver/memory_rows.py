@@ -112,9 +112,9 @@ def _last_layers(placement: LayerPlacement) -> list[tuple[Linear, Linear]]:
 def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Linear]] | None) -> list[dict[str, Linear]]:
     """Per virtual stage and backward op, the most its layers hold while it runs (as
     `costs.pipeline_costs` counts it). Where one backward runs the whole chunk: the largest working
-    set less what the layers whose backward ran before have freed, the tail's activations, before
-    any other layer's; the head's less every other layer's activations there too (a linear row in
-    the counts). Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
+    set less what the layers whose backward ran before have freed: the tail's activations, before
+    any other layer's, and a block's, the later blocks' (linear rows in the counts); the head's less
+    every other layer's activations. Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
     I leave held until it ends (`input_held_mib`) plus the most any other layer's I holds above
     that; W, the most any layer's W holds, the tail's less what every other layer's W freed where
     torch's engine runs its W last. The last stage's backward (its I where split) holds the loss's
@@ -165,7 +165,13 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
                 if body_coefficient:
                     terms.update({variable: body_coefficient for variable in placement.holds_body(c).terms})
                 head_rows = [(head, terms)]
-            whole = placement.largest(c, pinned, lambda g, m, shift=after_tail: g.working_mib[m] - shift, head_rows)
+            whole = placement.largest(
+                c,
+                pinned,
+                lambda g, m, shift=after_tail: g.working_mib[m] - shift,
+                head_rows,
+                freed=lambda g, m: g.activation_mib[m],  # a block's backward frees its activations
+            )
             working.append(dict.fromkeys((FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), whole))
             if splits:  # torch's first stage: its I does nothing, its W runs the whole backward
                 working[-1][BACKWARD_INPUT] = Linear()

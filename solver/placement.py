@@ -9,12 +9,13 @@ import itertools
 from simulator.schedule import Schedule
 from solver.groups import LayerGroup
 from solver.milp import Linear, Milp, dot
-from solver.mindformers import ordered_modes
+from solver.mindformers import MODE_ORDER, ordered_modes
 from solver.profile import COMM, HEAD, NONE, SELECTIVE, TAIL, ModelProfile
 from solver.spec import PipelineSpec
 
-# (variable, least value, (count variable, working set) of each layer that may raise it, rows (constant, terms) below it)
-WorkingChoice = tuple[int, float, list[tuple[int, float]], list[tuple[float, dict[int, float]]]]
+# (variable, least value, (count variable, working set, what the layers after it free) of each layer that may
+# raise it, rows (constant, terms) below it)
+WorkingChoice = tuple[int, float, list[tuple[int, float, dict[int, float]]], list[tuple[float, dict[int, float]]]]
 
 
 class LayerPlacement:
@@ -151,26 +152,49 @@ class LayerPlacement:
                     self.milp.row({self.count[g, c, SELECTIVE]: 1.0, comm_side: group.size}, upper=group.size)
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
-    def largest(self, virtual: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = ()) -> Linear:
+    def largest(
+        self, virtual: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = (), freed=None
+    ) -> Linear:
         """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the virtual stage
         holds (none where `size` is None), and at least each row (constant, terms) of `rows`, as an
-        expression; a constant where nothing can raise it above `pinned`."""
+        expression; a constant where nothing can raise it above `pinned`. `freed(group, mode)`: where
+        given, what each layer frees by its backward, which runs back to front: each (group, mode)'s
+        size less what the layers after its last one in the virtual stage free."""
         choices = (
             []
             if size is None
-            else [(count, size(self.groups[g], mode)) for (g, c, mode), count in self.count.items() if c == virtual]
+            else [
+                (count, size(self.groups[g], mode), self._freed_after(virtual, g, mode, freed))
+                for (g, c, mode), count in self.count.items()
+                if c == virtual
+            ]
         )
-        choices = [(count, value) for count, value in choices if value > pinned]
+        choices = [choice for choice in choices if choice[1] > pinned]
         rows = [(constant, terms) for constant, terms in rows if terms or constant > pinned]
         if not choices and not rows:
             return Linear(constant=pinned)
         variable = self.milp.variable(pinned)
         self.working_choices.setdefault(virtual, []).append((variable, pinned, choices, rows))
-        for count, value in choices:
-            self.milp.row({variable: 1.0, self._present(count): -value}, lower=0.0)
+        for count, value, after in choices:
+            self.milp.row({variable: 1.0, self._present(count): -value, **after}, lower=0.0)
         for constant, terms in rows:
             self.milp.row({variable: 1.0, **{v: -coefficient for v, coefficient in terms.items()}}, lower=constant)
         return Linear({variable: 1.0})
+
+    def _freed_after(self, virtual: int, g: int, mode: str, freed) -> dict[int, float]:
+        """What the layers after (group g, `mode`)'s last one in the virtual stage free, `freed(group,
+        mode)` each, as terms in their counts: the later groups', and the group's own in later modes
+        (`ordered_modes` lays a group's layers out in MODE_ORDER)."""
+        if freed is None:
+            return {}
+        first = self.groups[g].first
+        return {
+            count: freed(self.groups[h], other)
+            for (h, c, other), count in self.count.items()
+            if c == virtual
+            and (self.groups[h].first > first or (h == g and MODE_ORDER.index(other) > MODE_ORDER.index(mode)))
+            and freed(self.groups[h], other)
+        }
 
     def holds_body(self, virtual: int) -> Linear:
         """At least 1 where virtual stage `virtual` holds a body layer (a constant where nothing can be
@@ -194,7 +218,7 @@ class LayerPlacement:
     def update_working_set(self, values: list[float], virtual: int) -> None:
         """Set the working-set variables of virtual stage `virtual` from the layer counts in `values`."""
         for variable, least, choices, rows in self.working_choices.get(virtual, []):
-            sizes = [least] + [size for count, size in choices if values[count] > 0.5]
+            sizes = [least] + [size - dot(after, values) for count, size, after in choices if values[count] > 0.5]
             sizes += [constant + dot(terms, values) for constant, terms in rows]
             values[variable] = max(sizes)
 
