@@ -37,10 +37,9 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     costs = result.costs
     kept_in_flight, kept_whole_run = boundary_bytes(profile, plan.spec)
     in_buffers = buffered_input_bytes(profile, plan.spec, plan.stage_layer_counts)  # autograd holds them too
-    # checkpointing keeps what a stage computes for its blocks (the rotary tables) through its own
-    # frame, out of the saved-tensor hook's sight: not in the autograd view where every block of the
-    # stage is recomputed, fully or selectively (the allocator holds them all the same); nor is each
-    # checkpoint's state
+    # checkpointing keeps what a stage computes for its blocks (the rotary tables) through its own frame,
+    # out of the saved-tensor hook's sight: not in the autograd view where every block of the stage is
+    # recomputed, in any mode (the allocator holds them all the same); nor is each checkpoint's state
     starts = list(itertools.accumulate(plan.stage_layer_counts, initial=0))
     unseen = []
     for start, count in zip(starts, plan.stage_layer_counts):

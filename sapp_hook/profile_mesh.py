@@ -158,8 +158,7 @@ def mesh_profile(memory: ModelProfile, ranks: Sequence[Mapping[str, Any]], mesh:
 
 def _split_on_mesh(layer: LayerProfile, measured: list[Mapping[str, Any] | None]) -> LayerProfile:
     """`layer` with what its split backward holds as every rank measured it (the most any held), where
-    they did: under tensor parallel, what the input-gradient half leaves for the weight-gradient half
-    keeps some gradients whole and, with sequence parallel, all-gathered inputs no one process holds."""
+    they did (`measures_split_backward`)."""
     if not measured or any(split is None for split in measured):
         return layer
     splits = [SplitBackward(**split) for split in measured]
