@@ -94,6 +94,27 @@ def profile_for_mesh(profile: ModelProfile, target: Mesh) -> ModelProfile:
     return dataclasses.replace(rank, mesh=target)
 
 
+def prediction_caveat(profile: ModelProfile, spec: PipelineSpec) -> str | None:
+    """A line for the plans of `spec` from `profile` whose peak a run is known to exceed, None for none:
+    ZBVZeroBubble x tensor parallel with the split backward's fields one process's / t (a one-process
+    profile, or sequence parallel, which the mesh run does not measure), a middle rank measured up to
+    8% above its prediction (docs/results/nd-validation.md)."""
+    if spec.schedule != "ZBVZeroBubble" or spec.tensor_parallel == 1:
+        return None
+    if spec.sequence_parallel:
+        return (
+            "under ZBVZeroBubble x tensor x sequence parallel a middle rank's peak was measured up to 8% above "
+            "its prediction (docs/results/nd-validation.md): leave it that margin in the memory budget"
+        )
+    if profile.mesh.tensor_parallel == 1:
+        return (
+            "under ZBVZeroBubble x tensor parallel a middle rank's peak was measured up to 8% above its "
+            "prediction from a one-process profile (docs/results/nd-validation.md): profile with "
+            "--tensor-parallel to measure it on the mesh, or leave that margin in the memory budget"
+        )
+    return None
+
+
 def token_copies_ratio(expert_tokens: str, experts: int, per_token: int, expert_parallel: int) -> float:
     """The token copies an expert-parallel rank's experts receive over the balanced share (which equals
     what a rank routes, its tokens x experts per token): 1 balanced; a capacity factor, at most the

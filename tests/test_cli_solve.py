@@ -312,16 +312,18 @@ def test_the_plan_table_keeps_its_columns_with_long_recompute_lists():
         ("1F1B", [], None),
     ],
 )
-def test_solve_notes_the_margin_zbv_x_tensor_parallel_needs(capsys, tmp_path, schedule, flags, noted):
+def test_solve_and_simulate_note_the_margin_zbv_x_tensor_parallel_needs(capsys, tmp_path, schedule, flags, noted):
     """The layouts measured to run above their prediction (docs/results/nd-validation.md) say so; a
     profile measured on the mesh is not noted (tests/test_validate_mesh.py shows it exact)."""
-    profile = tmp_path / "p.json"
+    profile, plan = tmp_path / "p.json", tmp_path / "plan.json"
     assert main(["profile", "--estimate", "--model", "tiny-llama", "--out", str(profile), "--quiet"]) == 0
     argv = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", schedule]
-    assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2", *flags]) == 0
-    err = capsys.readouterr().err
-    assert ("up to 8% above its prediction" in err) == (noted is not None)
-    assert noted is None or noted in err
+    assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2", *flags, "--plan-out", str(plan)]) == 0
+    solved = capsys.readouterr().err
+    assert main(["simulate", "--profile", str(profile), "--plan", str(plan)]) == 0
+    for err in (solved, capsys.readouterr().err):
+        assert ("up to 8% above its prediction" in err) == (noted is not None)
+        assert noted is None or noted in err
     mesh = {"tensor_parallel": 2, "sequence_parallel": bool(flags)}  # as `profile --tensor-parallel 2` writes it
     profile.write_text(json.dumps({**json.loads(profile.read_text()), "mesh": mesh}))
     assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2", *flags]) == 0

@@ -31,6 +31,7 @@ from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, 
 from simulator.errors import check_bytes
 from simulator.units import parse_bytes
 from solver import PipelineSpec, plan_from_dict, plan_from_mindformers
+from solver.mesh import prediction_caveat
 
 PROG = "sapp-hook simulate"
 
@@ -219,6 +220,9 @@ def _replay_plan(args: argparse.Namespace) -> int:
             if error.field.startswith("--"):
                 raise
             raise InputError("--mindformers-plan", f"{args.mindformers_plan}: {error}") from None
+    caveat = prediction_caveat(profile, plan.spec)
+    if caveat:
+        notes.append(f"note: {caveat}")
     say(notes, talk)
     written = write_replay_outputs(plan.simulation, outputs, talk)
     return finish(args, plan.to_dict(), plan_report(plan), written)

@@ -32,6 +32,7 @@ from simulator import InputError
 from simulator.errors import check_seconds
 from simulator.files import atomic_write_text
 from solver import PipelineSpec, Plan, solve
+from solver.mesh import prediction_caveat
 
 PROG = "sapp-hook solve"
 
@@ -102,18 +103,9 @@ def _run(args: argparse.Namespace) -> int:
         **parallel_fields(args),
     )
     check_seconds(args.time_limit, "--time-limit")
-    if spec.schedule == "ZBVZeroBubble" and spec.tensor_parallel > 1:
-        if spec.sequence_parallel:
-            notes.append(
-                "note: under ZBVZeroBubble x tensor x sequence parallel a middle rank's peak was measured up to "
-                "8% above its prediction (docs/results/nd-validation.md): leave it that margin in --memory"
-            )
-        elif profile.mesh.tensor_parallel == 1:
-            notes.append(
-                "note: under ZBVZeroBubble x tensor parallel a middle rank's peak was measured up to 8% above its "
-                "prediction from a one-process profile (docs/results/nd-validation.md): profile with "
-                "--tensor-parallel to measure it on the mesh, or leave that margin in --memory"
-            )
+    caveat = prediction_caveat(profile, spec)
+    if caveat:
+        notes.append(f"note: {caveat}")
     say(notes, talk)
     configure_logging(talk)
     keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
