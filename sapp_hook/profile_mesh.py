@@ -161,8 +161,7 @@ def _split_on_mesh(layer: LayerProfile, measured: list[Mapping[str, Any] | None]
     they did (`measures_split_backward`)."""
     if not measured or any(split is None for split in measured):
         return layer
-    splits = [SplitBackward(**split) for split in measured]
-    most = SplitBackward(**{field: max(getattr(split, field) for split in splits) for field in measured[0]})
+    most = SplitBackward(**{field: max(split[field] for split in measured) for field in measured[0]})
     recompute = {
         mode: dataclasses.replace(cost, **split_cost_fields(most, mode, cost.activation_bytes))
         for mode, cost in layer.recompute.items()

@@ -114,9 +114,9 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
     `costs.pipeline_costs` counts it). Where one backward runs the whole chunk: the largest working
     set less what the layers whose backward ran before have freed: the tail's activations, before
     any other layer's, and a block's, the later blocks' (linear rows in the counts); the head's less
-    every other layer's activations. Where it is split: I, the tail's (its I runs first), or what the chunk's layers'
-    I leave held until it ends (`input_held_mib`) plus the most any other layer's I holds above
-    that; W, the most any layer's W holds, the tail's less what every other layer's W freed where
+    every other layer's activations. Where it is split: I, the tail's (its I runs first), or what the
+    chunk's layers' I leave held until it ends (`input_held_mib`) plus the most any other layer's I
+    holds above that; W, the most any layer's W holds, the tail's less what every other layer's W freed where
     torch's engine runs its W last. The last stage's backward (its I where split) holds the loss's
     gradient besides."""
     num_virtual_stages = placement.schedule.num_virtual_stages

@@ -187,14 +187,13 @@ class LayerPlacement:
         (`ordered_modes` lays a group's layers out in MODE_ORDER)."""
         if freed is None:
             return {}
-        first = self.groups[g].first
-        return {
+        first, rank = self.groups[g].first, MODE_ORDER.index(mode)
+        after = {
             count: freed(self.groups[h], other)
             for (h, c, other), count in self.count.items()
-            if c == virtual
-            and (self.groups[h].first > first or (h == g and MODE_ORDER.index(other) > MODE_ORDER.index(mode)))
-            and freed(self.groups[h], other)
+            if c == virtual and (self.groups[h].first > first or (h == g and MODE_ORDER.index(other) > rank))
         }
+        return {count: bytes_freed for count, bytes_freed in after.items() if bytes_freed}
 
     def holds_body(self, virtual: int) -> Linear:
         """At least 1 where virtual stage `virtual` holds a body layer (a constant where nothing can be
