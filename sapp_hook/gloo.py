@@ -1,10 +1,33 @@
-"""The gloo process group of the CPU ranks sapp-hook spawns itself (validation runs, multi-process tests)."""
+"""The gloo process groups of the CPU ranks sapp-hook spawns itself (validation runs, multi-process tests)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+
+def spawn(main: Callable[..., None], args: tuple, world_size: int, join: bool = True) -> Any:
+    """Run `main(rank, *args)` on `world_size` spawned processes (torch.multiprocessing.spawn: its context
+    when `join` is False). A rank whose `main` returns ends at once, without interpreter teardown."""
+    import torch.multiprocessing as mp
+
+    return mp.spawn(_rank, args=(main, *args), nprocs=world_size, join=join)
+
+
+def _rank(rank: int, main: Callable[..., None], *args: Any) -> None:
+    main(rank, *args)
+    # Gloo groups can outlive destroy_process_group (a DeviceMesh in DTensor's caches holds its groups,
+    # torch.distributed.nn.functional binds group.WORLD); torn down with the interpreter, their threads
+    # now and then abort the rank (SIGABRT, "terminate called without an active exception"). End here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextmanager
@@ -13,13 +36,6 @@ def gloo_group(rank: int, world_size: int, store: str | Path) -> Iterator[None]:
     destroy it on leaving."""
     import torch
     import torch.distributed as dist
-
-    # torch.distributed.nn.functional binds `group.WORLD` into default arguments when first imported
-    # (FSDP imports it, and transformers imports FSDP on building a model). Imported after the group
-    # is made, it holds the group past destroy_process_group; the group's gloo threads are then torn
-    # down with the interpreter, which now and then aborts the rank at exit (SIGABRT, "terminate
-    # called without an active exception"). Imported first, its defaults are None.
-    import torch.distributed.nn.functional
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)

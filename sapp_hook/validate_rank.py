@@ -39,9 +39,9 @@ def run_ranks(setup: Any, plan_data: dict[str, Any], folder: Path) -> list[dict[
 def spawn_ranks(main: Callable[..., None], args: tuple, world: int, folder: Path) -> list[dict[str, Any]]:
     """`main(rank, *args)` on `world` processes, each writing `rank{rank}.json` into `folder`; their
     JSON in rank order. A failed rank, Ctrl-C or SIGTERM ends every rank."""
-    import torch.multiprocessing as mp
+    from sapp_hook.gloo import spawn
 
-    ranks = mp.spawn(main, args=args, nprocs=world, join=False)
+    ranks = spawn(main, args, world, join=False)
     try:
         while not ranks.join():
             pass

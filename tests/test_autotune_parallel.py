@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from profiler_cases import batch, llama
 from test_profiler_distributed import FirstStage, LastStage, train_stage
 
 from profiler import LayerProfiler
 from sapp_hook import autotune
-from sapp_hook.gloo import gloo_group
+from sapp_hook.gloo import gloo_group, spawn
 from sapp_hook.mesh import block_plan
 from simulator import InputError
 from solver.mesh import profile_for_mesh
@@ -64,7 +63,7 @@ def tensor_parallel_rank(rank: int, store: str, folder: str) -> None:
 
 
 def test_a_tensor_parallel_model_is_profiled_as_one_rank_of_its_degree(tmp_path):
-    mp.spawn(tensor_parallel_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(tensor_parallel_rank, (str(tmp_path / "store"), str(tmp_path)), 2)
     for rank in (0, 1):  # the degree the model is split over, not the spec's default
         said = (tmp_path / f"refused{rank}").read_text()
         assert said == "tensor_parallel: the model's parameters are split over 2 ranks (DTensor): expected 2, got 1"
@@ -114,7 +113,7 @@ def data_parallel_rank(rank: int, store: str, folder: str) -> None:
 
 
 def test_under_data_parallelism_one_replicas_pipeline_is_planned_and_every_rank_gets_the_plan(tmp_path):
-    mp.spawn(data_parallel_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
+    spawn(data_parallel_rank, (str(tmp_path / "store"), str(tmp_path)), 4)
     for rank in range(4):  # refused on each rank
         said = (tmp_path / f"refused{rank}").read_text()
         assert said.startswith(
@@ -145,7 +144,7 @@ def refusing_rank(rank: int, store: str, folder: str) -> None:
 
 
 def test_fsdp_and_zero_are_refused_by_name(tmp_path):
-    mp.spawn(refusing_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=1, join=True)
+    spawn(refusing_rank, (str(tmp_path / "store"), str(tmp_path)), 1)
     zero, fsdp = json.loads((tmp_path / "said.json").read_text())
     assert zero.startswith("optimizer: is torch's ZeroRedundancyOptimizer, whose state this rank holds only in part")
     assert fsdp.startswith("model: is sharded by FSDP (fully_shard): autotune measures each layer whole")

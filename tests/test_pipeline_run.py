@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from profiler_cases import gpt2, llama
 from test_stages import layout
 
 from sapp_hook import TiedGradients, apply, schedule_class
-from sapp_hook.gloo import gloo_group
+from sapp_hook.gloo import gloo_group, spawn
 
 MICRO_BATCHES, SEQUENCES = 4, 8
 
@@ -69,12 +68,7 @@ def pipelined_rank(
     ],  # its embedding and LM head, one weight, on two ranks: TiedGradients sums them
 )
 def test_a_planned_pipeline_trains_like_the_model(tmp_path, family, schedule, counts, chunks):
-    mp.spawn(
-        pipelined_rank,
-        args=(str(tmp_path / "store"), str(tmp_path), schedule, counts, chunks, family),
-        nprocs=2,
-        join=True,
-    )
+    spawn(pipelined_rank, (str(tmp_path / "store"), str(tmp_path), schedule, counts, chunks, family), 2)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     losses = [loss for result in results for loss in result["losses"]]
     model = untied_or_tied(family)
@@ -100,6 +94,6 @@ def two_pipelines_rank(rank: int, store: str, folder: str) -> None:
 
 
 def test_tied_gradients_are_summed_within_each_pipeline_only(tmp_path):
-    mp.spawn(two_pipelines_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
+    spawn(two_pipelines_rank, (str(tmp_path / "store"), str(tmp_path)), 4)
     sums = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     assert sums == [[1.0 + 2.0], [1.0 + 2.0], [3.0 + 4.0], [3.0 + 4.0]]

@@ -7,14 +7,13 @@ import json
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from profiler_cases import BATCH, LLAMA, SEQ, batch, llama
 from solver_cases import layer as layer_profile
 
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles, join_profiles
 from profiler.recompute import checkpoint_state_bytes
-from sapp_hook.gloo import gloo_group
+from sapp_hook.gloo import gloo_group, spawn
 from simulator import InputError
 from solver.profile import ModelProfile
 
@@ -80,7 +79,7 @@ def rank_main(rank: int, store: str, out: str) -> None:
 
 def test_each_rank_profiles_its_stage_and_rank_0_gathers_the_model(tmp_path):
     out = tmp_path / "profile.json"
-    mp.spawn(rank_main, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    spawn(rank_main, (str(tmp_path / "store"), str(out)), 2)
     profile = ModelProfile.from_dict(json.loads(out.read_text()))
     assert [layer.kind for layer in profile.layers] == ["head", *["body:LlamaDecoderLayer"] * 4, "tail"]
     assert [layer.name for layer in profile.layers] == [
@@ -144,7 +143,7 @@ def test_autotune_under_two_ranks_checks_the_config_against_the_whole_model_up_f
     config = tmp_path / "train.yaml"  # 8 layers on 4 stages; the model: 4 blocks on 2 ranks
     config.write_text((CONFIGS / "mindformers_llama.yaml").read_text())
     before = config.read_bytes()
-    mp.spawn(refused_rank, args=(str(tmp_path / "store"), str(config)), nprocs=2, join=True)
+    spawn(refused_rank, (str(tmp_path / "store"), str(config)), 2)
     for rank in (0, 1):  # both ranks refuse, before any step: one rank alone would leave the other waiting
         said = Path(f"{config}.{rank}").read_text()  # (its 4 stages it would take the plan's 2 for)
         assert said.startswith(f"config: {config} does not fit this job: the plan places 4 decoder layers")
@@ -179,7 +178,7 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
 
 
 def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path):
-    mp.spawn(tuned_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn(tuned_rank, (str(tmp_path / "store"), str(tmp_path)), 2)
     layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in (0, 1)]
     assert layouts[0] == layouts[1]
     assert [layer["kind"] for layer in layouts[0]["plan"]["layers"]] == [
