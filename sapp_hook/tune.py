@@ -49,6 +49,7 @@ from simulator.errors import InputError, check_non_negative, check_seconds
 from simulator.files import atomic_write_text
 from simulator.units import format_bytes, format_ms, parse_bytes
 from solver import ModelProfile, PipelineSpec, Plan, solve
+from solver.mesh import prediction_caveat
 from solver.profile import NONE, Mesh
 from solver.spec import spec_to_dict
 
@@ -337,6 +338,9 @@ class AutoTuner:
             try:
                 log.info("sapp-hook: solving %s ...", self.spec.pipeline_schedule.name)
                 plan = solve(profile, self.spec, time_limit_s=self.time_limit_s)
+                caveat = prediction_caveat(profile, self.spec)
+                if caveat is not None:
+                    log.warning("sapp-hook: %s", caveat)
             except InputError as exc:
                 error = str(exc)
         payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""

@@ -266,6 +266,16 @@ def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp
     assert tuner.profiler.modes == ("none",)
 
 
+def test_a_plan_whose_peak_runs_may_exceed_says_what_margin_to_leave(tmp_path, caplog):
+    """ZBVZeroBubble x tensor parallel from a one-process profile: the margin `solve` notes, logged."""
+    split = {"schedule": "ZBVZeroBubble", "stages": 2, "chunks": 2, "micro_batches": 4}
+    train(llama(), 3, **split, tensor_parallel=2, cache_dir=tmp_path / "tp")
+    assert "a middle rank's peak was measured up to 8% above its prediction" in caplog.text
+    caplog.clear()
+    train(llama(), 3, **split, cache_dir=tmp_path / "whole")
+    assert "measured up to 8% above" not in caplog.text
+
+
 def test_the_jobs_parallel_layout_reaches_the_spec(tmp_path):
     """autotune takes the degrees a spec does; a layout torch does not run is refused before profiling."""
     layout = {
