@@ -13,6 +13,7 @@ from solver.engine_memory import (
     torch_1f1b_held_bytes,
     torch_engine_bytes,
     torch_hands_gradient_over,
+    torch_reduce_held_bytes,
     torch_splits_backward,
     torch_unshard_lookahead,
 )
@@ -35,6 +36,7 @@ def pipeline_costs(
     torch_retained, torch_pending = torch_engine_bytes(profile, spec)
     hands_over = torch_hands_gradient_over(spec)
     held_sends = torch_1f1b_held_bytes(profile, spec)
+    reduce_held = torch_reduce_held_bytes(profile, spec)
     forward_overhead, backward_overhead, weight_overhead = spec.action_overheads_ms()
     splits, torch_split = schedule_kind(spec.schedule).splits_backward, torch_splits_backward(spec)
     grid: list[list[ChunkCosts]] = [[None] * schedule.chunks for _ in range(schedule.ranks)]  # type: ignore[list-item]
@@ -86,6 +88,7 @@ def pipeline_costs(
                 _units(spec, layers, profile.stage_output_bytes, shared, in_buffers[virtual]),
                 start_bytes=shared,
                 seed_bytes=seed,
+                reduce_held_bytes=reduce_held[virtual],
             )
             if tracks_step(spec)
             else None,

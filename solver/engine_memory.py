@@ -121,6 +121,18 @@ def boundary_bytes(profile: ModelProfile, spec: PipelineSpec) -> tuple[list[floa
     return in_flight, whole_run
 
 
+def torch_reduce_held_bytes(profile: ModelProfile, spec: PipelineSpec) -> list[float]:
+    """Per virtual stage, what torch's engine (`spec.receive_buffers`) holds through a chunk's reduce
+    besides the chunk's own: `Schedule1F1B` and `ScheduleGPipe` keep the last forward's output in a
+    local of their step, which reduces before it returns; on the last stage that is the logits (the
+    outputs other stages send, their sends hold: `torch_1f1b_held_bytes`, `torch_keeps_sends`). The
+    runtime schedules keep it within one action. Zeros elsewhere."""
+    held = [0.0] * spec.pipeline_schedule.num_virtual_stages
+    if spec.receive_buffers and spec.schedule in ("1F1B", "GPipe"):
+        held[-1] = profile.model_output_bytes
+    return held
+
+
 def torch_unshard_lookahead(spec: PipelineSpec) -> int:
     """How many chunks ahead of their actions torch's runtime schedules gather a rank's FSDP chunks
     (`_add_unshard_reshard`: UNSHARD and RESHARD actions, 3 stages active); 0 where each chunk gathers

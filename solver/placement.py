@@ -153,18 +153,26 @@ class LayerPlacement:
                     self.milp.row({self.count[g, c, COMM]: 1.0, comm_side: -group.size}, upper=0.0)
 
     def largest(
-        self, virtual: int, pinned: float, size, rows: list[tuple[float, dict[int, float]]] = (), freed=None
+        self,
+        virtual: int,
+        pinned: float,
+        size,
+        rows: list[tuple[float, dict[int, float]]] = (),
+        freed=None,
+        *,
+        front_to_back: bool = False,
     ) -> Linear:
         """A variable at least `pinned`, at least `size(group, mode)` of every (group, mode) the virtual stage
         holds (none where `size` is None), and at least each row (constant, terms) of `rows`, as an
         expression; a constant where nothing can raise it above `pinned`. `freed(group, mode)`: where
-        given, what each layer frees by its backward, which runs back to front: each (group, mode)'s
-        size less what the layers after its last one in the virtual stage free."""
+        given, what each layer frees as a walk over the virtual stage passes it, back to front (a
+        backward) or `front_to_back`: each (group, mode)'s size less what the layers the walk passed
+        before its first one free."""
         choices = (
             []
             if size is None
             else [
-                (count, size(self.groups[g], mode), self._freed_after(virtual, g, mode, freed))
+                (count, size(self.groups[g], mode), self._freed_before(virtual, g, mode, freed, front_to_back))
                 for (g, c, mode), count in self.count.items()
                 if c == virtual
             ]
@@ -181,19 +189,22 @@ class LayerPlacement:
             self.milp.row({variable: 1.0, **{v: -coefficient for v, coefficient in terms.items()}}, lower=constant)
         return Linear({variable: 1.0})
 
-    def _freed_after(self, virtual: int, g: int, mode: str, freed) -> dict[int, float]:
-        """What the layers after (group g, `mode`)'s last one in the virtual stage free, `freed(group,
-        mode)` each, as terms in their counts: the later groups', and the group's own in later modes
-        (`ordered_modes` lays a group's layers out in MODE_ORDER)."""
+    def _freed_before(self, virtual: int, g: int, mode: str, freed, front_to_back: bool) -> dict[int, float]:
+        """What the layers a walk of the virtual stage passes before (group g, `mode`)'s layers free,
+        `freed(group, mode)` each, as terms in their counts: back to front, the later groups' and the
+        group's own in later modes (`ordered_modes` lays a group's layers out in MODE_ORDER); front to
+        back, the earlier ones."""
         if freed is None:
             return {}
-        first, rank = self.groups[g].first, MODE_ORDER.index(mode)
-        after = {
+        sign = -1 if front_to_back else 1
+        first, rank = sign * self.groups[g].first, sign * MODE_ORDER.index(mode)
+        passed = {
             count: freed(self.groups[h], other)
             for (h, c, other), count in self.count.items()
-            if c == virtual and (self.groups[h].first > first or (h == g and MODE_ORDER.index(other) > rank))
+            if c == virtual
+            and (sign * self.groups[h].first > first or (h == g and sign * MODE_ORDER.index(other) > rank))
         }
-        return {count: bytes_freed for count, bytes_freed in after.items() if bytes_freed}
+        return {count: bytes_freed for count, bytes_freed in passed.items() if bytes_freed}
 
     def holds_body(self, virtual: int) -> Linear:
         """At least 1 where virtual stage `virtual` holds a body layer (a constant where nothing can be

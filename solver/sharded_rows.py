@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from simulator.sharded import UNSHARD, torch_unshard_events
 from simulator.units import MIB
-from solver.engine_memory import torch_unshard_lookahead
+from solver.engine_memory import torch_reduce_held_bytes, torch_unshard_lookahead
 from solver.groups import LayerGroup
 from solver.milp import Linear
 from solver.placement import LayerPlacement
@@ -57,6 +57,7 @@ def sharded_memory(placement: LayerPlacement, placement_working: list[dict[str, 
     gathered = placement.virtual_stage_sums(lambda g, m: g.parameter_mib if spec.fsdp else 0.0)
     step_gradient = placement.virtual_stage_sums(lambda g, m: g.step_gradient_mib)
     reduced = placement.virtual_stage_sums(lambda g, m: g.reduced_gradient_mib)
+    reduce_held = torch_reduce_held_bytes(placement.profile, spec)
     working = []
     for virtual in range(num_virtual_stages):
 
@@ -97,11 +98,40 @@ def sharded_memory(placement: LayerPlacement, placement_working: list[dict[str, 
             else:  # ZeRO-3: one layer gathered with its gradient in every backward action
                 sets[BACKWARD_EXTRA] = largest(lambda g, m: g.parameter_mib + g.gradient_mib)
         if spec.fsdp:
-            sets[REDUCE] = largest(lambda g, m: g.gradient_mib * (1 + 1 / spec.data_parallel))
+            sets[REDUCE] = _reduce_walk(placement, virtual)
+            sets[REDUCE].constant += reduce_held[virtual] / MIB
         working.append(sets)
     reshards = spec.fsdp_reshard_after_forward or (spec.zero_stage == 3 and not spec.fsdp)
     return ShardedMemory(
         gathered, step_gradient, reduced, working, reshards, spec.fsdp and spec.fsdp_reshard_after_forward
+    )
+
+
+def _reduce_walk(placement: LayerPlacement, virtual: int) -> Linear:
+    """`sharding._reduce_walk` over the layers virtual stage `virtual` holds: the embedding's reduce first,
+    each body layer's after the layers before it have freed their gathered parameters and gradients
+    (less what these leave), the LM head's last, after all of them."""
+    spec = placement.spec
+    extra = 1 + 1 / spec.data_parallel + (1 if spec.collective_backend == "gloo" else 0)
+
+    def size(g: LayerGroup, m: str) -> float:
+        return g.gradient_mib * extra - g.parameter_mib
+
+    def freed(g: LayerGroup, m: str) -> float:
+        return g.parameter_mib + g.gradient_mib - g.reduced_gradient_mib
+
+    pinned = [g for g in placement.groups if g.pinned_virtual_stage == virtual]
+    first = [g for g in pinned if g.kind == HEAD]
+    freed_first = sum(g.size * freed(g, NONE) for g in first)
+    body = {count: -freed(placement.groups[g], m) for (g, c, m), count in placement.count.items() if c == virtual}
+    last_rows = [(size(g, NONE) - freed_first, body) for g in pinned if g.kind != HEAD]
+    return placement.largest(
+        virtual,
+        max([0.0, *(size(g, NONE) for g in first)]),
+        lambda g, m: size(g, m) - freed_first,
+        last_rows,
+        freed,
+        front_to_back=True,
     )
 
 

@@ -80,12 +80,17 @@ class Unit:
 
 
 def sharded_costs(
-    spec: PipelineSpec, units: Sequence[Unit], *, start_bytes: float, seed_bytes: float
+    spec: PipelineSpec,
+    units: Sequence[Unit],
+    *,
+    start_bytes: float,
+    seed_bytes: float,
+    reduce_held_bytes: float = 0.0,
 ) -> ShardedCosts | None:
     """What the chunk of `units` (model order) holds for its data parallelism while a step runs, as
     `simulator.sharded` replays it; None where nothing. `start_bytes`: what its forward holds before the
     first layer (the rotary tables); `seed_bytes`: what its backward holds throughout (the loss's
-    gradient, on the last stage)."""
+    gradient, on the last stage); `reduce_held_bytes`: what the engine holds through its reduce besides."""
     gradient, reduced = (
         zip(*(step_gradient_bytes(spec, unit.gradient_bytes, unit.parameter_bytes) for unit in units))
         if units
@@ -103,10 +108,7 @@ def sharded_costs(
             backward_gather_working_bytes=_backward_walk(units, seed_bytes, gloo),
             first_backward_working_bytes=_backward_walk(units, seed_bytes, gloo, arriving=gradient, gathers=False),
             first_backward_gather_working_bytes=_backward_walk(units, seed_bytes, gloo, arriving=gradient),
-            # one unit at a time: the reduce-scatter's input (a copy of the whole gradient) and its output shard
-            reduce_working_bytes=max(
-                (unit.gradient_bytes * (1 + 1 / spec.data_parallel) for unit in units), default=0.0
-            ),
+            reduce_working_bytes=_reduce_walk(units, reduced, spec.data_parallel, gloo) + reduce_held_bytes,
         )
     if spec.zero_stage == 3:  # each layer's parameters gathered for its own forward and backward, freed after
         held, forward = start_bytes, 0.0
@@ -122,6 +124,21 @@ def sharded_costs(
     if any(gradient):
         return ShardedCosts(gradient_bytes=sum(gradient), reduced_gradient_bytes=sum(reduced))
     return None
+
+
+def _reduce_walk(units: Sequence[Unit], reduced: Sequence[float], dp: int, gloo: bool) -> float:
+    """The most the chunk's reduce holds above its start, where every unit's parameters are gathered
+    and its whole gradients made. FSDP2 reduces unit by unit in model order: each frees its gathered
+    parameters, copies its gradients into the reduce-scatter's flat input and frees them (but its last
+    parameter's, which `foreach_reduce` holds to its end: counted whole, on the safe side), allocates
+    the output shard and, on gloo, a temporary as large as the input; the input goes as the next unit
+    begins, and what the gradients leave (`reduced`) stays."""
+    released, most = 0.0, 0.0
+    for unit, kept in zip(units, reduced):
+        size = unit.gradient_bytes
+        most = max(most, size * (1 + 1 / dp + (1 if gloo else 0)) - unit.parameter_bytes - released)
+        released += unit.parameter_bytes + size - kept
+    return most
 
 
 def _forward_walk(units: Sequence[Unit], start_bytes: float, gloo: bool) -> float:

@@ -18,12 +18,12 @@ from simulator import ChunkCosts, InputError, PipelineCosts, schedule_kind, simu
 from simulator.actions import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 from simulator.costs import ShardedCosts
 from simulator.sharded import RESHARD, UNSHARD, memory_points, torch_unshard_events
-from solver import PipelineSpec, evaluate_plan
+from solver import ModelProfile, PipelineSpec, evaluate_plan
 from solver.costs import pipeline_costs
 from solver.formulation import PATHS, IntegerProgram
 from solver.groups import layer_groups
 from solver.milp import Linear
-from solver.sharding import Unit, _backward_walk, _forward_walk, step_gradient_bytes
+from solver.sharding import Unit, _backward_walk, _forward_walk, sharded_costs, step_gradient_bytes
 from solver.spec import spec_from_dict, spec_to_dict, static_split
 
 P, G, O, S = 1000.0, 1000.0, 2040.0, 40.0  # noqa: E741 - a layer: parameters, gradients, AdamW (2P + 4 B x 10 tensors)
@@ -253,9 +253,79 @@ def test_pipeline_costs_state_each_chunks_fsdp_terms():
         sharded = costs.chunk_costs[rank][0].sharded
         whole = sum(layer.parameter_bytes for layer in layers)
         assert (sharded.gathered_bytes, sharded.forward_kept_bytes, sharded.gradient_bytes) == (whole, whole, whole)
-        assert sharded.reduce_working_bytes == max(layer.gradient_bytes for layer in layers) * 1.5
+        # the reduce, unit by unit in model order: each unit's copy and shard (1.5 gradients) less its
+        # parameters, freed first, and less the parameters and gradients of the units before it
+        freed_before = [sum(2 * layer.parameter_bytes for layer in layers[:i]) for i in range(3)]
+        walk = [1.5 * layer.gradient_bytes - layer.parameter_bytes - freed_before[i] for i, layer in enumerate(layers)]
+        assert sharded.reduce_working_bytes == max(0.0, *walk)
     plain = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, receive_buffers=True)
     assert pipeline_costs(profile, plain, (3, 3), ("none",) * 6).chunk_costs[0][0].sharded is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "held", "expected"),
+    [
+        # each unit's flat input, its gradient still whole (on the safe side), its shard and gloo's temporary,
+        # less its parameters: 15, 75 - 30 - 20 = 25 (the first two units freed 20), 50 - 20 - 80 = -50
+        ({"collective_backend": "gloo"}, 0.0, 25.0),
+        # what the gradients leave stays: 5 of the first unit's
+        ({"collective_backend": "gloo", "gradients_persist": False}, 0.0, 30.0),
+        ({"collective_backend": "nccl"}, 0.0, 5.0),  # no temporary: 5, 45 - 30 - 20 = -5
+        ({"collective_backend": "gloo"}, 7.0, 32.0),  # what the engine holds through the reduce besides
+    ],
+)
+def test_the_reduce_goes_unit_by_unit_in_model_order_freeing_as_it_goes(fields, held, expected):
+    units = [
+        Unit(size, size, 0.0, 0.0, 0.0, 0.0, reshards_after_forward=False)
+        for size in (10.0 * MIB, 30.0 * MIB, 20.0 * MIB)
+    ]
+    spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, fsdp=True, **fields)
+    costs = sharded_costs(spec, units, start_bytes=0.0, seed_bytes=0.0, reduce_held_bytes=held * MIB)
+    assert costs.reduce_working_bytes == expected * MIB
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+def test_the_program_states_the_reduce_where_it_sets_the_peak(schedule):
+    """Activations of 1 MiB: each rank's peak is its first unit's reduce on gloo (the embedding's, on
+    rank 0); under torch's 1F1B and GPipe the last stage holds its last logits through it."""
+    profile = dataclasses.replace(
+        _fsdp_profile(),
+        model_output_bytes=4 * MIB,
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                recompute={
+                    mode: dataclasses.replace(cost, activation_bytes=MIB) for mode, cost in layer.recompute.items()
+                },
+            )
+            for layer in _fsdp_profile().layers
+        ),
+    )
+    counts = (3, 3) if schedule != "Interleaved1F1B" else (2, 1, 1, 2)
+    spec = PipelineSpec(
+        stages=2,
+        micro_batches=4,
+        schedule=schedule,
+        receive_buffers=True,
+        data_parallel=2,
+        fsdp=True,
+        collective_backend="gloo",
+    )
+    _check_rows(spec, counts, exact=True, profile=profile)
+    plan = evaluate_plan(profile, spec, counts, ("none",) * len(profile.layers))
+    quiet = PipelineCosts(
+        tuple(
+            tuple(dataclasses.replace(c, sharded=dataclasses.replace(c.sharded, reduce_working_bytes=0.0)) for c in row)
+            for row in plan.simulation.costs.chunk_costs
+        ),
+        unshard_lookahead=plan.simulation.costs.unshard_lookahead,
+    )
+    without_reduce = simulate(plan.simulation.schedule, quiet).stage_peak_memory_bytes
+    assert all(peak > quiet_peak for peak, quiet_peak in zip(plan.stage_peak_memory_bytes, without_reduce))
+    last = plan.simulation.costs.chunk_costs[-1][-1].sharded.reduce_working_bytes
+    logits_held = 4 * MIB if schedule != "Interleaved1F1B" else 0.0
+    first_block = profile.layers[-counts[-1]]  # the last stage's first unit: 2.5 gradients less its parameters
+    assert last == 1.5 * first_block.gradient_bytes + logits_held
 
 
 @pytest.mark.parametrize("reshard", [False, True])
@@ -365,8 +435,10 @@ def test_the_program_bounds_reshard_after_forward_from_above(schedule, counts):
     )
 
 
-def _check_rows(pipeline: PipelineSpec, counts: tuple[int, ...], *, exact: bool) -> None:
-    profile = _fsdp_profile()
+def _check_rows(
+    pipeline: PipelineSpec, counts: tuple[int, ...], *, exact: bool, profile: ModelProfile | None = None
+) -> None:
+    profile = profile or _fsdp_profile()
     schedule = pipeline.pipeline_schedule
     groups = layer_groups(profile, pipeline, schedule.num_virtual_stages)
     program = IntegerProgram(profile, pipeline, schedule, groups, with_budget=False, timing=PATHS)
@@ -432,8 +504,6 @@ def test_the_new_fields_round_trip_and_default():
 
 
 def test_profile_keeps_its_optimizer_scalars():
-    from solver import ModelProfile
-
     profile = _fsdp_profile()
     again = ModelProfile.from_dict(profile.to_dict())
     assert [layer.optimizer_tensor_bytes() for layer in again.layers] == [40.0] * len(profile.layers)
