@@ -17,7 +17,7 @@ from solver.groups import LayerGroup
 from solver.milp import Linear
 from solver.placement import LayerPlacement
 from solver.profile import HEAD, NONE
-from solver.sharding import tracks_step
+from solver.sharding import reduce_peak, tracks_step
 
 # working-set keys besides the ops: a forward that gathers, the reduce, a backward that gathers again,
 # and what every backward action holds besides its own working set (one layer gathered: ZeRO-3)
@@ -112,10 +112,9 @@ def _reduce_walk(placement: LayerPlacement, virtual: int) -> Linear:
     each body layer's after the layers before it have freed their gathered parameters and gradients
     (less what these leave), the LM head's last, after all of them."""
     spec = placement.spec
-    extra = 1 + 1 / spec.data_parallel + (1 if spec.collective_backend == "gloo" else 0)
 
     def size(g: LayerGroup, m: str) -> float:
-        return g.gradient_mib * extra - g.parameter_mib
+        return reduce_peak(g.parameter_mib, g.gradient_mib, spec.data_parallel, spec.collective_backend == "gloo")
 
     def freed(g: LayerGroup, m: str) -> float:
         return g.parameter_mib + g.gradient_mib - g.reduced_gradient_mib

@@ -135,10 +135,15 @@ def _reduce_walk(units: Sequence[Unit], reduced: Sequence[float], dp: int, gloo:
     begins, and what the gradients leave (`reduced`) stays."""
     released, most = 0.0, 0.0
     for unit, kept in zip(units, reduced):
-        size = unit.gradient_bytes
-        most = max(most, size * (1 + 1 / dp + (1 if gloo else 0)) - unit.parameter_bytes - released)
-        released += unit.parameter_bytes + size - kept
+        most = max(most, reduce_peak(unit.parameter_bytes, unit.gradient_bytes, dp, gloo) - released)
+        released += unit.parameter_bytes + unit.gradient_bytes - kept
     return most
+
+
+def reduce_peak(parameter: float, gradient: float, dp: int, gloo: bool) -> float:
+    """A unit's reduce at its most, above what was held as it began (`_reduce_walk`): its gathered
+    parameters freed; the flat input, the gradient kept, the shard and gloo's temporary added."""
+    return gradient * (1 + 1 / dp + (1 if gloo else 0)) - parameter
 
 
 def _forward_walk(units: Sequence[Unit], start_bytes: float, gloo: bool) -> float:
