@@ -6,7 +6,7 @@
    activation bytes both measured (fused GPU attention keeps other tensors: 25% more on an H200)
    and the working set from the allocator's peaks.
 2. Profiles a 1024-wide Llama on cuda, plans it on 4 stages, and replays each rank's actions on the
-   GPU (`sapp_hook.replay`): the activations autograd held, the allocator's peak and the compute time,
+   GPU (`sapp_hook.validation.one_device`): the activations autograd held, the allocator's peak and the compute time,
    each beside the simulator's prediction for that rank.
 
 Prints one JSON report; exits non-zero if the CUDA path is broken.
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from sapp_hook.models import build_model, load_config, parameter_dtype, profile_example
-from sapp_hook.replay import replay_rank
-from sapp_hook.validate import predictions
+from sapp_hook.validation.one_device import replay_rank
+from sapp_hook.validation.validate import predictions
 from solver import ModelProfile, PipelineSpec, even_plan, solve
-from solver.profile import FULL, NONE, SELECTIVE
+from solver.vocabulary.profile import FULL, NONE, SELECTIVE
 
 # Wide enough that activations dwarf the allocator's 512-byte rounding; untied, as tiny-llama.
 REPLAY_MODEL = {

@@ -18,10 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from basics.units import format_bytes
 from simulator import ChunkCosts, PipelineCosts, SimulationResult, build_schedule, simulate
 from simulator.plot import draw_gantt
 from simulator.trace import write_chrome_trace
-from simulator.units import format_bytes
 
 ASSUMED_FLOPS_PER_S = 400e12
 BYTES_PER_PARAMETER = 16  # bf16 weight + bf16 gradient + fp32 master weight + fp32 Adam m and v

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 from sapp_hook.models import load_config, profile_example
-from sapp_hook.validate import Setup, measured_run, validate
+from sapp_hook.validation.validate import Setup, measured_run, validate
 from solver import ModelProfile
 from solver.calibrate import Run, calibrate, rank_end_ms
 

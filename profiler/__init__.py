@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-# Imported on first use, so that `profiler.analytic` works where torch is not installed.
+# Imported on first use, so that `profiler.estimate.analytic` works where torch is not installed.
 _EXPORTS = {
     "Block": "profiler.layers",
-    "LayerProfiler": "profiler.layer_profiler",
+    "LayerProfiler": "profiler.measure.layer_profiler",
     "find_blocks": "profiler.layers",
     "gather_profiles": "profiler.distributed",
-    "analytic_profile": "profiler.analytic",
-    "shape_from_config": "profiler.analytic",
-    "TransformerShape": "profiler.analytic",
+    "analytic_profile": "profiler.estimate.analytic",
+    "shape_from_config": "profiler.estimate.analytic",
+    "TransformerShape": "profiler.estimate.analytic",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from solver.profile import LayerProfile, ModelProfile
+from solver.vocabulary.profile import LayerProfile, ModelProfile
 
 
 def gather_profiles(

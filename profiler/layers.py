@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from simulator.errors import InputError
+from basics.errors import InputError
 
 
 @dataclass(frozen=True)

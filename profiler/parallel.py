@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from simulator.errors import InputError
+from basics.errors import InputError
 
 PIPELINE_GROUPS = "TorchTitan: world_mesh['pp'], Megatron: parallel_state.get_pipeline_model_parallel_group()"
 

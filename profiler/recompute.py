@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from solver.profile import FULL, NONE, SELECTIVE
+from solver.vocabulary.profile import FULL, NONE, SELECTIVE
 
 TORCH_MODES = (NONE, SELECTIVE, FULL)
 

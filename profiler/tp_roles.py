@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from profiler.shape import LLAMA_FAMILY
+from profiler.estimate.shape import LLAMA_FAMILY
 
 SPLIT, SEQUENCE, REPLICATED, EXPERT = "split", "sequence", "replicated", "expert"
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})

@@ -9,7 +9,7 @@ and the `sapp-hook` command starts without loading what it does not run.
 import importlib
 from typing import Any
 
-from sapp_hook.protocol import REPLAN_EXIT_CODE
+from sapp_hook.hook.relaunch import REPLAN_EXIT_CODE
 
 # Imported on first use, so that `import sapp_hook` (and the `sapp-hook` command starting) loads nothing
 # heavy: name -> the module that has it.
@@ -34,12 +34,12 @@ _EXPORTS = {
 }
 # These need torch.
 _TORCH_EXPORTS = {
-    "autotune": "sapp_hook.tune",
-    "AutoTuner": "sapp_hook.tune",
-    "TuneResult": "sapp_hook.tune",
-    "apply": "sapp_hook.stages",
-    "TiedGradients": "sapp_hook.stages",
-    "schedule_class": "sapp_hook.stages",
+    "autotune": "sapp_hook.hook.tune",
+    "AutoTuner": "sapp_hook.hook.tune",
+    "TuneResult": "sapp_hook.hook.tune",
+    "apply": "sapp_hook.pipelining.stages",
+    "TiedGradients": "sapp_hook.pipelining.stages",
+    "schedule_class": "sapp_hook.pipelining.stages",
 }
 
 
@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name not in _TORCH_EXPORTS:
         raise AttributeError(f"module 'sapp_hook' has no attribute {name!r}")
-    from sapp_hook.torch_engine import check_torch
+    from sapp_hook.pipelining.engine_rules import check_torch
 
     check_torch()
     return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)

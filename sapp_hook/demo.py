@@ -9,9 +9,9 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+from basics.files import atomic_write_text
+from basics.units import format_bytes
 from sapp_hook.writeback import TARGETS, write_config
-from simulator.files import atomic_write_text
-from simulator.units import format_bytes
 from solver import InfeasibleError, PipelineSpec, solve
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ def run_demo(out: str | Path) -> dict[str, object]:
     """Run the demo into folder `out`; what it decided and wrote."""
     import torch
 
+    from sapp_hook.hook.tune import autotune
     from sapp_hook.models import build_model, load_config, random_batch
-    from sapp_hook.tune import autotune
 
     out = Path(out)
     configs = out / "configs"
@@ -98,7 +98,7 @@ def demo_budget(config: object) -> float:
     """A budget no split fits without recompute: BUDGET_SHARE of the least peak any split reaches without
     recompute, from the analytic profile (what the CPU measures for transformers' Llama, less the
     checkpoints' generator states)."""
-    from profiler.analytic import analytic_profile, shape_from_config
+    from profiler.estimate.analytic import analytic_profile, shape_from_config
 
     shape = shape_from_config(config.to_dict(), sequence=SEQ_LEN, micro_batch_size=MICRO_BATCH_SIZE, dtype="float32")
     estimate = analytic_profile(shape)

@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from simulator.errors import InputError
-from simulator.files import read_json
-from solver.profile import ModelProfile
+from basics.errors import InputError
+from basics.files import read_json
+from solver.vocabulary.profile import ModelProfile
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +180,7 @@ def profile_example(
 
     from profiler import LayerProfiler
     from profiler.recompute import TORCH_MODES
-    from sapp_hook.stages import loss_tail
+    from sapp_hook.pipelining.stages import loss_tail
 
     if micro_batch_size < 1 or seq_len < 1:
         field, value = ("--micro-batch-size", micro_batch_size) if micro_batch_size < 1 else ("--seq-len", seq_len)

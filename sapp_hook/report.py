@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-from sapp_hook.torch_engine import no_recompute_reason, recompute_runs_under
+from basics.units import format_bytes, format_ms
+from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from simulator import InputError, SimulationResult
 from simulator.result import BubbleSplit
-from simulator.units import format_bytes, format_ms
 from solver import ModelProfile, Plan, even_plan
-from solver.mindformers import MODE_ORDER
-from solver.profile import FULL, NONE
+from solver.formats.mindformers import MODE_ORDER
+from solver.vocabulary.profile import FULL, NONE
 
 
 def bubble_line(bubble: BubbleSplit) -> str:

@@ -9,9 +9,10 @@
 Knows nothing of solvers or torch.
 """
 
+from basics.errors import InputError
 from simulator.actions import Action
 from simulator.costs import ChunkCosts, PipelineCosts
-from simulator.errors import InputError, ScheduleError
+from simulator.errors import ScheduleError
 from simulator.replay import critical_path, simulate
 from simulator.result import BubbleSplit, SimulationResult, TimedAction
 from simulator.schedule import Schedule

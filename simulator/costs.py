@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from basics.errors import InputError, check_non_negative, shown
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from simulator.errors import InputError, check_non_negative, shown
 from simulator.schedules import MAX_ACTIONS
 
 MAX_CELLS = MAX_ACTIONS // 2  # (stage, chunk) cells: a replay runs at least 2 actions on each

@@ -9,10 +9,10 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.files import atomic_write_bytes
+from basics.errors import InputError
+from basics.files import atomic_write_bytes
+from basics.units import format_bytes
 from simulator.result import SimulationResult
-from simulator.units import format_bytes
 
 FORMATS = (".png", ".svg", ".pdf")
 OP_COLOURS = {"F": "#3b75af", "B": "#ef8636", "I": "#c2413b", "W": "#519e3e"}

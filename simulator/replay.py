@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from basics.errors import InputError, check_instance
 from simulator.actions import BACKWARD_INPUT, FORWARD
 from simulator.compiled import CompiledSchedule
 from simulator.costs import ChunkCosts, PipelineCosts
-from simulator.errors import InputError, check_instance
 from simulator.result import BubbleSplit, SimulationResult
 from simulator.schedule import Schedule
 from simulator.sharded import memory_points

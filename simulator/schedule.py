@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from basics.files import atomic_write_text
 from simulator.actions import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -26,7 +27,6 @@ from simulator.actions import (
 )
 from simulator.compiled import CompiledSchedule, compile_schedule
 from simulator.errors import ScheduleError
-from simulator.files import atomic_write_text
 
 PLACEMENTS = ("loop", "v")
 OP_CODE = {op: code for code, op in enumerate(OPS)}

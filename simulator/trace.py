@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from simulator.files import atomic_write_text
+from basics.files import atomic_write_text
 from simulator.result import SimulationResult
 
 CATEGORY = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}

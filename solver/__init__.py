@@ -6,12 +6,12 @@ simulator times them. Never imports torch.
 
 from solver.errors import InfeasibleError
 from solver.evaluate import evaluate_plan, even_plan, plan_from_dict, plan_from_mindformers
-from solver.load import load_profile
-from solver.plan import Plan
-from solver.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost
-from solver.sapp import profile_from_sapp
-from solver.search import solve
-from solver.spec import PipelineSpec
+from solver.formats.sapp import profile_from_sapp
+from solver.program.search import solve
+from solver.vocabulary.load import load_profile
+from solver.vocabulary.plan import Plan
+from solver.vocabulary.profile import RECOMPUTE_MODES, LayerProfile, ModelProfile, RecomputeCost
+from solver.vocabulary.spec import PipelineSpec
 
 __all__ = [
     "RECOMPUTE_MODES",

@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from simulator.errors import InputError
+from basics.errors import InputError
 from solver.evaluate import evaluate_plan
-from solver.profile import ModelProfile
-from solver.spec import PipelineSpec
+from solver.vocabulary.profile import ModelProfile
+from solver.vocabulary.spec import PipelineSpec
 
 MIN_SCALE = 0.05  # a floor on the time factor, so that a stray step cannot make times vanish
 

@@ -17,9 +17,9 @@ from solver.engine_memory import (
     torch_splits_backward,
     torch_unshard_lookahead,
 )
-from solver.profile import HEAD, TAIL, LayerProfile, ModelProfile
-from solver.sharding import Unit, layer_static, sharded_costs, tracks_step
-from solver.spec import PipelineSpec
+from solver.parallel.sharding import Unit, layer_static, sharded_costs, tracks_step
+from solver.vocabulary.profile import HEAD, TAIL, LayerProfile, ModelProfile
+from solver.vocabulary.spec import PipelineSpec
 
 
 def pipeline_costs(
@@ -105,7 +105,7 @@ def _units(
     shared_bytes: float,
     buffered_bytes: float,
 ) -> list[Unit]:
-    """A chunk's layers as FSDP units (`solver.sharding.Unit`), in model order. Its backward runs the
+    """A chunk's layers as FSDP units (`solver.parallel.sharding.Unit`), in model order. Its backward runs the
     layers last to first, each handed the gradient of its output by the one after it and freeing its
     activations; the head's, last, when the blocks have freed what the stage computed for them too
     (`shared_bytes`). The first layer's activation leaves out its input where that is one of torch's

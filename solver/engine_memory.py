@@ -4,8 +4,8 @@ tensors stages pass, its receive buffers, its split backward's gradients and its
 from __future__ import annotations
 
 from simulator import schedule_kind
-from solver.profile import LayerProfile, ModelProfile
-from solver.spec import PipelineSpec
+from solver.vocabulary.profile import LayerProfile, ModelProfile
+from solver.vocabulary.spec import PipelineSpec
 
 
 def torch_splits_backward(spec: PipelineSpec) -> bool:

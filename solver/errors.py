@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from simulator.errors import InputError
+from basics.errors import InputError
 
 
 class InfeasibleError(InputError):

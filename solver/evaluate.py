@@ -6,22 +6,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from basics.errors import InputError, check_instance, shown
+from basics.fields import Fields
 from simulator import simulate
-from simulator.errors import InputError, check_instance, shown
 from solver.costs import pipeline_costs
-from solver.fields import Fields
-from solver.mesh import rank_profile
-from solver.mindformers import mindformers_split
-from solver.plan import Plan
-from solver.profile import HEAD, NONE, TAIL, ModelProfile
-from solver.spec import PipelineSpec, spec_from_dict
+from solver.formats.mindformers import mindformers_split
+from solver.parallel.model_parallel import rank_profile
+from solver.vocabulary.plan import Plan
+from solver.vocabulary.profile import HEAD, NONE, TAIL, ModelProfile
+from solver.vocabulary.spec import PipelineSpec, spec_from_dict
 
 
 def evaluate_plan(
     profile: ModelProfile, spec: PipelineSpec, counts: tuple[int, ...] | list[int], modes: tuple[str, ...] | list[str]
 ) -> Plan:
     """Check a split and recompute choice against the profile and spec, and simulate it (for one rank
-    of the spec's mesh: `solver.mesh.rank_profile`)."""
+    of the spec's mesh: `solver.parallel.model_parallel.rank_profile`)."""
     check_instance(profile, ModelProfile, "profile", "a ModelProfile (solver.load_profile)")
     check_instance(spec, PipelineSpec, "spec", "a PipelineSpec")
     profile = rank_profile(profile, spec)

@@ -3,7 +3,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from sapp_hook.protocol import ENVIRONMENT
+from sapp_hook.hook.relaunch import ENVIRONMENT
 
 # One intra-op thread per process: on 2-core machines two threads are 5-10x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -6,12 +6,12 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-from simulator.errors import InputError
+from basics.errors import InputError
 from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost, evaluate_plan
-from solver.formulation import IntegerProgram
-from solver.groups import layer_groups
-from solver.mindformers import ordered_modes
-from solver.plan import Plan
+from solver.formats.mindformers import ordered_modes
+from solver.program.formulation import IntegerProgram
+from solver.program.groups import layer_groups
+from solver.vocabulary.plan import Plan
 
 MIB = 2**20
 SAPP = Path(__file__).parent / "fixtures" / "sapp"  # SAPP's own layer files and two of its runs

@@ -1,15 +1,15 @@
-"""`profiler.analytic` for one rank of an N-D job: the collectives each layer runs, their time on the links
-given and what of it is exposed (`profiler.collectives`), on top of `solver.mesh`'s memory."""
+"""`profiler.estimate.analytic` for one rank of an N-D job: the collectives each layer runs, their time on the links
+given and what of it is exposed (`profiler.estimate.collectives`), on top of `solver.parallel.model_parallel`'s memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from profiler.analytic import analytic_profile, shape_from_config
-from profiler.collectives import Network
+from profiler.estimate.analytic import analytic_profile, shape_from_config
+from profiler.estimate.collectives import Network
 from simulator import InputError
-from solver.mesh import token_copies_ratio
-from solver.profile import FULL, NONE, SELECTIVE
+from solver.parallel.model_parallel import token_copies_ratio
+from solver.vocabulary.profile import FULL, NONE, SELECTIVE
 
 LLAMA = {
     "model_type": "llama",

@@ -73,7 +73,7 @@ def test_profiles_solves_writes_then_reuses_then_replans(tmp_path, mindformers_y
 
 def test_a_plan_another_release_cached_is_planned_again(tmp_path, monkeypatch):
     """Another release may count memory another way: its plans are not reused."""
-    from sapp_hook import tune
+    from sapp_hook.hook import tune
 
     first = train(llama(), PROFILING + 1, cache_dir=tmp_path)
     assert train(llama(), 3, cache_dir=tmp_path).result.from_cache
@@ -261,7 +261,7 @@ def test_the_model_trains_the_same_under_autotune(tmp_path):
 
 def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp_path):
     """torch runs a checkpointed block again for every weight-gradient group of a split backward
-    (sapp_hook.torch_engine): no recompute mode is offered there."""
+    (sapp_hook.pipelining.engine_rules): no recompute mode is offered there."""
     tuner = autotune(llama(), stages=2, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", cache_dir=tmp_path)
     assert tuner.profiler.modes == ("none",)
 

@@ -13,11 +13,11 @@ from test_profiler_distributed import FirstStage, LastStage, train_stage
 
 from profiler import LayerProfiler
 from sapp_hook import autotune
-from sapp_hook.gloo import gloo_group, spawn
-from sapp_hook.mesh import block_plan
+from sapp_hook.validation.gloo import gloo_group, spawn
+from sapp_hook.validation.parallelize import block_plan
 from simulator import InputError
-from solver.mesh import profile_for_mesh
-from solver.profile import Mesh, ModelProfile
+from solver.parallel.model_parallel import profile_for_mesh
+from solver.vocabulary.profile import Mesh, ModelProfile
 
 MODES = ("none", "full")
 SETTING = {"micro_batches": 4, "schedule": "1F1B", "profile_steps": 1, "modes": MODES}

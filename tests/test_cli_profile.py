@@ -10,11 +10,11 @@ import pytest
 from cli_args import with_flags
 from profiler_cases import LLAMA
 
-from profiler.analytic import analytic_profile, shape_from_config
-from profiler.collectives import Network
+from profiler.estimate.analytic import analytic_profile, shape_from_config
+from profiler.estimate.collectives import Network
 from sapp_hook.cli import main
 from solver import load_profile
-from solver.profile_parts import Mesh
+from solver.vocabulary.profile_parts import Mesh
 
 FAST = ["--steps", "1", "--micro-batch-size", "1", "--seq-len", "16"]
 

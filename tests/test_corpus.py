@@ -28,11 +28,11 @@ from pathlib import Path
 import pytest
 from solver_cases import SAPP, small_profile
 
+from basics.errors import InputError, Terminated
 from sapp_hook.cli import main
 from sapp_hook.writeback import write_config
 from sapp_hook.writeback.layout import even_layout
 from simulator import PipelineCosts, build_schedule, simulate
-from simulator.errors import InputError, Terminated
 from solver import PipelineSpec, load_profile, plan_from_dict, plan_from_mindformers, solve
 
 ROOT = Path(__file__).parents[1]
@@ -1472,11 +1472,11 @@ def test_run_gives_the_job_its_config_whatever_folder_it_runs_in(tmp_path, monke
 
 def test_a_cache_that_takes_no_plan_costs_only_the_cache(tmp_path, monkeypatch, caplog):
     """A full disk or read-only cache folder: the plan goes on into the config, only uncached."""
-    from sapp_hook.cache import PlanCache
+    from sapp_hook.hook.cache import PlanCache
 
     def full(path: object, text: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("sapp_hook.cache.atomic_write_text", full)
+    monkeypatch.setattr("sapp_hook.hook.cache.atomic_write_text", full)
     assert PlanCache(tmp_path / "cache").store("key", {}, {"plan": {}}, {}) is None
     assert "the plan is not cached" in caplog.text and "No space left on device" in caplog.text

@@ -20,11 +20,11 @@ from simulator.costs import ShardedCosts
 from simulator.sharded import RESHARD, UNSHARD, memory_points, torch_unshard_events
 from solver import ModelProfile, PipelineSpec, evaluate_plan
 from solver.costs import pipeline_costs
-from solver.formulation import PATHS, IntegerProgram
-from solver.groups import layer_groups
-from solver.milp import Linear
-from solver.sharding import Unit, _backward_walk, _forward_walk, sharded_costs, step_gradient_bytes
-from solver.spec import spec_from_dict, spec_to_dict, static_split
+from solver.parallel.sharding import Unit, _backward_walk, _forward_walk, sharded_costs, step_gradient_bytes
+from solver.program.formulation import PATHS, IntegerProgram
+from solver.program.groups import layer_groups
+from solver.program.milp import Linear
+from solver.vocabulary.spec import spec_from_dict, spec_to_dict, static_split
 
 P, G, O, S = 1000.0, 1000.0, 2040.0, 40.0  # noqa: E741 - a layer: parameters, gradients, AdamW (2P + 4 B x 10 tensors)
 
@@ -555,7 +555,7 @@ def test_torch_runtime_schedules_gather_every_chunk_before_the_first_action():
 def test_the_programs_states_follow_a_rank_through_its_step():
     """Per chunk: gathered from its first forward, step gradients from its first backward, and after its
     reduce what the reduce leaves in their place (gradients freed between steps: the shards)."""
-    from solver.sharded_rows import GATHER, REDUCE, ShardedStates
+    from solver.program.sharded_rows import GATHER, REDUCE, ShardedStates
 
     pipeline = PipelineSpec(
         stages=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True, gradients_persist=False

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from basics.errors import InputError, Terminated
+from basics.files import MAX_FILE_BYTES, atomic_write_bytes, atomic_write_text, read_limited, write_target
 from sapp_hook.writeback.files import WriteBack, commit, in_form_of
-from simulator.errors import InputError, Terminated
-from simulator.files import MAX_FILE_BYTES, atomic_write_bytes, atomic_write_text, read_limited, write_target
 
 ROOT = Path(__file__).parents[1]
 
@@ -140,7 +140,7 @@ WATCHED = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from sapp_hook.cli.terminal import signals_end_the_command
-    from simulator import files
+    from basics import files
 
     temp = Path(sys.argv[1])
     with signals_end_the_command(lambda: "sapp-hook test"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.multiprocessing import ProcessRaisedException
 
-from sapp_hook.gloo import gloo_group, spawn
+from sapp_hook.validation.gloo import gloo_group, spawn
 
 
 def _teardown_ran(folder: str, rank: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sapp_hook.validate import predictions
+from sapp_hook.validation.validate import predictions
 from solver import PipelineSpec, evaluate_plan, load_profile
 
 RECORDS = Path(__file__).parents[1] / "docs" / "gpu"

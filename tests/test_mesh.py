@@ -1,10 +1,10 @@
-"""`solver.mesh`: one rank of a tensor-, sequence-, context- and expert-parallel job, from a profile.
+"""`solver.parallel.model_parallel`: one rank of a tensor-, sequence-, context- and expert-parallel job, from a profile.
 
 The tensor-parallel numbers below were measured on real runs: tiny-llama (8 blocks, h 256, 1 x 128 tokens,
 fp32), PP2 x TP2 on 4 gloo processes of torch 2.13 CPU, Schedule1F1B, 4 micro-batches, split [5, 5], the
 TorchTitan plan under DTensor (`sapp-hook validate --model tiny-llama --stages 2 --micro-batches 4 --even
 --tensor-parallel 2 [--sequence-parallel]`; docs/results/nd-validation.md has the per-rank figures). The profile they are planned from is sapp-hook's own, measured
-on one process (`tests/fixtures/nd/tiny-llama.profile.json`: `sapp_hook.validate.profile_for` of that setup).
+on one process (`tests/fixtures/nd/tiny-llama.profile.json`: `sapp_hook.validation.validate.profile_for` of that setup).
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from profiler.analytic import analytic_profile, shape_from_config
-from sapp_hook.validate import predictions
+from profiler.estimate.analytic import analytic_profile, shape_from_config
+from sapp_hook.validation.validate import predictions
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan, load_profile, solve
-from solver.mesh import (
+from solver.parallel.model_parallel import (
     expert_replicas,
     profile_for_mesh,
     rank_profile,
     token_copies_ratio,
 )
-from solver.profile import FULL, NONE
-from solver.profile_parts import Mesh
-from solver.sharding import layer_static
+from solver.parallel.sharding import layer_static
+from solver.vocabulary.profile import FULL, NONE
+from solver.vocabulary.profile_parts import Mesh
 
 PROFILE = Path(__file__).parent / "fixtures" / "nd" / "tiny-llama.profile.json"
 T, H, P = 128, 256, 4  # tokens per micro-batch, hidden size, fp32

@@ -12,7 +12,7 @@ from profiler_cases import gpt2, llama
 from test_stages import layout
 
 from sapp_hook import TiedGradients, apply, schedule_class
-from sapp_hook.gloo import gloo_group, spawn
+from sapp_hook.validation.gloo import gloo_group, spawn
 
 MICRO_BATCHES, SEQUENCES = 4, 8
 

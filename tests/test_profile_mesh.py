@@ -13,12 +13,12 @@ import pytest
 
 from sapp_hook.cli import main
 from sapp_hook.models import load_config, profile_example
-from sapp_hook.profile_mesh import MeshRun, mesh_profile, run_mesh
+from sapp_hook.validation.mesh_profile import MeshRun, mesh_profile, run_mesh
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan, load_profile
-from solver.mesh import SPLIT_FIELDS, profile_for_mesh, rank_profile
-from solver.profile import NONE, ModelProfile
-from solver.profile_parts import Mesh
+from solver.parallel.model_parallel import SPLIT_FIELDS, profile_for_mesh, rank_profile
+from solver.vocabulary.profile import NONE, ModelProfile
+from solver.vocabulary.profile_parts import Mesh
 
 SHAPE = {"micro_batch_size": 1, "seq_len": 128}
 HIDDEN = 128 * 256 * 4  # a rank's hidden state: tokens x hidden x fp32

@@ -11,10 +11,10 @@ from profiler_cases import BATCH, GPT2, LLAMA, SEQ, batch, gpt2, llama, moe, pro
 
 from profiler import LayerProfiler, find_blocks
 from profiler.recompute import checkpoint_state_bytes
-from sapp_hook.stages import loss_tail
+from sapp_hook.pipelining.stages import loss_tail
 from simulator import InputError
 from solver import PipelineSpec, solve
-from solver.profile import ModelProfile
+from solver.vocabulary.profile import ModelProfile
 
 FP32 = 4
 # what every checkpointed call keeps beside its saved tensors on the CPU (5,056 bytes in torch 2.13)
@@ -238,8 +238,8 @@ def test_on_the_cpu_working_sets_are_counted_op_by_op_in_untimed_steps():
     for index, layer in enumerate(profile.layers[1:], start=1):  # block 0's input needs no gradient: no hook ends it
         for mode in ("none", "full"):
             assert layer.recompute[mode].working_bytes == (rows * width + width * width) * FP32
-            assert len(profiler.samples[index].forward_ms[mode]) == 2  # the timed steps' only
-            assert len(profiler.samples[index].backward_peak_bytes[mode]) == 1
+            assert len(profiler.measure.samples[index].forward_ms[mode]) == 2  # the timed steps' only
+            assert len(profiler.measure.samples[index].backward_peak_bytes[mode]) == 1
 
 
 class PairsOfLinears(torch.nn.Module):
@@ -327,7 +327,7 @@ def test_what_selective_recompute_keeps_in_its_cache_is_counted_as_held(llama_ru
     """Saved-tensor hooks do not see selective checkpointing's own cache: `HeldActivations.keep`, handed
     each tensor it keeps (as validate's run does through `set_recompute`), counts it until it is freed.
     (validate read a tiny-moe rank whose plan recomputed one MoE block selectively 31% low without it.)"""
-    from profiler.held import HeldActivations
+    from profiler.measure.held import HeldActivations
     from profiler.recompute import set_recompute
 
     model, _, _ = llama_run
@@ -363,12 +363,12 @@ def test_layer_times_add_up_to_the_step(llama_run):
             step_ms = (time.perf_counter() - start) * 1e3
             optimizer.step()
             optimizer.zero_grad()
-            before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.samples.items()}
+            before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.measure.samples.items()}
             profiler.step()
             if profiler.warmup_steps < profiler.steps_done <= profiler.timed_steps_end:
                 layers_ms = sum(
                     s.forward_ms["none"][-1] + s.backward_ms["none"][-1]
-                    for slot, s in profiler.samples.items()
+                    for slot, s in profiler.measure.samples.items()
                     if len(s.forward_ms["none"]) > before.get(slot, 0)
                 )
                 ratios.append(layers_ms / step_ms)
@@ -509,7 +509,7 @@ def test_evaluation_forwards_inside_the_window_are_ignored():
                 model(input_ids=batch(9), use_cache=False)
             train_step(model, optimizer, profiler.steps_done)
             profiler.step()
-    assert all(len(s.forward_ms["none"]) == 1 for s in profiler.samples.values())
+    assert all(len(s.forward_ms["none"]) == 1 for s in profiler.measure.samples.values())
 
 
 def test_without_an_optimizer_there_is_no_optimizer_state():
@@ -640,7 +640,7 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
     one synchronize per step; the allocator's peak over each layer's backward becomes its working set, read
     before the next backward resets it (the gradient between two blocks fires both their hooks), the head's
     as its gradients land."""
-    from profiler import clock, layer_profiler
+    from profiler.measure import clock, layer_profiler
 
     synchronized = []
     memory = FakeDeviceMemory()
@@ -662,7 +662,7 @@ def test_the_accelerator_path_uses_events_and_allocator_peaks(monkeypatch):
 def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
     """Measured as torch's pipeline stages run it, on a copy of an input; the gradients training has
     accumulated and the random state are left as they were."""
-    from profiler.split import measure_split_backward
+    from profiler.measure.split import measure_split_backward
 
     block = torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 6, bias=False))
     first = block[0].weight
@@ -694,8 +694,8 @@ def test_a_split_backward_holds_the_gradients_of_weighted_outputs_from_i_to_w():
 
 def test_the_tail_given_as_a_module_has_its_backward_split_too():
     """The last block's output, copied in a plain step, runs through the tail and its loss alone
-    (`sapp_hook.stages.loss_tail`): the tail gets its halves' times and what its I holds for W."""
-    from profiler.split import measure_split_backward
+    (`sapp_hook.pipelining.stages.loss_tail`): the tail gets its halves' times and what its I holds for W."""
+    from profiler.measure.split import measure_split_backward
 
     model = llama()
     tail = loss_tail(model)
@@ -727,13 +727,13 @@ def test_the_tail_given_as_a_module_has_its_backward_split_too():
     assert split.input_held_bytes == logits_bytes + 2 * tokens * LLAMA["hidden_size"] * 4
     assert split.pending_bytes == split.input_held_bytes - (logits_bytes + 8 * tokens + 4)
     assert split.output_gradient_freed_bytes == 4  # the loss's gradient, one float: nothing keeps it
-    assert profiler.recorder.captured_tail_input is None  # dropped once measured
+    assert profiler.measure.recorder.captured_tail_input is None  # dropped once measured
 
 
 def test_a_block_whose_weight_gradients_do_not_need_its_output_gradient_frees_it():
     """A Linear scaled after: its weight gradient needs the scaled gradient, not the one handed in,
     which I frees (so a block before it in a stage does not keep what it hands back)."""
-    from profiler.split import measure_split_backward
+    from profiler.measure.split import measure_split_backward
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:
@@ -757,7 +757,7 @@ def test_torch_split_backward_keeps_nothing_after_w(llama_run):
     the same way.)"""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from profiler.held import HeldActivations
+    from profiler.measure.held import HeldActivations
 
     model, _, profile = llama_run
     assert all(cost.retained_bytes == 0 for layer in profile.layers for cost in layer.recompute.values())

@@ -1,4 +1,4 @@
-"""`profiler.analytic` against the measured profile of the same transformers models."""
+"""`profiler.estimate.analytic` against the measured profile of the same transformers models."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from profiler_cases import (
     qwen3_moe,
 )
 
-from profiler.analytic import DTYPE_BYTES, TransformerShape, analytic_profile, shape_from_config
+from profiler.estimate.analytic import DTYPE_BYTES, TransformerShape, analytic_profile, shape_from_config
 from simulator import InputError
 from solver import PipelineSpec, even_plan, load_profile, solve
 

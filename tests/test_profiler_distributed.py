@@ -13,9 +13,9 @@ from solver_cases import layer as layer_profile
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles, join_profiles
 from profiler.recompute import checkpoint_state_bytes
-from sapp_hook.gloo import gloo_group, spawn
+from sapp_hook.validation.gloo import gloo_group, spawn
 from simulator import InputError
-from solver.profile import ModelProfile
+from solver.vocabulary.profile import ModelProfile
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 

@@ -7,11 +7,11 @@ import transformers
 from profiler_cases import GPT2
 
 from sapp_hook.models import build_model, profile_example
-from sapp_hook.replay import replay_rank
-from sapp_hook.validate import predictions
+from sapp_hook.validation.one_device import replay_rank
+from sapp_hook.validation.validate import predictions
 from simulator import InputError
 from solver import PipelineSpec, even_plan
-from solver.profile import FULL, NONE
+from solver.vocabulary.profile import FULL, NONE
 
 MICRO_BATCH_SIZE, SEQ_LEN = 2, 32
 

@@ -29,7 +29,7 @@ def norm_bytes():
 
 
 def kept_without_recompute():
-    """A Mixtral block's saved tensors (profiler.analytic's count, checked against the profiler on the CPU)."""
+    """A Mixtral block's saved tensors (profiler.estimate.analytic's count, checked against the profiler on the CPU)."""
     attention = 2 * norm_bytes() + P * T * (2 * HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM) + 4 * T * HEADS
     experts = T * K * (2 * P * H + 4 * P * F + P + 24) + 4 * E
     router = T * (4 * E + 8 * K) + T * (4 * K + 4)  # fp32 probabilities, chosen experts, their renormalised weights

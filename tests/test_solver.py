@@ -25,9 +25,9 @@ from solver import (
 )
 from solver.costs import pipeline_costs
 from solver.engine_memory import torch_1f1b_held_bytes
-from solver.formulation import PATHS, START_TIMES, IntegerProgram
-from solver.groups import layer_groups
-from solver.milp import dot
+from solver.program.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.program.groups import layer_groups
+from solver.program.milp import dot
 
 CASES = [
     ("1F1B", 4, 1, 6),
@@ -121,7 +121,7 @@ def test_least_recompute_among_the_fastest_plans(name, stages, chunks, micro_bat
 )
 @pytest.mark.parametrize("tie_break_nodes", [None, 20])  # 20: the tie-breaks stop at their cap
 def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib, tie_break_nodes, monkeypatch):
-    from solver import search
+    from solver.program import search
 
     if tie_break_nodes is not None:
         monkeypatch.setattr(search, "TIE_BREAK_NODES", dict.fromkeys((START_TIMES, PATHS), tie_break_nodes))
@@ -137,7 +137,7 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
 
 
 def test_rows_removed_from_the_middle_of_a_program_leave_the_others():
-    from solver.milp import Milp
+    from solver.program.milp import Milp
 
     program = Milp()
     x, y = program.variable(0, 10, integer=True), program.variable(0, 10)
@@ -166,7 +166,7 @@ def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(
 ):
     import logging
 
-    from solver import search
+    from solver.program import search
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for(schedule, stages, chunks, micro_batches, budget_mib)
@@ -185,8 +185,8 @@ def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(
 def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypatch):
     import time
 
-    from solver import search
-    from solver.milp import Milp
+    from solver.program import search
+    from solver.program.milp import Milp
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 4, 2, 8, 53000)
@@ -211,7 +211,7 @@ def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypa
 def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
     import time
 
-    from solver import search
+    from solver.program import search
 
     profile = small_profile(6)
     spec = spec_for("Interleaved1F1B", 2, 2, 4, 400)
@@ -228,7 +228,7 @@ def test_polishing_a_plan_finds_the_best_recompute_for_its_split():
 
 
 def test_a_stopped_search_chooses_its_best_plans_recompute_again(monkeypatch, caplog):
-    from solver import search
+    from solver.program import search
 
     polishing = []
     polished = search._polished
@@ -257,7 +257,7 @@ def test_a_stopped_search_chooses_its_best_plans_recompute_again(monkeypatch, ca
 
 def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_search(caplog):
     """16 x 4 x 128 interleaved (16,384 actions): the search's first LP alone takes over 30 s here."""
-    from solver import search
+    from solver.program import search
 
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for("Interleaved1F1B", 16, 4, 128, 56000)
@@ -276,7 +276,7 @@ def test_a_search_that_finds_no_plan_in_time_returns_the_plan_found_without_sear
 
 
 def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank():
-    from solver import start
+    from solver.program import start
 
     profile = load_profile(SAPP / "sim.json")
     spec = spec_for("GPipe", 16, 1, 48, 44600)  # 1.1x the least budget that fits
@@ -291,7 +291,7 @@ def test_the_balanced_split_moves_layers_where_switching_modes_cannot_fit_a_rank
 
 
 def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
-    from solver import start
+    from solver.program import start
 
     profile = load_profile(SAPP / "sim.json")  # four recompute modes
     spec = spec_for("1F1B", 16, 1, 16, 56000)
@@ -322,7 +322,7 @@ def test_the_balanced_split_keeps_no_recompute_a_rank_could_do_without():
 
 
 def test_moving_layers_one_at_a_time_shortens_the_balanced_split():
-    from solver import start
+    from solver.program import start
 
     profile = load_profile(SAPP / "test.json")
     spec = spec_for("Interleaved1F1B", 8, 2, 16, 56000)
@@ -337,7 +337,7 @@ def test_moving_layers_one_at_a_time_shortens_the_balanced_split():
 
 
 def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions_of_a_layer():
-    from solver import start
+    from solver.program import start
 
     profile = load_profile(SAPP / "test.json")  # 96 body layers on 64 virtual stages: 1.5 each
     spec = spec_for("Interleaved1F1B", 16, 4, 16, 10**6)
@@ -424,9 +424,9 @@ def test_sapp_parity_and_no_slower(case):
 def test_long_searches_report_progress(caplog, monkeypatch):
     import logging
 
-    import solver.milp
+    import solver.program.milp
 
-    monkeypatch.setattr(solver.milp, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(solver.program.milp, "PROGRESS_EVERY_S", 0.0)
     with caplog.at_level(logging.INFO, logger="solver"):
         solve(small_profile(6), spec_for("Interleaved1F1B", 2, 2, 4, 400))
     messages = [record.getMessage() for record in caplog.records]

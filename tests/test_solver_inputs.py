@@ -12,7 +12,7 @@ from solver_cases import MIB, SAPP, small_profile
 
 from simulator import InputError
 from solver import ModelProfile, PipelineSpec, evaluate_plan, load_profile, plan_from_dict, plan_from_mindformers, solve
-from solver.sapp import profile_from_sapp
+from solver.formats.sapp import profile_from_sapp
 
 
 def test_profile_json_round_trip(tmp_path):

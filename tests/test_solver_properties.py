@@ -13,10 +13,11 @@ from solver_cases import MIB, layer
 
 from simulator import SCHEDULES, simulate
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
-from solver import InfeasibleError, ModelProfile, PipelineSpec, search, solve, start
+from solver import InfeasibleError, ModelProfile, PipelineSpec, solve
 from solver.costs import pipeline_costs
-from solver.formulation import PATHS, START_TIMES, IntegerProgram
-from solver.groups import layer_groups
+from solver.program import search, start
+from solver.program.formulation import PATHS, START_TIMES, IntegerProgram
+from solver.program.groups import layer_groups
 
 SMALL = [
     ("1F1B", 1),

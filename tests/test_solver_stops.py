@@ -18,10 +18,10 @@ from solver_cases import SAPP, integer_program
 
 from sapp_hook.cli import main
 from solver import PipelineSpec, Plan, load_profile, solve
-from solver import milp as milp_module
-from solver.formulation import START_TIMES
-from solver.milp import STOP_WAIT_S
-from solver.start import balanced_plan
+from solver.program import milp as milp_module
+from solver.program.formulation import START_TIMES
+from solver.program.milp import STOP_WAIT_S
+from solver.program.start import balanced_plan
 
 MIB = 2**20
 # Sixteen stages of three chunks: the search's first LP alone takes seconds, its proof minutes.

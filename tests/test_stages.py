@@ -8,7 +8,7 @@ from profiler_cases import batch, gpt2, llama
 
 from profiler.layers import find_blocks
 from sapp_hook import TiedGradients, apply, schedule_class
-from sapp_hook.stages import loss_tail
+from sapp_hook.pipelining.stages import loss_tail
 from sapp_hook.writeback import Layout, layout_from_dict
 from simulator import InputError
 

@@ -1,7 +1,7 @@
 import pytest
 
+from basics.units import format_bytes, format_ms, parse_bytes
 from simulator import InputError
-from simulator.units import format_bytes, format_ms, parse_bytes
 
 
 @pytest.mark.parametrize(

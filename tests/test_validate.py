@@ -12,7 +12,7 @@ from cli_args import with_flags
 from profiler_cases import GPT2
 
 from sapp_hook.models import build_model, load_config, random_batch
-from sapp_hook.validate import Setup, profile_for, validate
+from sapp_hook.validation.validate import Setup, profile_for, validate
 from simulator import InputError
 from solver import evaluate_plan
 
@@ -222,7 +222,7 @@ def test_cli_a_layout_torch_does_not_run_is_refused_before_profiling(capsys, fla
 
 def test_recompute_is_refused_where_the_schedule_splits_the_backward(capsys):
     """torch runs a checkpointed block again for every weight-gradient group of a split backward
-    (sapp_hook.torch_engine): an even split with full recompute is refused before any profiling."""
+    (sapp_hook.pipelining.engine_rules): an even split with full recompute is refused before any profiling."""
     from sapp_hook.cli import main
 
     with pytest.raises(SystemExit) as caught:
@@ -251,7 +251,7 @@ def test_the_allocator_peak_of_a_step_is_counted_from_its_lowest_point():
     torch names ends (2 MiB) is the step's end; a step without named actions has none."""
     from torch.profiler import record_function
 
-    from sapp_hook.validate_rank import _allocated_bytes
+    from sapp_hook.validation.rank import _allocated_bytes
 
     before = torch.empty(2**20)  # noqa: F841 (held: not counted)
 
@@ -273,7 +273,7 @@ def test_what_the_step_before_kept_is_freed_where_the_step_frees_it():
     free of a block allocated before it started: measured in one profiled step, this read 3 MiB."""
     from torch.profiler import record_function
 
-    from sapp_hook.validate_rank import _allocated_bytes
+    from sapp_hook.validation.rank import _allocated_bytes
 
     kept = [torch.empty(2**18)]  # what the step before kept
 
@@ -292,7 +292,7 @@ def test_a_free_the_profiler_did_not_see_is_counted_where_its_address_is_taken_a
     that thread: the block then seems held forever. An allocation at its address says it was freed."""
     from types import SimpleNamespace
 
-    from sapp_hook.validate_rank import memory_changes
+    from sapp_hook.validation.rank import memory_changes
 
     class _ExtraFields_Allocation(SimpleNamespace):
         pass

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from sapp_hook.validate import Setup, profile_for, validate
+from sapp_hook.validation.validate import Setup, profile_for, validate
 from simulator.actions import FORWARD
 from solver import PipelineSpec, solve
 
@@ -187,7 +187,7 @@ def test_pipeline_x_zero1_under_a_v_schedule_is_predicted(tmp_path):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_pipeline_x_tensor_parallel_is_predicted(llama_profile, sequence_parallel):
     """TorchTitan's Llama plan on 2 tensor-parallel ranks per stage, the 1-D profile turned into one
-    rank's (`solver.mesh.rank_profile`): what autograd holds and the static shards to the byte; the
+    rank's (`solver.parallel.model_parallel.rank_profile`): what autograd holds and the static shards to the byte; the
     allocator's peak within 1.5% (a collective's output, one hidden state, at the peak on either side)."""
     report = validate(
         Setup(**LLAMA, plan="even", tensor_parallel=2, sequence_parallel=sequence_parallel), profile=llama_profile

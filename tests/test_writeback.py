@@ -18,11 +18,12 @@ import yaml
 from solver_cases import layer, small_profile
 
 import sapp_hook
-from sapp_hook.inputs import mindformers_keys, read_document
+from basics.documents import read_document
 from sapp_hook.writeback import layout_from_dict, layout_of, write_config
-from sapp_hook.writeback.megatron import FIRST, LAST, LAYOUT, layout_string, parse_layout, split_flags
+from sapp_hook.writeback.megatron.writer import FIRST, LAST, LAYOUT, layout_string, parse_layout, split_flags
 from simulator import InputError
 from solver import ModelProfile, PipelineSpec, evaluate_plan
+from solver.formats.mindformers import mindformers_keys
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 FILES = {

@@ -21,8 +21,8 @@ from solver_cases import small_profile
 
 from sapp_hook.cli import main
 from sapp_hook.writeback import check_job, layout_of, write_config
-from sapp_hook.writeback.megatron import layout_string, parse_layout
-from sapp_hook.writeback.megatron_layout import LayoutError, check, parse_stages
+from sapp_hook.writeback.megatron.layout_string import LayoutError, check, parse_stages
+from sapp_hook.writeback.megatron.writer import layout_string, parse_layout
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan
 

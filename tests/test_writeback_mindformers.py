@@ -25,8 +25,8 @@ from sapp_hook.cli import main
 from sapp_hook.writeback import layout_from_dict, write_config
 from simulator import InputError
 from solver import PipelineSpec
-from solver.profile import RECOMPUTE_MODES
-from solver.spec import spec_to_dict
+from solver.vocabulary.profile import RECOMPUTE_MODES
+from solver.vocabulary.spec import spec_to_dict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
 # Every line sapp-hook may change holds one of these keys (or an op pattern of a select key's mapping).

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from basics.errors import Terminated
 from sapp_hook.cli import apply, calibrate, demo, profile, run, simulate, solve, validate
 from sapp_hook.cli.common import (
     EXIT_HUNG_UP,
@@ -22,8 +23,7 @@ from sapp_hook.cli.common import (
     say_error,
 )
 from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
-from sapp_hook.protocol import installed_version
-from simulator.errors import Terminated
+from sapp_hook.hook.relaunch import installed_version
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,8 +7,8 @@ import json
 import sys
 
 from sapp_hook.cli.common import command, file_errors
-from sapp_hook.inputs import read_plan_json
 from sapp_hook.writeback import TARGETS, layout_from_dict, write_config
+from solver.vocabulary.load import read_plan_json
 
 PROG = "sapp-hook apply"
 

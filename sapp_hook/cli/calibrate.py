@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from basics.files import read_json
 from sapp_hook.cli.common import command, configure_logging, finish, output_paths, read_profile, write_output
-from simulator.files import read_json
 from solver.calibrate import calibrate
 
 PROG = "sapp-hook calibrate"
@@ -32,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sapp_hook.validate import measured_run
+    from sapp_hook.validation.validate import measured_run
 
     configure_logging(not (args.json or args.quiet))
     outputs = output_paths(args, ("profile_out",))

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from basics.errors import check_ms
+from basics.files import MAX_FILE_BYTES, writable_target
+from basics.units import format_bytes, parse_bytes
 from simulator import SCHEDULES, InputError, SimulationResult
-from simulator.errors import check_ms
-from simulator.files import MAX_FILE_BYTES, writable_target
 from simulator.plot import check_plot_path
-from simulator.units import format_bytes, parse_bytes
 from solver import ModelProfile, load_profile
 from solver.errors import InfeasibleError
 
@@ -356,8 +356,8 @@ def _is_schedule_csv(text: str) -> bool:
 
 def _holds_only_mindformers_keys(text: str, flag: str, shown: str) -> bool:
     """Whether `text` is a YAML mapping of the plan's MindFormers keys and nothing else."""
-    from sapp_hook.inputs import parse_yaml
-    from solver.mindformers import MINDFORMERS_KEYS
+    from basics.documents import parse_yaml
+    from solver.formats.mindformers import MINDFORMERS_KEYS
 
     try:
         document = parse_yaml(text, flag, shown)

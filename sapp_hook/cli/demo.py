@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from sapp_hook.cli.common import command, configure_logging
-from sapp_hook.torch_engine import check_torch
+from sapp_hook.pipelining.engine_rules import check_torch
 from simulator import InputError
 
 PROG = "sapp-hook demo"

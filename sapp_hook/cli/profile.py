@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 import sys
 
-from profiler.analytic import BYTES_PER_SECOND as BANDWIDTH
-from profiler.analytic import FLOPS_PER_SECOND as FLOPS
-from profiler.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
-from profiler.collectives import Network
+from basics.units import format_bytes
+from profiler.estimate.analytic import BYTES_PER_SECOND as BANDWIDTH
+from profiler.estimate.analytic import FLOPS_PER_SECOND as FLOPS
+from profiler.estimate.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
+from profiler.estimate.collectives import Network
 from sapp_hook.cli.common import (
     command,
     configure_logging,
@@ -18,10 +19,9 @@ from sapp_hook.cli.common import (
     output_paths,
     write_output,
 )
-from sapp_hook.torch_engine import check_torch
+from sapp_hook.pipelining.engine_rules import check_torch
 from simulator import InputError
-from simulator.units import format_bytes
-from solver.profile import NONE, ModelProfile
+from solver.vocabulary.profile import NONE, ModelProfile
 
 PROG = "sapp-hook profile"
 STEPS, WARMUP_STEPS, MODES = 2, 1, "none,selective,full"
@@ -176,8 +176,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> ModelProfile:
-    """profiler.analytic's estimate of the config at the flags' shape and throughputs; no torch."""
-    from profiler.analytic import analytic_profile, shape_from_config
+    """profiler.estimate.analytic's estimate of the config at the flags' shape and throughputs; no torch."""
+    from profiler.estimate.analytic import analytic_profile, shape_from_config
     from sapp_hook.models import config_data
 
     data, where = config_data(args.model)
@@ -278,7 +278,7 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
         raise
     if run is None:
         return profile
-    from sapp_hook.profile_mesh import profile_on_mesh
+    from sapp_hook.validation.mesh_profile import profile_on_mesh
 
     return profile_on_mesh(run, profile)
 
@@ -289,7 +289,7 @@ def _mesh_run(args: argparse.Namespace, steps: int, warmup_steps: int, modes: tu
         args.sequence_parallel or args.fsdp or args.reshard_after_forward
     ):
         return None
-    from sapp_hook.profile_mesh import MeshRun, check_mesh_run
+    from sapp_hook.validation.mesh_profile import MeshRun, check_mesh_run
 
     if (args.device or "cpu") != "cpu":
         raise InputError("--device", "a mesh is measured on gloo processes on the CPU; expected cpu")

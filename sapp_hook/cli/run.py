@@ -16,10 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from basics.errors import InputError
 from sapp_hook.cli.common import command
-from sapp_hook.protocol import ENVIRONMENT, REPLAN_EXIT_CODE
+from sapp_hook.hook.relaunch import ENVIRONMENT, REPLAN_EXIT_CODE
 from sapp_hook.writeback import TARGETS, check_destination
-from simulator.errors import InputError
 
 PROG = "sapp-hook run"
 

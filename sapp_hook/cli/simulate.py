@@ -6,6 +6,9 @@ import argparse
 import dataclasses
 import math
 
+from basics.documents import read_document
+from basics.errors import check_bytes
+from basics.units import parse_bytes
 from sapp_hook.cli.common import (
     FLAGS,
     add_output_flags,
@@ -25,13 +28,12 @@ from sapp_hook.cli.common import (
     size_flag,
     write_replay_outputs,
 )
-from sapp_hook.inputs import mindformers_keys, read_document, read_plan_json
 from sapp_hook.report import plan_report, replay_report
 from simulator import InputError, PipelineCosts, build_schedule, schedule_kind, simulate
-from simulator.errors import check_bytes
-from simulator.units import parse_bytes
 from solver import PipelineSpec, plan_from_dict, plan_from_mindformers
-from solver.mesh import prediction_caveat
+from solver.formats.mindformers import mindformers_keys
+from solver.parallel.model_parallel import prediction_caveat
+from solver.vocabulary.load import read_plan_json
 
 PROG = "sapp-hook simulate"
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from basics.errors import check_seconds
+from basics.files import atomic_write_text
 from sapp_hook.cli.common import (
     add_output_flags,
     add_overhead_flag,
@@ -29,10 +31,8 @@ from sapp_hook.cli.common import (
 )
 from sapp_hook.report import against_even, plan_report
 from simulator import InputError
-from simulator.errors import check_seconds
-from simulator.files import atomic_write_text
 from solver import PipelineSpec, Plan, solve
-from solver.mesh import prediction_caveat
+from solver.parallel.model_parallel import prediction_caveat
 
 PROG = "sapp-hook solve"
 

@@ -13,9 +13,9 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from basics.errors import Terminated
+from basics.files import remove_pending
 from sapp_hook.cli.common import StdoutError
-from simulator.errors import Terminated
-from simulator.files import remove_pending
 
 # A command still running this long after Ctrl-C or SIGTERM (code that swallowed the exception, a C
 # loop that never returns) is ended without waiting; so is one signalled a second time.

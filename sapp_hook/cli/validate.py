@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from basics.units import format_bytes
 from sapp_hook.cli.common import (
     add_pipeline_flags,
     command,
@@ -17,8 +18,7 @@ from sapp_hook.cli.common import (
     size_flag,
     write_output,
 )
-from sapp_hook.torch_engine import check_torch
-from simulator.units import format_bytes
+from sapp_hook.pipelining.engine_rules import check_torch
 
 PROG = "sapp-hook validate"
 
@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     check_torch()
     import transformers
 
-    from sapp_hook.validate import Setup, profile_for, validate
+    from sapp_hook.validation.validate import Setup, profile_for, validate
 
     transformers.logging.set_verbosity_error()
     outputs = output_paths(args, ("profile_out",))

@@ -11,13 +11,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from basics.errors import InputError, check_instance, shown
 from sapp_hook.writeback.files import WriteBack, check_writable, read_config
 from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
 from sapp_hook.writeback.mindformers import write_mindformers
 from sapp_hook.writeback.plain import write_plan
 from sapp_hook.writeback.torchtitan import config_path, write_torchtitan
-from simulator.errors import InputError, check_instance, shown
 from solver import PipelineSpec
 
 TARGETS: dict[str, Callable[..., WriteBack]] = {

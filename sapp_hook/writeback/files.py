@@ -10,8 +10,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simulator.errors import InputError
-from simulator.files import atomic_write_bytes, atomic_write_text, read_limited, writable_target, write_target
+from basics.errors import InputError
+from basics.files import atomic_write_bytes, atomic_write_text, read_limited, writable_target, write_target
 
 BOM = "\ufeff"
 

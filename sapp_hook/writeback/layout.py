@@ -7,13 +7,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from simulator.errors import InputError, shown
+from basics.errors import InputError, shown
+from basics.fields import Fields
 from solver import PipelineSpec, Plan
 from solver.evaluate import even_counts
-from solver.fields import Fields
-from solver.mindformers import mindformers_view
-from solver.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
-from solver.spec import spec_from_dict, spec_to_dict
+from solver.formats.mindformers import mindformers_view
+from solver.vocabulary.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
+from solver.vocabulary.spec import spec_from_dict, spec_to_dict
 
 
 @dataclass(frozen=True)

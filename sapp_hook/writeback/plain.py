@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from basics.files import read_limited
 from sapp_hook.writeback.files import WriteBack, commit
 from sapp_hook.writeback.layout import Layout
-from simulator.files import read_limited
 
 
 def write_plan(path: Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from basics.errors import InputError, shown
 from simulator.actions import Action
-from simulator.errors import InputError, shown
 from simulator.schedule import Schedule
 from simulator.schedules.dualpipev import dualpipev_actions
 from simulator.schedules.gpipe import gpipe_actions

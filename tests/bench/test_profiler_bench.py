@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from profiler import LayerProfiler
-from profiler.split import measure_split_backward
+from profiler.measure.split import measure_split_backward
 from sapp_hook.models import build_model, load_config, random_batch
 
 torch.set_num_threads(1)
@@ -86,7 +86,7 @@ def test_layers_cover_the_step(benchmark, name):
                 profiler.step()
                 if profiler.steps_done > profiler.warmup_steps:
                     layers_ms = sum(
-                        s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.samples.values()
+                        s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.measure.samples.values()
                     )
                     ratios.append(layers_ms / step_ms)
 

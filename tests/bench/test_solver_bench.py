@@ -95,7 +95,7 @@ def test_solve_uneven_layers(benchmark, case):
     assert plan.fits
 
 
-# Public configs of real models, estimated by profiler.analytic (no weights needed): bf16, 4,096
+# Public configs of real models, estimated by profiler.estimate.analytic (no weights needed): bf16, 4,096
 # tokens per micro-batch, 400 TFLOP/s.
 MODELS = {
     "llama3-8b": (
@@ -151,7 +151,7 @@ REAL = {
 
 @pytest.mark.parametrize("case", list(REAL))
 def test_solve_real_model_shapes(benchmark, case):
-    from profiler.analytic import analytic_profile, shape_from_config
+    from profiler.estimate.analytic import analytic_profile, shape_from_config
 
     model, schedule, stages, chunks, micro_batches, budget = REAL[case]
     config, tensor_parallel = MODELS[model]

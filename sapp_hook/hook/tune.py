@@ -1,0 +1,504 @@
+"""`autotune`: a training run that balances its own pipeline.
+
+    with sapp_hook.autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B",
+                            memory_budget="56GB", config="train.yaml", target="mindformers") as tuner:
+        for batch in batches:
+            ...                      # forward, backward, optimizer step, as always
+            tuner.step()
+
+The first steps are profiled (one warm-up step, then `profile_steps` per recompute mode); then the
+plan is solved, checked in the simulator, written into the launch config and reported. Training goes
+on (`on_plan="continue"`) or the process exits with status 75 (`on_plan="exit"`) so the launcher
+restarts the job with the new config. A run whose model, micro-batch shape, parallel settings and
+device match a cached plan skips profiling after its first step. Under torchrun every rank profiles
+the stage it holds, rank 0 joins its pipeline's profiles (one replica's stages where the job is also
+data or tensor parallel: `pipeline_group`, or the pipeline dimension outermost), solves and writes, and
+every rank gets the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from basics.errors import InputError, check_non_negative, check_seconds
+from basics.files import atomic_write_text
+from basics.units import format_bytes, format_ms, parse_bytes
+from profiler import LayerProfiler
+from profiler.distributed import all_gather_bytes, gather_profiles
+from profiler.measure.build import fingerprint
+from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
+from profiler.recompute import TORCH_MODES
+from sapp_hook.hook.cache import PlanCache, cache_key
+from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
+from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
+from sapp_hook.pipelining.stages import loss_tail
+from sapp_hook.report import against_even, plan_report
+from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
+from solver import ModelProfile, PipelineSpec, Plan, solve
+from solver.parallel.model_parallel import prediction_caveat
+from solver.vocabulary.profile import NONE, Mesh
+from solver.vocabulary.spec import spec_to_dict
+
+log = logging.getLogger(__name__)
+# The plan runs on torch.distributed.pipelining (this package's `apply`, TorchTitan), whose receive
+# buffers it counts, unless it is written for these.
+ENGINES_WITHOUT_RECEIVE_BUFFERS = ("mindformers", "megatron")
+
+
+@dataclass
+class TuneResult:
+    """What autotune decided. `plan` (with its simulation) and `profile` exist on the rank that solved."""
+
+    plan_data: dict[str, Any]
+    layout: Layout
+    from_cache: bool
+    plan: Plan | None = None
+    profile: ModelProfile | None = None
+    writeback: WriteBack | None = None
+    report: str = ""
+
+
+class AutoTuner:
+    """Profiles the first steps, then solves, simulates, writes the config and reports. See the module doc."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        stages: int,
+        micro_batches: int,
+        schedule: str = "1F1B",
+        chunks: int | None = None,
+        memory_budget: str | float | None = None,
+        config: str | Path | None = None,
+        target: str | None = None,
+        profile_steps: int = 2,
+        warmup_steps: int = 1,
+        modes: Sequence[str] = TORCH_MODES,
+        layers: Sequence[str] | None = None,
+        on_plan: str = "continue",
+        cache_dir: str | Path | None = None,
+        force: bool = False,
+        time_limit_s: float = 60.0,
+        data_parallel: int = 1,
+        zero_stage: int = 0,
+        fsdp: bool = False,
+        fsdp_reshard_after_forward: bool = False,
+        gradients_persist: bool = True,
+        ddp: bool = False,
+        ddp_bucket_view: bool = False,
+        tensor_parallel: int = 1,
+        sequence_parallel: bool = False,
+        context_parallel: int = 1,
+        expert_parallel: int = 1,
+        expert_tokens: str = "balanced",
+        collective_backend: str = "nccl",
+        pipeline_group: Any = None,
+        p2p_ms: float = 0.0,
+        action_overhead_ms: float = 0.0,
+        out_dir: str | Path | None = None,
+    ) -> None:
+        _check_arguments(
+            model,
+            optimizer,
+            schedule=schedule,
+            memory_budget=memory_budget,
+            config=config,
+            target=target,
+            profile_steps=profile_steps,
+            warmup_steps=warmup_steps,
+            modes=modes,
+            layers=layers,
+            cache_dir=cache_dir,
+            force=force,
+            out_dir=out_dir,
+        )
+        given = _environment()  # `sapp-hook run`'s settings override the script's; their errors name them
+        field = {name: ENVIRONMENT[name] if name in given else name for name in ENVIRONMENT}
+        config, target = given.get("config", config), given.get("target", target)
+        on_plan, cache_dir = given.get("on_plan", on_plan), given.get("cache_dir", cache_dir)
+        force = force or given.get("force") == "1"
+        if on_plan not in ON_PLAN:
+            raise InputError(field["on_plan"], f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
+        if (config is None) != (target is None):
+            missing, other = ("target", "config") if target is None else ("config", "target")
+            raise InputError(
+                ENVIRONMENT[missing] if other in given else missing,
+                f"give config and target together ({field[other]} is set)",
+            )
+        check_seconds(time_limit_s, "time_limit_s")
+        budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
+        self.spec = PipelineSpec(
+            stages=stages,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            chunks=chunks,
+            memory_budget_bytes=float("inf") if budget is None else budget,
+            data_parallel=data_parallel,
+            zero_stage=zero_stage,
+            p2p_ms=p2p_ms,
+            action_overhead_ms=action_overhead_ms,
+            receive_buffers=target not in ENGINES_WITHOUT_RECEIVE_BUFFERS,
+            fsdp=fsdp,
+            fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+            gradients_persist=gradients_persist,
+            ddp=ddp,
+            ddp_bucket_view=ddp_bucket_view,
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            context_parallel=context_parallel,
+            expert_parallel=expert_parallel,
+            expert_tokens=expert_tokens,
+            collective_backend=collective_backend,
+        )
+        self.model, self.optimizer = model, optimizer
+        self.config, self.target = (Path(config) if config else None), target
+        self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
+        self.out_dir = Path(out_dir) if out_dir else None
+        if self.out_dir is not None:
+            _check_out_dir(self.out_dir)
+        try:
+            self.cache = PlanCache(cache_dir)
+        except InputError as exc:
+            raise InputError(field["cache_dir"], exc.detail) from None
+        if not recompute_runs_under(schedule) and set(modes) != {NONE}:
+            modes = (NONE,)
+            log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
+        self.measured_tensor_parallel = tensor_parallel_degree(model, optimizer)
+        if self.measured_tensor_parallel > 1 and self.measured_tensor_parallel != tensor_parallel:
+            raise InputError(
+                "tensor_parallel",
+                f"the model's parameters are split over {self.measured_tensor_parallel} ranks (DTensor): "
+                f"expected {self.measured_tensor_parallel}, got {tensor_parallel!r}",
+            )
+        self._pipeline_group = pipeline_group
+        self._pipeline: Pipeline | None = None
+        self._solving_ranks: tuple[int, ...] = ()
+        self.profiler = LayerProfiler(
+            model,
+            optimizer,
+            steps=profile_steps,
+            warmup_steps=warmup_steps,
+            modes=modes,
+            layers=layers,
+            tail=loss_tail(model),
+            on_step=self._progress,
+        )
+        if target is not None:  # now, not after the profiling steps
+            check_destination(target, config, target_field=field["target"], config_field=field["config"])
+        self._config_field = field["config"]  # the argument or the environment variable that gave the config
+        if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
+            self._check_job()
+        self.result: TuneResult | None = None
+        self._key: str | None = None
+        self._key_parts: dict[str, object] = {}
+
+    # -- the user's side ---------------------------------------------------------------------------
+
+    def __enter__(self) -> AutoTuner:
+        if self.result is None:
+            self.profiler.attach()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
+
+    def step(self) -> None:
+        """Call once after each training step."""
+        if self.result is not None:
+            return
+        if not self.profiler.attached:
+            raise RuntimeError(
+                "autotune's step() outside its profiling window: call it inside `with sapp_hook.autotune(...) "
+                "as tuner:` (or decorate the step function with the tuner), before the block ends"
+            )
+        self.profiler.step()
+        if self.profiler.steps_done == self.profiler.warmup_steps and self._cached():
+            return
+        if self.profiler.done:
+            self._plan()
+
+    def __call__(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
+        """As a decorator of a per-step training function: profiling starts with its first call."""
+
+        @functools.wraps(train_step)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.result is None and not self.profiler.steps_done:
+                self.profiler.attach()
+            try:
+                value = train_step(*args, **kwargs)
+            except BaseException:
+                self.profiler.detach()
+                raise
+            self.step()
+            return value
+
+        return wrapped
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def _check_job(self) -> None:
+        """Refuse, on every rank, a job the plan cannot take: its pipeline's ranks, and a config for another
+        layer count (each rank of a pipeline holds its stage's blocks, as the profiles join)."""
+        pipeline = self.pipeline
+        counts = _everyone(str(len(self.profiler.blocks)).encode())
+        if self.target is not None:
+            blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
+            check_job(self.target, self.config, self.spec, blocks, config_field=self._config_field)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """This rank's pipeline (found once the job's process group exists); rank 0's pipeline is profiled."""
+        if self._pipeline is None:
+            spec = self.spec
+            replicas = spec.data_parallel * spec.tensor_parallel * spec.context_parallel
+            self._pipeline = pipeline_of(self._pipeline_group, spec.stages, replicas)
+            self._solving_ranks = tuple(json.loads(_from_rank0(json.dumps(self._pipeline.ranks).encode())))
+        return self._pipeline
+
+    # -- deciding ----------------------------------------------------------------------------------
+
+    def _cached(self) -> bool:
+        """After the warm-up step: reuse a cached plan for this exact model and setting, if there is one."""
+        recorder = self.profiler.recorder
+        local = {
+            "fingerprint": fingerprint(self.model, [block.kind for block in self.profiler.blocks]),
+            "input_shape": list(recorder.input_shape or ()),
+        }
+        parts = [json.loads(part) for part in _everyone(json.dumps(local).encode())]
+        device = self.profiler.device
+        self._key_parts = {
+            "ranks": parts,
+            "spec": spec_to_dict(self.spec),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "dtype": str(next(self.model.parameters()).dtype),
+            "modes": list(self.profiler.modes),
+            # another release may measure or plan differently (its memory model gains what runs showed)
+            "sapp_hook": installed_version(),
+        }
+        self._key = cache_key(self._key_parts)
+        entry = None if self.force or _rank() else self.cache.load(self._key)
+        if entry is not None and not self._reusable(entry["plan"]):
+            entry = None
+        shared = _from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
+        if not shared:
+            log.info("sapp-hook: no cached plan for this model and setting (key %s); profiling", self._key)
+            return False
+        self.profiler.detach()
+        plan_data = json.loads(shared)
+        log.info("sapp-hook: reusing the cached plan %s", self.cache.path(self._key))
+        self._finish(plan_data, from_cache=True, plan=None, profile=None)
+        return True
+
+    def _reusable(self, plan_data: dict[str, Any]) -> bool:
+        """Whether a cached plan reads back for this run's settings (the cache may be older than this
+        version, or edited): one that does not is planned again, not a crash."""
+        try:
+            layout = layout_from_dict(plan_data)
+        except InputError as exc:
+            log.warning("sapp-hook: ignoring a cached plan that does not read back (%s); planning again", exc)
+            return False
+        if layout.stages != self.spec.stages or layout.micro_batches != self.spec.micro_batches:
+            log.warning("sapp-hook: ignoring a cached plan made for other parallel settings; planning again")
+            return False
+        return True
+
+    def _plan(self) -> None:
+        local = self.profiler.profile()
+        if self.measured_tensor_parallel > 1:  # measured on one rank of it: the solver divides no further
+            mesh = Mesh(tensor_parallel=self.measured_tensor_parallel, sequence_parallel=self.spec.sequence_parallel)
+            local = dataclasses.replace(local, mesh=mesh)
+        if _distributed():  # the stages of rank 0's pipeline, joined there
+            stage = self.pipeline.stage
+            profile = gather_profiles([(stage, local)] if _rank() in self._solving_ranks else [])
+        else:
+            profile = local
+        error = ""
+        plan = None
+        if profile is not None:  # the rank that solves
+            try:
+                log.info("sapp-hook: solving %s ...", self.spec.pipeline_schedule.name)
+                plan = solve(profile, self.spec, time_limit_s=self.time_limit_s)
+                caveat = prediction_caveat(profile, self.spec)
+                if caveat is not None:
+                    log.warning("sapp-hook: %s", caveat)
+            except InputError as exc:
+                error = str(exc)
+        payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""
+        plan_data = json.loads(_from_rank0(payload))
+        if "error" in plan_data:
+            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {plan_data['error']}")
+        if plan is not None:
+            self.cache.store(self._key or "unkeyed", self._key_parts, plan_data, profile.to_dict())
+        self._finish(plan_data, from_cache=False, plan=plan, profile=profile)
+
+    def _finish(
+        self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None
+    ) -> None:
+        layout = layout_from_dict(plan_data)
+        result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
+        if _rank() == 0:
+            if self.config is not None:
+                result.writeback = write_config(self.target, self.config, layout)
+            result.report = self._report(result)
+            log.info("%s", result.report)
+            if self.out_dir is not None:
+                self._write_outputs(result)
+        self.result = result
+        if self.on_plan != "exit":
+            return
+        # a config that already said the plan was not written: the job runs it now, so it trains on
+        restart = _from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
+        planned_file = os.environ.get(ENVIRONMENT["planned_file"])
+        if planned_file and _rank() == 0:
+            written = None if self.config is None else str(self.config)
+            atomic_write_text(Path(planned_file), json.dumps({"config": written, "restart": restart}) + "\n")
+        if not restart:
+            log.warning("sapp-hook: %s already says the plan (nothing written); training goes on with it", self.config)
+            return
+        # torchrun stops every worker once one exits: none may leave before rank 0 has written
+        _everyone(b"")
+        where = f" into {self.config}" if self.config else ""
+        log.warning(
+            "sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
+            where,
+            REPLAN_EXIT_CODE,
+        )
+        raise SystemExit(REPLAN_EXIT_CODE)
+
+    def _report(self, result: TuneResult) -> str:
+        lines = []
+        if result.plan is not None and result.profile is not None:
+            lines.append(plan_report(result.plan))
+            lines.append(against_even(result.plan, result.profile)[0])
+        else:
+            data = result.plan_data
+            lines.append(
+                f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
+                + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"])
+            )
+        if result.writeback is not None:
+            lines += [f"wrote {path}" for path in result.writeback.written]
+            lines += [f"note: {note}" for note in result.writeback.notes]
+        return "\n".join(lines)
+
+    def _write_outputs(self, result: TuneResult) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out_dir / "plan.json", json.dumps(result.plan_data, indent=1) + "\n")
+        atomic_write_text(self.out_dir / "report.txt", result.report + "\n")
+        if result.profile is not None:
+            result.profile.save(self.out_dir / "profile.json")
+        if result.plan is not None and result.plan.simulation is not None:
+            try:
+                from simulator.plot import draw_gantt
+
+                draw_gantt(result.plan.simulation, self.out_dir / "plan.png")
+                log.info("sapp-hook: the plan's schedule and memory: %s", self.out_dir / "plan.png")
+            except ImportError:
+                log.info("sapp-hook: matplotlib is not installed; no chart")
+
+    def _progress(self, done: int, total: int, mode: str) -> None:
+        if _rank() == 0:
+            log.info("sapp-hook: profiling step %d/%d done (%s)", done, total, self.profiler.describe_step(done - 1))
+
+
+def _check_arguments(model: object, optimizer: object, **given: object) -> None:
+    """The arguments' types, each refused with one InputError naming it (the numbers the pipeline spec
+    takes are checked there), before anything is attached or profiled."""
+    if not isinstance(model, nn.Module):
+        raise InputError("model", f"expected a torch.nn.Module, got {_kind(model)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError("optimizer", f"expected a torch.optim.Optimizer or None, got {_kind(optimizer)}")
+    if not isinstance(given["schedule"], str):
+        raise InputError("schedule", f"expected a schedule name such as '1F1B', got {_kind(given['schedule'])}")
+    budget = given["memory_budget"]
+    if budget is not None and not isinstance(budget, str) and budget != math.inf:
+        check_non_negative(budget, "memory_budget")
+    for name in ("config", "cache_dir", "out_dir"):
+        if given[name] is not None and not isinstance(given[name], (str, os.PathLike)):
+            raise InputError(name, f"expected a path (str or os.PathLike) or None, got {_kind(given[name])}")
+    if given["target"] is not None and not isinstance(given["target"], str):
+        raise InputError("target", f"expected a target name such as 'mindformers', got {_kind(given['target'])}")
+    for name in ("profile_steps", "warmup_steps"):
+        value = given[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(name, f"expected an integer >= 1, got {value!r}")
+    for name in ("modes", "layers"):
+        value = given[name]
+        if value is not None and (
+            isinstance(value, str)
+            or not isinstance(value, Sequence)
+            or not all(isinstance(item, str) for item in value)
+        ):
+            raise InputError(name, f"expected a list of strings, got {_kind(value)}")
+    if given["modes"] is None:
+        raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
+    if not isinstance(given["force"], bool):
+        raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
+
+
+def _environment() -> dict[str, str]:
+    """The settings `sapp-hook run` passes in the environment (ENVIRONMENT), those set and not empty."""
+    given = {name: os.environ[variable] for name, variable in ENVIRONMENT.items() if os.environ.get(variable)}
+    if given.get("force", "0") not in ("0", "1"):
+        raise InputError(ENVIRONMENT["force"], f"expected 1 (profile again) or 0, got {given['force']!r}")
+    return given
+
+
+def _check_out_dir(folder: Path) -> None:
+    """The folder for the plan, report and chart: refused now where it cannot be made or written, not
+    once the profiling steps are done."""
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError("out_dir", f"{existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError("out_dir", f"folder {existing} is read-only")
+
+
+def _kind(value: object) -> str:
+    """`value` for an error line: short ones as written, others by their type."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else f"a {type(value).__name__}"
+
+
+def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
+    """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
+    step), or a decorator of the per-step training function."""
+    return AutoTuner(model, optimizer, **options)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _everyone(payload: bytes) -> list[bytes]:
+    return all_gather_bytes(payload) if _distributed() else [payload]
+
+
+def _from_rank0(payload: bytes) -> bytes:
+    return _everyone(payload)[0]

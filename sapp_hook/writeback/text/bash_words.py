@@ -1,0 +1,330 @@
+"""Reading the words of a bash script: quotes, escapes, `\\`-newline continuations and expansions
+(`$X`, `${X:-word}`, `${A[@]}`, `$(...)`, backquotes, `$((...))`), each character kept with its
+position and how it was quoted. `bash_shell` reads the commands these words make up.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+
+META = " \t\n;&|<>()"
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SPECIAL_PARAMETERS = "@*#?$!-0123456789"
+
+
+class ShellError(Exception):
+    """A script sapp-hook cannot read as bash does: `detail` says what, at `position` of the text."""
+
+    def __init__(self, position: int, detail: str) -> None:
+        super().__init__(detail)
+        self.position = position
+        self.detail = detail
+
+
+def line_of(text: str, position: int) -> int:
+    return text.count("\n", 0, max(0, position)) + 1
+
+
+@dataclass(frozen=True)
+class Char:
+    """A literal character of a word after quote removal; `quote` says how it was written: '' bare,
+    '\\\\' escaped, '"' or "'" inside those quotes, "$'" inside ANSI-C quotes."""
+
+    char: str
+    position: int
+    quote: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """`$NAME`, `${NAME}`, `${NAME:-word}` and the like, `${NAME[@]}`; `op` is '' or one of
+    :- - := = :+ + (the other operators are Opaque)."""
+
+    name: str
+    start: int
+    end: int
+    quote: str
+    op: str = ""
+    arg: Word | None = None
+    index: str = ""  # '@' or '*' for a whole array
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An expansion whose value a launch script computes at run time: `$(...)`, backquotes,
+    `$((...))`, `$1`, `$@`, `${#X}`, `${X/a/b}`... `commands` holds what a `$(...)` runs."""
+
+    text: str
+    start: int
+    end: int
+    quote: str
+    kind: str  # "command", "arithmetic", "special", "expansion"
+    commands: tuple[object, ...] = ()  # bash_shell nodes
+
+
+Part = Char | Param | Opaque
+
+
+@dataclass(frozen=True)
+class Word:
+    parts: tuple[Part, ...]
+    start: int
+    end: int
+
+    def literal(self) -> str | None:
+        """The word's text when it is all literal characters."""
+        if all(isinstance(part, Char) for part in self.parts):
+            return "".join(part.char for part in self.parts)  # type: ignore[union-attr]
+        return None
+
+    def plain(self) -> str | None:
+        """The text of a word written without any quote or escape (a reserved word, a command name)."""
+        text = self.literal()
+        if text is None or any(part.quote for part in self.parts):  # type: ignore[union-attr]
+            return None
+        return text
+
+
+class WordReader(abc.ABC):
+    """The word-level half of the parser: `s` the text, `i` the position, `n` where reading stops."""
+
+    def __init__(self, text: str) -> None:
+        self.s = text
+        self.i = 0
+        self.n = len(text)
+        self.word_spans: set[tuple[int, int]] = set()
+
+    @abc.abstractmethod
+    def commands(self, stops: frozenset[str]) -> list:
+        """The commands up to a stop (in a `$(...)`): the command reader's."""
+
+    def error(self, detail: str, position: int | None = None) -> ShellError:
+        return ShellError(self.i if position is None else position, detail)
+
+    def peek(self, offset: int = 0) -> str:
+        index = self.i + offset
+        return self.s[index] if index < self.n else ""
+
+    def startswith(self, text: str | tuple[str, ...]) -> bool:
+        return self.s.startswith(text, self.i)
+
+    # -- words ------------------------------------------------------------------------------------
+
+    def word(self) -> Word:
+        start = self.i
+        parts: list[Part] = []
+        while self.i < self.n:
+            char = self.s[self.i]
+            if char in META:
+                if char in "<>" and self.peek(1) == "(":  # <(...) >(...)
+                    parts.append(self.command_substitution(self.i + 2, "", "process substitution"))
+                    continue
+                break
+            if char == "\\":
+                if self.peek(1) == "\n":
+                    self.i += 2
+                elif self.i + 1 < self.n:
+                    parts.append(Char(self.s[self.i + 1], self.i + 1, "\\"))
+                    self.i += 2
+                else:
+                    parts.append(Char("\\", self.i, ""))
+                    self.i += 1
+            elif char == "'":
+                parts.extend(self.single_quoted())
+            elif char == '"':
+                parts.extend(self.double_quoted())
+            elif char == "$":
+                parts.extend(self.dollar(""))
+            elif char == "`":
+                parts.append(self.backquoted(""))
+            else:
+                parts.append(Char(char, self.i, ""))
+                self.i += 1
+        if self.i == start:
+            raise self.error(f"unexpected {self.peek()!r}" if self.peek() else "unexpected end of the script")
+        self.word_spans.add((start, self.i))
+        return Word(tuple(parts), start, self.i)
+
+    def single_quoted(self) -> list[Part]:
+        start = self.i
+        end = self.s.find("'", self.i + 1)
+        if end < 0:
+            raise self.error(f"the ' of line {line_of(self.s, start)} is never closed", start)
+        self.i = end + 1
+        return [Char(self.s[k], k, "'") for k in range(start + 1, end)]
+
+    def double_quoted(self) -> list[Part]:
+        start = self.i
+        self.i += 1
+        parts: list[Part] = []
+        while True:
+            if self.i >= self.n:
+                raise self.error(f'the " of line {line_of(self.s, start)} is never closed', start)
+            char = self.s[self.i]
+            if char == '"':
+                self.i += 1
+                return parts
+            if char == "\\" and self.peek(1) in ("$", "`", '"', "\\", "\n"):
+                if self.peek(1) != "\n":  # \<newline> inside "" is a line continuation
+                    parts.append(Char(self.peek(1), self.i + 1, '"'))
+                self.i += 2
+            elif char == "$":
+                parts.extend(self.dollar('"'))
+            elif char == "`":
+                parts.append(self.backquoted('"'))
+            else:
+                parts.append(Char(char, self.i, '"'))
+                self.i += 1
+
+    def backquoted(self, quote: str) -> Opaque:
+        start = self.i
+        index = self.i + 1
+        while index < self.n and self.s[index] != "`":
+            index += 2 if self.s[index] == "\\" else 1
+        if index >= self.n:
+            raise self.error(f"the ` of line {line_of(self.s, start)} is never closed", start)
+        self.i = index + 1
+        return Opaque(self.s[start : self.i], start, self.i, quote, "command")
+
+    def dollar(self, quote: str) -> list[Part]:
+        start = self.i
+        following = self.peek(1)
+        if following == "'" and not quote:
+            return self.ansi_c_quoted()
+        if following == '"' and not quote:
+            self.i += 1
+            return self.double_quoted()
+        if self.s.startswith("$((", self.i):
+            end = self._arithmetic_end(self.i + 3)
+            self.i = end
+            return [Opaque(self.s[start:end], start, end, quote, "arithmetic")]
+        if following == "(":
+            return [self.command_substitution(self.i + 2, quote, "command")]
+        if following == "{":
+            return [self.braced(quote)]
+        name = NAME.match(self.s, self.i + 1)
+        if name:
+            self.i = name.end()
+            return [Param(name.group(0), start, self.i, quote)]
+        if following and following in SPECIAL_PARAMETERS:
+            self.i += 2
+            return [Opaque(self.s[start : self.i], start, self.i, quote, "special")]
+        self.i += 1
+        return [Char("$", start, quote)]
+
+    def ansi_c_quoted(self) -> list[Part]:
+        start = self.i
+        self.i += 2
+        parts: list[Part] = []
+        escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "a": "\a", "r": "\r"}
+        while True:
+            if self.i >= self.n:
+                raise self.error(f"the $' of line {line_of(self.s, start)} is never closed", start)
+            char = self.s[self.i]
+            if char == "'":
+                self.i += 1
+                return parts
+            if char == "\\" and self.peek(1) in escapes:
+                parts.append(Char(escapes[self.peek(1)], self.i + 1, "$'"))
+                self.i += 2
+            else:
+                parts.append(Char(char, self.i, "$'"))
+                self.i += 1
+
+    def command_substitution(self, inner: int, quote: str, kind: str) -> Opaque:
+        start = self.i
+        self.i = inner
+        commands = self.commands(frozenset({")"}))
+        if self.peek() != ")":
+            raise self.error(f"the $( of line {line_of(self.s, start)} is never closed", start)
+        self.i += 1
+        return Opaque(self.s[start : self.i], start, self.i, quote, "command", tuple(commands))
+
+    def braced(self, quote: str) -> Param | Opaque:
+        start = self.i
+        end = self._braced_end(self.i + 2)
+        self.i = end
+        inner = self.s[start + 2 : end - 1]
+        match = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[([@*])\])?").match(inner)
+        if not match:
+            return Opaque(
+                self.s[start:end], start, end, quote, "special" if inner[:1] in SPECIAL_PARAMETERS else "expansion"
+            )
+        rest = inner[match.end() :]
+        name, index = match.group(1), match.group(2) or ""
+        if not rest:
+            return Param(name, start, end, quote, index=index)
+        operator = re.compile(r":?[-=+]").match(rest)
+        if not operator or index:
+            return Opaque(self.s[start:end], start, end, quote, "expansion")
+        arg_start = start + 2 + match.end() + operator.end()
+        return Param(name, start, end, quote, operator.group(0), self._argument(arg_start, end - 1, quote))
+
+    def _argument(self, start: int, end: int, quote: str) -> Word:
+        """The word of `${X:-word}`, read like the text around it (quoted or not); blanks kept."""
+        saved, saved_n = self.i, self.n
+        self.i, self.n = start, end
+        parts: list[Part] = []
+        try:
+            while self.i < self.n:
+                char = self.s[self.i]
+                if char == "\\" and self.i + 1 < self.n:
+                    if not quote or self.peek(1) in ("$", "`", '"', "\\"):
+                        parts.append(Char(self.s[self.i + 1], self.i + 1, quote or "\\"))
+                    else:
+                        parts.append(Char("\\", self.i, quote))
+                        self.i -= 1
+                    self.i += 2
+                elif char == "'" and not quote:
+                    parts.extend(self.single_quoted())
+                elif char == '"':
+                    parts.extend(self.double_quoted())
+                elif char == "$":
+                    parts.extend(self.dollar(quote))
+                elif char == "`":
+                    parts.append(self.backquoted(quote))
+                else:
+                    parts.append(Char(char, self.i, quote))
+                    self.i += 1
+        finally:
+            self.i, self.n = saved, saved_n
+        return Word(tuple(parts), start, end)
+
+    def _braced_end(self, index: int) -> int:
+        """Just after the `}` closing a `${`, across nested expansions and quotes."""
+        depth = 1
+        while index < self.n:
+            char = self.s[index]
+            if char == "\\":
+                index += 2
+                continue
+            if char == "'" and depth:
+                close = self.s.find("'", index + 1)
+                index = (self.n if close < 0 else close) + 1
+                continue
+            if self.s.startswith("${", index):
+                depth += 1
+                index += 2
+                continue
+            if char == "}":
+                depth -= 1
+                if depth == 0:
+                    return index + 1
+            index += 1
+        raise self.error("a ${ is never closed")
+
+    def _arithmetic_end(self, index: int) -> int:
+        """Just after the `))` closing a `((` or `$((`."""
+        depth = 2
+        while index < self.n:
+            char = self.s[index]
+            if char == "(":
+                depth += 1
+            elif char == ")":
+                depth -= 1
+                if depth == 0:
+                    return index + 1
+            index += 1
+        raise self.error("a (( is never closed")
