@@ -5,7 +5,7 @@
 1. Profiles tiny-llama on cuda and on the CPU: per layer the times (device events on cuda), the
    activation bytes both measured (fused GPU attention keeps other tensors: 25% more on an H200)
    and the working set from the allocator's peaks.
-2. Profiles a 1024-wide Llama on cuda, plans it on 4 stages, and replays each rank's actions on the
+2. Profiles a 1024-wide Llama on cuda, plans it on 4 stages, and runs each rank's actions on the
    GPU (`sapp_hook.validation.one_device`): the activations autograd held, the allocator's peak and the compute time,
    each beside the simulator's prediction for that rank.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from sapp_hook.models import build_model, load_config, parameter_dtype, profile_example
-from sapp_hook.validation.one_device import replay_rank
+from sapp_hook.validation.one_device import run_on_one_device
 from sapp_hook.validation.validate import predictions
 from solver import ModelProfile, PipelineSpec, even_plan, solve
 from solver.vocabulary.profile import FULL, NONE, SELECTIVE
@@ -45,23 +45,23 @@ REPLAY_MICRO_BATCH_SIZE, REPLAY_SEQ_LEN = 2, 1024
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="folder for the report (gpu_check.json) and the replayed Llama's profile")
+    parser.add_argument("--out", help="folder for the report (gpu_check.json) and the one-device Llama's profile")
     parser.add_argument(
-        "--dtype", default="float32", help="the replayed Llama's parameters: float32 (default), bfloat16 or float16"
+        "--dtype", default="float32", help="the one-device Llama's parameters: float32 (default), bfloat16 or float16"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     layers, problems = check_layers()
-    plans, profile, replay_problems = check_replays(dtype=args.dtype)
+    plans, profile, one_device_problems = check_one_device_runs(dtype=args.dtype)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "layers": layers,
         "plans": plans,
-        "problems": problems + replay_problems,
+        "problems": problems + one_device_problems,
     }
     print(json.dumps(report, indent=1))
     if args.out:
@@ -115,8 +115,8 @@ def check_layers() -> tuple[list[dict], list[str]]:
     return rows, problems
 
 
-def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[dict], ModelProfile, list[str]]:
-    """Part 2: each rank of four 4-stage 1F1B plans replayed on the GPU, beside the simulator's prediction."""
+def check_one_device_runs(device: str = "cuda", dtype: str = "float32") -> tuple[list[dict], ModelProfile, list[str]]:
+    """Part 2: each rank of four 4-stage 1F1B plans run on the GPU, beside the simulator's prediction."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{k: v for k, v in REPLAY_MODEL.items() if k != "model_type"})
@@ -147,23 +147,23 @@ def check_replays(device: str = "cuda", dtype: str = "float32") -> tuple[list[di
         predicted = predictions(plan, profile, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
         ranks = []
         for rank in range(spec.stages):
-            replay = replay_rank(
+            measured = run_on_one_device(
                 model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN, steps=3
             )
             costs = plan.simulation.costs.chunk_costs[rank]
             row = {
                 "rank": rank,
                 "predicted_forward_ms": spec.micro_batches * sum(c.forward_ms for c in costs),
-                "measured_forward_ms": replay.forward_ms,
+                "measured_forward_ms": measured.forward_ms,
                 "predicted_backward_ms": spec.micro_batches * sum(c.backward_ms + c.recompute_ms for c in costs),
-                "measured_backward_ms": replay.backward_ms,
+                "measured_backward_ms": measured.backward_ms,
                 "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][rank],
-                "held_peak_bytes": replay.held_peak_bytes,
+                "held_peak_bytes": measured.held_peak_bytes,
                 "predicted_peak_bytes": predicted["peak_bytes"][rank],
-                "allocated_peak_bytes": replay.allocated_peak_bytes,
+                "allocated_peak_bytes": measured.allocated_peak_bytes,
             }
             ranks.append(row)
-            if not replay.allocated_peak_bytes or not replay.forward_ms > 0:
+            if not measured.allocated_peak_bytes or not measured.forward_ms > 0:
                 problems.append(f"{name} rank {rank}: nothing measured")
         rows.append(
             {

@@ -37,13 +37,22 @@ _TORCH_EXPORTS = {
     "autotune": "sapp_hook.hook.tune",
     "AutoTuner": "sapp_hook.hook.tune",
     "TuneResult": "sapp_hook.hook.tune",
-    "apply": "sapp_hook.pipelining.stages",
+    "build_stages": "sapp_hook.pipelining.stages",
     "TiedGradients": "sapp_hook.pipelining.stages",
     "schedule_class": "sapp_hook.pipelining.stages",
 }
 
 
+# Renamed public names, kept for one release: old name -> new name.
+_RENAMED = {"apply": "build_stages"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        from basics.deprecation import warn_renamed
+
+        warn_renamed(f"sapp_hook.{name}", f"sapp_hook.{_RENAMED[name]}")
+        name = _RENAMED[name]
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name not in _TORCH_EXPORTS:

@@ -42,7 +42,7 @@ class Calibration:
     error_before: float  # root mean square of the relative step-time errors, before and after
     error_after: float
 
-    def apply(self, profile: ModelProfile, spec: PipelineSpec) -> tuple[ModelProfile, PipelineSpec]:
+    def adjust(self, profile: ModelProfile, spec: PipelineSpec) -> tuple[ModelProfile, PipelineSpec]:
         """The profile with its times scaled and the spec with the overhead and constant memory added."""
         spec = dataclasses.replace(
             spec,

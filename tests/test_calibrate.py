@@ -37,7 +37,7 @@ def test_applying_a_calibration_predicts_the_runs():
     spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
     run = measured_like(profile, spec, (3, 2, 3, 2), ["none"] * 10, scale=0.8, overhead=1.0)
     found = calibrate([run])
-    calibrated_profile, calibrated_spec = found.apply(profile, spec)
+    calibrated_profile, calibrated_spec = found.adjust(profile, spec)
     plan = evaluate_plan(calibrated_profile, calibrated_spec, (3, 2, 3, 2), ["none"] * 10)
     assert plan.iteration_time_ms == pytest.approx(max(run.measured_step_ms), rel=1e-3)
 
@@ -52,7 +52,7 @@ def test_the_constant_memory_per_stage_is_the_mean_excess():
         [Run(profile, spec, counts, modes, run.measured_step_ms, tuple(peak + 5 * 2**20 for peak in predicted))]
     )
     assert found.stage_constant_bytes == pytest.approx(5 * 2**20)
-    _, calibrated_spec = found.apply(profile, spec)
+    _, calibrated_spec = found.adjust(profile, spec)
     again = evaluate_plan(profile, calibrated_spec, counts, modes).stage_peak_memory_bytes
     assert again == pytest.approx([peak + 5 * 2**20 for peak in predicted])
 

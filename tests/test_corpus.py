@@ -1361,7 +1361,7 @@ API_CASES = [
         lambda tmp_path, monkeypatch: __import__("sapp_hook").write_config("plan", tmp_path / "plan.json", None),
         "layout",
     ),
-    ("apply-no-plan", lambda tmp_path, monkeypatch: __import__("sapp_hook").apply(None, None, 0), "plan"),
+    ("apply-no-plan", lambda tmp_path, monkeypatch: __import__("sapp_hook").build_stages(None, None, 0), "plan"),
     ("older-torch", _older_torch, "torch"),
     (
         "autotune-cache-dir-a-file",

@@ -1,4 +1,4 @@
-"""A plan run by torch.distributed.pipelining itself: 2 gloo ranks, the stages `sapp_hook.apply` builds,
+"""A plan run by torch.distributed.pipelining itself: 2 gloo ranks, the stages `sapp_hook.build_stages` builds,
 losses equal to the model's own, unpipelined."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from profiler_cases import gpt2, llama
 from test_stages import layout
 
-from sapp_hook import TiedGradients, apply, schedule_class
+from sapp_hook import TiedGradients, build_stages, schedule_class
 from sapp_hook.validation.gloo import gloo_group, spawn
 
 MICRO_BATCHES, SEQUENCES = 4, 8
@@ -40,7 +40,7 @@ def pipelined_rank(
         # no recompute under split-backward schedules, where torch runs a checkpointed block once per weight group
         modes = {} if schedule == "ZBVZeroBubble" else {2: "full", 3: "selective"}
         plan = layout(counts, schedule, chunks, modes=modes)
-        modules = apply(model, plan, rank)
+        modules = build_stages(model, plan, rank)
         stages = [PipelineStage(module, index, len(counts), torch.device("cpu")) for index, module in modules]
         runner = schedule_class(plan)
         held = stages[0] if chunks == 1 else stages

@@ -1,4 +1,4 @@
-"""`sapp_hook.apply`: a plan's stage modules for torch.distributed.pipelining, on transformers models."""
+"""`sapp_hook.build_stages`: a plan's stage modules for torch.distributed.pipelining, on transformers models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from profiler_cases import batch, gpt2, llama
 
 from profiler.layers import find_blocks
-from sapp_hook import TiedGradients, apply, schedule_class
+from sapp_hook import TiedGradients, build_stages, schedule_class
 from sapp_hook.pipelining.stages import loss_tail
 from sapp_hook.writeback import Layout, layout_from_dict
 from simulator import InputError
@@ -40,7 +40,7 @@ def layout(
 def test_the_stages_in_order_compute_what_the_model_computes(make, counts, schedule, chunks):
     model = make().eval()
     plan = layout(counts, schedule, chunks)
-    stages = dict(stage for rank in range(plan.stages) for stage in apply(model, plan, rank))
+    stages = dict(stage for rank in range(plan.stages) for stage in build_stages(model, plan, rank))
     assert sorted(stages) == list(range(len(counts)))
     ids = batch(0)
     hidden = ids
@@ -77,7 +77,7 @@ def test_the_loss_tail_computes_the_models_loss_from_the_last_blocks_output(make
 def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
     model = llama()
     plan = layout([2, 1, 1, 2], "Interleaved1F1B", 2, modes={1: "full", 3: "selective"})
-    held = [id(block) for rank in range(2) for _, stage in apply(model, plan, rank) for block in stage.layers]
+    held = [id(block) for rank in range(2) for _, stage in build_stages(model, plan, rank) for block in stage.layers]
     blocks = [block.module for block in find_blocks(model)]
     assert sorted(held) == sorted(id(block) for block in blocks)
     assert blocks[0].gradient_checkpointing and blocks[2].gradient_checkpointing
@@ -87,20 +87,20 @@ def test_each_layer_is_on_exactly_one_stage_and_recompute_is_applied():
 
 def test_bad_plans_for_the_model():
     with pytest.raises(InputError, match="holds 4 body layers; the model has 5 blocks"):
-        apply(llama(num_hidden_layers=5), layout([3, 3]), 0)
+        build_stages(llama(num_hidden_layers=5), layout([3, 3]), 0)
     with pytest.raises(InputError, match=r"rank: expected an integer 0..1, got 2"):
-        apply(llama(), layout([3, 3]), 2)
+        build_stages(llama(), layout([3, 3]), 2)
     with pytest.raises(InputError, match=r"rank: expected an integer 0..1, got '0'"):  # was a TypeError
-        apply(llama(), layout([3, 3]), "0")
+        build_stages(llama(), layout([3, 3]), "0")
     with pytest.raises(InputError, match="has no ZBH1"):
         schedule_class(layout([3, 3], "ZBH1"))
 
 
 def test_a_plan_made_for_another_model_is_warned_about(caplog):
-    apply(llama(), layout([3, 3]), 0)
-    apply(llama(), layout([3, 3], blocks="layers"), 0)  # an estimate names them after the config
+    build_stages(llama(), layout([3, 3]), 0)
+    build_stages(llama(), layout([3, 3], blocks="layers"), 0)  # an estimate names them after the config
     assert "was the plan made for this model" not in caplog.text
-    apply(gpt2(), layout([3, 3]), 0)  # as many blocks, other names: it runs, but was planned for Llama
+    build_stages(gpt2(), layout([3, 3]), 0)  # as many blocks, other names: it runs, but was planned for Llama
     assert "the plan's body layer 'model.layers.0' is the model's block 'transformer.h.0'" in caplog.text
 
 
@@ -111,14 +111,18 @@ def test_recompute_under_a_split_backward_schedule_is_refused(mode):
         match="plan: recomputes layers; ZBVZeroBubble splits each backward in two, and "
         "torch runs a checkpointed block again for every weight-gradient group",
     ):
-        apply(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: mode}), 0)
+        build_stages(llama(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, modes={2: mode}), 0)
 
 
 def test_a_tied_embedding_split_over_ranks_is_warned_about(caplog):
-    apply(gpt2(), layout([3, 3], blocks="transformer.h"), 0)  # transformers' GPT-2 ties its LM head to the embedding
+    build_stages(
+        gpt2(), layout([3, 3], blocks="transformer.h"), 0
+    )  # transformers' GPT-2 ties its LM head to the embedding
     assert "ties its embedding and LM head, which this plan puts on ranks [0, 1]" in caplog.text
     caplog.clear()
-    apply(gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, blocks="transformer.h"), 0)  # a V puts both ends on rank 0
+    build_stages(
+        gpt2(), layout([1, 2, 2, 1], "ZBVZeroBubble", 2, blocks="transformer.h"), 0
+    )  # a V puts both ends on rank 0
     assert "ties its embedding" not in caplog.text
 
 

@@ -1,4 +1,4 @@
-"""`apply`: a plan made real for `torch.distributed.pipelining`. A rank's stage modules, each holding the
+"""`build_stages`: a plan made real for `torch.distributed.pipelining`. A rank's stage modules, each holding the
 plan's layers of one virtual stage (the embedding on the first, the final norm and LM head on the last)
 with each layer under the plan's recompute, ready for `PipelineStage` and the plan's schedule class.
 
@@ -99,7 +99,7 @@ class LossTail(nn.Module):
 
 
 def loss_tail(model: nn.Module) -> LossTail | None:
-    """`model`'s tail and loss as one module, for `LayerProfiler(tail=...)`; None where `apply` does not
+    """`model`'s tail and loss as one module, for `LayerProfiler(tail=...)`; None where `build_stages` does not
     know the model's parts (the profiler then assumes the tail's split)."""
     try:
         return LossTail(model, _parts(model))
@@ -113,7 +113,7 @@ def _same_module(planned: str, found: str) -> bool:
     return planned == found or planned.endswith("." + found) or found.endswith("." + planned)
 
 
-def apply(
+def build_stages(
     model: nn.Module,
     plan: Plan | Layout | Mapping[str, object],
     rank: int,
@@ -176,7 +176,7 @@ class TiedGradients:
     """The gradient of the weight a model's embedding and LM head share, summed over the pipeline ranks
     that hold the two (Megatron's embedding group), so that both copies stay one weight.
 
-    Make it on every rank of the world, after `apply` (it makes the process groups of the holders,
+    Make it on every rank of the world, after `build_stages` (it makes the process groups of the holders,
     one per pipeline where data parallelism runs several); call it after each step's backward and
     before the optimizer step. `rank` is the rank in the pipeline `group` (default: the world). It
     does nothing where the model does not tie the two or one rank holds both (V schedules)."""
@@ -249,4 +249,4 @@ def _parts(model: nn.Module) -> _Parts:
         return _Parts(
             embed=base.wte, position_embed=base.wpe, dropout=base.drop, rotary=None, norm=base.ln_f, head=head
         )
-    raise InputError("model", f"{type(model).__name__}: sapp_hook.apply knows the Llama family and GPT-2")
+    raise InputError("model", f"{type(model).__name__}: sapp_hook.build_stages knows the Llama family and GPT-2")

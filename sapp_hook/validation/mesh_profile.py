@@ -259,7 +259,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
     from profiler import LayerProfiler
     from profiler.measure.collective_log import CollectiveLog
     from sapp_hook.models import build_model, load_config, parameter_dtype, random_batch
-    from sapp_hook.pipelining.stages import apply
+    from sapp_hook.pipelining.stages import build_stages
     from sapp_hook.validation.parallelize import device_mesh, parallelize
 
     transformers.logging.set_verbosity_error()
@@ -269,7 +269,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
     mesh = device_mesh(shape)
     config = load_config(run.model)
     model = build_model(config).to(dtype=parameter_dtype(run.dtype))
-    [(_, module)] = apply(model, plan, 0)
+    [(_, module)] = build_stages(model, plan, 0)
     parallelize([module], shape, mesh)
     if shape.reshard_after_forward:
         _gather_own_units(module)

@@ -1,4 +1,4 @@
-"""One rank's share of a plan replayed in one process, on any device: the rank's actions run in the
+"""One rank's share of a plan run in one process, on any device: the rank's actions run in the
 schedule's order, with random tensors standing in for what the other ranks would send.
 
 torch's pipelines need a device per rank; this checks the simulator's per-rank predictions (compute time,
@@ -15,14 +15,14 @@ from torch import nn
 from basics.errors import InputError
 from profiler.measure.clock import clock_for, device_of, memory_for
 from profiler.measure.held import HeldActivations
-from sapp_hook.pipelining.stages import apply
+from sapp_hook.pipelining.stages import build_stages
 from simulator.actions import FORWARD, FULL_BACKWARD
 from solver import Plan
 
 
 @dataclass(frozen=True)
-class RankReplay:
-    """What one rank's step measured (the last of the replayed steps). The held peak comes from
+class OneDeviceRank:
+    """What one rank's step measured (the last of the steps run). The held peak comes from
     saved-tensor hooks, which do not see what selective recompute keeps in its own cache; the
     allocator does."""
 
@@ -33,9 +33,9 @@ class RankReplay:
     allocated_peak_bytes: int | None  # the allocator's peak above the step's start; None on the CPU
 
 
-def replay_rank(
+def run_on_one_device(
     model: nn.Module, plan: Plan, rank: int, *, micro_batch_size: int, seq_len: int, steps: int = 2, seed: int = 0
-) -> RankReplay:
+) -> OneDeviceRank:
     """Run `rank`'s actions of `plan` for `steps` steps on the device `model` lies on; the last step's figures.
 
     The token ids of every micro-batch are made before the step, as data a pipeline holds for the whole
@@ -47,10 +47,10 @@ def replay_rank(
     ops = {action.op for action in schedule.rank_actions[rank]}
     if not ops <= {FORWARD, FULL_BACKWARD}:
         raise InputError(
-            "plan", f"{schedule.name} splits the backward into I and W actions; the replay runs F and B only"
+            "plan", f"{schedule.name} splits the backward into I and W actions; a one-device run takes F and B only"
         )
     device = device_of(model)
-    modules = dict(apply(model, plan, rank))
+    modules = dict(build_stages(model, plan, rank))
     parameters = [p for module in modules.values() for p in module.parameters()]
     hidden_size = model.config.get_text_config().hidden_size
     vocab_size = model.config.get_text_config().vocab_size
@@ -108,4 +108,4 @@ def replay_rank(
                 parameter.grad.zero_()
     forward_ms = sum(clock.elapsed_ms(start, end) for op, start, end in marks if op == FORWARD)
     backward_ms = sum(clock.elapsed_ms(start, end) for op, start, end in marks if op == FULL_BACKWARD)
-    return RankReplay(rank, forward_ms, backward_ms, held.peak_bytes, allocated_peak)
+    return OneDeviceRank(rank, forward_ms, backward_ms, held.peak_bytes, allocated_peak)

@@ -96,7 +96,7 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     from profiler.measure.held import HeldActivations
     from profiler.measure.recorder import unique_bytes
     from sapp_hook.models import build_model, load_config, random_batch
-    from sapp_hook.pipelining.stages import TiedGradients, apply, schedule_class
+    from sapp_hook.pipelining.stages import TiedGradients, build_stages, schedule_class
     from sapp_hook.validation.measure import ddp_bucket_bytes, held_bytes, settled_collectives
     from sapp_hook.validation.parallelize import (
         average_gradients,
@@ -125,7 +125,7 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
         if step_held:
             step_held[0].keep(tensor)
 
-    modules = apply(model, plan_data, pp, on_kept=kept_by_checkpointing)
+    modules = build_stages(model, plan_data, pp, on_kept=kept_by_checkpointing)
     tied = TiedGradients(model, plan_data, pp, group=pp_group)
     stage_modules = [module for _, module in modules]
     run = stage_modules if mesh is None else parallelize(stage_modules, shape, mesh)

@@ -173,7 +173,7 @@ def insertion(
     return Edit(last.file, position, position, "".join(" " + line for line in rendered), box.kind), where
 
 
-def apply(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
+def splice(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
     """The text with the edits made; a removal takes blanks, an emptied word or line, and the `\\`
     that continued a command onto a line that went."""
     spans: list[tuple[int, int, str]] = []

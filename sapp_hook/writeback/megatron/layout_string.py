@@ -31,7 +31,7 @@ class LayoutError(Exception):
 
 
 @dataclass(frozen=True)
-class Layout:
+class LayerLayout:
     stages: tuple[tuple[str, ...], ...]  # in the string's order
     pipeline_size: int
 
@@ -59,7 +59,7 @@ def parse_stages(text: str) -> list[list[str]]:
     return stages
 
 
-def check(text: str, *, pipeline_size: int, num_layers: int, mtp_layers: int | None) -> Layout:
+def check(text: str, *, pipeline_size: int, num_layers: int, mtp_layers: int | None) -> LayerLayout:
     """The layout if Megatron-LM runs it with these sizes; LayoutError naming the rule it breaks."""
     stages = parse_stages(text)
     if pipeline_size < 1 or len(stages) % pipeline_size:
@@ -76,7 +76,7 @@ def check(text: str, *, pipeline_size: int, num_layers: int, mtp_layers: int | N
         raise LayoutError(f"{text!r} has {layers.count(MTP)} MTP layers m; --mtp-num-layers is {expected_mtp}")
     if MTP in layers and DECODER in layers[layers.index(MTP) :]:
         raise LayoutError(f"{text!r}: every decoder layer t must come before the MTP layers m")
-    layout = Layout(tuple(tuple(stage) for stage in stages), pipeline_size)
+    layout = LayerLayout(tuple(tuple(stage) for stage in stages), pipeline_size)
     last_virtual = layout.virtual_size - 1
     for index, stage in enumerate(layout.stages):
         if MTP in stage and (index // pipeline_size != last_virtual or stage.count(MTP) != expected_mtp):

@@ -29,11 +29,11 @@ from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.megatron.edits import (
     EditError,
-    apply,
     insertion,
     reading_tokens,
     removal,
     replacement,
+    splice,
 )
 from sapp_hook.writeback.megatron.flags import (
     FIRST,
@@ -358,7 +358,7 @@ def _applied(reading: Reading, edits: list, texts: dict[Path, tuple[str, str]]) 
     for path, mine in by_path.items():
         source = reading.files[files[path][0]]
         tokens = [span for index in files[path] for span in reading_tokens(reading, index)]
-        new = apply(source.text, mine, tokens)
+        new = splice(source.text, mine, tokens)
         original = texts[path][0] if path in texts else source.text
         changed[path] = (original, new)
     return changed

@@ -258,7 +258,7 @@ def import_edit(text: Text, tree: ast.Module, module: str, names: list[str]) -> 
     return at, at, with_newlines(line, text)
 
 
-def apply_edits(text: str, edits: list[Edit]) -> str:
+def splice(text: str, edits: list[Edit]) -> str:
     """`text` with every edit made; edits may not overlap (an insertion may touch a span's ends)."""
     ordered = sorted(edits)
     for (_, end, _), (next_start, _, _) in pairwise(ordered):

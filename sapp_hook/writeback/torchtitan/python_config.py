@@ -33,10 +33,10 @@ from sapp_hook.writeback.text.python_source import (
     Code,
     Edit,
     Text,
-    apply_edits,
     import_edit,
     keyword_edits,
     render,
+    splice,
     statement_edit,
     statement_removal,
     value_edit,
@@ -213,7 +213,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     _set_parallelism(change, wanted, drop)
     choice = checkpointing(layout, dialect)
     checked = _set_checkpointing(change, dialect, choice)
-    new = change.apply(old, chosen.name)
+    new = change.edited(old, chosen.name)
     _read_back(new, path, chosen.name, wanted, checked)
     result.notes += [
         f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
@@ -346,11 +346,11 @@ class Change:
     def uses(self, module: str, name: str) -> None:
         self.imports.setdefault(module, []).append(name)
 
-    def apply(self, old: str, function: str) -> str:
+    def edited(self, old: str, function: str) -> str:
         """`old` with every edit made: those inside the function's calls first, then, on the source they
         leave, the new keywords of its Trainer.Config(...) (which may hold an edited call), imports and
         statements."""
-        first = apply_edits(old, self.edits)
+        first = splice(old, self.edits)
         if not (self.host or self.imports or self.statements):
             return first
         try:
@@ -371,7 +371,7 @@ class Change:
             )
         if self.statements:
             edits.append(statement_edit(text, sites.final, self.statements))
-        return apply_edits(first, edits)
+        return splice(first, edits)
 
 
 def _construct(text: Text, host: ast.Call, constructor: str | None, values: dict[str, object]) -> object:

@@ -1,4 +1,4 @@
-"""A rank's actions replayed in one process hold the activations the simulator predicts for that rank."""
+"""A rank's actions run in one process hold the activations the simulator predicts for that rank."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import transformers
 from profiler_cases import GPT2
 
 from sapp_hook.models import build_model, profile_example
-from sapp_hook.validation.one_device import replay_rank
+from sapp_hook.validation.one_device import run_on_one_device
 from sapp_hook.validation.validate import predictions
 from simulator import InputError
 from solver import PipelineSpec, even_plan
@@ -42,21 +42,21 @@ def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule
         )
     model = build_model(config)
     for rank in range(2):
-        replay = replay_rank(model, plan, rank, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
-        assert replay.held_peak_bytes == predicted["activation_peak_bytes"][rank]
-        assert replay.forward_ms > 0 and replay.backward_ms > 0
-        assert replay.allocated_peak_bytes is None  # no allocator counters on the CPU
+        measured = run_on_one_device(model, plan, rank, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
+        assert measured.held_peak_bytes == predicted["activation_peak_bytes"][rank]
+        assert measured.forward_ms > 0 and measured.backward_ms > 0
+        assert measured.allocated_peak_bytes is None  # no allocator counters on the CPU
 
 
 def test_no_steps_is_refused(config, profile):
     plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), NONE)
     with pytest.raises(InputError, match="steps: expected an integer >= 1, got 0"):
-        replay_rank(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, steps=0)
+        run_on_one_device(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, steps=0)
 
 
 def test_split_backward_schedules_are_refused(config, profile):
     plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), NONE)
     with pytest.raises(
-        InputError, match="plan: ZBH1 splits the backward into I and W actions; the replay runs F and B only"
+        InputError, match="plan: ZBH1 splits the backward into I and W actions; a one-device run takes F and B only"
     ):
-        replay_rank(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
+        run_on_one_device(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)

@@ -1,0 +1,37 @@
+"""Renamed public names: the old name keeps working for one release, with a DeprecationWarning naming the new one."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn that `old` is deprecated in favour of `new` (`stacklevel` 3: the caller of the caller)."""
+    warnings.warn(
+        f"{old} is deprecated and goes in the next release; use {new}", DeprecationWarning, stacklevel=stacklevel
+    )
+
+
+def renamed_keywords(**renames: str) -> Callable[[Function], Function]:
+    """A decorator: a call passing an old keyword (`stages=4`) gets it under its new name (`pipeline_parallel=4`),
+    with a DeprecationWarning; passing both is a TypeError."""
+
+    def wrap(function: Function) -> Function:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{function.__qualname__}() got {old}= and {new}=; pass {new}= only")
+                    warn_renamed(f"{function.__qualname__}({old}=...)", f"{new}=")
+                    kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
