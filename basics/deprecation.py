@@ -22,13 +22,15 @@ def renamed_keywords(**renames: str) -> Callable[[Function], Function]:
     with a DeprecationWarning; passing both is a TypeError."""
 
     def wrap(function: Function) -> Function:
+        name = function.__qualname__.removesuffix(".__init__")  # a class is called by its own name
+
         @functools.wraps(function)
         def call(*args: Any, **kwargs: Any) -> Any:
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
-                        raise TypeError(f"{function.__qualname__}() got {old}= and {new}=; pass {new}= only")
-                    warn_renamed(f"{function.__qualname__}({old}=...)", f"{new}=")
+                        raise TypeError(f"{name}() got {old}= and {new}=; pass {new}= only")
+                    warn_renamed(f"{name}({old}=...)", f"{new}=")
                     kwargs[new] = kwargs.pop(old)
             return function(*args, **kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,14 @@ class Fields:
 
     def at(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
+
+    def renamed(self, old: str, new: str) -> None:
+        """Read `old`, a key's former name (in a file an earlier release wrote), as `new`, with a FutureWarning."""
+        if old in self.data and new not in self.data:
+            warnings.warn(
+                f"{self.at(old)} is the former name of {self.at(new)}; read as {new}", FutureWarning, stacklevel=3
+            )
+            self.data = {new if key == old else key: value for key, value in self.data.items()}
 
     def has(self, key: str) -> bool:
         return key in self.data

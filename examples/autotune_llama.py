@@ -38,7 +38,7 @@ def main() -> None:
     with sapp_hook.autotune(
         model,
         optimizer,
-        stages=4,
+        pipeline_parallel=4,
         micro_batches=8,
         schedule="1F1B",
         memory_budget=args.memory,

@@ -5,7 +5,7 @@
 1. Profiles tiny-llama on cuda and on the CPU: per layer the times (device events on cuda), the
    activation bytes both measured (fused GPU attention keeps other tensors: 25% more on an H200)
    and the working set from the allocator's peaks.
-2. Profiles a 1024-wide Llama on cuda, plans it on 4 stages, and runs each rank's actions on the
+2. Profiles a 1024-wide Llama on cuda, plans it on 4 pipeline ranks, and runs each rank's actions on the
    GPU (`sapp_hook.validation.one_device`): the activations autograd held, the allocator's peak and the compute time,
    each beside the simulator's prediction for that rank.
 
@@ -130,10 +130,10 @@ def check_one_device_runs(device: str = "cuda", dtype: str = "float32") -> tuple
         device=device,
         dtype=dtype,
     )
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     unbounded = even_plan(profile, spec, NONE)
     # a budget the plain split overruns, so that the solver mixes recompute modes
-    budget = 0.75 * max(unbounded.stage_peak_memory_bytes)
+    budget = 0.75 * max(unbounded.rank_peak_memory_bytes)
     plans = {
         "even-none": unbounded,
         "solved-75%": solve(profile, dataclasses.replace(spec, memory_budget_bytes=budget), time_limit_s=30),
@@ -146,7 +146,7 @@ def check_one_device_runs(device: str = "cuda", dtype: str = "float32") -> tuple
         model = build_model(config).to(device=device, dtype=parameter_dtype(dtype))
         predicted = predictions(plan, profile, input_bytes=REPLAY_MICRO_BATCH_SIZE * REPLAY_SEQ_LEN * 8)
         ranks = []
-        for rank in range(spec.stages):
+        for rank in range(spec.pipeline_parallel):
             measured = run_on_one_device(
                 model, plan, rank, micro_batch_size=REPLAY_MICRO_BATCH_SIZE, seq_len=REPLAY_SEQ_LEN, steps=3
             )

@@ -158,8 +158,8 @@ def render_summary(shape: LlamaShape, results: list[SimulationResult]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for result in results:
-        peak = max(result.stage_peak_memory_bytes)
-        rank = result.stage_peak_memory_bytes.index(peak)
+        peak = max(result.rank_peak_memory_bytes)
+        rank = result.rank_peak_memory_bytes.index(peak)
         bubble = result.bubble
         lines.append(
             f"| {result.schedule.name} | {result.schedule.chunks} | {result.iteration_time_ms:.1f} | {bubble.real:.3f} | "

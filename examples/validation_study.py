@@ -21,7 +21,7 @@ from solver import ModelProfile
 from solver.calibrate import Run, calibrate, rank_end_ms
 
 MICRO_BATCH_SIZE, SEQ_LEN, MICRO_BATCHES, STEPS = 1, 128, 8, 4
-# model, stages, schedule, chunks, plans, memory budget (MiB; None: no limit)
+# model, pipeline ranks, schedule, chunks, plans, memory budget (MiB; None: no limit)
 CASES = [
     *[
         (model, 2, schedule, chunks, ("even", "solve"), None)
@@ -56,11 +56,11 @@ def main() -> None:
         for model in ("tiny-llama", "tiny-moe")
     }
     results = []
-    for model, stages, schedule, chunks, plans, budget_mib in CASES:
+    for model, ranks, schedule, chunks, plans, budget_mib in CASES:
         for plan in plans:  # validate leaves selective recompute out where the schedule splits the backward
             setup = Setup(
                 model=model,
-                stages=stages,
+                pipeline_parallel=ranks,
                 schedule=schedule,
                 chunks=chunks,
                 micro_batches=MICRO_BATCHES,
@@ -74,7 +74,7 @@ def main() -> None:
             report["memory_budget_mib"] = budget_mib
             results.append(report)
             print(
-                f"{model} {schedule} x{stages} {plan}: predicted {report['predicted_iteration_ms']:.0f} ms, "
+                f"{model} {schedule} x{ranks} {plan}: predicted {report['predicted_iteration_ms']:.0f} ms, "
                 f"measured {report['measured_iteration_ms']:.0f} ms",
                 flush=True,
             )
@@ -121,7 +121,7 @@ def summary(results: list[dict], calibration: dict) -> str:
         ),
         "",
         (
-            "| model | schedule | stages | plan | layers per virtual stage | predicted ms | measured ms | error | "
+            "| model | schedule | ranks | plan | layers per virtual stage | predicted ms | measured ms | error | "
             "worst activation error | allocator peak, predicted / measured per rank |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -133,7 +133,7 @@ def summary(results: list[dict], calibration: dict) -> str:
         )
         budget = "" if r["memory_budget_mib"] is None else f" ({r['memory_budget_mib']} MiB)"
         lines.append(
-            f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['plan']}{budget} | "
+            f"| {r['model']} | {r['schedule']} | {r['pipeline_parallel']} | {r['plan']}{budget} | "
             f"{r['stage_layer_counts']} | {r['predicted_iteration_ms']:.0f} | {r['measured_iteration_ms']:.0f} | "
             f"{r['iteration_error']:.1%} | {activation:.1%} | {allocator} |"
         )
@@ -151,7 +151,7 @@ def summary(results: list[dict], calibration: dict) -> str:
         if r["plan"] == "solve" and i and results[i - 1]["plan"].startswith("even"):
             base = results[i - 1]
             lines.append(
-                f"- {r['model']} {r['schedule']} x{r['stages']} against {base['plan']}: "
+                f"- {r['model']} {r['schedule']} x{r['pipeline_parallel']} against {base['plan']}: "
                 f"{base['measured_iteration_ms'] / r['measured_iteration_ms']:.2f}x"
             )
     c = calibration
@@ -175,7 +175,9 @@ def plot(results: list[dict], path: Path) -> None:
 
     figure = Figure(figsize=(10, 4))
     axes = figure.subplots()
-    labels = [f"{r['model'].removeprefix('tiny-')} {r['schedule']} x{r['stages']} {r['plan']}" for r in results]
+    labels = [
+        f"{r['model'].removeprefix('tiny-')} {r['schedule']} x{r['pipeline_parallel']} {r['plan']}" for r in results
+    ]
     axes.bar(
         range(len(results)), [100 * (r["measured_iteration_ms"] / r["predicted_iteration_ms"] - 1) for r in results]
     )

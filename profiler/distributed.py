@@ -50,7 +50,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
         ordered[0],
         layers=tuple(layers),
         fingerprint=hashlib.sha256("".join(p.fingerprint for p in ordered).encode()).hexdigest()[:16],
-        stage_constant_bytes=max(p.stage_constant_bytes for p in ordered),
+        rank_constant_bytes=max(p.rank_constant_bytes for p in ordered),
         stage_output_bytes=max(p.stage_output_bytes for p in ordered),
         model_output_bytes=ordered[-1].model_output_bytes,
         loss_bytes=ordered[-1].loss_bytes,

@@ -1,4 +1,4 @@
-"""A rank's place in a parallel job, as the profiler needs it: which ranks are one pipeline (the stages
+"""A rank's place in a parallel job, as the profiler needs it: which ranks are one pipeline (the ranks
 of one replica), and how the model it profiles is already split.
 
 A model tensor-parallelised with DTensor (`parallelize_module`) is measured as one rank of that degree:
@@ -23,45 +23,45 @@ PIPELINE_GROUPS = "TorchTitan: world_mesh['pp'], Megatron: parallel_state.get_pi
 
 @dataclass(frozen=True)
 class Pipeline:
-    """This process's pipeline: the global ranks of one replica's stages in stage order, and its own
-    stage among them. One rank alone holds the whole model."""
+    """This process's pipeline: the global ranks of one replica's pipeline in pipeline order, and this
+    process's place among them (its pipeline rank). One rank alone holds the whole model."""
 
     ranks: tuple[int, ...]
-    stage: int
+    rank: int
 
     @property
     def whole_model(self) -> bool:
         return len(self.ranks) == 1
 
 
-def pipeline_of(group: Any, stages: int, replicas: int = 1) -> Pipeline:
-    """The pipeline this process is a stage of: `group` (a ProcessGroup, or a one-dimensional DeviceMesh,
+def pipeline_of(group: Any, pipeline_parallel: int, replicas: int = 1) -> Pipeline:
+    """The pipeline this process is a rank of: `group` (a ProcessGroup, or a one-dimensional DeviceMesh,
     over the ranks of this process's pipeline), which must hold one rank (the whole model on each) or
-    `stages` ranks (one stage each). Where `group` is None, a job of `stages` x `replicas` ranks (the
-    data, tensor and context parallel ranks of a stage) has the pipeline dimension outermost, as
-    TorchTitan's and Megatron-LM's rank orders do: rank = stage x replicas + its place in the stage."""
+    `pipeline_parallel` ranks. Where `group` is None, a job of `pipeline_parallel` x `replicas` ranks (the
+    data, tensor and context parallel ranks of a pipeline rank) has the pipeline dimension outermost, as
+    TorchTitan's and Megatron-LM's rank orders do: rank = pipeline rank x replicas + its place among them."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if group is not None:
             raise InputError("pipeline_group", "is for a torch.distributed job; this process runs alone: give None")
-        return Pipeline(ranks=(0,), stage=0)
+        return Pipeline(ranks=(0,), rank=0)
     if group is None:
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world != stages * replicas:
+        if world != pipeline_parallel * replicas:
             raise InputError(
                 "pipeline_group",
-                f"this job has {world} ranks and the plan {stages} stages x {replicas} ranks each (data, tensor "
+                f"this job has {world} ranks and the plan {pipeline_parallel} pipeline ranks x {replicas} each (data, tensor "
                 f"and context parallel): give the process group of this rank's pipeline ({PIPELINE_GROUPS})",
             )
         place = rank % replicas
-        return Pipeline(ranks=tuple(stage * replicas + place for stage in range(stages)), stage=rank // replicas)
+        return Pipeline(ranks=tuple(pp * replicas + place for pp in range(pipeline_parallel)), rank=rank // replicas)
     group = _process_group(group)
     ranks = tuple(dist.get_process_group_ranks(group))
-    if len(ranks) not in (1, stages):
+    if len(ranks) not in (1, pipeline_parallel):
         raise InputError(
             "pipeline_group",
-            f"holds {len(ranks)} ranks; expected {stages} (stages: one stage on each) or 1 (the whole model here)",
+            f"holds {len(ranks)} ranks; expected {pipeline_parallel} (pipeline_parallel) or 1 (the whole model here)",
         )
-    return Pipeline(ranks=ranks, stage=dist.get_rank(group))
+    return Pipeline(ranks=ranks, rank=dist.get_rank(group))
 
 
 def _process_group(group: Any) -> Any:

@@ -61,7 +61,7 @@ def run_demo(out: str | Path) -> dict[str, object]:
     tuner = autotune(
         model,
         optimizer,
-        stages=STAGES,
+        pipeline_parallel=STAGES,
         micro_batches=MICRO_BATCHES,
         schedule=SCHEDULE,
         memory_budget=budget,
@@ -103,7 +103,7 @@ def demo_budget(config: object) -> float:
     shape = shape_from_config(config.to_dict(), sequence=SEQ_LEN, micro_batch_size=MICRO_BATCH_SIZE, dtype="float32")
     estimate = analytic_profile(shape)
     without_recompute = estimate.with_modes(())
-    spec = PipelineSpec(stages=STAGES, micro_batches=MICRO_BATCHES, schedule=SCHEDULE, memory_budget_bytes=1)
+    spec = PipelineSpec(pipeline_parallel=STAGES, micro_batches=MICRO_BATCHES, schedule=SCHEDULE, memory_budget_bytes=1)
     solver_log = logging.getLogger("solver")
     level = solver_log.level
     solver_log.setLevel(logging.WARNING)  # this search is expected to fail: its progress would only confuse

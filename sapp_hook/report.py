@@ -32,8 +32,8 @@ def replay_report(result: SimulationResult) -> str:
     lines.append(f"{'rank':>4}  {'busy ms':>10}  {'peak memory':>12}  {'peak activations':>16}")
     for rank in range(schedule.ranks):
         lines.append(
-            f"{rank:>4}  {format_ms(result.stage_busy_ms[rank]):>10}  "
-            f"{format_bytes(result.stage_peak_memory_bytes[rank]):>12}  {result.stage_peak_activations[rank]:>16}"
+            f"{rank:>4}  {format_ms(result.rank_busy_ms[rank]):>10}  "
+            f"{format_bytes(result.rank_peak_memory_bytes[rank]):>12}  {result.rank_peak_activations[rank]:>16}"
         )
     return "\n".join(lines)
 
@@ -58,25 +58,25 @@ def plan_report(plan: Plan) -> str:
         lines.append("note            weight-gradient times not in the profile: I and W each took half of B")
     if not recompute_runs_under(schedule.name) and set(plan.layer_modes) - {NONE}:
         lines.append(
-            f"note            on torch (TorchTitan, sapp_hook.apply): {no_recompute_reason(schedule.name)}; "
+            f"note            on torch (TorchTitan, sapp_hook.build_stages): {no_recompute_reason(schedule.name)}; "
             "--modes none plans without it"
         )
     rows = []
-    for stage, chunk_ranges in enumerate(plan.stage_chunk_ranges()):
+    for rank, chunk_ranges in enumerate(plan.rank_chunk_ranges()):
         counts = "+".join(str(len(r)) for r in chunk_ranges)
         modes = {mode: 0 for mode in MODE_ORDER}
         for layers in chunk_ranges:
             for index in layers:
                 modes[plan.layer_modes[index]] += 1
         recompute = ", ".join(f"{mode} {count}" for mode, count in modes.items() if count and mode != "none") or "-"
-        peak = plan.stage_peak_memory_bytes[stage]
+        peak = plan.rank_peak_memory_bytes[rank]
         share = "" if math.isinf(budget) else f" ({peak / budget:.0%})"
-        rows.append((stage, counts, recompute, f"{format_bytes(peak):>12}{share}"))
+        rows.append((rank, counts, recompute, f"{format_bytes(peak):>12}{share}"))
     # columns as wide as their longest entry, and at least as wide as the headers' usual room
     counts_width = max(18, *(len(row[1]) for row in rows))
     recompute_width = max(28, *(len(row[2]) for row in rows))
-    for stage, counts, recompute, peak in [("stage", "layers per chunk", "recompute", f"{'peak memory':>12}"), *rows]:
-        lines.append(f"{stage:>5}  {counts:<{counts_width}}  {recompute:<{recompute_width}}  {peak}")
+    for rank, counts, recompute, peak in [("rank", "layers per chunk", "recompute", f"{'peak memory':>12}"), *rows]:
+        lines.append(f"{rank:>5}  {counts:<{counts_width}}  {recompute:<{recompute_width}}  {peak}")
     if not math.isinf(budget):
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"memory budget   {format_bytes(budget)} per device: {verdict}")
@@ -96,7 +96,7 @@ def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, obje
     data = {
         "iteration_time": even.iteration_time_ms,
         "fits": even.fits,
-        "stage_peak_memory_bytes": list(even.stage_peak_memory_bytes),
+        "rank_peak_memory_bytes": list(even.rank_peak_memory_bytes),
         "full_recompute_iteration_time": None if even.fits else recomputed.iteration_time_ms,
         "full_recompute_fits": None if even.fits else recomputed.fits,
     }
@@ -105,7 +105,7 @@ def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, obje
             f"even split      {format_ms(even.iteration_time_ms)} ms: the plan is "
             f"{even.iteration_time_ms / plan.iteration_time_ms:.2f}x as fast"
         ), data
-    worst = max(range(len(even.stage_peak_memory_bytes)), key=lambda s: even.stage_peak_memory_bytes[s])
+    worst = max(range(len(even.rank_peak_memory_bytes)), key=lambda s: even.rank_peak_memory_bytes[s])
     tail = (
         (
             f"; with full recompute {format_ms(recomputed.iteration_time_ms)} ms, the plan is "
@@ -115,6 +115,5 @@ def against_even(plan: Plan, profile: ModelProfile) -> tuple[str, dict[str, obje
         else ""
     )
     return (
-        f"even split      does not fit: stage {worst} peaks at "
-        f"{format_bytes(even.stage_peak_memory_bytes[worst])}{tail}"
+        f"even split      does not fit: rank {worst} peaks at {format_bytes(even.rank_peak_memory_bytes[worst])}{tail}"
     ), data

@@ -1,7 +1,7 @@
-"""Pipeline schedules as per-rank action lists, replayed with per-stage costs.
+"""Pipeline schedules as per-rank action lists, replayed with per-(rank, chunk) costs.
 
     >>> from simulator import build_schedule, PipelineCosts, simulate
-    >>> schedule = build_schedule("1F1B", stages=4, micro_batches=8)
+    >>> schedule = build_schedule("1F1B", ranks=4, micro_batches=8)
     >>> result = simulate(schedule, PipelineCosts.uniform(4, 1, forward_ms=1.0, backward_ms=2.0))
     >>> result.iteration_time_ms  # (M + S - 1) * (F + B)
     33.0

@@ -53,8 +53,8 @@ def compile_schedule(
 ) -> CompiledSchedule:
     """Flatten schedule `name`'s per-rank action lists, resolve dependencies and find a replay order;
     raise ScheduleError on deadlock."""
-    stages = len(rank_actions)
-    num_stages = stages * chunks
+    num_ranks = len(rank_actions)
+    num_stages = num_ranks * chunks
     last_stage = num_stages - 1
     ranks: list[int] = []
     chunks: list[int] = []
@@ -65,7 +65,7 @@ def compile_schedule(
     for rank, actions in enumerate(rank_actions):
         for action in actions:
             ranks.append(rank)
-            chunks.append(action.stage_index // stages)
+            chunks.append(action.stage_index // num_ranks)
             ops.append(action.op)
             stage_of.append(action.stage_index)
             microbatch_of.append(action.microbatch)

@@ -8,7 +8,7 @@ from basics.errors import InputError, check_non_negative, shown
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from simulator.schedules import MAX_ACTIONS
 
-MAX_CELLS = MAX_ACTIONS // 2  # (stage, chunk) cells: a replay runs at least 2 actions on each
+MAX_CELLS = MAX_ACTIONS // 2  # (rank, chunk) cells: a replay runs at least 2 actions on each
 
 
 @dataclass(frozen=True)
@@ -158,13 +158,13 @@ class PipelineCosts:
 
     def __post_init__(self) -> None:
         if not self.chunk_costs or not self.chunk_costs[0]:
-            raise InputError("chunk_costs", "expected at least one stage with at least one chunk")
+            raise InputError("chunk_costs", "expected at least one rank with at least one chunk")
         chunks = len(self.chunk_costs[0])
-        for stage, row in enumerate(self.chunk_costs):  # a pipeline stage per rank, as users count them
+        for rank, row in enumerate(self.chunk_costs):
             if len(row) != chunks:
-                raise InputError(f"chunk_costs[{stage}]", f"expected {chunks} chunks like stage 0, got {len(row)}")
+                raise InputError(f"chunk_costs[{rank}]", f"expected {chunks} chunks like rank 0, got {len(row)}")
             for chunk, costs in enumerate(row):
-                costs.check(f"stage {stage} chunk {chunk}")
+                costs.check(f"rank {rank} chunk {chunk}")
         check_non_negative(self.p2p_ms, "p2p_ms")
         if (
             isinstance(self.unshard_lookahead, bool)
@@ -176,11 +176,6 @@ class PipelineCosts:
     @property
     def ranks(self) -> int:
         return len(self.chunk_costs)
-
-    @property
-    def stages(self) -> int:
-        """The former name of `ranks`."""
-        return self.ranks
 
     @property
     def chunks(self) -> int:
@@ -201,7 +196,7 @@ class PipelineCosts:
     @classmethod
     def uniform(
         cls,
-        stages: int,
+        ranks: int,
         chunks: int,
         *,
         forward_ms: float,
@@ -213,13 +208,13 @@ class PipelineCosts:
         working_bytes: float = 0.0,
         p2p_ms: float = 0.0,
     ) -> PipelineCosts:
-        """Identical stages; each figure is a whole rank's, split evenly over its chunks."""
-        for name, value in (("stages", stages), ("chunks", chunks)):
+        """Identical ranks; each figure is a whole rank's, split evenly over its chunks."""
+        for name, value in (("ranks", ranks), ("chunks", chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"expected an integer >= 1, got {shown(value)}")
-        if stages * chunks > MAX_CELLS:
+        if ranks * chunks > MAX_CELLS:
             raise InputError(
-                "stages", f"{shown(stages)} x {shown(chunks)} (stages x chunks); expected at most {MAX_CELLS:,}"
+                "ranks", f"{shown(ranks)} x {shown(chunks)} (ranks x chunks); expected at most {MAX_CELLS:,}"
             )
         for name, value in (
             ("forward_ms", forward_ms),
@@ -241,4 +236,4 @@ class PipelineCosts:
             static_bytes=static_bytes / chunks,
             working_bytes=working_bytes / chunks,
         )
-        return cls(tuple((share,) * chunks for _ in range(stages)), p2p_ms)
+        return cls(tuple((share,) * chunks for _ in range(ranks)), p2p_ms)

@@ -50,7 +50,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
     axes = figure.add_subplot()
     bar_px_per_ms = (width_in * 0.82 * figure.dpi) / end_ms
 
-    mean_ms = sum(result.stage_busy_ms) / max(schedule.num_actions, 1)
+    mean_ms = sum(result.rank_busy_ms) / max(schedule.num_actions, 1)
     edges = "white" if mean_ms * bar_px_per_ms >= 6 else "none"
     rasterized = schedule.num_actions > RASTERIZE_ABOVE
     ops_seen: set[str] = set()
@@ -79,7 +79,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
                 x, rank + BAR_TOP + BAR_HEIGHT / 2, str(microbatch), ha="center", va="center", fontsize=6, color="white"
             )
 
-    peak_bytes = max(result.stage_peak_memory_bytes)
+    peak_bytes = max(result.rank_peak_memory_bytes)
     curves = [result.memory_split(rank) for rank in range(ranks)] if peak_bytes > 0 else []
     # one scale for all rows, from the lowest level to the highest peak: activations show above large static memory
     floor_bytes = min(m for curve in curves for _, m, _ in curve) if curves else 0.0
@@ -117,7 +117,7 @@ def draw_gantt(result: SimulationResult, path: str | Path, *, title: str | None 
         axes.text(
             end_ms * 1.004,
             rank + 0.5,
-            f"peak {format_bytes(result.stage_peak_memory_bytes[rank])}",
+            f"peak {format_bytes(result.rank_peak_memory_bytes[rank])}",
             va="center",
             fontsize=7,
         )

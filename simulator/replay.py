@@ -23,7 +23,7 @@ from simulator.sharded import memory_points
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
-    """Replay `schedule` with `costs` ([stage][chunk], as the schedule's ranks and chunks)."""
+    """Replay `schedule` with `costs` ([rank][chunk], as the schedule's ranks and chunks)."""
     _check_shape(schedule, costs)
     compiled = schedule.compiled
     durations = _durations(compiled, costs)
@@ -41,9 +41,9 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
         start_ms=start,
         end_ms=end,
         iteration_time_ms=iteration_ms,
-        stage_busy_ms=tuple(busy),
-        stage_peak_memory_bytes=peaks,
-        stage_peak_activations=in_flight,
+        rank_busy_ms=tuple(busy),
+        rank_peak_memory_bytes=peaks,
+        rank_peak_activations=in_flight,
         bubble=_bubble_split(schedule, costs, iteration_ms),
     )
 
@@ -73,7 +73,7 @@ def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
     if (costs.ranks, costs.chunks) != (schedule.ranks, schedule.chunks):
         raise InputError(
             "costs",
-            f"expected {schedule.ranks} stages x {schedule.chunks} chunks to match the schedule, "
+            f"expected {schedule.ranks} ranks x {schedule.chunks} chunks to match the schedule, "
             f"got {costs.ranks} x {costs.chunks}",
         )
 

@@ -62,9 +62,9 @@ class SimulationResult:
     start_ms: list[float]  # by action id (rank by rank, in schedule order)
     end_ms: list[float]
     iteration_time_ms: float
-    stage_busy_ms: tuple[float, ...]
-    stage_peak_memory_bytes: tuple[float, ...]
-    stage_peak_activations: tuple[int, ...]  # most (chunk, micro-batch) activations held at once
+    rank_busy_ms: tuple[float, ...]
+    rank_peak_memory_bytes: tuple[float, ...]
+    rank_peak_activations: tuple[int, ...]  # most (chunk, micro-batch) activations held at once
     bubble: BubbleSplit
 
     @property
@@ -111,7 +111,7 @@ class SimulationResult:
         """The summary as JSON-ready data (the `sapp-hook simulate --json` object)."""
         return {
             "schedule": self.schedule.name,
-            "stages": self.schedule.ranks,
+            "ranks": self.schedule.ranks,
             "chunks": self.schedule.chunks,
             "micro_batches": self.schedule.micro_batches,
             "placement": self.schedule.placement,
@@ -119,9 +119,9 @@ class SimulationResult:
             "time_unit": "ms",
             "iteration_time": self.iteration_time_ms,
             "bubble": self.bubble.to_dict(),
-            "stage_busy_ms": list(self.stage_busy_ms),
-            "stage_peak_memory_bytes": [round(b) for b in self.stage_peak_memory_bytes],
-            "stage_peak_activations": list(self.stage_peak_activations),
+            "rank_busy_ms": list(self.rank_busy_ms),
+            "rank_peak_memory_bytes": [round(b) for b in self.rank_peak_memory_bytes],
+            "rank_peak_activations": list(self.rank_peak_activations),
             "p2p_ms": self.costs.p2p_ms,
             "weight_split_assumed": self.weight_split_assumed,
         }

@@ -67,9 +67,9 @@ class Schedule:
         return self.ranks * self.chunks
 
     def describe(self) -> str:
-        """`1F1B: 4 stages x 1 chunk, 8 micro-batches` (a pipeline stage per rank)."""
+        """`1F1B: 4 ranks x 1 chunk, 8 micro-batches`."""
         chunk_word = "chunk" if self.chunks == 1 else "chunks"
-        return f"{self.name}: {self.ranks} stages x {self.chunks} {chunk_word}, {self.micro_batches} micro-batches"
+        return f"{self.name}: {self.ranks} ranks x {self.chunks} {chunk_word}, {self.micro_batches} micro-batches"
 
     @property
     def num_actions(self) -> int:

@@ -38,7 +38,7 @@ class Run:
 class Calibration:
     time_scale: float
     action_overhead_ms: float
-    stage_constant_bytes: float
+    rank_constant_bytes: float
     error_before: float  # root mean square of the relative step-time errors, before and after
     error_after: float
 
@@ -47,7 +47,7 @@ class Calibration:
         spec = dataclasses.replace(
             spec,
             action_overhead_ms=spec.action_overhead_ms + self.action_overhead_ms,
-            stage_constant_bytes=spec.stage_constant_bytes + max(0.0, self.stage_constant_bytes),
+            rank_constant_bytes=spec.rank_constant_bytes + max(0.0, self.rank_constant_bytes),
         )
         return profile.with_times_scaled(self.time_scale), spec
 
@@ -56,7 +56,7 @@ def rank_end_ms(run: Run, time_scale: float = 1.0, action_overhead_ms: float = 0
     """When each rank's last action ends, simulated with the given calibration."""
     spec = dataclasses.replace(run.spec, action_overhead_ms=action_overhead_ms)
     plan = evaluate_plan(run.profile.with_times_scaled(time_scale), spec, run.stage_layer_counts, run.layer_modes)
-    return [plan.simulation.rank_finish_ms(rank) for rank in range(spec.stages)]
+    return [plan.simulation.rank_finish_ms(rank) for rank in range(spec.pipeline_parallel)]
 
 
 def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
@@ -96,15 +96,13 @@ def calibrate(runs: Sequence[Run], iterations: int = 12) -> Calibration:
     for run in runs:
         if run.measured_peak_bytes:
             spec = run.spec
-            predicted = evaluate_plan(
-                run.profile, spec, run.stage_layer_counts, run.layer_modes
-            ).stage_peak_memory_bytes
+            predicted = evaluate_plan(run.profile, spec, run.stage_layer_counts, run.layer_modes).rank_peak_memory_bytes
             memory_gaps += [m - p for m, p in zip(run.measured_peak_bytes, predicted)]
     constant = sum(memory_gaps) / len(memory_gaps) if memory_gaps else 0.0
     return Calibration(
         time_scale=scale,
         action_overhead_ms=overhead,
-        stage_constant_bytes=constant,
+        rank_constant_bytes=constant,
         error_before=before,
         error_after=_rms(r),
     )

@@ -30,7 +30,7 @@ def pipeline_costs(
     engine keeps of the tensors stages pass (`boundary_bytes`, `torch_1f1b_held_bytes`) and of their
     backwards (`torch_engine_bytes`). The layers' retained bytes count where the backward is split only."""
     schedule = spec.pipeline_schedule
-    constant = profile.stage_constant_bytes + spec.stage_constant_bytes
+    constant = profile.rank_constant_bytes + spec.rank_constant_bytes
     kept_in_flight, kept_whole_run = boundary_bytes(profile, spec)
     in_buffers = buffered_input_bytes(profile, spec, counts)
     torch_retained, torch_pending = torch_engine_bytes(profile, spec)

@@ -8,7 +8,7 @@ from basics.errors import InputError
 class InfeasibleError(InputError):
     """No plan fits the memory budget. Says the smallest budget that would fit and what to try."""
 
-    def __init__(self, message: str, *, smallest_budget_bytes: float | None, binding_stage: int | None) -> None:
+    def __init__(self, message: str, *, smallest_budget_bytes: float | None, binding_rank: int | None) -> None:
         super().__init__("memory_budget_bytes", message)
         self.smallest_budget_bytes = smallest_budget_bytes
-        self.binding_stage = binding_stage
+        self.binding_rank = binding_rank

@@ -60,7 +60,7 @@ def evaluate_plan(
         layer_modes=modes,
         iteration_time_ms=result.iteration_time_ms,
         bubble=result.bubble,
-        stage_peak_memory_bytes=result.stage_peak_memory_bytes,
+        rank_peak_memory_bytes=result.rank_peak_memory_bytes,
         weight_split_assumed=result.weight_split_assumed,
         simulation=result,
     )
@@ -115,12 +115,12 @@ def _check_views(plan: Plan, given: Fields) -> None:
         if key not in ("virtual_stage_layers", "layers") and said is not None and json.dumps(said) != json.dumps(value):
             raise InputError(f"plan.{key}", f"is {shown(said)}; {saying} {shown(value)}")
     for index, (item, layer) in enumerate(zip(given.raw("layers"), derived["layers"])):
-        for key in ("virtual_stage", "stage", "chunk", "kind"):
-            said = item.get(key)
-            if said is not None and json.dumps(said) != json.dumps(layer[key]):
+        for key, meaning in (("virtual_stage",) * 2, ("rank",) * 2, ("stage", "rank"), ("chunk",) * 2, ("kind",) * 2):
+            said = item.get(key)  # "stage": the former name of "rank"
+            if said is not None and json.dumps(said) != json.dumps(layer[meaning]):
                 raise InputError(
                     f"plan.layers[{index}].{key}",
-                    f"is {shown(said)}; plan.virtual_stage_layers and the profile say {shown(layer[key])}",
+                    f"is {shown(said)}; plan.virtual_stage_layers and the profile say {shown(layer[meaning])}",
                 )
 
 

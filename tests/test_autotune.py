@@ -17,7 +17,7 @@ from sapp_hook import REPLAN_EXIT_CODE, autotune
 from simulator import InputError
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
-SETTING = {"stages": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps": 1}
+SETTING = {"pipeline_parallel": 4, "micro_batches": 8, "schedule": "1F1B", "profile_steps": 1}
 PROFILING = 7  # steps: a warm-up, then per recompute mode (none, selective, full) one timed and one counting memory
 
 
@@ -90,7 +90,7 @@ def test_a_cached_plan_that_does_not_read_back_is_planned_again(tmp_path, damage
     if damage == "layers":  # as an older or hand-edited cache might hold
         del entry["plan"]["plan"]["layers"]
     else:
-        entry["plan"]["spec"]["stages"] = 2
+        entry["plan"]["spec"]["pipeline_parallel"] = 2
     entry_path.write_text(json.dumps(entry))
     again = train(llama(), PROFILING + 1, cache_dir=tmp_path)  # a KeyError or "other parallel settings" before
     assert not again.result.from_cache and again.profiler.steps_done == first.profiler.steps_done
@@ -262,13 +262,15 @@ def test_the_model_trains_the_same_under_autotune(tmp_path):
 def test_split_backward_schedules_are_profiled_and_planned_without_recompute(tmp_path):
     """torch runs a checkpointed block again for every weight-gradient group of a split backward
     (sapp_hook.pipelining.engine_rules): no recompute mode is offered there."""
-    tuner = autotune(llama(), stages=2, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", cache_dir=tmp_path)
+    tuner = autotune(
+        llama(), pipeline_parallel=2, chunks=2, micro_batches=4, schedule="ZBVZeroBubble", cache_dir=tmp_path
+    )
     assert tuner.profiler.modes == ("none",)
 
 
 def test_a_plan_whose_peak_runs_may_exceed_says_what_margin_to_leave(tmp_path, caplog):
     """ZBVZeroBubble x tensor parallel from a one-process profile: the margin `solve` notes, logged."""
-    split = {"schedule": "ZBVZeroBubble", "stages": 2, "chunks": 2, "micro_batches": 4}
+    split = {"schedule": "ZBVZeroBubble", "pipeline_parallel": 2, "chunks": 2, "micro_batches": 4}
     train(llama(), 3, **split, tensor_parallel=2, cache_dir=tmp_path / "tp")
     assert "a middle rank's peak was measured up to 8% above its prediction" in caplog.text
     caplog.clear()
@@ -294,7 +296,7 @@ def test_the_jobs_parallel_layout_reaches_the_spec(tmp_path):
     with pytest.raises(InputError) as caught:
         autotune(
             llama(),
-            **{**SETTING, "schedule": "ZBVZeroBubble", "stages": 2, "micro_batches": 4},
+            **{**SETTING, "schedule": "ZBVZeroBubble", "pipeline_parallel": 2, "micro_batches": 4},
             fsdp=True,
             fsdp_reshard_after_forward=True,
         )

@@ -50,10 +50,10 @@ def tensor_parallel_rank(rank: int, store: str, folder: str) -> None:
         model = tensor_parallel(llama(), mesh["tp"])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         try:
-            autotune(model, optimizer, stages=2, **SETTING, pipeline_group=mesh["pp"])
+            autotune(model, optimizer, pipeline_parallel=2, **SETTING, pipeline_group=mesh["pp"])
         except InputError as error:
             Path(folder, f"refused{rank}").write_text(str(error))
-        options = {"stages": 2, **SETTING, "tensor_parallel": 2, "pipeline_group": mesh["pp"]}
+        options = {"pipeline_parallel": 2, **SETTING, "tensor_parallel": 2, "pipeline_group": mesh["pp"]}
         with autotune(model, optimizer, **options, cache_dir=Path(folder) / "cache") as tuner:
             for step in range(tuner.profiler.total_steps):
                 whole_model_step(model, optimizer, step)
@@ -98,7 +98,7 @@ def data_parallel_rank(rank: int, store: str, folder: str) -> None:
         stage = (FirstStage if stage_index == 0 else LastStage)(llama())
         optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
         plan_file = Path(folder) / "plan.json"
-        options = {"stages": 2, **SETTING, "config": plan_file, "target": "plan"}
+        options = {"pipeline_parallel": 2, **SETTING, "config": plan_file, "target": "plan"}
         try:  # four ranks cannot be two stages of one rank each
             autotune(stage, optimizer, **options)
         except InputError as error:
@@ -117,7 +117,7 @@ def test_under_data_parallelism_one_replicas_pipeline_is_planned_and_every_rank_
     for rank in range(4):  # refused on each rank
         said = (tmp_path / f"refused{rank}").read_text()
         assert said.startswith(
-            "pipeline_group: this job has 4 ranks and the plan 2 stages x 1 ranks each (data, tensor"
+            "pipeline_group: this job has 4 ranks and the plan 2 pipeline ranks x 1 each (data, tensor"
         )
     layouts = [json.loads((tmp_path / f"layout{rank}.json").read_text()) for rank in range(4)]
     assert all(layout == layouts[0] for layout in layouts)
@@ -138,7 +138,7 @@ def refusing_rank(rank: int, store: str, folder: str) -> None:
         fully_shard(sharded)
         for model, optimizer in ((llama(), zero), (sharded, None)):
             with pytest.raises(InputError) as caught:
-                autotune(model, optimizer, stages=2, **SETTING)
+                autotune(model, optimizer, pipeline_parallel=2, **SETTING)
             said.append(str(caught.value))
         Path(folder, "said.json").write_text(json.dumps(said))
 
@@ -152,4 +152,4 @@ def test_fsdp_and_zero_are_refused_by_name(tmp_path):
 
 def test_a_pipeline_group_outside_a_distributed_job_is_refused():
     with pytest.raises(InputError, match=r"^pipeline_group: is for a torch.distributed job"):
-        autotune(llama(), stages=2, **SETTING, pipeline_group=object())
+        autotune(llama(), pipeline_parallel=2, **SETTING, pipeline_group=object())

@@ -24,7 +24,7 @@ def test_the_factor_and_overhead_are_found():
         ("ZBH1", 1, (2, 3, 3, 2)),
         ("1F1B", 1, (4, 2, 2, 2)),
     ):
-        spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule)
+        spec = PipelineSpec(pipeline_parallel=4, chunks=chunks, micro_batches=8, schedule=schedule)
         runs.append(measured_like(profile, spec, counts, ["none"] * 10, scale=1.3, overhead=0.4))
     found = calibrate(runs)
     assert found.time_scale == pytest.approx(1.3, rel=1e-3)
@@ -34,7 +34,7 @@ def test_the_factor_and_overhead_are_found():
 
 def test_applying_a_calibration_predicts_the_runs():
     profile = small_profile(8)
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     run = measured_like(profile, spec, (3, 2, 3, 2), ["none"] * 10, scale=0.8, overhead=1.0)
     found = calibrate([run])
     calibrated_profile, calibrated_spec = found.adjust(profile, spec)
@@ -44,16 +44,16 @@ def test_applying_a_calibration_predicts_the_runs():
 
 def test_the_constant_memory_per_stage_is_the_mean_excess():
     profile = small_profile(8)
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     counts, modes = (3, 2, 3, 2), ["none"] * 10
-    predicted = evaluate_plan(profile, spec, counts, modes).stage_peak_memory_bytes
+    predicted = evaluate_plan(profile, spec, counts, modes).rank_peak_memory_bytes
     run = measured_like(profile, spec, counts, modes, scale=1.0, overhead=0.0)
     found = calibrate(
         [Run(profile, spec, counts, modes, run.measured_step_ms, tuple(peak + 5 * 2**20 for peak in predicted))]
     )
-    assert found.stage_constant_bytes == pytest.approx(5 * 2**20)
+    assert found.rank_constant_bytes == pytest.approx(5 * 2**20)
     _, calibrated_spec = found.adjust(profile, spec)
-    again = evaluate_plan(profile, calibrated_spec, counts, modes).stage_peak_memory_bytes
+    again = evaluate_plan(profile, calibrated_spec, counts, modes).rank_peak_memory_bytes
     assert again == pytest.approx([peak + 5 * 2**20 for peak in predicted])
 
 
@@ -61,7 +61,7 @@ def test_a_negative_overhead_is_held_at_zero_and_the_fit_never_worsens():
     """Runs whose recompute costs more than the profile says (the gloo runs do): the free optimum has a
     negative overhead. The fit holds it at 0 and finds the best factor there, better than none."""
     profile = small_profile(8)
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     runs = []
     for mode, slower in (("none", 1.09), ("full", 1.19)):
         modes = ["none"] + [mode] * 8 + ["none"]

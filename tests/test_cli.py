@@ -11,7 +11,19 @@ from cli_args import with_flags
 
 from sapp_hook.cli import main
 
-BASE = ["simulate", "--schedule", "1F1B", "--stages", "4", "--micro-batches", "8", "--forward", "1", "--backward", "2"]
+BASE = [
+    "simulate",
+    "--schedule",
+    "1F1B",
+    "--pipeline-parallel",
+    "4",
+    "--micro-batches",
+    "8",
+    "--forward",
+    "1",
+    "--backward",
+    "2",
+]
 
 
 def run(capsys, *args):
@@ -27,8 +39,8 @@ def test_json_contract(capsys):
     assert report["iteration_time"] == (8 + 4 - 1) * 3
     assert set(report["bubble"]) == {"real", "ideal", "imbalance", "recompute", "comm"}
     assert report["bubble"]["ideal"] == pytest.approx(3 / 8)
-    assert report["stage_peak_memory_bytes"] == [10**10 + k * 2**30 for k in (4, 3, 2, 1)]
-    assert report["stage_peak_activations"] == [4, 3, 2, 1]
+    assert report["rank_peak_memory_bytes"] == [10**10 + k * 2**30 for k in (4, 3, 2, 1)]
+    assert report["rank_peak_activations"] == [4, 3, 2, 1]
     assert report["time_unit"] == "ms" and report["written"] == []
 
 
@@ -72,8 +84,8 @@ def test_quiet_prints_nothing(capsys):
     "args, message",
     [
         (["--schedule", "Nope"], "--schedule: expected one of"),
-        (["--stages", "0"], "--stages: expected an integer >= 1, got 0"),
-        (["--stages", "two"], "argument --stages: invalid int value: 'two'"),
+        (["--pipeline-parallel", "0"], "--pipeline-parallel: expected an integer >= 1, got 0"),
+        (["--pipeline-parallel", "two"], "argument --pipeline-parallel: invalid int value: 'two'"),
         (["--micro-batches", "-3"], "--micro-batches: expected an integer >= 1, got -3"),
         (["--forward", "-1"], "--forward: expected a number of milliseconds >= 0, got -1"),
         (["--backward", "nan"], "--backward: expected a number of milliseconds >= 0, got nan"),
@@ -82,7 +94,10 @@ def test_quiet_prints_nothing(capsys):
         (["--activation", "3"], "--activation: expected a unit"),
         (["--forward", "1e300"], "--forward: expected at most 1e+09 ms, got 1e+300"),
         (["--working", "2000000TB"], "--working: expected at most 2**50 bytes (1 PiB)"),
-        (["--stages", "100000", "--micro-batches", "100000"], "make 20,000,000,000 actions; expected at most"),
+        (
+            ["--pipeline-parallel", "100000", "--micro-batches", "100000"],
+            "make 20,000,000,000 actions; expected at most",
+        ),
         (["--plot", "out.gif"], "--plot: expected a file ending in .png, .svg, .pdf"),
         (["--trace", "/nonexistent-dir/t.json"], "--trace: folder /nonexistent-dir does not exist"),
     ],

@@ -23,7 +23,7 @@ def plan_file(tmp_path, capsys):
         "solve",
         "--profile",
         str(profile),
-        "--stages",
+        "--pipeline-parallel",
         "4",
         "--micro-batches",
         "8",
@@ -80,8 +80,8 @@ def test_bad_input_is_one_line(capsys, plan_file, flags, message):
 @pytest.mark.parametrize(
     ("document", "message"),
     [
-        ({"spec": {"stages": 4}, "plan": {}}, ": missing; expected an integer >= 1"),
-        ({"spec": {"stages": 4}}, "expected a plan JSON as sapp-hook solve --plan-out writes it"),
+        ({"spec": {"pipeline_parallel": 4}, "plan": {}}, ": missing; expected an integer >= 1"),
+        ({"spec": {"pipeline_parallel": 4}}, "expected a plan JSON as sapp-hook solve --plan-out writes it"),
         ({"layers_description": []}, "expected a plan JSON as sapp-hook solve --plan-out writes it"),
         ([], "expected a plan JSON as sapp-hook solve --plan-out writes it"),
     ],

@@ -21,12 +21,12 @@ PLANS = (("1F1B", 1, (3, 2, 3, 2)), ("ZBH1", 1, (2, 3, 3, 2)), ("Interleaved1F1B
 def report_of(profile, schedule, chunks, counts) -> dict:
     """What `sapp-hook validate --json` reports of a run on an engine with SCALE and OVERHEAD_MS (the
     keys calibrate reads, and one it does not)."""
-    spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule, p2p_ms=P2P_MS)
+    spec = PipelineSpec(pipeline_parallel=4, chunks=chunks, micro_batches=8, schedule=schedule, p2p_ms=P2P_MS)
     modes = ("none",) * len(profile.layers)
     measured = rank_end_ms(Run(profile, spec, counts, modes, ()), SCALE, OVERHEAD_MS)
     return {
         "schedule": schedule,
-        "stages": 4,
+        "pipeline_parallel": 4,
         "chunks": chunks,
         "micro_batches": 8,
         "p2p_ms": P2P_MS,
@@ -66,7 +66,7 @@ def test_the_factor_and_overhead_are_found_and_plan_again(runs, tmp_path, capsys
 
     # The scaled profile and the overhead replay the first run as it was measured.
     schedule, chunks, counts = PLANS[0]
-    spec = PipelineSpec(stages=4, chunks=chunks, micro_batches=8, schedule=schedule)
+    spec = PipelineSpec(pipeline_parallel=4, chunks=chunks, micro_batches=8, schedule=schedule)
     keys = tmp_path / "plan.yaml"
     keys.write_text(yaml.safe_dump(evaluate_plan(original, spec, counts, ("none",) * 10).mindformers()))
     code = main(
@@ -78,7 +78,7 @@ def test_the_factor_and_overhead_are_found_and_plan_again(runs, tmp_path, capsys
             str(keys),
             "--schedule",
             schedule,
-            "--stages",
+            "--pipeline-parallel",
             "4",
             "--micro-batches",
             "8",
@@ -100,7 +100,7 @@ def test_solve_plans_with_the_overhead(runs, capsys):
         "solve",
         "--profile",
         str(profile_path),
-        "--stages",
+        "--pipeline-parallel",
         "4",
         "--micro-batches",
         "8",
@@ -112,7 +112,7 @@ def test_solve_plans_with_the_overhead(runs, capsys):
     ]
     assert main([*base, "--action-overhead", "2"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B", action_overhead_ms=2.0)
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B", action_overhead_ms=2.0)
     counts = plan["plan"]["virtual_stage_layers"]
     modes = [layer["recompute"] for layer in plan["plan"]["layers"]]
     expected = evaluate_plan(load_profile(profile_path), spec, counts, modes)
@@ -123,10 +123,10 @@ def test_solve_plans_with_the_overhead(runs, capsys):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda r: r.pop("ranks"), "run0.json.ranks: expected one row per rank of its 4 stages (stages), got None"),
+        (lambda r: r.pop("ranks"), "run0.json.ranks: expected one row per rank of its 4 (pipeline_parallel), got None"),
         (
-            lambda r: r.update(stages=2),
-            "run0.json.ranks: expected one row per rank of its 2 stages (stages), got 4 rows",
+            lambda r: r.update(pipeline_parallel=2),
+            "run0.json.ranks: expected one row per rank of its 2 (pipeline_parallel), got 4 rows",
         ),
         (lambda r: r["ranks"][1].pop("measured_step_ms"), "run0.json.ranks[1].measured_step_ms: missing"),
         (lambda r: r.update(layer_modes=["none"] * 4), "run0.json.layer_modes: 4 layers, but the profile has 10"),
@@ -159,7 +159,7 @@ def test_overhead_flag_errors(runs, tmp_path, capsys):
                 "solve",
                 "--profile",
                 str(profile_path),
-                "--stages",
+                "--pipeline-parallel",
                 "4",
                 "--micro-batches",
                 "8",
@@ -179,7 +179,7 @@ def test_overhead_flag_errors(runs, tmp_path, capsys):
                 "solve",
                 "--profile",
                 str(profile_path),
-                "--stages",
+                "--pipeline-parallel",
                 "4",
                 "--micro-batches",
                 "8",
@@ -203,7 +203,7 @@ def test_overhead_flag_errors(runs, tmp_path, capsys):
                 "simulate",
                 "--schedule",
                 "1F1B",
-                "--stages",
+                "--pipeline-parallel",
                 "4",
                 "--micro-batches",
                 "8",
@@ -230,7 +230,7 @@ def test_an_output_that_cannot_be_written_is_one_error_naming_its_flag(runs, cap
             "solve",
             "--profile",
             str(profile_path),
-            "--stages",
+            "--pipeline-parallel",
             "4",
             "--micro-batches",
             "8",

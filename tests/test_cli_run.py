@@ -26,7 +26,7 @@ TRAIN = textwrap.dedent("""
                                       num_key_value_heads=2, vocab_size=512)
     model = transformers.LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B", profile_steps=1) as tuner:
+    with autotune(model, optimizer, pipeline_parallel=4, micro_batches=8, schedule="1F1B", profile_steps=1) as tuner:
         for step in range(8):  # 7 profiling steps: a warm-up, one timed and one counting memory per mode
             ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -141,7 +141,7 @@ TRAIN_ON_TWO_RANKS = textwrap.dedent("""
     rank = dist.get_rank()
     stage = (FirstStage if rank == 0 else LastStage)(llama())
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
-    with autotune(stage, optimizer, stages=2, micro_batches=4, schedule="1F1B", profile_steps=1,
+    with autotune(stage, optimizer, pipeline_parallel=2, micro_batches=4, schedule="1F1B", profile_steps=1,
                   modes=("none", "full")) as tuner:
         for step in range(tuner.profiler.total_steps):
             train_stage(stage, rank, step, optimizer)
@@ -187,7 +187,7 @@ def test_run_under_torchrun_relaunches_though_torchrun_reports_status_1(tmp_path
     assert "sapp-hook run: planned; training" in done.stderr
     for rank in (0, 1):  # the planning launch exited before logging; the second trained from the plan
         assert [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()] == [{"from_cache": True}]
-    assert json.loads(plan.read_text())["spec"]["stages"] == 2
+    assert json.loads(plan.read_text())["spec"]["pipeline_parallel"] == 2
 
 
 def test_a_command_ended_by_a_signal_is_said_as_a_shell_says_it(capsys):

@@ -19,7 +19,7 @@ from solver import PipelineSpec, evaluate_plan, even_plan, load_profile
 CASE = [
     "--profile",
     str(SAPP / "test.json"),
-    "--stages",
+    "--pipeline-parallel",
     "4",
     "--chunks",
     "2",
@@ -37,13 +37,13 @@ def test_solve_json_contract_and_files(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     report = json.loads(out)
-    for key in ("status", "iteration_time", "stage_peak_memory_bytes", "solve_seconds", "bubble", "plan"):
+    for key in ("status", "iteration_time", "rank_peak_memory_bytes", "solve_seconds", "bubble", "plan"):
         assert key in report
     assert report["status"] == "optimal" and report["iteration_time"] == 153000.0
     assert set(report["bubble"]) == {"real", "ideal", "imbalance", "recompute", "comm"}
     for key in ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num"):
         assert key in report["plan"]
-    assert max(report["stage_peak_memory_bytes"]) <= 53000 * 2**20
+    assert max(report["rank_peak_memory_bytes"]) <= 53000 * 2**20
     assert yaml.safe_load(mf.read_text())["offset"] == report["plan"]["offset"]
     assert json.loads(plan_json.read_text())["plan"]["layers"] == report["plan"]["layers"]
     assert chart.read_bytes().startswith(b"\x89PNG")
@@ -57,7 +57,7 @@ def test_solve_json_contract_and_files(capsys, tmp_path):
         (
             "53000MiB",
             (
-                "even split      does not fit: stage 0 peaks at 125 GiB; with full recompute 192,330 ms, "
+                "even split      does not fit: rank 0 peaks at 125 GiB; with full recompute 192,330 ms, "
                 "the plan is 1.07x as fast"
             ),
         ),
@@ -68,7 +68,7 @@ def test_solve_compares_its_plan_with_the_even_split(capsys, memory, line):
         "solve",
         "--profile",
         str(SAPP / "test.json"),
-        "--stages",
+        "--pipeline-parallel",
         "4",
         "--micro-batches",
         "8",
@@ -82,7 +82,9 @@ def test_solve_compares_its_plan_with_the_even_split(capsys, memory, line):
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     profile = load_profile(SAPP / "test.json")
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B", memory_budget_bytes=report["memory_budget_bytes"])
+    spec = PipelineSpec(
+        pipeline_parallel=4, micro_batches=8, schedule="1F1B", memory_budget_bytes=report["memory_budget_bytes"]
+    )
     even, full = even_plan(profile, spec), even_plan(profile, spec, "full")
     assert report["even_split"]["iteration_time"] == even.iteration_time_ms
     assert report["even_split"]["fits"] == even.fits
@@ -107,7 +109,7 @@ def test_simulate_refuses_flags_a_plan_json_contradicts(capsys, tmp_path):
     assert main([*replay, *CASE[2:]]) == 0  # the plan's own settings, said again: fine
     capsys.readouterr()
     for flags, words in [
-        (["--stages", "8"], "--stages: 8 differs from the plan's spec.stages (4)"),
+        (["--pipeline-parallel", "8"], "--pipeline-parallel: 8 differs from the plan's spec.pipeline_parallel (4)"),
         (["--schedule", "ZBH1"], "--schedule: ZBH1 differs from the plan's spec.schedule (Interleaved1F1B)"),
         (["--micro-batches", "16"], "--micro-batches: 16 differs from the plan's spec.micro_batches (8)"),
         (
@@ -131,7 +133,7 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
         "solve",
         "--profile",
         str(profile),
-        "--stages",
+        "--pipeline-parallel",
         "2",
         "--micro-batches",
         "4",
@@ -144,7 +146,7 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
     peaks = []
     for flags in ([], ["--receive-buffers"]):
         assert main([*solve, *flags, "--plan-out", str(tmp_path / f"plan{len(flags)}.json")]) == 0
-        peaks.append(json.loads(capsys.readouterr().out)["stage_peak_memory_bytes"])
+        peaks.append(json.loads(capsys.readouterr().out)["rank_peak_memory_bytes"])
     # and the one send Schedule1F1B holds past its micro-batch on each rank (`torch_1f1b_held_bytes`)
     assert [with_buffers - without for without, with_buffers in zip(*peaks)] == [(4 + 1) * 2**20, (4 + 1) * 2**20]
     with pytest.raises(SystemExit):
@@ -156,7 +158,7 @@ def test_receive_buffers_count_in_every_peak(capsys, tmp_path):
                 "simulate",
                 "--schedule",
                 "1F1B",
-                "--stages",
+                "--pipeline-parallel",
                 "2",
                 "--micro-batches",
                 "4",
@@ -183,7 +185,7 @@ def test_simulate_reads_a_mindformers_training_config(capsys, tmp_path):
         "simulate",
         "--profile",
         str(SAPP / "test.json"),
-        "--stages",
+        "--pipeline-parallel",
         "4",
         "--micro-batches",
         "8",
@@ -226,7 +228,7 @@ def test_unsafe_or_broken_yaml_is_one_line(capsys, tmp_path, text, words):
         (["--memory", "50"], "--memory: expected a unit"),
         (["--memory", "1GiB"], "--memory: no plan fits 1 GiB: the smallest budget that fits is"),
         (["--time-limit", "0"], "--time-limit: expected a number of seconds > 0"),
-        (["--stages", "0"], "--stages: expected an integer >= 1"),
+        (["--pipeline-parallel", "0"], "--pipeline-parallel: expected an integer >= 1"),
         (["--zero-stage", "5"], "argument --zero-stage: invalid choice"),
         (["--profile", "/nonexistent.json"], "profile: cannot read /nonexistent.json"),
         (["--plan-out", "/nonexistent-dir/p.json"], "--plan-out: folder /nonexistent-dir does not exist"),
@@ -250,7 +252,7 @@ def test_modes_limit_the_recompute_a_plan_may_use(capsys, tmp_path):
         "solve",
         "--profile",
         str(profile),
-        "--stages",
+        "--pipeline-parallel",
         "2",
         "--chunks",
         "2",
@@ -292,14 +294,14 @@ def test_json_stdout_is_clean_in_a_fresh_process():
 
 def test_the_plan_table_keeps_its_columns_with_long_recompute_lists():
     profile = load_profile(SAPP / "sim.json")  # modes none, full, selective+comm, comm, ...
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B")
     body = [index for index, layer in enumerate(profile.layers) if layer.is_body]
     modes = ["none"] * len(profile.layers)
     for index, mode in zip(body[:3], ("full", "selective+comm", "comm")):
         modes[index] = mode
     half = len(profile.layers) // 2
     table = plan_report(evaluate_plan(profile, spec, [half, len(profile.layers) - half], modes)).splitlines()
-    rows = [line for line in table if line.lstrip().startswith(("stage", "0 ", "1 "))]
+    rows = [line for line in table if line.lstrip().startswith(("rank", "0 ", "1 "))]
     assert "full 1, selective+comm 1, comm 1" in rows[1]
     assert len({len(row) for row in rows}) == 1  # the peak memory column, right-aligned, ends where its header does
 
@@ -317,7 +319,17 @@ def test_solve_and_simulate_note_the_margin_zbv_x_tensor_parallel_needs(capsys, 
     profile measured on the mesh is not noted (tests/test_validate_mesh.py shows it exact)."""
     profile, plan = tmp_path / "p.json", tmp_path / "plan.json"
     assert main(["profile", "--estimate", "--model", "tiny-llama", "--out", str(profile), "--quiet"]) == 0
-    argv = ["solve", "--profile", str(profile), "--stages", "2", "--micro-batches", "4", "--schedule", schedule]
+    argv = [
+        "solve",
+        "--profile",
+        str(profile),
+        "--pipeline-parallel",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        schedule,
+    ]
     assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2", *flags, "--plan-out", str(plan)]) == 0
     solved = capsys.readouterr().err
     assert main(["simulate", "--profile", str(profile), "--plan", str(plan)]) == 0

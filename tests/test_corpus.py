@@ -42,7 +42,7 @@ SOLVE = [
     "solve",
     "--profile",
     "{profile}",
-    "--stages",
+    "--pipeline-parallel",
     "4",
     "--micro-batches",
     "8",
@@ -55,7 +55,7 @@ SIMULATE = [
     "simulate",
     "--schedule",
     "1F1B",
-    "--stages",
+    "--pipeline-parallel",
     "4",
     "--micro-batches",
     "8",
@@ -69,7 +69,7 @@ LONG_SOLVE = [
     "solve",
     "--profile",
     str(SAPP / "sim.json"),
-    "--stages",
+    "--pipeline-parallel",
     "16",
     "--chunks",
     "3",
@@ -262,7 +262,7 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "twice_python": lambda folder: _python_config(folder, twice=True),
     "bom_toml": _with_bom("torchtitan_llama.toml", "bom.toml"),
     "nan_constant_profile": lambda folder: _profile_with(
-        folder, "nan-constant.json", lambda data: data.update(stage_constant_bytes=float("nan"))
+        folder, "nan-constant.json", lambda data: data.update(rank_constant_bytes=float("nan"))
     ),
     "huge_tied_profile": lambda folder: _profile_with(
         folder,
@@ -487,7 +487,7 @@ def _bom_kept(folder: Path) -> None:
 
 
 def _plan_written(folder: Path) -> None:
-    assert json.loads((folder / "out.json").read_text())["spec"]["stages"] == 4
+    assert json.loads((folder / "out.json").read_text())["spec"]["pipeline_parallel"] == 4
 
 
 def _toml_says(path: Path, key: str) -> None:
@@ -522,7 +522,7 @@ CASES = [
             "{profile}",
             "--mindformers-plan",
             "{alias_bomb}",
-            "--stages",
+            "--pipeline-parallel",
             "4",
             "--micro-batches",
             "8",
@@ -540,7 +540,7 @@ CASES = [
             "{profile}",
             "--mindformers-plan",
             "{python_tag}",
-            "--stages",
+            "--pipeline-parallel",
             "4",
             "--micro-batches",
             "8",
@@ -576,17 +576,22 @@ CASES = [
     ),
     Case("missing-file", [*SOLVE, "--profile", "{dir}/nothing.json", "--quiet"], EXIT_INPUT, "--profile"),
     # impossible or overflowing specs
-    Case("no-stages", [*SOLVE, "--stages", "0", "--quiet"], EXIT_INPUT, "--stages"),
+    Case("no-stages", [*SOLVE, "--pipeline-parallel", "0", "--quiet"], EXIT_INPUT, "--pipeline-parallel"),
     Case("no-plan-fits", [*SOLVE, "--memory", "1KB", "--quiet"], EXIT_NO_PLAN, "--memory: no plan fits"),
     Case("size-beyond-floats", [*SOLVE, "--memory", "1" + "0" * 400 + "GB", "--quiet"], EXIT_INPUT, "--memory"),
     Case("time-limit-nan", [*SOLVE, "--time-limit", "nan", "--quiet"], EXIT_INPUT, "--time-limit"),
-    Case("astronomic-pipeline", [*SIMULATE, "--stages", "10" + "0" * 20, "--quiet"], EXIT_INPUT, "--stages: "),
+    Case(
+        "astronomic-pipeline",
+        [*SIMULATE, "--pipeline-parallel", "10" + "0" * 20, "--quiet"],
+        EXIT_INPUT,
+        "--pipeline-parallel: ",
+    ),
     Case(
         "schedule-name-a-page-long", [*SIMULATE, "--schedule", "x" * 10_000], EXIT_INPUT, "--schedule: expected one of"
     ),
     Case(
         "stages-as-many-as-layers",
-        [*SOLVE, "--stages", "10", "--micro-batches", "10"],
+        [*SOLVE, "--pipeline-parallel", "10", "--micro-batches", "10"],
         0,
         None,
         printed="even split      none: virtual stage 8 is empty",
@@ -595,7 +600,7 @@ CASES = [
         "profile-field-named-with-its-file",
         [*SOLVE, "--profile", "{nan_constant_profile}"],
         EXIT_INPUT,
-        "--profile: " + "{dir}/nan-constant.json: stage_constant_bytes: expected a finite number",
+        "--profile: " + "{dir}/nan-constant.json: rank_constant_bytes: expected a finite number",
     ),
     Case(
         "estimate-past-a-pebibyte",
@@ -637,7 +642,7 @@ CASES = [
             "validate",
             "--model",
             "tiny-llama",
-            "--stages",
+            "--pipeline-parallel",
             "2",
             "--micro-batches",
             "8",
@@ -658,7 +663,7 @@ CASES = [
             "tiny-llama",
             "--schedule",
             "1F1B",
-            "--stages",
+            "--pipeline-parallel",
             "64",
             "--micro-batches",
             "64",
@@ -666,7 +671,7 @@ CASES = [
             "--quiet",
         ],
         EXIT_INPUT,
-        "--stages: 64 x 1 (stages x chunks) make 64 virtual stages, more than tiny-llama's 10 layers",
+        "--pipeline-parallel: 64 x 1 (ranks x chunks) make 64 virtual stages, more than tiny-llama's 10 layers",
     ),
     Case(
         "tensor-parallel-moe",
@@ -676,7 +681,7 @@ CASES = [
             "tiny-moe",
             "--schedule",
             "1F1B",
-            "--stages",
+            "--pipeline-parallel",
             "2",
             "--micro-batches",
             "4",
@@ -1018,7 +1023,12 @@ CASES = [
         EXIT_INPUT,
         "--num-layers is a number of 5,000 digits; Megatron-LM reads at most 4,300",
     ),
-    Case("flag-value-a-page-long", [*SOLVE, "--stages", "9" * 5000], EXIT_INPUT, "argument --stages: invalid int"),
+    Case(
+        "flag-value-a-page-long",
+        [*SOLVE, "--pipeline-parallel", "9" * 5000],
+        EXIT_INPUT,
+        "argument --pipeline-parallel: invalid int",
+    ),
     # TOML: a table of dotted keys rewritten; an array of tables refused, not turned into a table
     Case(
         "toml-parallelism-as-dotted-keys",
@@ -1225,7 +1235,7 @@ def test_an_error_into_a_full_stderr_still_says_its_status(tmp_path):
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with open("/dev/full", "w") as full:
         done = subprocess.run(
-            [sys.executable, "-m", "sapp_hook", *argv, "--stages", "0"],
+            [sys.executable, "-m", "sapp_hook", *argv, "--pipeline-parallel", "0"],
             stderr=full,
             stdout=subprocess.PIPE,
             env=environment,
@@ -1294,7 +1304,7 @@ def test_a_second_signal_as_the_process_exits_keeps_its_status_and_line():
 AFTER_THE_COMMAND = """
 import os, signal, sys
 from sapp_hook.cli import main
-sys.argv = ["sapp-hook", "simulate", "--schedule", "1F1B", "--stages", "2", "--micro-batches", "2", "--forward", "1",
+sys.argv = ["sapp-hook", "simulate", "--schedule", "1F1B", "--pipeline-parallel", "2", "--micro-batches", "2", "--forward", "1",
             "--backward", "1", "--quiet"]
 status = main()
 os.kill(os.getpid(), signal.SIGTERM)
@@ -1326,7 +1336,7 @@ def test_a_second_signal_raises_nothing_while_the_first_unwinds():
 
 # -- the Python API: one InputError naming the argument -------------------------------------------------------------
 
-SPEC = PipelineSpec(stages=4, micro_batches=8)
+SPEC = PipelineSpec(pipeline_parallel=4, micro_batches=8)
 UNIFORM = PipelineCosts.uniform(4, 1, forward_ms=1.0, backward_ms=2.0)
 
 
@@ -1336,7 +1346,7 @@ def _autotune(**options):
     import sapp_hook
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    arguments = {"model": model, "stages": 2, "micro_batches": 4, **options}
+    arguments = {"model": model, "pipeline_parallel": 2, "micro_batches": 4, **options}
     return sapp_hook.autotune(arguments.pop("model"), **arguments)
 
 
@@ -1369,7 +1379,7 @@ API_CASES = [
         "cache_dir",
     ),
     ("solve-no-profile", lambda tmp_path, monkeypatch: solve(None, SPEC), "profile"),
-    ("solve-spec-as-dict", lambda tmp_path, monkeypatch: solve(small_profile(8), {"stages": 4}), "spec"),
+    ("solve-spec-as-dict", lambda tmp_path, monkeypatch: solve(small_profile(8), {"pipeline_parallel": 4}), "spec"),
     (
         "simulate-arguments-swapped",
         lambda tmp_path, monkeypatch: simulate(UNIFORM, build_schedule("1F1B", 4, 8)),
@@ -1383,7 +1393,7 @@ API_CASES = [
     ("build-schedule-no-name", lambda tmp_path, monkeypatch: build_schedule(None, 4, 8), "schedule"),
     (
         "spec-schedule-number",
-        lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, schedule=5),
+        lambda tmp_path, monkeypatch: PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule=5),
         "schedule",
     ),
     (
@@ -1406,14 +1416,14 @@ API_CASES = [
     ("times-scaled-by-nan", lambda tmp_path, monkeypatch: small_profile(8).with_times_scaled(float("nan")), "factor"),
     (
         "budget-past-floats",
-        lambda tmp_path, monkeypatch: PipelineSpec(stages=4, micro_batches=8, memory_budget_bytes=10**400),
+        lambda tmp_path, monkeypatch: PipelineSpec(pipeline_parallel=4, micro_batches=8, memory_budget_bytes=10**400),
         "memory_budget_bytes",
     ),
-    ("stages-of-20000-bits", lambda tmp_path, monkeypatch: build_schedule("1F1B", 2**20000, 8), "stages"),
+    ("ranks-of-20000-bits", lambda tmp_path, monkeypatch: build_schedule("1F1B", 2**20000, 8), "ranks"),
     (
-        "uniform-stages-past-any-replay",
+        "uniform-ranks-past-any-replay",
         lambda tmp_path, monkeypatch: PipelineCosts.uniform(5_000_001, 1, forward_ms=1.0, backward_ms=2.0),
-        "stages",
+        "ranks",
     ),
     (
         "time-limit-past-floats",
@@ -1454,7 +1464,7 @@ def test_a_step_outside_the_tuners_block_says_how_to_call_it():
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    tuner = __import__("sapp_hook").autotune(model, stages=2, micro_batches=4, force=True)
+    tuner = __import__("sapp_hook").autotune(model, pipeline_parallel=2, micro_batches=4, force=True)
     with tuner:
         model(torch.randn(2, 4)).sum().backward()
         tuner.step()

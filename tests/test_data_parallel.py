@@ -30,7 +30,7 @@ P, G, O, S = 1000.0, 1000.0, 2040.0, 40.0  # noqa: E741 - a layer: parameters, g
 
 
 def spec(**fields) -> PipelineSpec:
-    return PipelineSpec(stages=2, micro_batches=4, data_parallel=4, **fields)
+    return PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=4, **fields)
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,7 @@ def _fsdp_profile():
 
 def test_pipeline_costs_state_each_chunks_fsdp_terms():
     profile = _fsdp_profile()
-    fsdp = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, fsdp=True, receive_buffers=True)
+    fsdp = PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=2, fsdp=True, receive_buffers=True)
     costs = pipeline_costs(profile, fsdp, (3, 3), ("none",) * 6)
     for rank, layers in enumerate((profile.layers[:3], profile.layers[3:])):
         sharded = costs.chunk_costs[rank][0].sharded
@@ -258,7 +258,7 @@ def test_pipeline_costs_state_each_chunks_fsdp_terms():
         freed_before = [sum(2 * layer.parameter_bytes for layer in layers[:i]) for i in range(3)]
         walk = [1.5 * layer.gradient_bytes - layer.parameter_bytes - freed_before[i] for i, layer in enumerate(layers)]
         assert sharded.reduce_working_bytes == max(0.0, *walk)
-    plain = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, receive_buffers=True)
+    plain = PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=2, receive_buffers=True)
     assert pipeline_costs(profile, plain, (3, 3), ("none",) * 6).chunk_costs[0][0].sharded is None
 
 
@@ -279,7 +279,7 @@ def test_the_reduce_goes_unit_by_unit_in_model_order_freeing_as_it_goes(fields, 
         Unit(size, size, 0.0, 0.0, 0.0, 0.0, reshards_after_forward=False)
         for size in (10.0 * MIB, 30.0 * MIB, 20.0 * MIB)
     ]
-    spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=2, fsdp=True, **fields)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=2, fsdp=True, **fields)
     costs = sharded_costs(spec, units, start_bytes=0.0, seed_bytes=0.0, reduce_held_bytes=held * MIB)
     assert costs.reduce_working_bytes == expected * MIB
 
@@ -303,7 +303,7 @@ def test_the_program_states_the_reduce_where_it_sets_the_peak(schedule):
     )
     counts = (3, 3) if schedule != "Interleaved1F1B" else (2, 1, 1, 2)
     spec = PipelineSpec(
-        stages=2,
+        pipeline_parallel=2,
         micro_batches=4,
         schedule=schedule,
         receive_buffers=True,
@@ -320,8 +320,8 @@ def test_the_program_states_the_reduce_where_it_sets_the_peak(schedule):
         ),
         unshard_lookahead=plan.simulation.costs.unshard_lookahead,
     )
-    without_reduce = simulate(plan.simulation.schedule, quiet).stage_peak_memory_bytes
-    assert all(peak > quiet_peak for peak, quiet_peak in zip(plan.stage_peak_memory_bytes, without_reduce))
+    without_reduce = simulate(plan.simulation.schedule, quiet).rank_peak_memory_bytes
+    assert all(peak > quiet_peak for peak, quiet_peak in zip(plan.rank_peak_memory_bytes, without_reduce))
     last = plan.simulation.costs.chunk_costs[-1][-1].sharded.reduce_working_bytes
     logits_held = 4 * MIB if schedule != "Interleaved1F1B" else 0.0
     first_block = profile.layers[-counts[-1]]  # the last stage's first unit: 2.5 gradients less its parameters
@@ -334,7 +334,12 @@ def test_the_first_backward_walk_never_exceeds_what_the_program_counts(reshard):
     working set: a bound from above only if the walk with them arriving stays within it."""
     profile = _fsdp_profile()
     spec = PipelineSpec(
-        stages=2, micro_batches=4, data_parallel=2, fsdp=True, fsdp_reshard_after_forward=reshard, receive_buffers=True
+        pipeline_parallel=2,
+        micro_batches=4,
+        data_parallel=2,
+        fsdp=True,
+        fsdp_reshard_after_forward=reshard,
+        receive_buffers=True,
     )
     for counts in ((3, 3), (1, 5), (5, 1)):
         for chunk in (row[0] for row in pipeline_costs(profile, spec, counts, ("none",) * 6).chunk_costs):
@@ -361,7 +366,7 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
     peak is lower by what its layers had not made yet."""
     profile = _fsdp_profile()
     modes = ("none",) * len(profile.layers)
-    base = {"stages": 2, "micro_batches": 4, "schedule": schedule, "receive_buffers": True}
+    base = {"pipeline_parallel": 2, "micro_batches": 4, "schedule": schedule, "receive_buffers": True}
     fsdp = evaluate_plan(profile, PipelineSpec(**base, data_parallel=2, fsdp=True), counts, modes)
     alone = evaluate_plan(profile, PipelineSpec(**base), counts, modes)
     costs = fsdp.simulation.costs
@@ -378,18 +383,18 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients_on_top_of_th
         ),
         unshard_lookahead=costs.unshard_lookahead,
     )
-    without_transients = simulate(fsdp.simulation.schedule, quiet).stage_peak_memory_bytes
+    without_transients = simulate(fsdp.simulation.schedule, quiet).rank_peak_memory_bytes
     for rank in range(2):
         row, plain_row = costs.chunk_costs[rank], alone.simulation.costs.chunk_costs[rank]
         whole = sum(c.sharded.gathered_bytes + c.sharded.gradient_bytes for c in row)
-        above_static = alone.stage_peak_memory_bytes[rank] - sum(c.static_bytes for c in plain_row)
+        above_static = alone.rank_peak_memory_bytes[rank] - sum(c.static_bytes for c in plain_row)
         every_gradient_first = sum(c.static_bytes for c in row) + above_static + whole
         if schedule == "GPipe":
             gradients = sum(c.sharded.gradient_bytes for c in row)
             assert every_gradient_first - gradients < without_transients[rank] < every_gradient_first
         else:
             assert without_transients[rank] == every_gradient_first
-        assert fsdp.stage_peak_memory_bytes[rank] >= without_transients[rank]
+        assert fsdp.rank_peak_memory_bytes[rank] >= without_transients[rank]
 
 
 @pytest.mark.parametrize(
@@ -411,7 +416,9 @@ def test_the_programs_memory_is_the_replays(fields, schedule, counts):
     full backward that makes FSDP's step gradients sets the peak (DualPipeV's here), the program counts
     them from its start and the replay layer by layer: the rows bound the peak from above."""
     _check_rows(
-        PipelineSpec(stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, **fields),
+        PipelineSpec(
+            pipeline_parallel=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, **fields
+        ),
         counts,
         exact=not (schedule == "DualPipeV" and fields.get("fsdp")),
     )
@@ -421,7 +428,7 @@ def test_the_programs_memory_is_the_replays(fields, schedule, counts):
 def test_the_program_bounds_reshard_after_forward_from_above(schedule, counts):
     _check_rows(
         PipelineSpec(
-            stages=2,
+            pipeline_parallel=2,
             micro_batches=4,
             schedule=schedule,
             receive_buffers=True,
@@ -452,7 +459,7 @@ def _check_rows(
             held[variable] = held.get(variable, 0) + 1
             index += 1
     values = program.point(held)
-    replayed = evaluate_plan(profile, pipeline, counts, ("none",) * len(profile.layers)).stage_peak_memory_bytes
+    replayed = evaluate_plan(profile, pipeline, counts, ("none",) * len(profile.layers)).rank_peak_memory_bytes
     for rank in range(schedule.ranks):
         rows = max(row.value(values) for r, row in program.memory_rows if r == rank)
         if exact:
@@ -484,17 +491,24 @@ def _check_rows(
 )
 def test_layouts_torch_does_not_run_are_refused(fields, field, message):
     with pytest.raises(InputError, match=message) as caught:
-        PipelineSpec(**{"stages": 2, "micro_batches": 4, **fields})
+        PipelineSpec(**{"pipeline_parallel": 2, "micro_batches": 4, **fields})
     assert caught.value.field == field
 
 
 def test_the_new_fields_round_trip_and_default():
     made = PipelineSpec(
-        stages=2, micro_batches=4, data_parallel=2, fsdp=True, gradients_persist=False, collective_backend="gloo"
+        pipeline_parallel=2,
+        micro_batches=4,
+        data_parallel=2,
+        fsdp=True,
+        gradients_persist=False,
+        collective_backend="gloo",
     )
     assert spec_to_dict(spec_from_dict(spec_to_dict(made))) == spec_to_dict(made)
     old = {"stages": 2, "micro_batches": 4, "schedule": "1F1B"}  # a plan file from before these fields
-    again = spec_from_dict(old)
+    with pytest.warns(FutureWarning, match="spec.stages is the former name of spec.pipeline_parallel"):
+        again = spec_from_dict(old)
+    assert again.pipeline_parallel == 2
     assert (again.gradients_persist, again.ddp, again.ddp_bucket_view, again.collective_backend) == (
         True,
         False,
@@ -515,10 +529,10 @@ def test_profile_keeps_its_optimizer_scalars():
 
 def test_uniform_costs_still_replay_without_sharding():
     result = simulate(
-        PipelineSpec(stages=2, micro_batches=4).pipeline_schedule,
+        PipelineSpec(pipeline_parallel=2, micro_batches=4).pipeline_schedule,
         PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, activation_bytes=5.0),
     )
-    assert result.stage_peak_memory_bytes == (10.0, 5.0) and not math.isnan(result.iteration_time_ms)
+    assert result.rank_peak_memory_bytes == (10.0, 5.0) and not math.isnan(result.iteration_time_ms)
 
 
 def test_units_hand_each_layer_its_output_gradient_and_free_the_later_activations():
@@ -543,7 +557,7 @@ def test_torch_runtime_schedules_gather_every_chunk_before_the_first_action():
     profile = _fsdp_profile()
     for schedule, counts, lookahead in (("Interleaved1F1B", (2, 1, 1, 2), 3), ("1F1B", (3, 3), 0)):
         pipeline = PipelineSpec(
-            stages=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, fsdp=True
+            pipeline_parallel=2, micro_batches=4, schedule=schedule, receive_buffers=True, data_parallel=2, fsdp=True
         )
         plan = evaluate_plan(profile, pipeline, counts, ("none",) * len(profile.layers))
         assert plan.simulation.costs.unshard_lookahead == lookahead
@@ -558,7 +572,7 @@ def test_the_programs_states_follow_a_rank_through_its_step():
     from solver.program.sharded_rows import GATHER, REDUCE, ShardedStates
 
     pipeline = PipelineSpec(
-        stages=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True, gradients_persist=False
+        pipeline_parallel=1, micro_batches=2, receive_buffers=True, data_parallel=2, fsdp=True, gradients_persist=False
     )
     profile = _fsdp_profile()
     program = IntegerProgram(
@@ -631,7 +645,7 @@ def test_no_plan_the_program_allows_holds_more_than_it_says(problem, layout, rng
     plan = program.plan(values)
     for rank in range(schedule.ranks):
         rows = max(row.value(values) for r, row in program.memory_rows if r == rank)
-        assert rows >= plan.stage_peak_memory_bytes[rank] / MIB - 1e-6
+        assert rows >= plan.rank_peak_memory_bytes[rank] / MIB - 1e-6
 
 
 def test_a_forwards_gathering_can_set_the_peak_and_the_program_states_it():
@@ -657,11 +671,11 @@ def test_a_forwards_gathering_can_set_the_peak_and_the_program_states_it():
             block("tail", "tail", 0, 0),
         )
     )
-    pipeline = PipelineSpec(stages=1, micro_batches=1, data_parallel=2, fsdp=True)
+    pipeline = PipelineSpec(pipeline_parallel=1, micro_batches=1, data_parallel=2, fsdp=True)
     plan = evaluate_plan(profile, pipeline, (5,), ("none",) * 5)
     static = plan.simulation.costs.chunk_costs[0][0].static_bytes
     assert (
-        plan.stage_peak_memory_bytes[0] == static + (200 + 2) * MIB + 100 * MIB + 200 * MIB
+        plan.rank_peak_memory_bytes[0] == static + (200 + 2) * MIB + 100 * MIB + 200 * MIB
     )  # 2 blocks kept, flat, copy
     _check_one(profile, pipeline, (5,))
 
@@ -680,5 +694,5 @@ def _check_one(profile, pipeline, counts):
     )
     rows = max(row.value(values) for _, row in program.memory_rows)
     assert rows == pytest.approx(
-        evaluate_plan(profile, pipeline, counts, ("none",) * 5).stage_peak_memory_bytes[0] / MIB
+        evaluate_plan(profile, pipeline, counts, ("none",) * 5).rank_peak_memory_bytes[0] / MIB
     )

@@ -16,9 +16,9 @@ def test_demo_writes_every_target_a_chart_and_a_report(tmp_path, capsys):
     assert main(["demo", "--out", str(out), "--json"]) == 0
     outcome = json.loads(capsys.readouterr().out)
     plan = outcome["plan"]
-    assert plan["fits"] and max(plan["stage_peak_memory_bytes"]) <= outcome["budget_bytes"]
+    assert plan["fits"] and max(plan["rank_peak_memory_bytes"]) <= outcome["budget_bytes"]
     recomputed = [
-        sum(1 for layer in plan["plan"]["layers"] if layer["stage"] == s and layer["recompute"] != "none")
+        sum(1 for layer in plan["plan"]["layers"] if layer["rank"] == s and layer["recompute"] != "none")
         for s in range(4)
     ]
     assert any(recomputed) and not all(recomputed)  # the budget forces recompute on some stages only

@@ -34,7 +34,7 @@ EXPECTED = {
 def test_the_stored_gpu_runs_are_predicted_as_the_results_page_says(dtype):
     record = json.loads((RECORDS / f"h200_gpu_check{dtype}.json").read_text())
     profile = load_profile(RECORDS / f"h200_llama-1024{dtype}.profile.json")
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     for run in record["plans"]:
         plan = evaluate_plan(profile, spec, run["stage_layer_counts"], run["layer_modes"])
         predicted = predictions(plan, profile, input_bytes=REPLAY_TOKENS * 8)

@@ -2,7 +2,7 @@
 
 The tensor-parallel numbers below were measured on real runs: tiny-llama (8 blocks, h 256, 1 x 128 tokens,
 fp32), PP2 x TP2 on 4 gloo processes of torch 2.13 CPU, Schedule1F1B, 4 micro-batches, split [5, 5], the
-TorchTitan plan under DTensor (`sapp-hook validate --model tiny-llama --stages 2 --micro-batches 4 --even
+TorchTitan plan under DTensor (`sapp-hook validate --model tiny-llama --pipeline-parallel 2 --micro-batches 4 --even
 --tensor-parallel 2 [--sequence-parallel]`; docs/results/nd-validation.md has the per-rank figures). The profile they are planned from is sapp-hook's own, measured
 on one process (`tests/fixtures/nd/tiny-llama.profile.json`: `sapp_hook.validation.validate.profile_for` of that setup).
 """
@@ -53,7 +53,7 @@ def measured_profile():
 
 def tp_spec(sp: bool, **more: object) -> PipelineSpec:
     return PipelineSpec(
-        stages=2,
+        pipeline_parallel=2,
         micro_batches=4,
         schedule="1F1B",
         receive_buffers=True,
@@ -163,8 +163,8 @@ def test_the_transform_applies_once(measured_profile):
     assert rank.mesh == Mesh(tensor_parallel=2, sequence_parallel=True)
     assert rank_profile(rank, spec) is rank
     assert (
-        evaluate_plan(rank, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes
-        == evaluate_plan(measured_profile, spec, [5, 5], ["none"] * 10).stage_peak_memory_bytes
+        evaluate_plan(rank, spec, [5, 5], ["none"] * 10).rank_peak_memory_bytes
+        == evaluate_plan(measured_profile, spec, [5, 5], ["none"] * 10).rank_peak_memory_bytes
     )
 
 
@@ -177,7 +177,7 @@ def test_the_transform_applies_once(measured_profile):
 )
 def test_a_spec_that_would_divide_twice_is_refused(measured_profile, degree, field, words):
     rank = rank_profile(measured_profile, tp_spec(False))
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=degree)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", tensor_parallel=degree)
     with pytest.raises(InputError, match=words) as caught:
         evaluate_plan(rank, spec, [5, 5], ["none"] * 10)
     assert caught.value.field == field
@@ -222,7 +222,7 @@ def test_a_profile_without_the_parts_names_what_is_missing(measured_profile):
 
 
 def test_context_parallel_divides_the_sequence_and_adds_a_remote_key_value_chunk(measured_profile):
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", context_parallel=2)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", context_parallel=2)
     rank = rank_profile(measured_profile, spec)
     one_d, block = measured_profile.layers[1], rank.layers[1]
     kv = 2 * T * 4 * 32 * P / 2  # keys and values of a rank's half of the sequence (4 KV heads of 32)
@@ -258,7 +258,7 @@ def moe_profile():
 
 def ep_spec(expert_tokens: str = "balanced", **more: object) -> PipelineSpec:
     return PipelineSpec(
-        stages=2,
+        pipeline_parallel=2,
         micro_batches=4,
         schedule="1F1B",
         data_parallel=8,
@@ -313,7 +313,7 @@ def test_routed_experts_shard_their_state_over_the_ranks_holding_them():
         + per_element * share
     )
     assert layer_static(spec, layer).total == pytest.approx(expected, rel=1e-12)
-    dense = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=8, zero_stage=1)
+    dense = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", data_parallel=8, zero_stage=1)
     assert layer_static(dense, layer).total == dense.static_bytes(
         layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes
     )
@@ -325,10 +325,11 @@ def test_expert_parallel_is_refused_where_it_does_not_fit():
     assert caught.value.field == "expert_parallel"
     with pytest.raises(InputError, match="a divisor of the model's experts \\(8\\)"):
         rank_profile(
-            moe_profile(), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", data_parallel=3, expert_parallel=3)
+            moe_profile(),
+            PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", data_parallel=3, expert_parallel=3),
         )
     with pytest.raises(InputError, match="carved from those") as caught:
-        PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", expert_parallel=8)
+        PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", expert_parallel=8)
     assert caught.value.field == "expert_parallel"
 
 
@@ -343,6 +344,11 @@ def test_a_profile_estimated_for_the_mesh_plans_as_the_one_d_profile_transformed
     mesh = Mesh(tensor_parallel=2, sequence_parallel=True, context_parallel=2)
     assert estimated == profile_for_mesh(one_d, mesh)
     spec = PipelineSpec(
-        stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=2, sequence_parallel=True, context_parallel=2
+        pipeline_parallel=2,
+        micro_batches=4,
+        schedule="1F1B",
+        tensor_parallel=2,
+        sequence_parallel=True,
+        context_parallel=2,
     )
-    assert solve(one_d, spec).stage_peak_memory_bytes == solve(estimated, spec).stage_peak_memory_bytes
+    assert solve(one_d, spec).rank_peak_memory_bytes == solve(estimated, spec).rank_peak_memory_bytes

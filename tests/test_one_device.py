@@ -33,12 +33,14 @@ def profile(config):
     [("1F1B", None, NONE), ("1F1B", None, FULL), ("GPipe", None, NONE), ("Interleaved1F1B", 2, FULL)],
 )
 def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule, chunks, mode):
-    plan = even_plan(profile, PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule), mode)
+    plan = even_plan(
+        profile, PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule), mode
+    )
     predicted = predictions(plan, profile, input_bytes=MICRO_BATCH_SIZE * SEQ_LEN * 8)
     whole = predictions(plan, profile)  # its peak_bytes keep the token ids and kept outputs, as the plan's peaks
     for rank in range(2):
         assert whole["peak_bytes"][rank] + whole["static_bytes"][rank] == pytest.approx(
-            plan.stage_peak_memory_bytes[rank]
+            plan.rank_peak_memory_bytes[rank]
         )
     model = build_model(config)
     for rank in range(2):
@@ -49,13 +51,13 @@ def test_each_rank_holds_its_predicted_activation_peak(config, profile, schedule
 
 
 def test_no_steps_is_refused(config, profile):
-    plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), NONE)
+    plan = even_plan(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B"), NONE)
     with pytest.raises(InputError, match="steps: expected an integer >= 1, got 0"):
         run_on_one_device(build_model(config), plan, 0, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, steps=0)
 
 
 def test_split_backward_schedules_are_refused(config, profile):
-    plan = even_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), NONE)
+    plan = even_plan(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="ZBH1"), NONE)
     with pytest.raises(
         InputError, match="plan: ZBH1 splits the backward into I and W actions; a one-device run takes F and B only"
     ):

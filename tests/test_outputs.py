@@ -82,10 +82,10 @@ def test_bad_csv_is_refused(text):
         Schedule.from_csv(text, name="x", chunks=1, micro_batches=2)
 
 
-def result_with_memory(name="Interleaved1F1B", stages=4, micro_batches=8):
-    schedule = build_schedule(name, stages, micro_batches)
+def result_with_memory(name="Interleaved1F1B", ranks=4, micro_batches=8):
+    schedule = build_schedule(name, ranks, micro_batches)
     chunk = ChunkCosts(forward_ms=1.0, backward_ms=2.0, activation_bytes=2**30, static_bytes=2**32, working_bytes=2**28)
-    costs = PipelineCosts(tuple((chunk,) * schedule.chunks for _ in range(stages)), p2p_ms=0.1)
+    costs = PipelineCosts(tuple((chunk,) * schedule.chunks for _ in range(ranks)), p2p_ms=0.1)
     return simulate(schedule, costs)
 
 
@@ -99,7 +99,7 @@ def test_chrome_trace(tmp_path):
         assert event["ts"] == pytest.approx(timed.start_ms * 1000)
         assert event["dur"] == pytest.approx((timed.end_ms - timed.start_ms) * 1000)
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["pid"] == 0]
-    assert max(e["args"]["bytes"] for e in counters) == result.stage_peak_memory_bytes[0]
+    assert max(e["args"]["bytes"] for e in counters) == result.rank_peak_memory_bytes[0]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {f"rank {r}" for r in range(4)}
     path = tmp_path / "trace.json"

@@ -123,7 +123,7 @@ def test_the_measured_times_are_not_divided_again(one_d, tmp_path):
     """A profile per rank of tensor parallel 2 plans as it is under a spec of 2; dividing its times by 2
     again would halve the iteration."""
     _, _, profile = _measured(one_d, tensor_parallel=2)
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", tensor_parallel=2)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", tensor_parallel=2)
     assert rank_profile(profile, spec) is profile
     counts = [len(profile.layers) // 2, len(profile.layers) - len(profile.layers) // 2]
     modes = [NONE] * len(profile.layers)
@@ -142,7 +142,7 @@ def test_the_measured_times_are_not_divided_again(one_d, tmp_path):
                 "solve",
                 "--profile",
                 str(path),
-                "--stages",
+                "--pipeline-parallel",
                 "2",
                 "--micro-batches",
                 "4",
@@ -163,7 +163,7 @@ def test_the_measured_times_are_not_divided_again(one_d, tmp_path):
                 "solve",
                 "--profile",
                 str(path),
-                "--stages",
+                "--pipeline-parallel",
                 "2",
                 "--micro-batches",
                 "4",

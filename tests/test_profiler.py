@@ -238,8 +238,8 @@ def test_on_the_cpu_working_sets_are_counted_op_by_op_in_untimed_steps():
     for index, layer in enumerate(profile.layers[1:], start=1):  # block 0's input needs no gradient: no hook ends it
         for mode in ("none", "full"):
             assert layer.recompute[mode].working_bytes == (rows * width + width * width) * FP32
-            assert len(profiler.measure.samples[index].forward_ms[mode]) == 2  # the timed steps' only
-            assert len(profiler.measure.samples[index].backward_peak_bytes[mode]) == 1
+            assert len(profiler.samples[index].forward_ms[mode]) == 2  # the timed steps' only
+            assert len(profiler.samples[index].backward_peak_bytes[mode]) == 1
 
 
 class PairsOfLinears(torch.nn.Module):
@@ -363,12 +363,12 @@ def test_layer_times_add_up_to_the_step(llama_run):
             step_ms = (time.perf_counter() - start) * 1e3
             optimizer.step()
             optimizer.zero_grad()
-            before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.measure.samples.items()}
+            before = {slot: len(s.forward_ms.get("none", [])) for slot, s in profiler.samples.items()}
             profiler.step()
             if profiler.warmup_steps < profiler.steps_done <= profiler.timed_steps_end:
                 layers_ms = sum(
                     s.forward_ms["none"][-1] + s.backward_ms["none"][-1]
-                    for slot, s in profiler.measure.samples.items()
+                    for slot, s in profiler.samples.items()
                     if len(s.forward_ms["none"]) > before.get(slot, 0)
                 )
                 ratios.append(layers_ms / step_ms)
@@ -428,7 +428,7 @@ def test_the_profile_round_trips_and_solves(llama_run, tmp_path):
     profile.save(tmp_path / "profile.json")
     again = ModelProfile.from_dict(__import__("json").loads((tmp_path / "profile.json").read_text()))
     assert again == profile
-    plan = solve(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), time_limit_s=10)
+    plan = solve(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B"), time_limit_s=10)
     assert plan.status == "optimal" and sum(plan.stage_layer_counts) == len(profile.layers)
 
 
@@ -509,7 +509,7 @@ def test_evaluation_forwards_inside_the_window_are_ignored():
                 model(input_ids=batch(9), use_cache=False)
             train_step(model, optimizer, profiler.steps_done)
             profiler.step()
-    assert all(len(s.forward_ms["none"]) == 1 for s in profiler.measure.samples.values())
+    assert all(len(s.forward_ms["none"]) == 1 for s in profiler.samples.values())
 
 
 def test_without_an_optimizer_there_is_no_optimizer_state():
@@ -727,7 +727,7 @@ def test_the_tail_given_as_a_module_has_its_backward_split_too():
     assert split.input_held_bytes == logits_bytes + 2 * tokens * LLAMA["hidden_size"] * 4
     assert split.pending_bytes == split.input_held_bytes - (logits_bytes + 8 * tokens + 4)
     assert split.output_gradient_freed_bytes == 4  # the loss's gradient, one float: nothing keeps it
-    assert profiler.measure.recorder.captured_tail_input is None  # dropped once measured
+    assert profiler.recorder.captured_tail_input is None  # dropped once measured
 
 
 def test_a_block_whose_weight_gradients_do_not_need_its_output_gradient_frees_it():

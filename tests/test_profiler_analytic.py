@@ -131,10 +131,12 @@ def test_an_estimate_plans_the_peaks_its_measurement_plans(llama_pair, schedule,
     # without recompute (checkpoints keep the CPU generator's state, which an estimate leaves out) and
     # with the backward whole (zero-bubble schedules split it: the halves are not all estimated)
     measured, estimated = llama_pair
-    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=receive_buffers)
+    spec = PipelineSpec(
+        pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=receive_buffers
+    )
     assert (
-        even_plan(estimated, spec, "none").stage_peak_memory_bytes
-        == even_plan(measured, spec, "none").stage_peak_memory_bytes
+        even_plan(estimated, spec, "none").rank_peak_memory_bytes
+        == even_plan(measured, spec, "none").rank_peak_memory_bytes
     )
 
 
@@ -182,7 +184,7 @@ def test_parallel_degrees_split_what_a_device_holds():
 
 def test_an_estimate_plans_without_hardware():
     profile = estimate({"model_type": "llama", **LLAMA, "num_hidden_layers": 8})
-    plan = solve(profile, PipelineSpec(stages=4, micro_batches=8, schedule="1F1B"), time_limit_s=10)
+    plan = solve(profile, PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B"), time_limit_s=10)
     assert plan.status == "optimal"
 
 

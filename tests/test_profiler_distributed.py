@@ -108,7 +108,7 @@ def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not()
         dtype="bf16",
         micro_batch={"size": 1},
         fingerprint="a",
-        stage_constant_bytes=5,
+        rank_constant_bytes=5,
         stage_output_bytes=8,
         stage_shared_bytes=16,
         checkpoint_state_bytes=4,
@@ -117,13 +117,13 @@ def test_joined_profile_keeps_what_the_stages_share_and_joins_what_they_do_not()
         first,
         layers=(block, layer_profile("lm_head", "tail", 2, 4)),
         fingerprint="b",
-        stage_constant_bytes=7,
+        rank_constant_bytes=7,
         model_output_bytes=64,
     )
     joined = join_profiles([(1, last), (0, first)])
     assert [each.name for each in joined.layers] == ["embed", "stage0.block.0", "stage1.block.0", "lm_head"]
     assert (joined.model, joined.dtype, joined.micro_batch) == ("m", "bf16", {"size": 1})
-    assert (joined.stage_constant_bytes, joined.stage_output_bytes) == (7, 8)
+    assert (joined.rank_constant_bytes, joined.stage_output_bytes) == (7, 8)
     assert (joined.model_output_bytes, joined.stage_shared_bytes, joined.checkpoint_state_bytes) == (64, 16, 4)
     assert joined.fingerprint not in ("a", "b")
 
@@ -134,7 +134,7 @@ def refused_rank(rank: int, store: str, config: str) -> None:
     with gloo_group(rank, 2, store):
         stage = (FirstStage if rank == 0 else LastStage)(llama())
         try:
-            autotune(stage, stages=2, micro_batches=8, schedule="1F1B", config=config, target="mindformers")
+            autotune(stage, pipeline_parallel=2, micro_batches=8, schedule="1F1B", config=config, target="mindformers")
         except InputError as error:
             Path(f"{config}.{rank}").write_text(str(error))
 
@@ -160,7 +160,7 @@ def tuned_rank(rank: int, store: str, folder: str) -> None:
         with autotune(
             stage,
             optimizer,
-            stages=2,
+            pipeline_parallel=2,
             micro_batches=4,
             schedule="1F1B",
             profile_steps=1,
@@ -187,4 +187,4 @@ def test_autotune_under_two_ranks_solves_on_rank_0_and_shares_the_plan(tmp_path)
         "tail",
     ]
     written = json.loads((tmp_path / "plan.json").read_text())
-    assert written == layouts[0] and written["spec"]["stages"] == 2
+    assert written == layouts[0] and written["spec"]["pipeline_parallel"] == 2

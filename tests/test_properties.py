@@ -18,11 +18,11 @@ sizes = st.integers(min_value=0, max_value=2**34)
 def replays(draw):
     name = draw(st.sampled_from(list(SCHEDULES)))
     kind = SCHEDULES[name]
-    stages = draw(st.integers(1, 6))
+    ranks = draw(st.integers(1, 6))
     chunks = draw(st.integers(kind.min_chunks, kind.max_chunks or 4))
-    fewest = kind.min_micro_batches(stages, chunks)
+    fewest = kind.min_micro_batches(ranks, chunks)
     micro_batches = draw(st.integers(fewest, fewest + 10))
-    schedule = build_schedule(name, stages, micro_batches, chunks)
+    schedule = build_schedule(name, ranks, micro_batches, chunks)
 
     def chunk_costs():
         forward = draw(st.floats(0.1, 50.0))
@@ -30,7 +30,7 @@ def replays(draw):
         weight = draw(st.one_of(st.none(), st.floats(0.0, 1.0).map(lambda share: share * backward)))
         return ChunkCosts(forward, backward, weight, draw(times), draw(sizes), draw(sizes), draw(sizes))
 
-    costs = PipelineCosts(tuple(tuple(chunk_costs() for _ in range(chunks)) for _ in range(stages)), p2p_ms=draw(times))
+    costs = PipelineCosts(tuple(tuple(chunk_costs() for _ in range(chunks)) for _ in range(ranks)), p2p_ms=draw(times))
     return schedule, costs
 
 
@@ -72,16 +72,16 @@ def test_no_action_starts_before_what_it_needs_has_ended(replay):
 def test_iteration_time_bounds_and_accounting(replay):
     schedule, costs = replay
     result = simulate(schedule, costs)
-    assert result.iteration_time_ms >= max(result.stage_busy_ms) - 1e-9
+    assert result.iteration_time_ms >= max(result.rank_busy_ms) - 1e-9
     work = sum((c.forward_ms + c.backward_ms + c.recompute_ms) * schedule.micro_batches for c in costs.all_chunks())
-    assert sum(result.stage_busy_ms) == pytest.approx(work, rel=1e-9)
+    assert sum(result.rank_busy_ms) == pytest.approx(work, rel=1e-9)
     bubble = result.bubble
     assert bubble.real >= -1e-9
     assert bubble.real == pytest.approx(bubble.ideal + bubble.imbalance + bubble.recompute + bubble.comm, abs=1e-9)
     for rank in range(schedule.ranks):
         static = sum(c.static_bytes for c in costs.chunk_costs[rank])
-        assert result.stage_peak_memory_bytes[rank] >= static
-        assert max(b for _, b in result.memory_curve(rank)) == result.stage_peak_memory_bytes[rank]
+        assert result.rank_peak_memory_bytes[rank] >= static
+        assert max(b for _, b in result.memory_curve(rank)) == result.rank_peak_memory_bytes[rank]
         assert result.memory_curve(rank)[-1][1] == pytest.approx(static)
 
 

@@ -9,8 +9,8 @@ import pytest
 from simulator import ChunkCosts, InputError, PipelineCosts, build_schedule, simulate
 
 
-def iteration_ms(name, stages, micro_batches, chunks=None, **costs):
-    schedule = build_schedule(name, stages, micro_batches, chunks)
+def iteration_ms(name, ranks, micro_batches, chunks=None, **costs):
+    schedule = build_schedule(name, ranks, micro_batches, chunks)
     return simulate(schedule, PipelineCosts.uniform(schedule.ranks, schedule.chunks, **costs)).iteration_time_ms
 
 
@@ -19,43 +19,43 @@ TIMES = [(1.0, 2.0), (1.5, 2.5), (3.0, 1.0)]
 
 
 @pytest.mark.parametrize("name", ["1F1B", "GPipe"])
-@pytest.mark.parametrize("stages, micro_batches", CASES)
+@pytest.mark.parametrize("ranks, micro_batches", CASES)
 @pytest.mark.parametrize("forward, backward", TIMES)
-def test_1f1b_and_gpipe_makespan(name, stages, micro_batches, forward, backward):
-    expected = (micro_batches + stages - 1) * (forward + backward)
-    assert iteration_ms(name, stages, micro_batches, forward_ms=forward, backward_ms=backward) == pytest.approx(
+def test_1f1b_and_gpipe_makespan(name, ranks, micro_batches, forward, backward):
+    expected = (micro_batches + ranks - 1) * (forward + backward)
+    assert iteration_ms(name, ranks, micro_batches, forward_ms=forward, backward_ms=backward) == pytest.approx(
         expected, rel=1e-12
     )
 
 
 @pytest.mark.parametrize("name", ["Interleaved1F1B", "Interleaved1F1B-less-memory"])
-@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
 @pytest.mark.parametrize("chunks", [2, 3, 4])
 @pytest.mark.parametrize("extra", [0, 1, 3])
 @pytest.mark.parametrize("forward, backward", TIMES)
-def test_interleaved_makespan(name, stages, chunks, extra, forward, backward):
+def test_interleaved_makespan(name, ranks, chunks, extra, forward, backward):
     # F and B are a whole rank's times; each chunk runs F/V and B/V. Holds for M not a multiple of S too.
-    micro_batches = 2 * stages + extra
-    expected = micro_batches * (forward + backward) + (stages - 1) * (forward + backward) / chunks
-    actual = iteration_ms(name, stages, micro_batches, chunks, forward_ms=forward, backward_ms=backward)
+    micro_batches = 2 * ranks + extra
+    expected = micro_batches * (forward + backward) + (ranks - 1) * (forward + backward) / chunks
+    actual = iteration_ms(name, ranks, micro_batches, chunks, forward_ms=forward, backward_ms=backward)
     assert actual == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(2, 2), (2, 5), (4, 4), (4, 9), (8, 8), (8, 17)])
+@pytest.mark.parametrize("ranks, micro_batches", [(2, 2), (2, 5), (4, 4), (4, 9), (8, 8), (8, 17)])
 @pytest.mark.parametrize(
     "forward, input_grad, weight", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.5, 2.0, 1.2)]
 )
-def test_zbh1_makespan(stages, micro_batches, forward, input_grad, weight):
+def test_zbh1_makespan(ranks, micro_batches, forward, input_grad, weight):
     # M(F+B) + (S-1)(F+B-2W), with B the full backward, while M >= S and W <= min(F, I):
     # the deferred weight gradients then fit the cool-down bubbles.
     backward = input_grad + weight
-    expected = micro_batches * (forward + backward) + (stages - 1) * (forward + backward - 2 * weight)
-    actual = iteration_ms("ZBH1", stages, micro_batches, forward_ms=forward, backward_ms=backward, weight_ms=weight)
+    expected = micro_batches * (forward + backward) + (ranks - 1) * (forward + backward - 2 * weight)
+    actual = iteration_ms("ZBH1", ranks, micro_batches, forward_ms=forward, backward_ms=backward, weight_ms=weight)
     assert actual == pytest.approx(expected, rel=1e-12)
 
 
 def test_p2p_time_is_paid_between_ranks_only():
-    # 2 stages, 1 micro-batch, F=1, B=2, P2P 0.5:
+    # 2 ranks, 1 micro-batch, F=1, B=2, P2P 0.5:
     # rank 0 F [0,1]; rank 1 F [1.5,2.5] then B [2.5,4.5] (same rank: no P2P); rank 0 B [5,7].
     schedule = build_schedule("1F1B", 2, 1)
     result = simulate(schedule, PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, p2p_ms=0.5))
@@ -82,13 +82,13 @@ def test_v_turn_pays_no_p2p():
 
 
 def test_memory_follows_the_schedule_exactly():
-    # 2 stages, 1F1B, 3 micro-batches. Rank 0 runs F0 F1 B0 F2 B1 B2, rank 1 runs F0 B0 F1 B1 F2 B2.
+    # 2 ranks, 1F1B, 3 micro-batches. Rank 0 runs F0 F1 B0 F2 B1 B2, rank 1 runs F0 B0 F1 B1 F2 B2.
     rank0 = ChunkCosts(forward_ms=1, backward_ms=2, activation_bytes=10, static_bytes=100, working_bytes=5)
     rank1 = ChunkCosts(forward_ms=1, backward_ms=2, activation_bytes=20, static_bytes=50, working_bytes=7)
     result = simulate(build_schedule("1F1B", 2, 3), PipelineCosts(((rank0,), (rank1,))))
     # Rank 0: 100 -> 110 -> 120 -> (125 during B0) 110 -> 120 -> (125) 110 -> (115) 100.
-    assert result.stage_peak_memory_bytes == (125, 77)
-    assert result.stage_peak_activations == (2, 1)
+    assert result.rank_peak_memory_bytes == (125, 77)
+    assert result.rank_peak_activations == (2, 1)
     levels = [bytes_ for _, bytes_ in result.memory_curve(1)]
     assert levels == [50, 70, 77, 50, 70, 77, 50, 70, 77, 50, 50]
     curve0 = result.memory_curve(0)
@@ -124,7 +124,7 @@ def test_each_half_of_a_split_backward_holds_its_own_working_set():
     )
     split = simulate(build_schedule("ZBH1", 1, 1), PipelineCosts(((cost,),)))
     assert [bytes_ for _, bytes_ in split.memory_curve(0)] == [0, 8, 8 + 5, 10, 10 + 1, 0, 0]
-    assert split.stage_peak_memory_bytes == (13,)
+    assert split.rank_peak_memory_bytes == (13,)
     only_input = simulate(
         build_schedule("ZBH1", 1, 1), PipelineCosts(((dataclasses.replace(cost, weight_working_bytes=None),),))
     )
@@ -159,7 +159,7 @@ def test_weight_split_defaults_to_half_and_says_so():
 
 
 def test_bubble_split_of_balanced_stages_with_recompute():
-    # 2 stages, 4 micro-batches, F=1, B=2, recompute 1: iteration (M+S-1)(F+B+R) = 20 ms; useful 24 ms.
+    # 2 ranks, 4 micro-batches, F=1, B=2, recompute 1: iteration (M+S-1)(F+B+R) = 20 ms; useful 24 ms.
     result = simulate(
         build_schedule("1F1B", 2, 4), PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=2.0, recompute_ms=1.0)
     )
@@ -195,11 +195,11 @@ def test_ideal_bubble_is_sapps_for_interleaved():
 @pytest.mark.parametrize(
     "make, field",
     [
-        (lambda: ChunkCosts(forward_ms=-1.0, backward_ms=1.0), "stage 0 chunk 0 forward_ms"),
-        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=float("nan")), "stage 0 chunk 0 backward_ms"),
-        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=1.0, weight_ms=2.0), "stage 0 chunk 0 weight_ms"),
-        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=1.0, activation_bytes=-5), "stage 0 chunk 0 activation_bytes"),
-        (lambda: ChunkCosts(forward_ms="1", backward_ms=1.0), "stage 0 chunk 0 forward_ms"),
+        (lambda: ChunkCosts(forward_ms=-1.0, backward_ms=1.0), "rank 0 chunk 0 forward_ms"),
+        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=float("nan")), "rank 0 chunk 0 backward_ms"),
+        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=1.0, weight_ms=2.0), "rank 0 chunk 0 weight_ms"),
+        (lambda: ChunkCosts(forward_ms=1.0, backward_ms=1.0, activation_bytes=-5), "rank 0 chunk 0 activation_bytes"),
+        (lambda: ChunkCosts(forward_ms="1", backward_ms=1.0), "rank 0 chunk 0 forward_ms"),
     ],
 )
 def test_bad_chunk_costs_name_the_field(make, field):
@@ -214,7 +214,7 @@ def test_bad_pipeline_costs():
         PipelineCosts(((good, good), (good,)))
     with pytest.raises(InputError, match="p2p_ms"):
         PipelineCosts(((good,),), p2p_ms=-1.0)
-    with pytest.raises(InputError, match="expected 4 stages x 1 chunks"):
+    with pytest.raises(InputError, match="expected 4 ranks x 1 chunks"):
         simulate(build_schedule("1F1B", 4, 4), PipelineCosts.uniform(2, 1, forward_ms=1.0, backward_ms=1.0))
     with pytest.raises(InputError, match="all zero"):
         simulate(build_schedule("1F1B", 2, 2), PipelineCosts.uniform(2, 1, forward_ms=0.0, backward_ms=0.0))
@@ -226,7 +226,7 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
     """A split backward holds `pending_bytes` per micro-batch from its I action to its W (or frees that
     much of the activation there, where negative): the peak is the most that the counts of F, I and W
     run so far give, working sets included."""
-    stages, micro_batches = 2, 6
+    ranks, micro_batches = 2, 6
     chunk = ChunkCosts(
         forward_ms=1,
         backward_ms=2,
@@ -236,10 +236,10 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
         working_bytes=7,
         pending_bytes=pending,
     )
-    costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(stages)))
-    schedule = build_schedule(name, stages, micro_batches, chunks)
+    costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(ranks)))
+    schedule = build_schedule(name, ranks, micro_batches, chunks)
     result = simulate(schedule, costs)
-    for rank in range(stages):
+    for rank in range(ranks):
         done = dict.fromkeys("FBIW", 0)
         peak = held = 1000 * chunks
         for action in schedule.rank_actions[rank]:
@@ -248,7 +248,7 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
             done[action.op] += 1
             held = 1000 * chunks + 100 * (done["F"] - done["B"] - done["W"]) + pending * (done["I"] - done["W"])
             peak = max(peak, held)
-        assert result.stage_peak_memory_bytes[rank] == peak
+        assert result.rank_peak_memory_bytes[rank] == peak
         assert max(memory for _, memory in result.memory_curve(rank)) == peak
         assert done["I"] == done["W"] and (done["I"] > 0) == (name != "1F1B")
     with pytest.raises(InputError, match="pending_bytes"):  # an I action frees at most the activation
@@ -259,15 +259,15 @@ def test_pending_gradients_are_held_from_i_to_w(name, chunks, pending):
 def test_retained_activations_stay_until_the_step_ends(name, chunks):
     """After a micro-batch's last backward action (W, or B where the backward is whole) the retained
     part of an activation stays: every micro-batch's, by the end."""
-    stages, micro_batches = 2, 4
+    ranks, micro_batches = 2, 4
     chunk = ChunkCosts(
         forward_ms=1, backward_ms=2, weight_ms=1, activation_bytes=100, static_bytes=1000, retained_bytes=30
     )
-    costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(stages)))
-    result = simulate(build_schedule(name, stages, micro_batches, chunks), costs)
-    for rank in range(stages):
+    costs = PipelineCosts(tuple(tuple(chunk for _ in range(chunks)) for _ in range(ranks)))
+    result = simulate(build_schedule(name, ranks, micro_batches, chunks), costs)
+    for rank in range(ranks):
         curve = result.memory_curve(rank)
         assert curve[-1][1] == 1000 * chunks + 30 * micro_batches * chunks
-        assert max(memory for _, memory in curve) == result.stage_peak_memory_bytes[rank]
+        assert max(memory for _, memory in curve) == result.rank_peak_memory_bytes[rank]
     with pytest.raises(InputError, match="retained_bytes"):
         PipelineCosts(((dataclasses.replace(chunk, retained_bytes=-1),),))

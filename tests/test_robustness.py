@@ -30,7 +30,9 @@ def _places(data, prefix=()):
 
 
 def _solved_or_refused(profile: ModelProfile, schedule: str, chunks: int, budget: float) -> None:
-    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, memory_budget_bytes=budget)
+    spec = PipelineSpec(
+        pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule, memory_budget_bytes=budget
+    )
     try:
         plan = solve(profile, spec, time_limit_s=10)
     except InfeasibleError:

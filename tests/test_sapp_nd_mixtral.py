@@ -39,7 +39,7 @@ def kept_without_recompute():
 SIMULATE = [
     "--mindformers-plan",
     str(FOLDER / "plan.yaml"),
-    "--stages",
+    "--pipeline-parallel",
     "2",
     "--micro-batches",
     "16",
@@ -91,7 +91,9 @@ def profiles(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stage_zero(profiles):
-    spec = PipelineSpec(stages=2, micro_batches=16, schedule="1F1B", data_parallel=D, zero_stage=1, expert_parallel=EP)
+    spec = PipelineSpec(
+        pipeline_parallel=2, micro_batches=16, schedule="1F1B", data_parallel=D, zero_stage=1, expert_parallel=EP
+    )
     return {
         optimizer_bytes: plan_from_mindformers(load_profile(path), spec, {"offset": 0, "recompute": True})
         for optimizer_bytes, path in profiles.items()
@@ -101,8 +103,8 @@ def stage_zero(profiles):
 def test_the_cli_simulates_what_the_terms_add_up_to(capsys, profiles, stage_zero):
     for optimizer_bytes, path in profiles.items():
         assert main(["simulate", "--profile", str(path), *SIMULATE, "--json"]) == 0
-        peaks = json.loads(capsys.readouterr().out)["stage_peak_memory_bytes"]
-        assert peaks == [round(peak) for peak in stage_zero[optimizer_bytes].stage_peak_memory_bytes]
+        peaks = json.loads(capsys.readouterr().out)["rank_peak_memory_bytes"]
+        assert peaks == [round(peak) for peak in stage_zero[optimizer_bytes].rank_peak_memory_bytes]
 
 
 def test_static_bytes_are_the_weights_gradients_and_zero1_adam_of_one_expert_in_eight(stage_zero):
@@ -118,7 +120,7 @@ def test_static_bytes_are_the_weights_gradients_and_zero1_adam_of_one_expert_in_
 def test_two_micro_batches_in_flight_keep_each_blocks_input(stage_zero):
     plan = stage_zero[8]
     chunk = plan.simulation.costs.chunk_costs[0][0]
-    assert plan.simulation.stage_peak_activations[0] == 2
+    assert plan.simulation.rank_peak_activations[0] == 2
     # 16 block inputs, the token ids, the stage output until its gradient returns, the rotary tables
     assert chunk.activation_bytes == LAYERS * T * H * P + 8 * T + T * H * P + 2 * T * HEAD_DIM * P
 
@@ -135,10 +137,10 @@ def test_the_backward_holds_one_block_rebuilt_its_gradients_and_the_all_to_all_b
 def test_stage_zero_peaks_at_its_static_two_micro_batches_and_one_backward(stage_zero):
     for plan in stage_zero.values():
         chunk = plan.simulation.costs.chunk_costs[0][0]
-        assert plan.stage_peak_memory_bytes[0] == chunk.static_bytes + 2 * chunk.activation_bytes + chunk.working_bytes
+        assert plan.rank_peak_memory_bytes[0] == chunk.static_bytes + 2 * chunk.activation_bytes + chunk.working_bytes
     # SAPP-ND's 39,475 MB: without master weights (its convention) 0.4% under; a PyTorch fp16 job keeps them
-    assert round(stage_zero[8].stage_peak_memory_bytes[0] / MIB) == 39_305
-    assert round(stage_zero[12].stage_peak_memory_bytes[0] / MIB) == 50_440
+    assert round(stage_zero[8].rank_peak_memory_bytes[0] / MIB) == 39_305
+    assert round(stage_zero[12].rank_peak_memory_bytes[0] / MIB) == 50_440
 
 
 def test_a_dropless_router_at_its_bound_adds_three_times_the_experts_work(tmp_path):

@@ -17,21 +17,21 @@ def chunk_counts(kind_name: str) -> list[int]:
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_is_complete_and_deadlock_free(name):
     kind = SCHEDULES[name]
-    for stages in range(1, 7):
+    for ranks in range(1, 7):
         for chunks in chunk_counts(name):
-            fewest = kind.min_micro_batches(stages, chunks)
+            fewest = kind.min_micro_batches(ranks, chunks)
             for micro_batches in range(fewest, fewest + 13):
-                schedule = build_schedule(name, stages, micro_batches, chunks)
+                schedule = build_schedule(name, ranks, micro_batches, chunks)
                 per_microbatch = 3 if kind.splits_backward else 2  # F + B, or F + I + W
-                assert schedule.num_actions >= 2 * stages * chunks * micro_batches
-                assert schedule.num_actions <= per_microbatch * stages * chunks * micro_batches
+                assert schedule.num_actions >= 2 * ranks * chunks * micro_batches
+                assert schedule.num_actions <= per_microbatch * ranks * chunks * micro_batches
                 assert len(schedule.compiled.order) == schedule.num_actions
 
 
-def peak_in_flight(name: str, stages: int, micro_batches: int, chunks: int | None = None) -> tuple[int, ...]:
-    schedule = build_schedule(name, stages, micro_batches, chunks)
+def peak_in_flight(name: str, ranks: int, micro_batches: int, chunks: int | None = None) -> tuple[int, ...]:
+    schedule = build_schedule(name, ranks, micro_batches, chunks)
     costs = PipelineCosts.uniform(schedule.ranks, schedule.chunks, forward_ms=1.0, backward_ms=2.0)
-    return simulate(schedule, costs).stage_peak_activations
+    return simulate(schedule, costs).rank_peak_activations
 
 
 def first_backward_in_flight(schedule: Schedule) -> list[list[int]]:
@@ -45,32 +45,32 @@ def first_backward_in_flight(schedule: Schedule) -> list[list[int]]:
     return held
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(4, 8), (4, 4), (4, 2), (8, 16), (5, 7), (1, 3)])
-def test_1f1b_holds_s_minus_s_micro_batches(stages, micro_batches):
-    expected = tuple(min(stages - s, micro_batches) for s in range(stages))
-    assert peak_in_flight("1F1B", stages, micro_batches) == expected
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 8), (4, 4), (4, 2), (8, 16), (5, 7), (1, 3)])
+def test_1f1b_holds_s_minus_s_micro_batches(ranks, micro_batches):
+    expected = tuple(min(ranks - s, micro_batches) for s in range(ranks))
+    assert peak_in_flight("1F1B", ranks, micro_batches) == expected
 
 
 def test_gpipe_holds_every_micro_batch():
     assert peak_in_flight("GPipe", 4, 6) == (6, 6, 6, 6)
 
 
-def sapp_interleaved_multipliers(stages: int, chunks: int, micro_batches: int) -> list[list[int]]:
+def sapp_interleaved_multipliers(ranks: int, chunks: int, micro_batches: int) -> list[list[int]]:
     """SAPP.md section 1.4, interleaved ("big memory"): [chunk][stage]."""
-    table = [[stages] * stages for _ in range(chunks)]
-    for s in range(stages):
-        table[0][s] += max(0, stages - 2 * s - 1)
-        table[chunks - 1][s] += min(0, stages - 2 * s - 1)
+    table = [[ranks] * ranks for _ in range(chunks)]
+    for s in range(ranks):
+        table[0][s] += max(0, ranks - 2 * s - 1)
+        table[chunks - 1][s] += min(0, ranks - 2 * s - 1)
     return [[min(micro_batches, a) for a in row] for row in table]
 
 
-@pytest.mark.parametrize("stages, chunks, micro_batches", [(8, 2, 32), (16, 3, 16), (4, 2, 8), (4, 4, 12), (6, 3, 18)])
-def test_interleaved_in_flight_matches_sapp(stages, chunks, micro_batches):
-    schedule = build_schedule("Interleaved1F1B", stages, micro_batches, chunks)
-    expected = sapp_interleaved_multipliers(stages, chunks, micro_batches)
+@pytest.mark.parametrize("ranks, chunks, micro_batches", [(8, 2, 32), (16, 3, 16), (4, 2, 8), (4, 4, 12), (6, 3, 18)])
+def test_interleaved_in_flight_matches_sapp(ranks, chunks, micro_batches):
+    schedule = build_schedule("Interleaved1F1B", ranks, micro_batches, chunks)
+    expected = sapp_interleaved_multipliers(ranks, chunks, micro_batches)
     assert first_backward_in_flight(schedule) == expected
-    assert peak_in_flight("Interleaved1F1B", stages, micro_batches, chunks) == tuple(
-        sum(row[s] for row in expected) for s in range(stages)
+    assert peak_in_flight("Interleaved1F1B", ranks, micro_batches, chunks) == tuple(
+        sum(row[s] for row in expected) for s in range(ranks)
     )
 
 
@@ -83,12 +83,12 @@ def test_interleaved_in_flight_sapp_examples():
     assert s8 == [[15, 13, 11, 9, 8, 8, 8, 8], [8, 8, 8, 8, 7, 5, 3, 1]]
 
 
-@pytest.mark.parametrize("stages, chunks, micro_batches", [(8, 2, 32), (4, 3, 8), (4, 2, 4), (16, 3, 16)])
-def test_less_memory_in_flight_matches_sapp(stages, chunks, micro_batches):
+@pytest.mark.parametrize("ranks, chunks, micro_batches", [(8, 2, 32), (4, 3, 8), (4, 2, 4), (16, 3, 16)])
+def test_less_memory_in_flight_matches_sapp(ranks, chunks, micro_batches):
     # SAPP.md 1.4, "less memory": S for every chunk but the last, S - s for the last.
-    held = first_backward_in_flight(build_schedule("Interleaved1F1B-less-memory", stages, micro_batches, chunks))
-    assert held[:-1] == [[stages] * stages] * (chunks - 1)
-    assert held[-1] == [stages - s for s in range(stages)]
+    held = first_backward_in_flight(build_schedule("Interleaved1F1B-less-memory", ranks, micro_batches, chunks))
+    assert held[:-1] == [[ranks] * ranks] * (chunks - 1)
+    assert held[-1] == [ranks - s for s in range(ranks)]
 
 
 def test_less_memory_leftover_micro_batches_join_the_first_group():
@@ -96,27 +96,27 @@ def test_less_memory_leftover_micro_batches_join_the_first_group():
     assert held == [[6, 6, 6, 6], [6, 6, 6, 6], [4, 3, 2, 1]]
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(4, 8), (4, 4), (6, 13), (2, 9)])
-def test_zbh1_holds_rank_zeros_1f1b_peak_on_every_rank(stages, micro_batches):
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 8), (4, 4), (6, 13), (2, 9)])
+def test_zbh1_holds_rank_zeros_1f1b_peak_on_every_rank(ranks, micro_batches):
     # W deferred by r micro-batches on rank r: S in flight everywhere (ZB paper: 1F1B's peak).
-    assert peak_in_flight("ZBH1", stages, micro_batches) == (stages,) * stages
+    assert peak_in_flight("ZBH1", ranks, micro_batches) == (ranks,) * ranks
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(4, 7), (4, 16), (3, 9), (2, 3)])
-def test_zbv_holds_two_s_chunk_activations(stages, micro_batches):
-    # Each chunk is half a stage: 2S chunk activations = 1F1B's peak of S stage activations.
-    assert peak_in_flight("ZBVZeroBubble", stages, micro_batches) == (2 * stages,) * stages
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 7), (4, 16), (3, 9), (2, 3)])
+def test_zbv_holds_two_s_chunk_activations(ranks, micro_batches):
+    # Each chunk is half a rank: 2S chunk activations = 1F1B's peak of S rank activations.
+    assert peak_in_flight("ZBVZeroBubble", ranks, micro_batches) == (2 * ranks,) * ranks
 
 
-@pytest.mark.parametrize("stages, micro_batches", [(4, 8), (4, 16), (3, 20), (2, 4)])
-def test_dualpipev_holds_pp_plus_one_chunk_activations(stages, micro_batches):
+@pytest.mark.parametrize("ranks, micro_batches", [(4, 8), (4, 16), (3, 20), (2, 4)])
+def test_dualpipev_holds_pp_plus_one_chunk_activations(ranks, micro_batches):
     # DualPipe README: DualPipeV keeps PP + 1 activations per device (PP = 2S pipeline stages).
-    assert peak_in_flight("DualPipeV", stages, micro_batches) == (2 * stages + 1,) * stages
+    assert peak_in_flight("DualPipeV", ranks, micro_batches) == (2 * ranks + 1,) * ranks
 
 
 def test_stages_of_a_rank_in_loop_and_v_placement():
-    loop = build_schedule("Interleaved1F1B", stages=4, chunks=3, micro_batches=4)
-    v = build_schedule("ZBVZeroBubble", stages=4, chunks=2, micro_batches=4)
+    loop = build_schedule("Interleaved1F1B", ranks=4, chunks=3, micro_batches=4)
+    v = build_schedule("ZBVZeroBubble", ranks=4, chunks=2, micro_batches=4)
     assert [loop.virtual_stages_of(rank) for rank in range(4)] == [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]
     assert [v.virtual_stages_of(rank) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert all(v.rank_of(stage) == rank for rank in range(4) for stage in v.virtual_stages_of(rank))
@@ -130,13 +130,13 @@ def test_megatron_table_example():
 
 
 @pytest.mark.parametrize(
-    "stages, micro_batches, expected",
+    "ranks, micro_batches, expected",
     [(4, 8, 4), (4, 10, 5), (4, 11, 6), (4, 4, 4), (3, 7, 4), (8, 12, 12)],
 )
-def test_default_group_size(stages, micro_batches, expected):
-    group = default_group_size(stages, micro_batches)
+def test_default_group_size(ranks, micro_batches, expected):
+    group = default_group_size(ranks, micro_batches)
     assert group == expected
-    assert megatron_accepts(stages, micro_batches, group)
+    assert megatron_accepts(ranks, micro_batches, group)
 
 
 def test_explicit_group_size_changes_the_order():
@@ -155,10 +155,10 @@ def test_names_match_like_torch(text):
     "call, field, words",
     [
         (lambda: build_schedule("nope", 4, 8), "schedule", "expected one of"),
-        (lambda: build_schedule("1F1B", 0, 8), "stages", ">= 1"),
-        (lambda: build_schedule("1F1B", -2, 8), "stages", ">= 1"),
-        (lambda: build_schedule("1F1B", 2.5, 8), "stages", "integer"),
-        (lambda: build_schedule("1F1B", True, 8), "stages", "integer"),
+        (lambda: build_schedule("1F1B", 0, 8), "ranks", ">= 1"),
+        (lambda: build_schedule("1F1B", -2, 8), "ranks", ">= 1"),
+        (lambda: build_schedule("1F1B", 2.5, 8), "ranks", "integer"),
+        (lambda: build_schedule("1F1B", True, 8), "ranks", "integer"),
         (lambda: build_schedule("1F1B", 4, 0), "micro_batches", ">= 1"),
         (lambda: build_schedule("1F1B", 4, 8, chunks=2), "chunks", "exactly 1"),
         (lambda: build_schedule("Interleaved1F1B", 4, 8, chunks=1), "chunks", "2 or more"),
@@ -196,8 +196,8 @@ def test_bad_input_names_the_field(call, field, words):
     assert words in str(caught.value)
 
 
-def one_f_one_b(stages: int = 2, micro_batches: int = 2) -> list[list[Action]]:
-    return [list(actions) for actions in build_schedule("1F1B", stages, micro_batches).rank_actions]
+def one_f_one_b(ranks: int = 2, micro_batches: int = 2) -> list[list[Action]]:
+    return [list(actions) for actions in build_schedule("1F1B", ranks, micro_batches).rank_actions]
 
 
 def make(rank_actions: list[list[Action]], micro_batches: int = 2) -> Schedule:

@@ -42,7 +42,7 @@ CASES = [
 
 def spec_for(name, stages, chunks, micro_batches, budget_mib, **extra):
     return PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         schedule=name,
@@ -108,7 +108,7 @@ def test_least_recompute_among_the_fastest_plans(name, stages, chunks, micro_bat
     assert recompute_ms(plan) > 0
     assert recompute_ms(plan) == pytest.approx(min(map(recompute_ms, fastest)))
     least = [p for p in fastest if recompute_ms(p) <= recompute_ms(plan) + 1e-9]
-    assert max(plan.stage_peak_memory_bytes) == pytest.approx(min(max(p.stage_peak_memory_bytes) for p in least))
+    assert max(plan.rank_peak_memory_bytes) == pytest.approx(min(max(p.rank_peak_memory_bytes) for p in least))
 
 
 @pytest.mark.parametrize(
@@ -129,10 +129,10 @@ def test_the_same_input_gives_the_same_plan(schedule, stages, chunks, budget_mib
     spec = spec_for(schedule, stages, chunks, 2 * stages, budget_mib)
     first, second = solve(profile, spec), solve(profile, spec)
     assert first.status == second.status == "optimal"
-    assert (first.stage_layer_counts, first.layer_modes, first.stage_peak_memory_bytes) == (
+    assert (first.stage_layer_counts, first.layer_modes, first.rank_peak_memory_bytes) == (
         second.stage_layer_counts,
         second.layer_modes,
-        second.stage_peak_memory_bytes,
+        second.rank_peak_memory_bytes,
     )
 
 
@@ -179,7 +179,7 @@ def test_tie_breaks_stop_at_their_node_limit_and_keep_the_fastest_time(
     assert capped.iteration_time_ms == pytest.approx(full.iteration_time_ms, rel=1e-7)
     stopped = [r.getMessage() for r in caplog.records if "best found in 1 nodes" in r.getMessage()]
     assert stopped and all(m.startswith("tie-break on ") for m in stopped)
-    assert max(capped.stage_peak_memory_bytes) >= max(full.stage_peak_memory_bytes)
+    assert max(capped.rank_peak_memory_bytes) >= max(full.rank_peak_memory_bytes)
 
 
 def test_a_stopped_critical_path_search_keeps_the_fastest_plan_it_found(monkeypatch):
@@ -352,13 +352,13 @@ def test_the_balanced_split_gives_every_rank_its_share_when_stages_get_fractions
 def test_infeasible_says_the_smallest_budget_and_the_stage():
     profile = small_profile(6)
     unlimited = spec_for("1F1B", 4, 1, 6, 10**9)
-    least_peak = min(max(p.stage_peak_memory_bytes) for p in all_plans(profile, unlimited))
+    least_peak = min(max(p.rank_peak_memory_bytes) for p in all_plans(profile, unlimited))
     with pytest.raises(InfeasibleError) as caught:
-        solve(profile, PipelineSpec(stages=4, micro_batches=6, memory_budget_bytes=least_peak - MIB))
+        solve(profile, PipelineSpec(pipeline_parallel=4, micro_batches=6, memory_budget_bytes=least_peak - MIB))
     error = caught.value
     assert error.smallest_budget_bytes == pytest.approx(least_peak)
-    assert "smallest budget that fits" in str(error) and f"stage {error.binding_stage} peaks" in str(error)
-    fits = solve(profile, PipelineSpec(stages=4, micro_batches=6, memory_budget_bytes=least_peak))
+    assert "smallest budget that fits" in str(error) and f"rank {error.binding_rank} peaks" in str(error)
+    fits = solve(profile, PipelineSpec(pipeline_parallel=4, micro_batches=6, memory_budget_bytes=least_peak))
     assert fits.fits
 
 
@@ -381,8 +381,8 @@ def test_empty_chunks_only_when_asked():
 def test_v_schedules_put_head_and_tail_on_rank_zero(name):
     plan = solve(small_profile(6), spec_for(name, 2, 2, 4, 10_000))
     layers = plan.to_dict()["plan"]["layers"]
-    assert layers[0]["kind"] == "head" and layers[0]["stage"] == 0
-    assert layers[-1]["kind"] == "tail" and layers[-1]["stage"] == 0 and layers[-1]["chunk"] == 1
+    assert layers[0]["kind"] == "head" and layers[0]["rank"] == 0
+    assert layers[-1]["kind"] == "tail" and layers[-1]["rank"] == 0 and layers[-1]["chunk"] == 1
 
 
 def test_plan_time_is_the_simulators():
@@ -391,7 +391,7 @@ def test_plan_time_is_the_simulators():
     plan = solve(profile, spec)
     replay = simulate(spec.pipeline_schedule, pipeline_costs(profile, spec, plan.stage_layer_counts, plan.layer_modes))
     assert replay.iteration_time_ms == plan.iteration_time_ms
-    assert replay.stage_peak_memory_bytes == plan.stage_peak_memory_bytes
+    assert replay.rank_peak_memory_bytes == plan.rank_peak_memory_bytes
 
 
 def test_mindformers_keys_round_trip():
@@ -408,7 +408,7 @@ def test_mindformers_keys_round_trip():
 def test_sapp_parity_and_no_slower(case):
     profile = load_profile(SAPP / Path(case["layers"]).name)
     spec = PipelineSpec(
-        stages=case["stages"],
+        pipeline_parallel=case["stages"],
         chunks=case["chunks"],
         micro_batches=case["micro_batches"],
         schedule=case["schedule"],
@@ -459,7 +459,7 @@ def test_a_tail_with_the_largest_working_set_leaves_the_other_stages_theirs(case
 )
 def test_the_tail_frees_its_activations_before_the_other_layers_backward(schedule, chunks, last_working_mib):
     profile = small_profile(6)  # tail: 30 MiB of activations, no working set
-    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    spec = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     num_virtual_stages = 2 * chunks
     counts = [4, 4] if chunks == 1 else [2, 2, 2, 2]  # head and tail are two of the 8 layers
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
@@ -487,7 +487,7 @@ def heavy_head_profile(working_mib: float) -> ModelProfile:
     ],
 )
 def test_the_heads_working_set_comes_after_the_chunk_has_freed_the_rest(schedule, mode, first_working_mib):
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule=schedule)
     plan = evaluate_plan(heavy_head_profile(100), spec, [4, 4], ["none"] + [mode] * 6 + ["none"])
     assert plan.simulation.costs.chunk_costs[0][0].working_bytes == first_working_mib * MIB
 
@@ -511,7 +511,7 @@ def test_the_gradient_a_layer_is_handed_counts_where_what_ran_before_has_freed(
     profile = dataclasses.replace(
         heavy_head_profile(100), stage_output_bytes=2 * MIB, stage_shared_bytes=shared_mib * MIB
     )
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B")
     plan = evaluate_plan(profile, spec, counts, ["none"] + ["full"] * 6 + ["none"])
     first, last = (row[0] for row in plan.simulation.costs.chunk_costs)
     assert (first.working_bytes, last.working_bytes) == (first_working_mib * MIB, last_working_mib * MIB)
@@ -562,7 +562,7 @@ def test_layers_of_microseconds_are_planned_as_if_they_took_milliseconds(name, s
 def test_action_overhead_is_planned_with_and_simulated_alike(schedule, chunks):
     """The solver's program and the simulator agree with a per-action overhead: solve checks it."""
     profile = small_profile(6)
-    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, action_overhead_ms=1.5)
+    spec = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule, action_overhead_ms=1.5)
     plan = solve(profile, spec, time_limit_s=20)
     bare = evaluate_plan(
         profile, dataclasses.replace(spec, action_overhead_ms=0.0), plan.stage_layer_counts, plan.layer_modes
@@ -590,10 +590,10 @@ def _with_share_of_activation(profile: ModelProfile, field: str, share: float) -
 def _solved_under_a_binding_budget(profile: ModelProfile, loose: PipelineSpec, unlimited: Plan) -> Plan:
     """The plan for `profile` under 0.93x the peak of its plan without a budget (`unlimited`), which
     binds: checked to fit and to be as fast as brute force."""
-    budget = 0.93 * max(unlimited.stage_peak_memory_bytes)
+    budget = 0.93 * max(unlimited.rank_peak_memory_bytes)
     spec = dataclasses.replace(loose, memory_budget_bytes=budget)
     plan = solve(profile, spec, time_limit_s=20)
-    assert plan.fits and max(plan.stage_peak_memory_bytes) <= budget
+    assert plan.fits and max(plan.rank_peak_memory_bytes) <= budget
     assert plan.iteration_time_ms == pytest.approx(brute_force(profile, spec).iteration_time_ms)
     return plan
 
@@ -605,12 +605,12 @@ def test_split_backward_memory_is_planned_for_as_simulated(schedule, chunks, hel
     gradients wait from I to W (pending): the solver's memory rows count them as the simulator does,
     so its plan fits and matches brute force."""
     retaining = _with_share_of_activation(small_profile(6), held, 0.5)
-    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    loose = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     plan = _solved_under_a_binding_budget(retaining, loose, solve(retaining, loose, time_limit_s=20))
     forgetful = evaluate_plan(small_profile(6), plan.spec, plan.stage_layer_counts, plan.layer_modes)
     # DualPipeV splits few backwards, after its peak: the gradients they leave pending raise no peak here
     raises_peak = schedule != "1F1B" and not (schedule == "DualPipeV" and held == "pending_bytes")
-    assert (sum(forgetful.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)) == raises_peak
+    assert (sum(forgetful.rank_peak_memory_bytes) < sum(plan.rank_peak_memory_bytes)) == raises_peak
 
 
 def _with_split_halves(
@@ -659,11 +659,11 @@ def test_each_half_of_a_split_backward_holds_what_it_was_measured_to(tail_input_
     the most any layer's W holds. A whole backward (1F1B) holds its working set."""
     profile = _with_split_halves(small_profile(6), tail_input_mib=tail_input_mib, tail_held_mib=tail_held_mib)
     modes = ["none"] * 8
-    split = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], modes)
+    split = evaluate_plan(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="ZBH1"), [4, 4], modes)
     first, last = (row[0] for row in split.simulation.costs.chunk_costs)
     assert (first.input_working_bytes, first.weight_working_bytes) == (34 * MIB, 60 * MIB)  # head: 0 either way
     assert (last.input_working_bytes, last.weight_working_bytes) == (last_input_mib * MIB, 60 * MIB)
-    whole = evaluate_plan(profile, PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), [4, 4], modes)
+    whole = evaluate_plan(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B"), [4, 4], modes)
     assert whole.simulation.costs.chunk_costs[0][0].input_working_bytes is None
 
 
@@ -685,7 +685,7 @@ def test_a_stages_received_input_and_what_it_computes_for_its_blocks_are_counted
             for layer in base.layers
         ),
     )
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B", receive_buffers=True)
     plain, kept = (evaluate_plan(p, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs for p in (base, keeping))
     assert kept[0][0].activation_bytes - plain[0][0].activation_bytes == 2 * MIB  # the first stage receives nothing
     assert kept[1][0].activation_bytes - plain[1][0].activation_bytes == (2 - 3) * MIB
@@ -718,7 +718,9 @@ def test_the_layers_of_a_stage_hold_more_together_than_alone():
             for layer in profile.layers
         ),
     )
-    plan = evaluate_plan(together, PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1"), [4, 4], ["none"] * 8)
+    plan = evaluate_plan(
+        together, PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="ZBH1"), [4, 4], ["none"] * 8
+    )
     last = plan.simulation.costs.chunk_costs[1][0]  # three blocks (10 MiB pending each), then the tail (none)
     assert last.pending_bytes == (3 * 10 + 3 * (15 - 10 - 3)) * MIB
     # I: the first block's 18 on top of what the others and the tail hold, each less what the layer
@@ -746,7 +748,7 @@ def test_which_kind_comes_last_in_a_stage_is_planned_for_as_simulated(schedule, 
 
     two_kinds = small_profile(6, two_kinds=True)
     profile = dataclasses.replace(two_kinds, layers=tuple(keeping(layer) for layer in two_kinds.layers))
-    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    loose = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
 
 
@@ -777,7 +779,7 @@ def test_torch_runs_the_tails_weight_gradients_after_the_blocks_have_freed_their
                 for layer in profile.layers
             ),
         )
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=receive_buffers)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="ZBH1", receive_buffers=receive_buffers)
     last = evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs[1][0]
     assert last.weight_working_bytes == last_weight_mib * MIB
 
@@ -788,7 +790,7 @@ def test_the_last_stages_backward_holds_the_losss_gradient(schedule):
     to its end, its I's where split: no layer's working set counts it, as none counts the gradient
     handed to it (a pipeline run's allocator held these 4 bytes more on the loss's rank)."""
     base = dataclasses.replace(_with_split_halves(small_profile(6), tail_input_mib=20), model_output_bytes=MIB)
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule=schedule)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule=schedule)
     with_loss, without = (
         evaluate_plan(profile, spec, [4, 4], ["none"] * 8).simulation.costs.chunk_costs
         for profile in (dataclasses.replace(base, loss_bytes=MIB / 4), base)
@@ -806,10 +808,10 @@ def test_each_half_of_a_split_backward_is_planned_for_as_simulated(schedule, chu
     """The solver's memory rows hold each half's working set as the simulator does: its plan under a
     binding budget fits and matches brute force, and the halves raise a peak."""
     profile = _with_split_halves(small_profile(6), tail_input_mib=50, tail_held_mib=30)
-    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    loose = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     plan = _solved_under_a_binding_budget(profile, loose, solve(profile, loose, time_limit_s=20))
     unmeasured = evaluate_plan(small_profile(6), plan.spec, plan.stage_layer_counts, plan.layer_modes)
-    assert sum(unmeasured.stage_peak_memory_bytes) < sum(plan.stage_peak_memory_bytes)
+    assert sum(unmeasured.rank_peak_memory_bytes) < sum(plan.rank_peak_memory_bytes)
 
 
 @pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
@@ -817,7 +819,7 @@ def test_kept_stage_outputs_are_planned_for_as_simulated(schedule, chunks):
     """The engine keeps each virtual stage's output but the last's until its gradient comes back: the
     simulator counts it per micro-batch and the solver's memory rows as the simulator does."""
     keeping = dataclasses.replace(small_profile(6), stage_output_bytes=24 * MIB)
-    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    loose = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     unlimited = solve(keeping, loose, time_limit_s=20)
     costs = unlimited.simulation.costs
     last = (loose.pipeline_schedule.rank_of(2 * chunks - 1), loose.pipeline_schedule.chunk_of(2 * chunks - 1))
@@ -842,7 +844,7 @@ def test_torch_1f1b_holds_a_send_past_its_micro_batch(schedule, micro_batches, h
     """Schedule1F1B keeps the request of its warm-up's last send until the cool-down, and the last input
     gradient it sent back until the next backward has run: one stage output each, for most of the step."""
     profile = dataclasses.replace(small_profile(6), stage_output_bytes=3 * MIB)
-    spec = PipelineSpec(stages=3, micro_batches=micro_batches, schedule=schedule, receive_buffers=True)
+    spec = PipelineSpec(pipeline_parallel=3, micro_batches=micro_batches, schedule=schedule, receive_buffers=True)
     assert torch_1f1b_held_bytes(profile, spec) == [count * 3 * MIB for count in held]
     assert torch_1f1b_held_bytes(profile, dataclasses.replace(spec, receive_buffers=False)) == [0.0] * 3
 
@@ -855,7 +857,7 @@ def test_torch_receive_buffers_are_planned_for_as_simulated(schedule, chunks):
     and the last stage keeps the model's output (the logits) per micro-batch in flight, where other
     engines keep none. Schedule1F1B holds one more stage output on each rank (`torch_1f1b_held_bytes`)."""
     keeping = dataclasses.replace(small_profile(6), stage_output_bytes=24 * MIB, model_output_bytes=40 * MIB)
-    plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    plain_spec = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     loose = dataclasses.replace(plain_spec, receive_buffers=True)
     unlimited = solve(keeping, loose, time_limit_s=20)
     schedule_of = loose.pipeline_schedule
@@ -925,7 +927,7 @@ def test_torch_keeps_what_its_stages_send_until_the_step_ends(schedule, chunks):
     another rank; input gradients too where the backward is whole): retained after each micro-batch's
     last backward action, by the simulator and the program alike. Other engines keep none."""
     profile = dataclasses.replace(small_profile(6), stage_output_bytes=3 * MIB)
-    loose = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=True)
+    loose = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule, receive_buffers=True)
     unlimited = solve(profile, loose, time_limit_s=20)
     schedule_of = loose.pipeline_schedule
     retained = [
@@ -967,7 +969,7 @@ def test_torch_splits_the_backward_its_own_way(schedule, chunks):
         model_output_bytes=5 * MIB,
         loss_bytes=1 * MIB,
     )
-    plain_spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    plain_spec = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     loose = dataclasses.replace(plain_spec, receive_buffers=True)
     unlimited = solve(pending, loose, time_limit_s=20)
     torch_costs = unlimited.simulation.costs.chunk_costs
@@ -1017,7 +1019,7 @@ def test_a_turn_takes_back_only_the_input_gradient_its_first_layer_pends(stages)
         ),
     )
     loose = PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=2,
         micro_batches=4,
         schedule="ZBVZeroBubble",
@@ -1066,7 +1068,7 @@ def test_a_measured_input_half_is_planned_for_as_simulated(schedule, chunks):
             for layer in base.layers
         ),
     )
-    spec = PipelineSpec(stages=2, chunks=chunks, micro_batches=4, schedule=schedule)
+    spec = PipelineSpec(pipeline_parallel=2, chunks=chunks, micro_batches=4, schedule=schedule)
     plan = solve(slower, spec, time_limit_s=20)
     assert plan.iteration_time_ms == pytest.approx(brute_force(slower, spec).iteration_time_ms)
     assert plan.iteration_time_ms > solve(base, spec, time_limit_s=20).iteration_time_ms

@@ -106,7 +106,7 @@ def test_sapp_semantics():
     assert {m: (round(c.extra_ms, 6), c.activation_bytes / MIB) for m, c in block.recompute.items()} == expected
     assert heads[0].forward_ms == 30 and heads[0].backward_ms == 60 and heads[0].parameter_bytes == 11000 * MIB
     assert tails[0].forward_ms == 90 and tails[0].backward_ms == 180 and tails[0].parameter_bytes == 2473 * MIB
-    assert load_profile(SAPP / "seq.json").stage_constant_bytes == 3422 * MIB
+    assert load_profile(SAPP / "seq.json").rank_constant_bytes == 3422 * MIB
 
 
 def test_sapp_defaults_and_explicit_times():
@@ -260,17 +260,17 @@ def test_missing_file(tmp_path):
         ({"memory_budget_bytes": -1}, "memory_budget_bytes"),
         ({"data_parallel": 0}, "data_parallel"),
         ({"zero_stage": 4}, "zero_stage"),
-        ({"stages": 0}, "stages"),
+        ({"pipeline_parallel": 0}, "pipeline_parallel"),
         ({"schedule": "Wavy"}, "schedule"),
         ({"p2p_ms": math.nan}, "p2p_ms"),
         ({"p2p_ms": 1e308}, "p2p_ms"),  # HiGHS gave up on the program ("Empty")
         ({"action_overhead_ms": 2.0**70}, "action_overhead_ms"),
-        ({"stage_constant_bytes": 2.0**70}, "stage_constant_bytes"),
+        ({"rank_constant_bytes": 2.0**70}, "rank_constant_bytes"),
         ({"receive_buffers": "yes"}, "receive_buffers"),
     ],
 )
 def test_bad_specs(kwargs, field):
-    arguments = {"stages": 2, "micro_batches": 4, **kwargs}
+    arguments = {"pipeline_parallel": 2, "micro_batches": 4, **kwargs}
     with pytest.raises(InputError) as caught:
         PipelineSpec(**arguments)
     assert caught.value.field == field
@@ -278,28 +278,30 @@ def test_bad_specs(kwargs, field):
 
 @pytest.mark.parametrize("limit", [0, -1.0, math.nan, "10", True, None])
 def test_bad_time_limits(limit):
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B")
     with pytest.raises(InputError, match=r"time_limit_s: expected a number of seconds > 0 \(inf: no limit\)"):
         solve(small_profile(4), spec, time_limit_s=limit)
 
 
 def test_no_time_limit():
-    plan = solve(small_profile(4), PipelineSpec(stages=2, micro_batches=4, schedule="1F1B"), time_limit_s=math.inf)
+    plan = solve(
+        small_profile(4), PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="1F1B"), time_limit_s=math.inf
+    )
     assert plan.status == "optimal"
 
 
 def test_zero_sharding_divides_static_memory():
-    spec = PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=1)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=4, zero_stage=1)
     assert spec.static_bytes(100, 100, 800) == 100 + 100 + 200
     assert (
-        PipelineSpec(stages=2, micro_batches=4, data_parallel=4, zero_stage=3).static_bytes(100, 100, 800)
+        PipelineSpec(pipeline_parallel=2, micro_batches=4, data_parallel=4, zero_stage=3).static_bytes(100, 100, 800)
         == 25 + 25 + 200
     )
 
 
 def test_bad_plans_are_refused():
     profile = small_profile(6)
-    spec = PipelineSpec(stages=2, micro_batches=4)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4)
     with pytest.raises(InputError, match="sum to 7; the profile has 8"):
         evaluate_plan(profile, spec, [4, 3], ["none"] * 8)
     with pytest.raises(InputError, match="offers none, selective, full; got 'comm'"):
@@ -320,7 +322,7 @@ def test_bad_plans_are_refused():
 
 def test_mindformers_true_means_every_layer_of_the_stage():
     profile = small_profile(6)
-    plan = plan_from_mindformers(profile, PipelineSpec(stages=2, micro_batches=4), {"recompute": True})
+    plan = plan_from_mindformers(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4), {"recompute": True})
     assert plan.layer_modes == ("none",) + ("full",) * 6 + ("none",)
 
 
@@ -329,7 +331,7 @@ def test_mindformers_lists_per_stage_with_chunks_read_as_mindformers_does():
     handed out over the stage's chunks one layer at a time (_alloc_recompute_layer), capped at the layers held; a
     bool in such a list is all or none of the stage's layers."""
     profile = small_profile(12)
-    spec = PipelineSpec(stages=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B")
+    spec = PipelineSpec(pipeline_parallel=2, chunks=2, micro_batches=4, schedule="Interleaved1F1B")
     plan = plan_from_mindformers(profile, spec, {"offset": [-1, 1], "recompute": [3, True], "pp_interleave_num": 2})
     # virtual stages in model order: chunk 0 of ranks 0, 1, then chunk 1; 2 + 4 + 2 + 4 body layers
     assert plan.stage_layer_counts == (3, 4, 2, 5)
@@ -345,7 +347,7 @@ def test_plan_json_round_trip(receive_buffers):
     plan = solve(
         profile,
         PipelineSpec(
-            stages=2,
+            pipeline_parallel=2,
             chunks=2,
             micro_batches=4,
             schedule="Interleaved1F1B",

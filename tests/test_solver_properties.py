@@ -128,7 +128,7 @@ def problems(draw):
         )
     layers.append(tail)
     spec = PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         schedule=name,
@@ -163,7 +163,7 @@ def test_plans_fit_and_infeasibility_is_exact(problem):
     assert plan.status == "optimal" and plan.fits
     replay = simulate(spec.pipeline_schedule, pipeline_costs(profile, spec, plan.stage_layer_counts, plan.layer_modes))
     assert replay.iteration_time_ms == pytest.approx(plan.iteration_time_ms)
-    assert max(replay.stage_peak_memory_bytes) <= spec.memory_budget_bytes
+    assert max(replay.rank_peak_memory_bytes) <= spec.memory_budget_bytes
 
 
 def _solve_error_case(
@@ -185,7 +185,7 @@ def _solve_error_case(
     ]
     profile = ModelProfile(layers=(head, *body, layer("tail", "tail", 1.0, tail_backward)))
     return profile, PipelineSpec(
-        stages=3, micro_batches=3, schedule="GPipe", memory_budget_bytes=budget_mib * MIB, p2p_ms=p2p_ms
+        pipeline_parallel=3, micro_batches=3, schedule="GPipe", memory_budget_bytes=budget_mib * MIB, p2p_ms=p2p_ms
     )
 
 
@@ -262,7 +262,7 @@ def _retained_case() -> tuple[ModelProfile, PipelineSpec]:
         *(layer(f"l{i}", "body:a", 2.0, 4.0, 2.0, modes={"none": (0.0, 1.0, 0.5)}) for i in range(4)),
         layer("tail", "tail", 1.0, 2.0, 1.0),
     ]
-    spec = PipelineSpec(stages=3, micro_batches=1, schedule="ZBH1", receive_buffers=True)
+    spec = PipelineSpec(pipeline_parallel=3, micro_batches=1, schedule="ZBH1", receive_buffers=True)
     return ModelProfile(layers=tuple(layers), stage_output_bytes=3 * MIB), spec
 
 
@@ -288,7 +288,7 @@ def _tail_weight_case() -> tuple[ModelProfile, PipelineSpec]:
         for i in range(4)
     ]
     tail = split(layer("tail", "tail", 1.0, 2.0, 1.0, modes={"none": (0.0, 8.0, 9.0)}), 0.0, 9.0, 60.0)
-    spec = PipelineSpec(stages=2, micro_batches=4, schedule="ZBH1", receive_buffers=True)
+    spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="ZBH1", receive_buffers=True)
     return ModelProfile(layers=(layer("head", "head", 1.0, 2.0), *blocks, tail)), spec
 
 
@@ -326,7 +326,7 @@ def test_the_programs_memory_is_the_simulators_for_any_split_and_modes(problem, 
         for rank in range(schedule.ranks)
     ]
 
-    assert program_mib == pytest.approx([peak / MIB for peak in plan.stage_peak_memory_bytes], rel=1e-9, abs=1e-6)
+    assert program_mib == pytest.approx([peak / MIB for peak in plan.rank_peak_memory_bytes], rel=1e-9, abs=1e-6)
     for virtual in range(num_virtual_stages):  # and its working sets and durations are the simulator's
         costs = plan.simulation.costs.chunk_costs[schedule.rank_of(virtual)][schedule.chunk_of(virtual)]
         for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):

@@ -25,11 +25,11 @@ from solver.program.start import balanced_plan
 
 MIB = 2**20
 # Sixteen stages of three chunks: the search's first LP alone takes seconds, its proof minutes.
-LONG = dict(stages=16, chunks=3, micro_batches=16, memory_budget_bytes=56000 * MIB)
+LONG = dict(pipeline_parallel=16, chunks=3, micro_batches=16, memory_budget_bytes=56000 * MIB)
 LONG_FLAGS = [
     "--profile",
     str(SAPP / "sim.json"),
-    "--stages",
+    "--pipeline-parallel",
     "16",
     "--chunks",
     "3",
@@ -135,7 +135,7 @@ def test_on_interrupt_takes_raise_best_or_a_function(sim):
     from simulator import InputError
 
     with pytest.raises(InputError, match="on_interrupt: expected one of raise, best or a function"):
-        solve(sim, PipelineSpec(schedule="1F1B", stages=4, micro_batches=8), on_interrupt="keep")
+        solve(sim, PipelineSpec(schedule="1F1B", pipeline_parallel=4, micro_batches=8), on_interrupt="keep")
 
 
 def _interrupted_cli(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float, Path]:

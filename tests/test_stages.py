@@ -28,7 +28,7 @@ def layout(
         {"name": names[i], "kind": kind, "virtual_stage": stage_of[i], "recompute": (modes or {}).get(i, "none")}
         for i, kind in enumerate(kinds)
     ]
-    spec = {"stages": len(counts) // chunks, "chunks": chunks, "micro_batches": 4, "schedule": schedule}
+    spec = {"pipeline_parallel": len(counts) // chunks, "chunks": chunks, "micro_batches": 4, "schedule": schedule}
     return layout_from_dict({"spec": spec, "plan": {"layers": layers}})
 
 
@@ -40,7 +40,7 @@ def layout(
 def test_the_stages_in_order_compute_what_the_model_computes(make, counts, schedule, chunks):
     model = make().eval()
     plan = layout(counts, schedule, chunks)
-    stages = dict(stage for rank in range(plan.stages) for stage in build_stages(model, plan, rank))
+    stages = dict(stage for rank in range(plan.pipeline_parallel) for stage in build_stages(model, plan, rank))
     assert sorted(stages) == list(range(len(counts)))
     ids = batch(0)
     hidden = ids

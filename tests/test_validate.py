@@ -45,7 +45,7 @@ def gpt2_config(tmp_path_factory):
 def test_a_plan_runs_as_predicted(gpt2_config, schedule, stages, chunks, plan):
     setup = Setup(
         model=gpt2_config,
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         schedule=schedule,
         micro_batches=4,
@@ -91,7 +91,7 @@ def test_a_rank_whose_peak_is_the_lm_heads_weight_gradient_is_predicted_to_the_b
     put that peak 876,544 bytes over)."""
     setup = Setup(
         model="tiny-llama",
-        stages=2,
+        pipeline_parallel=2,
         schedule="ZBVZeroBubble",
         micro_batches=4,
         steps=1,
@@ -114,7 +114,7 @@ def test_the_cli_loop_validate_then_calibrate(gpt2_config, tmp_path, capsys):
         "validate",
         "--model",
         gpt2_config,
-        "--stages",
+        "--pipeline-parallel",
         "2",
         "--schedule",
         "1F1B",
@@ -153,7 +153,9 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     from solver_cases import small_profile
 
     profile = dataclasses.replace(small_profile(4), model=model, micro_batch=micro_batch)
-    setup = Setup(model=gpt2_config, stages=2, schedule="1F1B", micro_batches=4, micro_batch_size=2, seq_len=32)
+    setup = Setup(
+        model=gpt2_config, pipeline_parallel=2, schedule="1F1B", micro_batches=4, micro_batch_size=2, seq_len=32
+    )
     with pytest.raises(InputError, match="profile") as error:
         validate(setup, profile=profile)
     assert message in str(error.value)
@@ -164,7 +166,7 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
     [
         (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
         (["--seq-len", "0"], "--seq-len: expected an integer >= 1, got 0"),
-        (["--stages", "64"], "--stages: 64 x 1 (stages x chunks) make 64 virtual stages"),
+        (["--pipeline-parallel", "64"], "--pipeline-parallel: 64 x 1 (ranks x chunks) make 64 virtual stages"),
         # refused before the profiling, where the run once crashed after it
         (
             ["--schedule", "ZBH1"],
@@ -180,7 +182,17 @@ def test_a_profile_of_another_model_or_shape_is_refused(gpt2_config, model, micr
 def test_cli_bad_input_names_the_flag(capsys, flags, message):
     from sapp_hook.cli import main
 
-    argv = ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B"]
+    argv = [
+        "validate",
+        "--model",
+        "tiny-llama",
+        "--pipeline-parallel",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        "1F1B",
+    ]
     with pytest.raises(SystemExit) as caught:
         main(with_flags(argv, flags))
     err = capsys.readouterr().err
@@ -214,7 +226,18 @@ def test_cli_a_layout_torch_does_not_run_is_refused_before_profiling(capsys, fla
 
     with pytest.raises(SystemExit) as caught:
         main(
-            ["validate", "--model", "tiny-llama", "--stages", "2", "--micro-batches", "4", "--schedule", "1F1B", *flags]
+            [
+                "validate",
+                "--model",
+                "tiny-llama",
+                "--pipeline-parallel",
+                "2",
+                "--micro-batches",
+                "4",
+                "--schedule",
+                "1F1B",
+                *flags,
+            ]
         )
     err = capsys.readouterr().err
     assert caught.value.code == 2 and message in err and err.count("error:") == 1
@@ -231,7 +254,7 @@ def test_recompute_is_refused_where_the_schedule_splits_the_backward(capsys):
                 "validate",
                 "--model",
                 "tiny-llama",
-                "--stages",
+                "--pipeline-parallel",
                 "2",
                 "--micro-batches",
                 "4",
@@ -318,7 +341,7 @@ def test_a_plan_that_recomputes_some_blocks_is_predicted_to_the_byte(tmp_path, b
     """Selective checkpointing, like full, keeps the rotary tables through its own frame, where autograd's
     hooks do not see them; with the blocks' modes mixed, a block's backward comes after the later blocks'
     have freed their activations (a fully recomputed block's working set is not stacked on them)."""
-    setup = Setup(model="tiny-llama", stages=2, schedule="1F1B", micro_batches=4, steps=1, profile_steps=1)
+    setup = Setup(model="tiny-llama", pipeline_parallel=2, schedule="1F1B", micro_batches=4, steps=1, profile_steps=1)
     profile = profile_for(setup)
     body = len(profile.layers) - 2
     modes = ["none", *(blocks[i % len(blocks)] for i in range(body)), "none"]

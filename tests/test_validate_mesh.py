@@ -14,7 +14,7 @@ from sapp_hook.validation.validate import Setup, profile_for, validate
 from simulator.actions import FORWARD
 from solver import PipelineSpec, solve
 
-LLAMA = {"model": "tiny-llama", "stages": 2, "schedule": "1F1B", "micro_batches": 4, "steps": 1}
+LLAMA = {"model": "tiny-llama", "pipeline_parallel": 2, "schedule": "1F1B", "micro_batches": 4, "steps": 1}
 IDS_BYTES = 4 * 128 * 8  # the step's token ids, which the first and last stage hold as data
 
 
@@ -43,7 +43,7 @@ def test_pipeline_x_fsdp2_is_predicted_to_the_byte(llama_profile):
     """TorchTitan's layout under pipelining (no reshard after forward): every rank holds its chunk's
     whole parameters from the first forward and whole gradients from the first backward to the reduce."""
     report = validate(Setup(**LLAMA, plan="even", data_parallel=2, fsdp=True), profile=llama_profile)
-    assert [row["stage"] for row in report["ranks"]] == [0, 0, 1, 1]
+    assert [row["pp_rank"] for row in report["ranks"]] == [0, 0, 1, 1]
     _exact(report)
     for row in report["ranks"]:
         assert row["measured_at_reduce"]  # FSDP's units were unsharded at the reduce
@@ -61,9 +61,9 @@ def test_reshard_after_forward_is_predicted_to_the_byte(llama_profile):
         Setup(**LLAMA, plan="even", data_parallel=2, fsdp=True, reshard_after_forward=True), profile=llama_profile
     )
     _exact(report)
-    schedule = PipelineSpec(stages=2, micro_batches=4).pipeline_schedule
+    schedule = PipelineSpec(pipeline_parallel=2, micro_batches=4).pipeline_schedule
     for row in report["ranks"]:
-        ops = [action.op for action in schedule.rank_actions[row["stage"]]]
+        ops = [action.op for action in schedule.rank_actions[row["pp_rank"]]]
         finds_sharded = 1 + sum(previous == FORWARD for previous in ops[:-1])  # the first action, any after a forward
         assert set(_all_gathers(row).values()) == {finds_sharded}
 
@@ -78,7 +78,7 @@ def test_every_block_recomputed_under_fsdp_the_reduce_frees_unit_by_unit(llama_p
         assert row["measured_static_bytes"] == row["predicted_static_bytes"], row["rank"]
         under = row["measured_allocated_peak_bytes"] - row["predicted_peak_bytes"]
         # stage 0: three 4-byte scalars not yet placed (docs/results/nd-validation.md)
-        assert under == 0 if row["stage"] == 1 else 0 <= under <= 12, row["rank"]
+        assert under == 0 if row["pp_rank"] == 1 else 0 <= under <= 12, row["rank"]
 
 
 def test_gpipe_x_fsdp2_makes_the_gradients_layer_by_layer(llama_profile):
@@ -135,9 +135,11 @@ def test_the_plan_made_without_fsdps_terms_does_not_fit_and_the_plan_made_with_t
     budget = 100e6
     blind = solve(
         _unsharded(llama_profile, 2),
-        PipelineSpec(stages=2, micro_batches=4, schedule="1F1B", receive_buffers=True, memory_budget_bytes=budget),
+        PipelineSpec(
+            pipeline_parallel=2, micro_batches=4, schedule="1F1B", receive_buffers=True, memory_budget_bytes=budget
+        ),
     )
-    assert max(blind.stage_peak_memory_bytes) <= budget  # fits on paper
+    assert max(blind.rank_peak_memory_bytes) <= budget  # fits on paper
     plan_file = tmp_path / "blind.json"
     plan_file.write_text(json.dumps(blind.to_dict()))
     fsdp = {**LLAMA, "data_parallel": 2, "fsdp": True, "memory_budget_bytes": budget}
@@ -165,7 +167,7 @@ def test_pipeline_x_zero1_under_a_v_schedule_is_predicted(tmp_path):
     report = validate(
         Setup(
             model="tiny-moe",
-            stages=2,
+            pipeline_parallel=2,
             schedule="ZBVZeroBubble",
             micro_batches=4,
             steps=1,
@@ -192,7 +194,7 @@ def test_pipeline_x_tensor_parallel_is_predicted(llama_profile, sequence_paralle
     report = validate(
         Setup(**LLAMA, plan="even", tensor_parallel=2, sequence_parallel=sequence_parallel), profile=llama_profile
     )
-    assert [(row["stage"], row["tp_rank"]) for row in report["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(row["pp_rank"], row["tp_rank"]) for row in report["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     hidden = 128 * 256 * 4  # one micro-batch's hidden state
     for row in report["ranks"]:
         assert row["measured_activation_peak_bytes"] == row["predicted_activation_peak_bytes"], row["rank"]

@@ -40,15 +40,15 @@ EVERY_FORMAT = pytest.mark.parametrize(
 def plan(
     modes_per_layer: dict[int, str] | None = None,
     *,
-    stages: int = 4,
+    pipeline_parallel: int = 4,
     chunks: int = 1,
     schedule: str = "1F1B",
     counts: list[int] | None = None,
 ):
     profile = small_profile(8)  # head, 8 body layers, tail
-    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=8, schedule=schedule)
-    # virtual stages hold the head, 8 body layers and the tail: body [2, 2, 3, 1] with 4 virtual stages
-    counts = counts or {2: [5, 5], 4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[stages * chunks]
+    spec = PipelineSpec(pipeline_parallel=pipeline_parallel, chunks=chunks, micro_batches=8, schedule=schedule)
+    # virtual pipeline_parallel hold the head, 8 body layers and the tail: body [2, 2, 3, 1] with 4 virtual pipeline_parallel
+    counts = counts or {2: [5, 5], 4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[pipeline_parallel * chunks]
     modes = ["none"] * 10
     for index, mode in (modes_per_layer or {}).items():
         modes[index] = mode
@@ -167,7 +167,7 @@ def test_mindformers_template_v2_gets_the_plan_where_it_keeps_it(config):
 )
 def test_mindformers_template_v2_schedules(config, schedule, chunks, scheduler):
     path = config("mindformers", TEMPLATE_V2)
-    chosen = plan(stages=4, chunks=chunks, schedule=schedule)
+    chosen = plan(pipeline_parallel=4, chunks=chunks, schedule=schedule)
     result = write_config("mindformers", path, layout_of(chosen))
     pipeline = yaml.safe_load(path.read_text())["distribute_parallel_config"]["pipeline_parallel_config"]
     assert (
@@ -196,7 +196,7 @@ def comm_plan(modes: dict[int, str]):
     chosen = ["none"] * 10
     for index, mode in modes.items():
         chosen[index] = mode
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     return evaluate_plan(profile, spec, [3, 2, 2, 3], chosen)
 
 
@@ -291,7 +291,10 @@ def test_megatron_layout_round_trips(config):
 def test_megatron_first_and_last_stage_flags_where_they_say_the_split(counts, flags):
     # counts hold the head on the first virtual stage and the tail on the last
     assert split_flags(layout_of(plan(counts=counts))) == flags
-    assert split_flags(layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B", counts=[3, 2, 2, 3]))) is None
+    assert (
+        split_flags(layout_of(plan(pipeline_parallel=2, chunks=2, schedule="Interleaved1F1B", counts=[3, 2, 2, 3])))
+        is None
+    )
 
 
 def test_megatron_gets_first_and_last_stage_flags_in_place_of_a_layout(config):
@@ -462,7 +465,7 @@ def test_torchtitan_micro_batches(config, edit, outcome):
 def test_torchtitan_refuses_recompute_where_the_schedule_splits_the_backward(config, mode):
     path = config("torchtitan")
     before = path.read_bytes()
-    recomputing = plan({layer: mode for layer in range(1, 9)}, stages=4, chunks=2, schedule="ZBVZeroBubble")
+    recomputing = plan({layer: mode for layer in range(1, 9)}, pipeline_parallel=4, chunks=2, schedule="ZBVZeroBubble")
     with pytest.raises(
         InputError,
         match=r"recomputes layers; TorchTitan runs torch.distributed.pipelining: "
@@ -470,7 +473,7 @@ def test_torchtitan_refuses_recompute_where_the_schedule_splits_the_backward(con
     ) as caught:
         write_config("torchtitan", path, layout_of(recomputing))
     assert caught.value.field == "--plan" and path.read_bytes() == before
-    write_config("torchtitan", path, layout_of(plan(stages=4, chunks=2, schedule="ZBVZeroBubble")))
+    write_config("torchtitan", path, layout_of(plan(pipeline_parallel=4, chunks=2, schedule="ZBVZeroBubble")))
     document = tomlkit.parse(path.read_text())
     assert document["parallelism"]["pipeline_parallel_schedule"] == "ZBVZeroBubble"
     assert document["activation_checkpoint"]["mode"] == "none"
@@ -504,7 +507,7 @@ def test_plain_plan_files(tmp_path):
 
 
 def test_a_plan_json_says_one_plan():
-    data = plan({3: "full"}, stages=2, chunks=2, schedule="Interleaved1F1B").to_dict()
+    data = plan({3: "full"}, pipeline_parallel=2, chunks=2, schedule="Interleaved1F1B").to_dict()
     assert layout_from_dict(data).mindformers == {key: data["plan"][key] for key in layout_from_dict(data).mindformers}
     for key in ("offset", "recompute"):  # the keys are optional; the layers say them
         del data["plan"][key]
@@ -579,7 +582,7 @@ def test_a_plan_for_another_stage_count_sets_the_configs(config, target, name, s
     """As TorchTitan's and Megatron's configs do (their own test files): the plan's pipeline size, with the
     device count it then takes."""
     path = config(target, name)
-    result = write_config(target, path, layout_of(plan(stages=2, chunks=2, schedule="Interleaved1F1B")))
+    result = write_config(target, path, layout_of(plan(pipeline_parallel=2, chunks=2, schedule="Interleaved1F1B")))
     assert any(note.startswith(said) for note in result.notes), result.notes
     data = yaml.safe_load(path.read_text())
     stages = (
@@ -669,7 +672,7 @@ def test_schedules_a_target_cannot_run(config, schedule, chunks):
     path = config("megatron")
     before = path.read_bytes()
     with pytest.raises(InputError, match=f"Megatron-LM runs 1F1B, Interleaved1F1B; this plan is for {schedule}"):
-        write_config("megatron", path, layout_of(plan(stages=4, chunks=chunks, schedule=schedule)))
+        write_config("megatron", path, layout_of(plan(pipeline_parallel=4, chunks=chunks, schedule=schedule)))
     assert path.read_bytes() == before
 
 

@@ -57,15 +57,17 @@ OURS = {
 def plan(
     modes: dict[int, str] | None = None,
     *,
-    stages: int = 4,
+    pipeline_parallel: int = 4,
     chunks: int = 1,
     micro_batches: int = 8,
     counts: list[int] | None = None,
 ):
-    """A head, 8 body layers and a tail over stages x chunks virtual stages."""
+    """A head, 8 body layers and a tail over pipeline_parallel x chunks virtual pipeline_parallel."""
     schedule = "Interleaved1F1B" if chunks > 1 else "1F1B"
-    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
-    counts = counts or {4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[stages * chunks]
+    spec = PipelineSpec(
+        pipeline_parallel=pipeline_parallel, chunks=chunks, micro_batches=micro_batches, schedule=schedule
+    )
+    counts = counts or {4: [3, 2, 3, 2], 8: [2, 1, 1, 1, 1, 1, 2, 1]}[pipeline_parallel * chunks]
     layer_modes = ["none"] * 10
     for index, mode in (modes or {}).items():
         layer_modes[index] = mode
@@ -503,7 +505,7 @@ def test_an_environment_prefix_does_not_reach_the_words_of_its_own_command(tmp_p
     script.write_text("#!/bin/bash\nPP=2\nPP=4 torchrun train.py --num-layers 8 --pipeline-model-parallel-size $PP\n")
     notes = write_config("megatron", script, layout_of(plan())).notes
     assert (
-        "--pipeline-model-parallel-size $PP (= 2) set to the plan's 4 stages: Megatron-LM then runs world size / "
+        "--pipeline-model-parallel-size $PP (= 2) set to the plan's 4 pipeline ranks: Megatron-LM then runs world size / "
         "(4 x tensor x context-parallel size) data-parallel replicas" in notes
     )
     assert script.read_text().startswith("#!/bin/bash\nPP=4\nPP=4 torchrun")
@@ -538,7 +540,7 @@ def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, writte
     )
     notes = write_config("megatron", script, layout_of(plan())).notes
     assert after in script.read_text() and "--pipeline-model-parallel-layout" in script.read_text()
-    assert any(note.startswith(f"{said} to the plan's 4 stages") for note in notes)
+    assert any(note.startswith(f"{said} to the plan's 4 pipeline ranks") for note in notes)
     got = flags_of(launched(script)[0])
     assert got[PP] == [["4"]] and got[LAYOUT] == [["Ett|tt|t*3|tL"]]
 
@@ -582,8 +584,8 @@ def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, writte
             "#!/bin/bash\ntorchrun t.py --num-layers 8 --pipeline-model-parallel-size 2 --no-overlap-p2p-communication\n",
             "--plan",
             (
-                "interleaves 2 chunks on 2 pipeline stages; Megatron-LM with --no-overlap-p2p-communication "
-                "interleaves only over 3 stages or more"
+                "interleaves 2 chunks on 2 pipeline ranks; Megatron-LM with --no-overlap-p2p-communication "
+                "interleaves only over 3 ranks or more"
             ),
         ),
     ],
@@ -591,7 +593,7 @@ def test_a_script_for_another_pipeline_size_is_set_to_the_plans(tmp_path, writte
 def test_what_cannot_be_written_is_refused_naming_why_and_nothing_changes(tmp_path, script, field, message):
     path = tmp_path / "train.sh"
     path.write_text(script)
-    chosen = plan(stages=2, chunks=2) if "interleaves" in message else plan()
+    chosen = plan(pipeline_parallel=2, chunks=2) if "interleaves" in message else plan()
     before = path.read_bytes()
     with pytest.raises(InputError) as caught:
         write_config("megatron", path, layout_of(chosen))
@@ -770,7 +772,7 @@ def test_dry_run_shows_every_files_diff_and_writes_nothing(fixtures, tmp_path, c
 
 
 def test_the_job_check_reads_scripts_as_the_writer_does(fixtures):
-    spec = PipelineSpec(stages=4, micro_batches=8, schedule="1F1B")
+    spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="1F1B")
     for name in ("gpt3_arrays.sh", "rocm_eval.sh", "deepseek_v3_mtp.sh", "llama2_next_line.sh"):
         check_job("megatron", fixtures / name, spec, 8, config_field="--config")
     with pytest.raises(InputError, match=r"--config: .* does not fit this job: the plan places 9 decoder layers"):

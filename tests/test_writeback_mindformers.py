@@ -50,7 +50,9 @@ def layout(
     """A plan whose virtual stages hold `counts` body layers (the head on the first, the tail on the last), the
     last `mtp` of them multi-token-prediction layers; per virtual stage, its first `full` layers fully recomputed
     and the next `selective` selectively."""
-    spec = PipelineSpec(stages=len(counts) // chunks, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
+    spec = PipelineSpec(
+        pipeline_parallel=len(counts) // chunks, chunks=chunks, micro_batches=micro_batches, schedule=schedule
+    )
     body = sum(counts)
     layers = [{"name": "embed", "kind": "head", "virtual_stage": 0, "recompute": "none"}]
     for virtual, count in enumerate(counts):
@@ -432,11 +434,15 @@ def layer_setting(data: dict, plan) -> dict[str, list[list[int]]]:
 def plan_cells(plan) -> dict[str, list[list[int]]]:
     """Per chunk and stage, the plan's body layers, fully recomputed ones, and those recomputed fully or selectively."""
     schedule = PipelineSpec(
-        stages=plan.stages, chunks=plan.chunks, micro_batches=plan.micro_batches, schedule=plan.schedule
+        pipeline_parallel=plan.pipeline_parallel,
+        chunks=plan.chunks,
+        micro_batches=plan.micro_batches,
+        schedule=plan.schedule,
     ).pipeline_schedule
     cells = plan.virtual_stages()
     at_cell = [
-        [cells[schedule.stage_index(stage, chunk)] for stage in range(plan.stages)] for chunk in range(plan.chunks)
+        [cells[schedule.stage_index(stage, chunk)] for stage in range(plan.pipeline_parallel)]
+        for chunk in range(plan.chunks)
     ]
     return {
         name: [[sum(layer.is_body and layer.recompute in modes for layer in cell) for cell in row] for row in at_cell]
@@ -800,7 +806,7 @@ def test_simulate_reads_a_shipped_config_with_aliases(tmp_path, capsys):
         "simulate",
         "--profile",
         str(profile),
-        "--stages",
+        "--pipeline-parallel",
         "4",
         "--micro-batches",
         "8",
@@ -834,7 +840,7 @@ def test_simulate_reads_lists_per_stage_under_chunks_as_mindformers_does(tmp_pat
         "simulate",
         "--profile",
         str(profile),
-        "--stages",
+        "--pipeline-parallel",
         "2",
         "--chunks",
         "2",

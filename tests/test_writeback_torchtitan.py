@@ -51,13 +51,15 @@ def no_installed_torchtitan(monkeypatch):
 def plan(
     modes: dict[int, str] | None = None,
     *,
-    stages: int = 4,
+    pipeline_parallel: int = 4,
     chunks: int = 1,
     schedule: str = "1F1B",
     counts: list[int] | None = None,
     micro_batches: int = 8,
 ):
-    spec = PipelineSpec(stages=stages, chunks=chunks, micro_batches=micro_batches, schedule=schedule)
+    spec = PipelineSpec(
+        pipeline_parallel=pipeline_parallel, chunks=chunks, micro_batches=micro_batches, schedule=schedule
+    )
     layers = ["none"] * 10
     for index, mode in (modes or {}).items():
         layers[index] = mode
@@ -420,7 +422,7 @@ def test_a_python_edit_is_minimal(tmp_path):
 )
 def test_every_kth_block_counts_on_each_rank(modes, chunks, every):
     stages = 4 // chunks
-    chosen = plan(modes, stages=stages, chunks=chunks, schedule="Interleaved1F1B" if chunks > 1 else "1F1B")
+    chosen = plan(modes, pipeline_parallel=stages, chunks=chunks, schedule="Interleaved1F1B" if chunks > 1 else "1F1B")
     assert every_kth_block(layout_of(chosen)) == every
 
 
@@ -681,7 +683,7 @@ def test_configs_that_cannot_take_the_plan_are_refused_and_left_byte_identical(t
 
 def test_the_2024_schedules_are_spelled_as_that_torchtitan_spells_them(tmp_path):
     path = copy(tmp_path, "llama3_8b_2024_experimental.toml")
-    interleaved = plan(stages=2, chunks=2, schedule="Interleaved1F1B")
+    interleaved = plan(pipeline_parallel=2, chunks=2, schedule="Interleaved1F1B")
     write_config("torchtitan", path, layout_of(interleaved))
     assert tomllib.loads(path.read_text())["experimental"]["pipeline_parallel_schedule"] == "interleaved_1f1b"
     before = path.read_bytes()
@@ -690,7 +692,7 @@ def test_the_2024_schedules_are_spelled_as_that_torchtitan_spells_them(tmp_path)
         match=r"--plan: is for ZBVZeroBubble; this TorchTitan \(schedules spelled gpipe, 1f1b, "
         r"interleaved_1f1b\) runs only GPipe, 1F1B, Interleaved1F1B$",
     ):
-        write_config("torchtitan", path, layout_of(plan(stages=2, chunks=2, schedule="ZBVZeroBubble")))
+        write_config("torchtitan", path, layout_of(plan(pipeline_parallel=2, chunks=2, schedule="ZBVZeroBubble")))
     assert path.read_bytes() == before
 
 

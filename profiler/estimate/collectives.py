@@ -54,7 +54,7 @@ class Network:
                 raise InputError(name, f"expected a finite number >= 0, got {value!r}")
         # the same layout checks as a plan's spec
         PipelineSpec(
-            stages=1,
+            pipeline_parallel=1,
             micro_batches=1,
             schedule="1F1B",
             data_parallel=self.data_parallel,
@@ -130,7 +130,7 @@ def with_collectives(
     hidden = tokens * s.hidden_size * p
     head_dim = s.head_dim or s.hidden_size // s.num_heads
     spec = PipelineSpec(
-        stages=1,
+        pipeline_parallel=1,
         micro_batches=1,
         schedule="1F1B",
         data_parallel=network.data_parallel,

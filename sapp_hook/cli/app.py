@@ -21,7 +21,9 @@ from sapp_hook.cli.common import (
     StdoutError,
     fail,
     say_error,
+    say_warning,
 )
+from sapp_hook.cli.flags import translate_renamed
 from sapp_hook.cli.terminal import guarded_stdout, signals_end_the_command, standard_streams, stop_printing
 from sapp_hook.hook.relaunch import installed_version
 
@@ -63,7 +65,10 @@ def run_command(argv: list[str] | None = None) -> int:
     ends = argv is None
     with standard_streams(), signals_end_the_command(lambda: prog, process_ends=ends) as stopping, guarded_stdout():
         try:
-            args = build_parser().parse_args(argv)
+            given, renamed = translate_renamed(sys.argv[1:] if argv is None else list(argv))
+            for warning in renamed:
+                say_warning(prog, warning)
+            args = build_parser().parse_args(given)
             prog = f"sapp-hook {args.command}"
             status = args.run(args)
             sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit

@@ -17,39 +17,23 @@ from typing import NoReturn
 from basics.errors import check_ms
 from basics.files import MAX_FILE_BYTES, writable_target
 from basics.units import format_bytes, parse_bytes
-from simulator import SCHEDULES, InputError, SimulationResult
+from sapp_hook.cli.flags import FIELD_FLAGS, PARALLEL_FLAGS, PIPELINE_FLAGS, spec_fields
+from simulator import InputError, SimulationResult
 from simulator.plot import check_plot_path
 from solver import ModelProfile, load_profile
 from solver.errors import InfeasibleError
 
 # Library field names as the flags a CLI user typed.
 FLAGS = {
-    "schedule": "--schedule",
-    "stages": "--stages",
-    "chunks": "--chunks",
-    "micro_batches": "--micro-batches",
-    "microbatch_group_size": "--microbatch-group-size",
+    **FIELD_FLAGS,
+    "ranks": "--pipeline-parallel",  # the simulator's name for the pipeline's size
     "memory_budget_bytes": "--memory",
     "time_limit_s": "--time-limit",
-    "data_parallel": "--data-parallel",
-    "zero_stage": "--zero-stage",
-    "fsdp": "--fsdp",
-    "fsdp_reshard_after_forward": "--reshard-after-forward",
-    "tensor_parallel": "--tensor-parallel",
-    "sequence_parallel": "--sequence-parallel",
-    "context_parallel": "--context-parallel",
-    "expert_parallel": "--expert-parallel",
-    "expert_tokens": "--expert-tokens",
-    "ddp": "--ddp",
-    "ddp_bucket_view": "--ddp-bucket-view",
-    "gradients_persist": "--zero-grad-to-none",
-    "collective_backend": "--collective-backend",
     "steps": "--steps",
     "micro_batch_size": "--micro-batch-size",
     "seq_len": "--seq-len",
-    "p2p_ms": "--p2p",
     "action_overhead_ms": "--action-overhead",
-    "stage_constant_bytes": "--stage-constant",
+    "rank_constant_bytes": "--rank-constant",
     "profile": "--profile",
     "target": "--target",
 }
@@ -71,6 +55,11 @@ class StdoutError(Exception):
 def say_error(prog: str, message: str) -> None:
     with contextlib.suppress(OSError, ValueError):  # stderr full or closed: the exit status still says it
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+def say_warning(prog: str, message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def fail(prog: str, message: str, status: int = EXIT_INPUT) -> NoReturn:
@@ -121,94 +110,21 @@ def read_profile(path: str, flag: str = "--profile") -> ModelProfile:
 
 
 def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument("--schedule", required=required, metavar="NAME", help=f"one of: {', '.join(SCHEDULES)}")
-    parser.add_argument("--stages", required=required, type=int, metavar="S", help="pipeline ranks")
-    parser.add_argument(
-        "--chunks", type=int, metavar="V", help="chunks (virtual stages) per rank; default: the schedule's"
-    )
-    parser.add_argument("--micro-batches", required=required, type=int, metavar="M")
-    parser.add_argument("--p2p", type=float, default=0.0, metavar="T", help="ms to send one activation or gradient")
-    parser.add_argument(
-        "--microbatch-group-size",
-        type=int,
-        metavar="G",
-        help="Interleaved1F1B: Megatron's microbatch_group_size_per_vp_stage (default S, or what fits M)",
-    )
+    """The schedule and its sizes (`flags.PIPELINE_FLAGS`); `required`: the schedule, ranks and micro-batches."""
+    for flag in PIPELINE_FLAGS:
+        flag.add_to(parser, required=required and flag.field in ("schedule", "pipeline_parallel", "micro_batches"))
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     """The job's other parallel degrees, around the pipeline: what each rank holds depends on them."""
     group = parser.add_argument_group("parallel layout (per pipeline rank)")
-    group.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel replicas")
-    group.add_argument(
-        "--zero-stage",
-        type=int,
-        default=0,
-        choices=(0, 1, 2, 3),
-        help="shard optimizer state (1), also gradients (2), also parameters (3) over --data-parallel",
-    )
-    group.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="torch FSDP2 (fully_shard) on each stage over --data-parallel, as TorchTitan runs it",
-    )
-    group.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        help="with --fsdp: free the gathered parameters after each forward (TorchTitan's PP default: not)",
-    )
-    group.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="tensor-parallel degree")
-    group.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with --tensor-parallel: split the norms' and dropout's activations too",
-    )
-    group.add_argument("--context-parallel", type=int, default=1, metavar="C", help="context-parallel degree")
-    group.add_argument("--expert-parallel", type=int, default=1, metavar="E", help="expert-parallel degree")
-    group.add_argument(
-        "--expert-tokens",
-        default="balanced",
-        metavar="RULE",
-        help="token copies an expert-parallel rank receives: balanced, dropless or capacity:FACTOR",
-    )
-    group.add_argument(
-        "--ddp", action="store_true", help="torch DistributedDataParallel on each stage: its buckets copy the gradients"
-    )
-    group.add_argument(
-        "--ddp-bucket-view",
-        action="store_true",
-        help="with --ddp: gradient_as_bucket_view=True, the gradients are the buckets",
-    )
-    group.add_argument(
-        "--zero-grad-to-none",
-        action="store_true",
-        help="zero_grad(set_to_none=True), TorchTitan's: gradients are freed between steps",
-    )
-    group.add_argument(
-        "--collective-backend",
-        default="nccl",
-        choices=("nccl", "gloo"),
-        help="gloo's all-gathers hold a temporary of their output's size (default nccl)",
-    )
+    for flag in PARALLEL_FLAGS:
+        flag.add_to(group)
 
 
 def parallel_fields(args: argparse.Namespace) -> dict[str, object]:
     """The PipelineSpec fields of `add_parallel_flags`' flags."""
-    return {
-        "data_parallel": args.data_parallel,
-        "zero_stage": args.zero_stage,
-        "fsdp": args.fsdp,
-        "fsdp_reshard_after_forward": args.reshard_after_forward,
-        "tensor_parallel": args.tensor_parallel,
-        "sequence_parallel": args.sequence_parallel,
-        "context_parallel": args.context_parallel,
-        "expert_parallel": args.expert_parallel,
-        "expert_tokens": args.expert_tokens,
-        "ddp": args.ddp,
-        "ddp_bucket_view": args.ddp_bucket_view,
-        "gradients_persist": not args.zero_grad_to_none,
-        "collective_backend": args.collective_backend,
-    }
+    return spec_fields(args, PARALLEL_FLAGS)
 
 
 def add_overhead_flag(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train a tiny Llama under autotune on the CPU and write its plan into example configs",
         description=(
             "A tiny Llama built from a transformers config (random weights, CPU, no download) trains a few "
-            "steps under autotune with 4 pipeline stages and a memory budget no split fits without "
+            "steps under autotune with 4 pipeline ranks and a memory budget no split fits without "
             "recompute. The plan goes into example MindFormers, Megatron-LM and TorchTitan configs; a "
             "chart and a report go next to them."
         ),

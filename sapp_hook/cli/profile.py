@@ -19,6 +19,7 @@ from sapp_hook.cli.common import (
     output_paths,
     write_output,
 )
+from sapp_hook.cli.flags import flag
 from sapp_hook.pipelining.engine_rules import check_torch
 from simulator import InputError
 from solver.vocabulary.profile import NONE, ModelProfile
@@ -106,33 +107,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     layout = parser.add_argument_group(
         "parallel layout (one rank, measured on D x T gloo processes as TorchTitan lays a Llama out, or estimated)"
     )
-    layout.add_argument(
-        "--tensor-parallel", type=int, metavar="N", help="one rank of a tensor-parallel job of N (default 1)"
+    flag("--tensor-parallel").add_to(layout, unset=True, help="one rank of a tensor-parallel job of N (default 1)")
+    flag("--sequence-parallel").add_to(layout, unset=True, help="with --tensor-parallel: sequence parallel too")
+    flag("--data-parallel").add_to(
+        layout, unset=True, help="data-parallel replicas, for their collectives (default 1; solve shards memory)"
     )
-    layout.add_argument(
-        "--sequence-parallel", action="store_true", default=None, help="with --tensor-parallel: sequence parallel too"
+    flag("--fsdp").add_to(layout, unset=True, help="torch FSDP2 over --data-parallel")
+    flag("--reshard-after-forward").add_to(
+        layout, unset=True, help="with --fsdp: gather the parameters again in every forward and backward"
     )
-    layout.add_argument(
-        "--data-parallel",
-        type=int,
-        metavar="N",
-        help="data-parallel replicas, for their collectives (default 1; solve shards memory)",
-    )
-    layout.add_argument("--fsdp", action="store_true", default=None, help="torch FSDP2 over --data-parallel")
-    layout.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        default=None,
-        help="with --fsdp: gather the parameters again in every forward and backward",
-    )
-    estimated.add_argument("--context-parallel", type=int, metavar="N", help="context-parallel degree (default 1)")
-    estimated.add_argument("--expert-parallel", type=int, metavar="N", help="expert-parallel degree (default 1)")
-    estimated.add_argument(
-        "--expert-tokens",
-        metavar="RULE",
+    flag("--context-parallel").add_to(estimated, unset=True, help="context-parallel degree (default 1)")
+    flag("--expert-parallel").add_to(estimated, unset=True, help="expert-parallel degree (default 1)")
+    flag("--expert-tokens").add_to(
+        estimated,
+        unset=True,
         help="token copies an expert-parallel rank receives: balanced (default), dropless or capacity:FACTOR",
     )
-    estimated.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, for its collectives")
+    flag("--zero-stage").add_to(estimated, unset=True, help="ZeRO stage, for its collectives")
     estimated.add_argument(
         "--link-bandwidth",
         type=float,
@@ -238,9 +229,9 @@ def _measure(args: argparse.Namespace, talk: bool) -> ModelProfile:
     steps = STEPS if args.steps is None else args.steps
     warmup_steps = WARMUP_STEPS if args.warmup_steps is None else args.warmup_steps
     modes = mode_list(args.modes or MODES)
-    for flag, value in (("--steps", steps), ("--warmup-steps", warmup_steps)):
+    for option, value in (("--steps", steps), ("--warmup-steps", warmup_steps)):
         if value < 1:
-            raise InputError(flag, f"expected an integer >= 1, got {value}")
+            raise InputError(option, f"expected an integer >= 1, got {value}")
     configure_logging(talk)
     check_torch()
 

@@ -1,4 +1,4 @@
-"""`sapp-hook simulate`: replay a schedule for uniform stages, or a plan for a profile."""
+"""`sapp-hook simulate`: replay a schedule for uniform ranks, or a plan for a profile."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "simulate",
         help="replay a pipeline schedule: iteration time, bubble split, memory per rank",
         description=(
-            "Replay a pipeline schedule. Either identical stages: F, B and W are a whole rank's times "
+            "Replay a pipeline schedule. Either identical ranks: F, B and W are a whole rank's times "
             "for one micro-batch (split evenly over its chunks), B the full backward and W the part "
             "of it that computes weight gradients, which zero-bubble schedules defer; times in "
             "milliseconds. Or a plan for a profile: --profile with --mindformers-plan or --plan."
@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _replay_uniform(args: argparse.Namespace) -> int:
     talk = not (args.json or args.quiet)
-    for name in ("schedule", "stages", "micro_batches", "forward", "backward"):
+    for name in ("schedule", "pipeline_parallel", "micro_batches", "forward", "backward"):
         if getattr(args, name) is None:
             fail(PROG, f"--{name.replace('_', '-')} is required (or --profile with a plan)")
     if args.mindformers_plan or args.plan:
@@ -119,7 +119,7 @@ def _replay_uniform(args: argparse.Namespace) -> int:
     outputs = output_paths(args, ("plot", "trace", "csv"))
     schedule = build_schedule(
         args.schedule,
-        stages=args.stages,
+        ranks=args.pipeline_parallel,
         micro_batches=args.micro_batches,
         chunks=args.chunks,
         microbatch_group_size=args.microbatch_group_size,
@@ -147,7 +147,7 @@ def _check_flags_agree(args: argparse.Namespace, spec: PipelineSpec) -> None:
     rather than be ignored."""
     given = {
         "schedule": schedule_kind(args.schedule).name if args.schedule is not None else None,
-        "stages": args.stages,
+        "pipeline_parallel": args.pipeline_parallel,
         "chunks": args.chunks,
         "micro_batches": args.micro_batches,
         "microbatch_group_size": args.microbatch_group_size,
@@ -197,14 +197,14 @@ def _replay_plan(args: argparse.Namespace) -> int:
             plan = plan_from_dict(profile, read_plan_json(args.plan, "--plan"))
         _check_flags_agree(args, plan.spec)
     else:
-        for name in ("schedule", "stages", "micro_batches"):
+        for name in ("schedule", "pipeline_parallel", "micro_batches"):
             if getattr(args, name) is None:
                 fail(PROG, f"--mindformers-plan needs --{name.replace('_', '-')}")
         check_milliseconds("--p2p", args.p2p)
         check_milliseconds("--action-overhead", args.action_overhead)
         budget = size_flag(args, "memory", notes) or math.inf
         spec = PipelineSpec(
-            stages=args.stages,
+            pipeline_parallel=args.pipeline_parallel,
             micro_batches=args.micro_batches,
             schedule=args.schedule,
             chunks=args.chunks,

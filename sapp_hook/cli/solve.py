@@ -54,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60; inf for none")
     add_parallel_flags(parser)
     add_overhead_flag(parser)
-    parser.add_argument("--stage-constant", default="0", metavar="SIZE", help="memory every stage holds regardless")
+    parser.add_argument("--rank-constant", default="0", metavar="SIZE", help="memory every rank holds regardless")
     parser.add_argument("--allow-empty-chunks", action="store_true", help="let a chunk hold no layer")
     add_receive_buffers_flag(parser)
     parser.add_argument(
@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     check_milliseconds("--action-overhead", args.action_overhead)
     notes: list[str] = []
     budget = size_flag(args, "memory", notes)
-    constant = size_flag(args, "stage_constant", notes)
+    constant = size_flag(args, "rank_constant", notes)
     outputs = output_paths(args, ("plot", "trace", "csv", "mindformers_yaml", "plan_out"))
     profile = read_profile(args.profile)
     if args.modes is not None:
@@ -89,12 +89,12 @@ def _run(args: argparse.Namespace) -> int:
         except InputError as exc:
             raise InputError("--modes", exc.detail) from None
     spec = PipelineSpec(
-        stages=args.stages,
+        pipeline_parallel=args.pipeline_parallel,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
         chunks=args.chunks,
         memory_budget_bytes=budget,
-        stage_constant_bytes=constant,
+        rank_constant_bytes=constant,
         p2p_ms=args.p2p,
         action_overhead_ms=args.action_overhead,
         allow_empty_chunks=args.allow_empty_chunks,

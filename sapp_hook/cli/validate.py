@@ -18,6 +18,7 @@ from sapp_hook.cli.common import (
     size_flag,
     write_output,
 )
+from sapp_hook.cli.flags import flag
 from sapp_hook.pipelining.engine_rules import check_torch
 
 PROG = "sapp-hook validate"
@@ -29,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="run a plan on torch.distributed.pipelining (gloo, CPU) and compare it with the prediction",
         description=(
             "Profile the model in one process, plan (the solver's plan, the even split, or a plan JSON), run "
-            "the plan with torch.distributed.pipelining on one gloo process per stage (times --data-parallel and "
+            "the plan with torch.distributed.pipelining on one gloo process per pipeline rank (times --data-parallel and "
             "--tensor-parallel, on one device mesh), and print per rank the predicted and measured step time, peak "
             "activation bytes (saved-tensor hooks in the real run), peak bytes allocated during a step "
             "(torch.profiler's memory events, in two more steps) and static bytes (local shards)."
@@ -47,31 +48,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=4, metavar="N", help="measured steps (default 4)")
     parser.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="default 1")
     parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
-    layout = parser.add_argument_group("parallel layout (a process per stage x data x tensor-parallel rank)")
-    layout.add_argument("--data-parallel", type=int, default=1, metavar="D", help="data-parallel replicas (default 1)")
+    layout = parser.add_argument_group("parallel layout (a process per pipeline x data x tensor-parallel rank)")
+    flag("--data-parallel").add_to(layout, help="data-parallel replicas (default 1)")
     sharding = layout.add_mutually_exclusive_group()
-    sharding.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="FSDP2 over the replicas, a unit per layer and the stage module as root (TorchTitan's)",
+    flag("--fsdp").add_to(
+        sharding, help="FSDP2 over the replicas, a unit per layer and the stage module as root (TorchTitan's)"
     )
-    sharding.add_argument(
-        "--zero-stage", type=int, default=0, choices=(0, 1), help="1: torch's ZeroRedundancyOptimizer"
+    flag("--zero-stage").add_to(sharding, choices=(0, 1), help="1: torch's ZeroRedundancyOptimizer")
+    flag("--ddp").add_to(sharding, help="DistributedDataParallel on each stage module")
+    flag("--reshard-after-forward").add_to(
+        layout, help="with --fsdp: re-shard each unit after its forward (TorchTitan's PP default: not)"
     )
-    sharding.add_argument("--ddp", action="store_true", help="DistributedDataParallel on each stage module")
-    layout.add_argument(
-        "--reshard-after-forward",
-        action="store_true",
-        help="with --fsdp: re-shard each unit after its forward (TorchTitan's PP default: not)",
-    )
-    layout.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="T",
-        help="tensor-parallel degree: TorchTitan's Llama plan (default 1)",
-    )
-    layout.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: split the norms too")
+    flag("--tensor-parallel").add_to(layout, help="tensor-parallel degree: TorchTitan's Llama plan (default 1)")
+    flag("--sequence-parallel").add_to(layout, help="with --tensor-parallel: split the norms too")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     parser.set_defaults(run=command(PROG, _run))
@@ -93,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = args.plan or ("even" if args.even else "even-full" if args.even_full else "solve")
     setup = Setup(
         model=args.model,
-        stages=args.stages,
+        pipeline_parallel=args.pipeline_parallel,
         chunks=args.chunks,
         schedule=args.schedule,
         micro_batches=args.micro_batches,
@@ -126,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
 def validation_report(report: dict) -> str:
     lines = [
         (
-            f"{report['model']}: {report['schedule']}, {report['stages']} x {report['chunks']} (stages x chunks), "
+            f"{report['model']}: {report['schedule']}, {report['pipeline_parallel']} x {report['chunks']} (ranks x chunks), "
             f"{report['micro_batches']} micro-batches, plan {report['plan']} (layers per virtual stage "
             f"{report['stage_layer_counts']}){_layout(report)}"
         ),

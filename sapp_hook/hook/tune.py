@@ -1,6 +1,6 @@
 """`autotune`: a training run that balances its own pipeline.
 
-    with sapp_hook.autotune(model, optimizer, stages=4, micro_batches=8, schedule="1F1B",
+    with sapp_hook.autotune(model, optimizer, pipeline_parallel=4, micro_batches=8, schedule="1F1B",
                             memory_budget="56GB", config="train.yaml", target="mindformers") as tuner:
         for batch in batches:
             ...                      # forward, backward, optimizer step, as always
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from basics.deprecation import renamed_keywords
 from basics.errors import InputError, check_non_negative, check_seconds
 from basics.files import atomic_write_text
 from basics.units import format_bytes, format_ms, parse_bytes
@@ -75,12 +76,13 @@ class TuneResult:
 class AutoTuner:
     """Profiles the first steps, then solves, simulates, writes the config and reports. See the module doc."""
 
+    @renamed_keywords(stages="pipeline_parallel")
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        stages: int,
+        pipeline_parallel: int,
         micro_batches: int,
         schedule: str = "1F1B",
         chunks: int | None = None,
@@ -144,7 +146,7 @@ class AutoTuner:
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.spec = PipelineSpec(
-            stages=stages,
+            pipeline_parallel=pipeline_parallel,
             micro_batches=micro_batches,
             schedule=schedule,
             chunks=chunks,
@@ -271,7 +273,7 @@ class AutoTuner:
         if self._pipeline is None:
             spec = self.spec
             replicas = spec.data_parallel * spec.tensor_parallel * spec.context_parallel
-            self._pipeline = pipeline_of(self._pipeline_group, spec.stages, replicas)
+            self._pipeline = pipeline_of(self._pipeline_group, spec.pipeline_parallel, replicas)
             self._solving_ranks = tuple(json.loads(_from_rank0(json.dumps(self._pipeline.ranks).encode())))
         return self._pipeline
 
@@ -317,7 +319,7 @@ class AutoTuner:
         except InputError as exc:
             log.warning("sapp-hook: ignoring a cached plan that does not read back (%s); planning again", exc)
             return False
-        if layout.stages != self.spec.stages or layout.micro_batches != self.spec.micro_batches:
+        if layout.pipeline_parallel != self.spec.pipeline_parallel or layout.micro_batches != self.spec.micro_batches:
             log.warning("sapp-hook: ignoring a cached plan made for other parallel settings; planning again")
             return False
         return True
@@ -328,8 +330,8 @@ class AutoTuner:
             mesh = Mesh(tensor_parallel=self.measured_tensor_parallel, sequence_parallel=self.spec.sequence_parallel)
             local = dataclasses.replace(local, mesh=mesh)
         if _distributed():  # the stages of rank 0's pipeline, joined there
-            stage = self.pipeline.stage
-            profile = gather_profiles([(stage, local)] if _rank() in self._solving_ranks else [])
+            rank = self.pipeline.rank
+            profile = gather_profiles([(rank, local)] if _rank() in self._solving_ranks else [])
         else:
             profile = local
         error = ""
@@ -393,8 +395,8 @@ class AutoTuner:
         else:
             data = result.plan_data
             lines.append(
-                f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per stage "
-                + ", ".join(format_bytes(b) for b in data["stage_peak_memory_bytes"])
+                f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per rank "
+                + ", ".join(format_bytes(b) for b in data["rank_peak_memory_bytes"])
             )
         if result.writeback is not None:
             lines += [f"wrote {path}" for path in result.writeback.written]

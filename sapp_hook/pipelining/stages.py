@@ -128,8 +128,8 @@ def build_stages(
     body = [layer for layer in layout.layers if layer.is_body]
     if len(body) != len(blocks):
         raise InputError("plan", f"holds {len(body)} body layers; the model has {len(blocks)} blocks")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.stages:
-        raise InputError("rank", f"expected an integer 0..{layout.stages - 1}, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.pipeline_parallel:
+        raise InputError("rank", f"expected an integer 0..{layout.pipeline_parallel - 1}, got {rank!r}")
     for layer, block in zip(body, found):
         if not _same_module(layer.name, block.name):  # it runs all the same; its split was planned for another model
             log.warning(
@@ -152,7 +152,7 @@ def build_stages(
     block_of = {id(layer): blocks[index] for index, layer in enumerate(body)}
     cells = layout.virtual_stages()
     for chunk in range(layout.chunks):
-        stage_index = rank_chunk_to_stage(rank, chunk, layout.stages, placement)
+        stage_index = rank_chunk_to_stage(rank, chunk, layout.pipeline_parallel, placement)
         cell = cells[stage_index]
         chosen = []
         for layer in cell:
@@ -226,7 +226,9 @@ def _tied_weight(parts: _Parts) -> nn.Parameter | None:
 def _end_ranks(layout: Layout) -> list[int]:
     """The pipeline ranks that hold the first or the last virtual stage (one rank under V schedules)."""
     placement = schedule_kind(layout.schedule).placement
-    return sorted({stage_to_rank(end, layout.stages, placement) for end in (0, layout.num_virtual_stages - 1)})
+    return sorted(
+        {stage_to_rank(end, layout.pipeline_parallel, placement) for end in (0, layout.num_virtual_stages - 1)}
+    )
 
 
 def _parts(model: nn.Module) -> _Parts:

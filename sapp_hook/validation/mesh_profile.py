@@ -66,7 +66,7 @@ class MeshRun:
         from sapp_hook.validation.parallelize import MeshShape
 
         return MeshShape(
-            stages=1,
+            pipeline_parallel=1,
             data_parallel=self.data_parallel,
             tensor_parallel=self.tensor_parallel,
             fsdp=self.fsdp,
@@ -128,7 +128,7 @@ def run_mesh(run: MeshRun, one_d: ModelProfile, workdir: str | Path | None = Non
     `one_d`'s, the collectives of a step without recompute, forward's and backward's apart."""
     from sapp_hook.validation.rank import spawn_ranks
 
-    plan = even_plan(one_d, PipelineSpec(stages=1, micro_batches=1, schedule="1F1B"), NONE).to_dict()
+    plan = even_plan(one_d, PipelineSpec(pipeline_parallel=1, micro_batches=1, schedule="1F1B"), NONE).to_dict()
     world = run.data_parallel * run.tensor_parallel
     log.info("profiling one rank of %s on %d gloo processes", _describe(run), world)
     with tempfile.TemporaryDirectory(dir=workdir) as folder:
@@ -286,7 +286,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
         micro_batch={"size": run.micro_batch_size, "sequence": run.seq_len},
     )
     groups = {mesh[name].get_group().group_name: dimension for name, dimension in DIMENSIONS if mesh[name].size() > 1}
-    collectives = CollectiveLog(profiler.measure.recorder, groups, shape.reshard_after_forward)
+    collectives = CollectiveLog(profiler.recorder, groups, shape.reshard_after_forward)
     vocab = config.get_text_config().vocab_size
     plain_steps = []  # per step without recompute: its calls
     with profiler, collectives.watching():
@@ -301,7 +301,7 @@ def _measure_rank(rank: int, run: MeshRun, plan: dict[str, Any]) -> dict[str, An
             if step >= run.warmup_steps and profiler.mode_of(step) == NONE:
                 plain_steps.append(collectives.calls[before:])
             profiler.step()
-    recorder = profiler.measure.recorder
+    recorder = profiler.recorder
     slots = [
         *(["head"] if recorder.has_head else []),
         *recorder.structure.body_order,

@@ -21,13 +21,13 @@ MESH_NAMES = ("pp", "dp", "tp")
 
 @dataclass(frozen=True)
 class MeshShape:
-    """S pipeline x D data-parallel x T tensor-parallel ranks; a process's global rank is
+    """P pipeline x D data-parallel x T tensor-parallel ranks; a process's global rank is
     (pp x D + dp) x T + tp. Data parallelism is FSDP (`fsdp`, re-sharding after each forward where
     `reshard_after_forward`), ZeRO-1 (`zero_stage` 1), DDP (`ddp`) or plain replicas whose gradients
     are all-reduced after each step; `sequence_parallel` splits what tensor parallelism leaves whole
     over the sequence."""
 
-    stages: int
+    pipeline_parallel: int
     data_parallel: int = 1
     tensor_parallel: int = 1
     fsdp: bool = False
@@ -38,7 +38,7 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.data_parallel * self.tensor_parallel
+        return self.pipeline_parallel * self.data_parallel * self.tensor_parallel
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline, data-parallel, tensor-parallel) rank of global `rank`."""
@@ -51,7 +51,7 @@ class MeshShape:
 
     @property
     def plain(self) -> bool:
-        """One process per stage: nothing but the pipeline."""
+        """One process per pipeline rank: nothing but the pipeline."""
         return self.data_parallel == self.tensor_parallel == 1 and not self.fsdp
 
 
@@ -98,7 +98,7 @@ def device_mesh(shape: MeshShape) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(
-        "cpu", (shape.stages, shape.data_parallel, shape.tensor_parallel), mesh_dim_names=MESH_NAMES
+        "cpu", (shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel), mesh_dim_names=MESH_NAMES
     )
 
 

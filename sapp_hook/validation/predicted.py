@@ -96,8 +96,8 @@ def predictions(plan: Plan, profile: ModelProfile, input_bytes: float = 0.0) -> 
     ]
     return {
         "step_ms": ends,
-        "activation_peak_bytes": list(simulate(schedule, bare_costs(True)).stage_peak_memory_bytes),
-        "peak_bytes": list(simulate(schedule, above_static).stage_peak_memory_bytes),
+        "activation_peak_bytes": list(simulate(schedule, bare_costs(True)).rank_peak_memory_bytes),
+        "peak_bytes": list(simulate(schedule, above_static).rank_peak_memory_bytes),
         "static_bytes": static,
         "receive_buffer_bytes": buffers,
         "step_end_bytes": step_end,

@@ -55,7 +55,7 @@ def mesh_shape(setup: Any) -> Any:
     from sapp_hook.validation.parallelize import MeshShape
 
     return MeshShape(
-        stages=setup.stages,
+        pipeline_parallel=setup.pipeline_parallel,
         data_parallel=setup.data_parallel,
         tensor_parallel=setup.tensor_parallel,
         fsdp=setup.fsdp,
@@ -129,7 +129,7 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     tied = TiedGradients(model, plan_data, pp, group=pp_group)
     stage_modules = [module for _, module in modules]
     run = stage_modules if mesh is None else parallelize(stage_modules, shape, mesh)
-    num_stages = setup.stages * len(modules)
+    num_stages = setup.pipeline_parallel * len(modules)
     stages = [
         PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_group)
         for (index, _), module in zip(modules, run)
@@ -148,7 +148,7 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
     )
     first = any(stage.is_first for stage in stages)
     last = any(stage.is_last for stage in stages)
-    peer = shape.rank_of(1) if setup.stages > 1 else None
+    peer = shape.rank_of(1) if setup.pipeline_parallel > 1 else None
     p2p_ms = _p2p_ms(rank, peer, (setup.micro_batch_size, setup.seq_len, config.get_text_config().hidden_size))
     moving = moving_storages(stage_modules) if shape.fsdp else None
     step_ms, peaks, losses = [], [], []
@@ -193,7 +193,7 @@ def _measure_rank(rank: int, setup: Any, plan_data: dict[str, Any], folder: str)
         allocated, held_at_end = _allocated_bytes(step)
     measured = {
         "rank": rank,
-        "stage": pp,
+        "pp_rank": pp,
         "dp_rank": dp,
         "tp_rank": tp,
         "step_ms": step_ms,

@@ -1,5 +1,5 @@
 """Predicted against measured: a plan run by torch.distributed.pipelining (gloo, one thread per process:
-a process per pipeline stage, times the data- and tensor-parallel degrees), next to what the simulator
+a process per pipeline rank, times the data- and tensor-parallel degrees), next to what the simulator
 said of it from a profile taken beforehand.
 
 Per rank: the step time (median over the steps after warm-up, and its spread), the peak bytes autograd
@@ -52,7 +52,7 @@ class Setup:
     """One validation run."""
 
     model: str
-    stages: int
+    pipeline_parallel: int
     schedule: str
     micro_batches: int
     chunks: int | None = None
@@ -74,7 +74,7 @@ class Setup:
     def spec(self) -> PipelineSpec:
         """The run as the plan sees it: torch's engine on gloo, gradients kept between steps."""
         return PipelineSpec(
-            stages=self.stages,
+            pipeline_parallel=self.pipeline_parallel,
             chunks=self.chunks,
             micro_batches=self.micro_batches,
             schedule=self.schedule,
@@ -92,7 +92,7 @@ class Setup:
 
     @property
     def processes(self) -> int:
-        return self.stages * self.data_parallel * self.tensor_parallel
+        return self.pipeline_parallel * self.data_parallel * self.tensor_parallel
 
 
 def validate(setup: Setup, *, profile: ModelProfile | None = None, workdir: str | Path | None = None) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def profile_for(setup: Setup) -> ModelProfile:
 
 def _check(setup: Setup) -> None:
     for name in (
-        "stages",
+        "pipeline_parallel",
         "micro_batches",
         "steps",
         "warmup_steps",
@@ -193,17 +193,18 @@ def _check_layout(setup: Setup) -> None:
     layers = config.get_text_config().num_hidden_layers + 2  # the blocks, the embedding, the head
     if virtual_stages > layers:
         raise InputError(
-            "--stages",
-            f"{setup.stages} x {virtual_stages // setup.stages} (stages x chunks) make {virtual_stages} virtual stages, "
-            f"more than {setup.model}'s {layers} layers (the blocks, the embedding, the head); use fewer stages or chunks",
+            "--pipeline-parallel",
+            f"{setup.pipeline_parallel} x {virtual_stages // setup.pipeline_parallel} (ranks x chunks) make "
+            f"{virtual_stages} virtual stages, more than {setup.model}'s {layers} layers (the blocks, the embedding, "
+            "the head); use fewer ranks or chunks",
         )
-    if setup.processes == setup.stages and not (setup.fsdp or setup.ddp or setup.zero_stage):
+    if setup.processes == setup.pipeline_parallel and not (setup.fsdp or setup.ddp or setup.zero_stage):
         return
     check_layout(config, setup.tensor_parallel, setup.sequence_parallel, setup.fsdp, setup.seq_len)
 
 
 def _check_plan_file(setup: Setup) -> None:
-    """A plan JSON runs as it was planned: its stages, schedule, chunks and micro-batches must be the
+    """A plan JSON runs as it was planned: its pipeline size, schedule, chunks and micro-batches must be the
     run's, checked before anything is profiled or launched."""
     from solver.vocabulary.load import read_plan_json
 
@@ -213,10 +214,13 @@ def _check_plan_file(setup: Setup) -> None:
     except InputError as exc:
         raise InputError("--plan", f"{setup.plan}: {exc}") from None
     run = PipelineSpec(
-        stages=setup.stages, chunks=setup.chunks, micro_batches=setup.micro_batches, schedule=setup.schedule
+        pipeline_parallel=setup.pipeline_parallel,
+        chunks=setup.chunks,
+        micro_batches=setup.micro_batches,
+        schedule=setup.schedule,
     )
     for flag, theirs, ours in (
-        ("--stages", planned.stages, run.stages),
+        ("--pipeline-parallel", planned.pipeline_parallel, run.pipeline_parallel),
         ("--schedule", schedule_kind(planned.schedule).name, schedule_kind(run.schedule).name),
         ("--chunks", planned.num_chunks, run.num_chunks),
         ("--micro-batches", planned.micro_batches, run.micro_batches),
@@ -266,7 +270,7 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
     return {
         "model": setup.model,
         "schedule": plan.spec.pipeline_schedule.name,
-        "stages": setup.stages,
+        "pipeline_parallel": setup.pipeline_parallel,
         "chunks": plan.spec.pipeline_schedule.chunks,
         "micro_batches": setup.micro_batches,
         "data_parallel": setup.data_parallel,
@@ -290,43 +294,43 @@ def compare(setup: Setup, profile: ModelProfile, plan: Plan, measured: list[dict
 
 def _rank_row(rank: int, row: dict[str, Any], predicted: dict[str, list], plan: Plan) -> dict[str, Any]:
     """One process's row of the report: its measurements beside its pipeline rank's prediction."""
-    stage = row.get("stage", rank)
+    pp_rank = row.get("pp_rank", rank)
     step = statistics.median(row["step_ms"])
     activation = max(row["activation_peak_bytes"])
-    static_split = predicted["static_split"][stage]
+    static_split = predicted["static_split"][pp_rank]
     measured_static = (
         row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"] + row.get("bucket_bytes", 0)
     )
     schedule = plan.spec.pipeline_schedule
-    sharded = [plan.simulation.costs.chunk_costs[stage][chunk].sharded for chunk in range(schedule.chunks)]
+    sharded = [plan.simulation.costs.chunk_costs[pp_rank][chunk].sharded for chunk in range(schedule.chunks)]
     return {
         "rank": rank,
-        "stage": stage,
+        "pp_rank": pp_rank,
         "dp_rank": row.get("dp_rank", 0),
         "tp_rank": row.get("tp_rank", 0),
-        "predicted_step_ms": predicted["step_ms"][stage],
+        "predicted_step_ms": predicted["step_ms"][pp_rank],
         "measured_step_ms": step,
         "measured_step_spread_ms": max(row["step_ms"]) - min(row["step_ms"]),
-        "step_error": _error(predicted["step_ms"][stage], step),
-        "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][stage],
+        "step_error": _error(predicted["step_ms"][pp_rank], step),
+        "predicted_activation_peak_bytes": predicted["activation_peak_bytes"][pp_rank],
         "measured_activation_peak_bytes": activation,
-        "activation_error": _error(predicted["activation_peak_bytes"][stage], activation),
-        "predicted_peak_bytes": predicted["peak_bytes"][stage],
+        "activation_error": _error(predicted["activation_peak_bytes"][pp_rank], activation),
+        "predicted_peak_bytes": predicted["peak_bytes"][pp_rank],
         "measured_allocated_peak_bytes": row["allocated_peak_bytes"],
-        "allocated_error": _error(predicted["peak_bytes"][stage], row["allocated_peak_bytes"]),
-        "predicted_step_end_bytes": predicted["step_end_bytes"][stage],
+        "allocated_error": _error(predicted["peak_bytes"][pp_rank], row["allocated_peak_bytes"]),
+        "predicted_step_end_bytes": predicted["step_end_bytes"][pp_rank],
         "measured_step_end_bytes": row["step_end_bytes"],
-        "predicted_static_bytes": predicted["static_bytes"][stage] - predicted["receive_buffer_bytes"][stage],
+        "predicted_static_bytes": predicted["static_bytes"][pp_rank] - predicted["receive_buffer_bytes"][pp_rank],
         "measured_static_bytes": measured_static,
         "static_error": _error(
-            predicted["static_bytes"][stage] - predicted["receive_buffer_bytes"][stage], measured_static
+            predicted["static_bytes"][pp_rank] - predicted["receive_buffer_bytes"][pp_rank], measured_static
         ),
-        "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][stage],
+        "predicted_receive_buffer_bytes": predicted["receive_buffer_bytes"][pp_rank],
         "measured_receive_buffer_bytes": row["receive_buffer_bytes"],
         "predicted_split": {
             **static_split,
-            "receive_buffer_bytes": predicted["receive_buffer_bytes"][stage],
-            **predicted["peak_split"][stage],
+            "receive_buffer_bytes": predicted["receive_buffer_bytes"][pp_rank],
+            **predicted["peak_split"][pp_rank],
         },
         "measured_split": {
             "parameter_bytes": row["parameter_bytes"],
@@ -338,7 +342,7 @@ def _rank_row(rank: int, row: dict[str, Any], predicted: dict[str, list], plan: 
             "peak_bytes": row["allocated_peak_bytes"],
         },
         "predicted_at_reduce": {
-            str(schedule.stage_index(stage, chunk)): [costs.gathered_bytes, costs.gradient_bytes]
+            str(schedule.stage_index(pp_rank, chunk)): [costs.gathered_bytes, costs.gradient_bytes]
             for chunk, costs in enumerate(sharded)
             if costs is not None and costs.gathered_bytes
         },
@@ -362,8 +366,9 @@ def measured_run(report: object, profile: ModelProfile, where: str = "report") -
 
 
 def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
+    fields.renamed("stages", "pipeline_parallel")
     spec = PipelineSpec(
-        stages=fields.integer("stages", required=True, least=1),
+        pipeline_parallel=fields.integer("pipeline_parallel", required=True, least=1),
         chunks=fields.integer("chunks", required=True, least=1),
         micro_batches=fields.integer("micro_batches", required=True, least=1),
         schedule=fields.text("schedule", required=True),
@@ -373,10 +378,11 @@ def _measured_run(fields: Fields, profile: ModelProfile) -> Run:
         if fields.integer(name, 1, least=1) > 1:
             raise InputError(fields.at(name), f"is {fields.raw(name)}: calibrate fits runs of the pipeline alone")
     counts, modes, ranks = (fields.raw(key) for key in ("stage_layer_counts", "layer_modes", "ranks"))
-    if not isinstance(ranks, list) or len(ranks) != spec.stages:
+    if not isinstance(ranks, list) or len(ranks) != spec.pipeline_parallel:
         got = f"{len(ranks)} rows" if isinstance(ranks, list) else shown(ranks)
         raise InputError(
-            fields.at("ranks"), f"expected one row per rank of its {spec.stages} stages (stages), got {got}"
+            fields.at("ranks"),
+            f"expected one row per rank of its {spec.pipeline_parallel} (pipeline_parallel), got {got}",
         )
     steps = tuple(
         Fields(row, f"{fields.at('ranks')}[{i}]").number("measured_step_ms", required=True)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from basics.deprecation import warn_renamed
 from basics.errors import InputError, shown
 from basics.fields import Fields
 from solver import PipelineSpec, Plan
@@ -31,7 +32,7 @@ class PlacedLayer:
 @dataclass(frozen=True)
 class Layout:
     schedule: str
-    stages: int
+    pipeline_parallel: int
     chunks: int
     micro_batches: int
     layers: tuple[PlacedLayer, ...]
@@ -41,7 +42,13 @@ class Layout:
 
     @property
     def num_virtual_stages(self) -> int:
-        return self.stages * self.chunks
+        return self.pipeline_parallel * self.chunks
+
+    @property
+    def stages(self) -> int:
+        """Deprecated: the former name of `pipeline_parallel`."""
+        warn_renamed("Layout.stages", "Layout.pipeline_parallel")
+        return self.pipeline_parallel
 
     def virtual_stages(self) -> list[list[PlacedLayer]]:
         """The layers of each virtual stage, in model order."""
@@ -82,14 +89,14 @@ class Layout:
 def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
     """A head, `body_layers` blocks and a tail split evenly over the virtual stages, without recompute:
     a stand-in plan for checking a config before any plan exists."""
-    stages = spec.pipeline_schedule.num_virtual_stages
-    virtual = [v for v, count in enumerate(even_counts(body_layers, stages)) for _ in range(count)]
+    virtual_stages = spec.pipeline_schedule.num_virtual_stages
+    virtual = [v for v, count in enumerate(even_counts(body_layers, virtual_stages)) for _ in range(count)]
     layers = [{"name": "head", "kind": HEAD, "virtual_stage": 0, "recompute": NONE}]
     layers += [
         {"name": f"layers.{i}", "kind": "body:block", "virtual_stage": v, "recompute": NONE}
         for i, v in enumerate(virtual)
     ]
-    layers.append({"name": "tail", "kind": TAIL, "virtual_stage": stages - 1, "recompute": NONE})
+    layers.append({"name": "tail", "kind": TAIL, "virtual_stage": virtual_stages - 1, "recompute": NONE})
     return layout_from_dict({"spec": spec_to_dict(spec), "plan": {"layers": layers}})
 
 
@@ -128,7 +135,7 @@ def layout_from_dict(data: object) -> Layout:
             recompute=layer.text("recompute", required=True),
         )
         if placed.virtual_stage >= schedule.num_virtual_stages:
-            raise InputError(layer.at("virtual_stage"), f"expected < {schedule.num_virtual_stages} (stages x chunks)")
+            raise InputError(layer.at("virtual_stage"), f"expected < {schedule.num_virtual_stages} (ranks x chunks)")
         if placed.recompute not in RECOMPUTE_MODES:
             raise InputError(layer.at("recompute"), f"expected one of {', '.join(RECOMPUTE_MODES)}")
         if layers and placed.virtual_stage < layers[-1].virtual_stage:
@@ -145,7 +152,8 @@ def layout_from_dict(data: object) -> Layout:
             )
     for index, (item, layer) in enumerate(zip(items, layers)):  # the rank and chunk each layer says, as simulate reads
         for key, derived in (
-            ("stage", schedule.rank_of(layer.virtual_stage)),
+            ("rank", schedule.rank_of(layer.virtual_stage)),
+            ("stage", schedule.rank_of(layer.virtual_stage)),  # the former name of rank
             ("chunk", schedule.chunk_of(layer.virtual_stage)),
         ):
             given = item.get(key)
@@ -158,15 +166,15 @@ def layout_from_dict(data: object) -> Layout:
         sum(1 for layer in layers if layer.virtual_stage == virtual) for virtual in range(schedule.num_virtual_stages)
     ]
     mindformers = mindformers_view(schedule, kinds, [layer.recompute for layer in layers], counts)
-    per_stage = [[counts[virtual] for virtual in schedule.virtual_stages_of(rank)] for rank in range(schedule.ranks)]
-    views = {**mindformers, "virtual_stage_layers": counts, "stage_chunk_layers": per_stage}  # simulate reads one
+    per_rank = [[counts[virtual] for virtual in schedule.virtual_stages_of(rank)] for rank in range(schedule.ranks)]
+    views = {**mindformers, "virtual_stage_layers": counts, "rank_chunk_layers": per_rank}  # simulate reads one
     for key, derived in views.items():
         given = plan.raw(key)
         if given is not None and json.dumps(given) != json.dumps(derived):  # true is not 1 here
             raise InputError(f"plan.{key}", f"is {shown(given)}; the plan's layers say {derived!r}")
     return Layout(
         schedule=schedule.name,
-        stages=schedule.ranks,
+        pipeline_parallel=schedule.ranks,
         chunks=schedule.chunks,
         micro_batches=spec.micro_batches,
         layers=tuple(layers),

@@ -127,19 +127,19 @@ def schedule_kind(name: str) -> ScheduleKind:
 
 def build_schedule(
     name: str,
-    stages: int,
+    ranks: int,
     micro_batches: int,
     chunks: int | None = None,
     *,
     microbatch_group_size: int | None = None,
 ) -> Schedule:
-    """Build the action lists of schedule `name` for `stages` ranks, `chunks` chunks per rank
+    """Build the action lists of schedule `name` for `ranks` ranks, `chunks` chunks per rank
     (the schedule's own count when None) and `micro_batches` micro-batches.
 
     `microbatch_group_size` is Megatron's `microbatch_group_size_per_vp_stage` (Interleaved1F1B only).
     """
     kind = schedule_kind(name)
-    _check_count("stages", stages, 1)
+    _check_count("ranks", ranks, 1)
     _check_count("micro_batches", micro_batches, 1)
     if chunks is None:
         chunks = kind.default_chunks
@@ -149,40 +149,40 @@ def build_schedule(
             allowed = f"exactly {kind.min_chunks} chunk{'s' if kind.min_chunks > 1 else ''}"
         else:
             allowed = f"{kind.min_chunks} or more chunks"
-        raise InputError("chunks", f"{kind.name} runs {allowed} per stage, got {chunks}")
-    actions = stages * chunks * micro_batches * (3 if kind.splits_backward else 2)
+        raise InputError("chunks", f"{kind.name} runs {allowed} per rank, got {chunks}")
+    actions = ranks * chunks * micro_batches * (3 if kind.splits_backward else 2)
     if actions > MAX_ACTIONS:
-        counts = {"micro_batches": micro_batches, "stages": stages, "chunks": chunks}
+        counts = {"micro_batches": micro_batches, "ranks": ranks, "chunks": chunks}
         largest = max(counts, key=counts.__getitem__)  # the count that went astray, most likely
         raise InputError(
             largest,
-            f"{_count(stages)} x {_count(chunks)} x {_count(micro_batches)} (stages x chunks x micro-batches) make "
+            f"{_count(ranks)} x {_count(chunks)} x {_count(micro_batches)} (ranks x chunks x micro-batches) make "
             f"{_count(actions)} actions; expected at most {MAX_ACTIONS:,} (a million take about 4 s and 0.4 GB to replay)",
         )
-    fewest = kind.min_micro_batches(stages, chunks)
+    fewest = kind.min_micro_batches(ranks, chunks)
     if micro_batches < fewest:
         raise InputError(
             "micro_batches",
-            f"{kind.name} on {stages} stages needs at least {fewest} micro-batches, got {micro_batches}",
+            f"{kind.name} on {ranks} ranks needs at least {fewest} micro-batches, got {micro_batches}",
         )
 
     if microbatch_group_size is not None:
         if kind.name != "Interleaved1F1B":
             raise InputError("microbatch_group_size", f"applies to Interleaved1F1B only, not {kind.name}")
         _check_count("microbatch_group_size", microbatch_group_size, 1)
-        if not megatron_accepts(stages, micro_batches, microbatch_group_size):
+        if not megatron_accepts(ranks, micro_batches, microbatch_group_size):
             raise InputError(
                 "microbatch_group_size",
-                f"expected {stages} <= G <= {micro_batches} with {micro_batches} mod G = 0 or >= {stages} "
+                f"expected {ranks} <= G <= {micro_batches} with {micro_batches} mod G = 0 or >= {ranks} "
                 f"(Megatron's rule), got {microbatch_group_size}",
             )
-        rank_actions = megatron_interleaved_actions(stages, chunks, micro_batches, microbatch_group_size)
+        rank_actions = megatron_interleaved_actions(ranks, chunks, micro_batches, microbatch_group_size)
     else:
-        rank_actions = kind.build(stages, chunks, micro_batches)
+        rank_actions = kind.build(ranks, chunks, micro_batches)
 
     return Schedule(
         name=kind.name,
-        ranks=stages,
+        ranks=ranks,
         chunks=chunks,
         micro_batches=micro_batches,
         placement=kind.placement,

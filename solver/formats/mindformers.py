@@ -1,4 +1,4 @@
-"""MindFormers' plan keys: per chunk and stage, the offset from the even share and the recompute
+"""MindFormers' plan keys: per chunk and rank, the offset from the even share and the recompute
 counts, read and written; and the order of recompute modes inside a stage those counts imply."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from simulator import Schedule
 from solver.vocabulary.profile import COMM, FULL, HEAD, NONE, SELECTIVE, SELECTIVE_COMM, TAIL, ModelProfile
 from solver.vocabulary.spec import PipelineSpec
 
-# the order MindFormers' per-stage counts imply within a stage: full, select+comm, select or comm, none
+# the order MindFormers' per-rank counts imply within a virtual stage: full, select+comm, select or comm, none
 MODE_ORDER = (FULL, SELECTIVE_COMM, SELECTIVE, COMM, NONE)
 MINDFORMERS_KEYS = ("offset", "recompute", "select_recompute", "select_comm_recompute", "pp_interleave_num")
 
@@ -24,8 +24,8 @@ def ordered_modes(counts: Mapping[str, int]) -> list[str]:
 def mindformers_view(
     schedule: Schedule, layer_kinds: Sequence[str], layer_modes: Sequence[str], stage_layer_counts: Sequence[int]
 ) -> dict[str, object]:
-    """MindFormers' keys: per chunk and stage, body layers held minus the even share
-    floor(n / (stages x chunks)), and the recompute counts (full layers count in all three)."""
+    """MindFormers' keys: per chunk and rank, body layers held minus the even share
+    floor(n / (ranks x chunks)), and the recompute counts (full layers count in all three)."""
     body = sum(1 for kind in layer_kinds if kind not in (HEAD, TAIL))
     share = body // schedule.num_virtual_stages
     starts = [0, *itertools.accumulate(stage_layer_counts)]
@@ -60,34 +60,34 @@ def mindformers_split(
     if unknown:
         raise InputError(unknown[0], f"unknown key; expected {', '.join(MINDFORMERS_KEYS)}")
     schedule = spec.pipeline_schedule
-    stages, chunks = schedule.ranks, schedule.chunks
+    ranks, chunks = schedule.ranks, schedule.chunks
     interleave = keys.get("pp_interleave_num", chunks)
     if interleave != chunks:
         raise InputError("pp_interleave_num", f"the plan has {shown(interleave)} chunks; the spec runs {chunks}")
     body = [i for i, layer in enumerate(profile.layers) if layer.is_body]
     share = len(body) // schedule.num_virtual_stages
-    offset = _per_chunk_and_stage(keys.get("offset", 0), "offset", stages, chunks, per_stage=None)
-    body_counts = [[share + offset[c][s] for s in range(stages)] for c in range(chunks)]
+    offset = _per_chunk_and_rank(keys.get("offset", 0), "offset", ranks, chunks, per_rank=None)
+    body_counts = [[share + offset[c][s] for s in range(ranks)] for c in range(chunks)]
     for c in range(chunks):
-        for s in range(stages):
+        for s in range(ranks):
             if body_counts[c][s] < 0:
                 raise InputError(f"offset[{c}][{s}]", f"leaves {body_counts[c][s]} layers (even share {share})")
     total = sum(map(sum, body_counts))
     if total != len(body):
         raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
-    full = _per_chunk_and_stage(keys.get("recompute", 0), "recompute", stages, chunks, per_stage=body_counts)
+    full = _per_chunk_and_rank(keys.get("recompute", 0), "recompute", ranks, chunks, per_rank=body_counts)
     # Fully recomputed layers count in both select lists; a list not given holds just those.
-    select = _per_chunk_and_stage(
-        keys.get("select_recompute", full), "select_recompute", stages, chunks, per_stage=body_counts
+    select = _per_chunk_and_rank(
+        keys.get("select_recompute", full), "select_recompute", ranks, chunks, per_rank=body_counts
     )
-    comm = _per_chunk_and_stage(
-        keys.get("select_comm_recompute", full), "select_comm_recompute", stages, chunks, per_stage=body_counts
+    comm = _per_chunk_and_rank(
+        keys.get("select_comm_recompute", full), "select_comm_recompute", ranks, chunks, per_rank=body_counts
     )
 
     counts = [0] * schedule.num_virtual_stages
     virtual_stage_modes: list[list[str]] = [[] for _ in range(schedule.num_virtual_stages)]
     for c in range(chunks):
-        for s in range(stages):
+        for s in range(ranks):
             where = f"[{c}][{s}]"
             held, f, sel, com = body_counts[c][s], full[c][s], select[c][s], comm[c][s]
             for key, value in (("select_recompute", sel), ("select_comm_recompute", com)):
@@ -124,45 +124,45 @@ def mindformers_split(
     return counts, layer_modes
 
 
-def _per_chunk_and_stage(
-    value: object, key: str, stages: int, chunks: int, per_stage: list[list[int]] | None
+def _per_chunk_and_rank(
+    value: object, key: str, ranks: int, chunks: int, per_rank: list[list[int]] | None
 ) -> list[list[int]]:
     """MindFormers' forms, as its LayerSetting reads them: a bool (true: every layer of each stage), 0, a list
-    per stage, or a list per chunk of lists. Offsets (`per_stage` None) in a list per stage hold for every
-    chunk; recompute counts (`per_stage` the layers each chunk and stage holds) in a list per stage are
+    per stage, or a list per chunk of lists. Offsets (`per_rank` None) in a list per stage hold for every
+    chunk; recompute counts (`per_rank` the layers each chunk and stage holds) in a list per stage are
     handed out over the chunks one layer at a time, and every count is capped at the layers held."""
     if isinstance(value, bool):
-        if per_stage is None:
+        if per_rank is None:
             raise InputError(key, f"expected integers, got {shown(value)}")
-        return [[held if value else 0 for held in row] for row in per_stage]
+        return [[held if value else 0 for held in row] for row in per_rank]
     if value == 0 and not isinstance(value, list):
-        return [[0] * stages for _ in range(chunks)]
-    if isinstance(value, list) and len(value) == stages and all(not isinstance(item, list) for item in value):
-        row = [_count(item, f"{key}[{s}]", per_stage, None) for s, item in enumerate(value)]
-        return [list(row) for _ in range(chunks)] if per_stage is None else _spread(row, per_stage)
+        return [[0] * ranks for _ in range(chunks)]
+    if isinstance(value, list) and len(value) == ranks and all(not isinstance(item, list) for item in value):
+        row = [_count(item, f"{key}[{s}]", per_rank, None) for s, item in enumerate(value)]
+        return [list(row) for _ in range(chunks)] if per_rank is None else _spread(row, per_rank)
     if (
         not isinstance(value, list)
         or len(value) != chunks
-        or any(not isinstance(row, list) or len(row) != stages for row in value)
+        or any(not isinstance(row, list) or len(row) != ranks for row in value)
     ):
         raise InputError(
-            key, f"expected {stages} integers (one per stage) or {chunks} list(s) of them, got {shown(value)}"
+            key, f"expected {ranks} integers (one per rank) or {chunks} list(s) of them, got {shown(value)}"
         )
     return [
         [
-            _count(item, f"{key}[{c}][{s}]", per_stage, None if per_stage is None else per_stage[c][s])
+            _count(item, f"{key}[{c}][{s}]", per_rank, None if per_rank is None else per_rank[c][s])
             for s, item in enumerate(row)
         ]
         for c, row in enumerate(value)
     ]
 
 
-def _count(item: object, where: str, per_stage: list[list[int]] | None, held: int | None) -> int:
+def _count(item: object, where: str, per_rank: list[list[int]] | None, held: int | None) -> int:
     """One offset, or one recompute count (a bool: all or none of the `held` layers; None: of the stage's)."""
-    if isinstance(item, bool) and per_stage is not None:
+    if isinstance(item, bool) and per_rank is not None:
         return (held if held is not None else _ALL) if item else 0
-    if isinstance(item, bool) or not isinstance(item, int) or (per_stage is not None and item < 0):
-        raise InputError(where, f"expected an integer{' >= 0' if per_stage else ''}, got {shown(item)}")
+    if isinstance(item, bool) or not isinstance(item, int) or (per_rank is not None and item < 0):
+        raise InputError(where, f"expected an integer{' >= 0' if per_rank else ''}, got {shown(item)}")
     if abs(item) > _ALL:  # beyond any layer count: what counts and offsets add up to stays printable
         raise InputError(where, f"expected an integer between {-_ALL:,} and {_ALL:,}, got {shown(item)}")
     return item if held is None else min(item, held)

@@ -61,7 +61,7 @@ def profile_from_sapp(data: Mapping) -> ModelProfile:
         layers=tuple(layers),
         model=top.text("name"),
         source="sapp-json",
-        stage_constant_bytes=_mib(top, "stage_const_mem"),
+        rank_constant_bytes=_mib(top, "stage_const_mem"),
     )
     top.done()
     return profile

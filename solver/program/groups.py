@@ -150,8 +150,8 @@ def check_room(schedule: Schedule, groups: list[LayerGroup], spec: PipelineSpec)
     needed = schedule.num_virtual_stages - len(pinned_virtual_stages)
     if body < needed:
         raise InputError(
-            "stages",
-            f"{schedule.ranks} x {schedule.chunks} (stages x chunks) make {schedule.num_virtual_stages} virtual stages, "
+            "pipeline_parallel",
+            f"{schedule.ranks} x {schedule.chunks} (ranks x chunks) make {schedule.num_virtual_stages} virtual stages, "
             f"but only {body} body layers can fill the {needed} without a head or tail; "
-            "use fewer stages or chunks, or allow empty chunks",
+            "use fewer ranks or chunks, or allow empty chunks",
         )

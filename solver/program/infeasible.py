@@ -1,4 +1,4 @@
-"""Why nothing fits: the least peak memory any plan reaches, the stage that holds it, and what to try."""
+"""Why nothing fits: the least peak memory any plan reaches, the rank that holds it, and what to try."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from solver.vocabulary.spec import PipelineSpec
 def infeasible_error(
     profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup], time_limit_s: float
 ) -> InfeasibleError:
-    """The least peak memory any plan reaches, which stage holds it, and what to try."""
+    """The least peak memory any plan reaches, which rank holds it, and what to try."""
     program = IntegerProgram(profile, spec, schedule, groups, with_budget=False, timing=PATHS)  # time is free here
     peak = program.add_peak_variable()
     result: MilpResult = program.milp.minimize({peak: 1.0}, time_limit_s=time_limit_s)
@@ -24,13 +24,13 @@ def infeasible_error(
         return InfeasibleError(
             f"no plan fits {budget}, and none was found without the budget either in the time left",
             smallest_budget_bytes=None,
-            binding_stage=None,
+            binding_rank=None,
         )
     # The least-peak plan, simulated: its peak is a budget that surely fits.
     least = program.plan(result.values)
-    smallest = max(least.stage_peak_memory_bytes)
-    stage = least.stage_peak_memory_bytes.index(smallest)
-    tries = ["more stages"]
+    smallest = max(least.rank_peak_memory_bytes)
+    rank = least.rank_peak_memory_bytes.index(smallest)
+    tries = ["more pipeline ranks"]
     if "full" not in profile.modes:
         tries.append("a profile with full recompute")
     if spec.data_parallel > 1 and spec.zero_stage < 3:
@@ -44,7 +44,7 @@ def infeasible_error(
     exact = "" if result.status == "optimal" else "at least "
     return InfeasibleError(
         f"no plan fits {budget}: the smallest budget that fits is {exact}{format_bytes(smallest)} "
-        f"({smallest:,.0f} bytes), where stage {stage} peaks; try a larger budget, " + ", ".join(tries),
+        f"({smallest:,.0f} bytes), where rank {rank} peaks; try a larger budget, " + ", ".join(tries),
         smallest_budget_bytes=smallest,
-        binding_stage=stage,
+        binding_rank=rank,
     )

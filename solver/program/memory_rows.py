@@ -221,7 +221,7 @@ def memory_rows(placement: LayerPlacement, memory: StageMemory) -> list[tuple[in
     """(rank, memory in MiB) at each point of each rank's action list that no other point bounds."""
     schedule = placement.schedule
     compiled = schedule.compiled
-    constant_mib = (placement.profile.stage_constant_bytes + placement.spec.stage_constant_bytes) / MIB
+    constant_mib = (placement.profile.rank_constant_bytes + placement.spec.rank_constant_bytes) / MIB
     retains = any(row.terms or row.constant for row in memory.retained)
     pends = any(row.terms or row.constant for row in memory.pending)
     past_input = [Linear(dict(a.terms), a.constant) for a in memory.activation]  # activations and pending gradients

@@ -1,5 +1,5 @@
 """A Plan: which contiguous layers each virtual stage holds and each layer's recompute mode, with
-what the simulator says of it, and its views as MindFormers keys, per-stage counts and per-layer lists."""
+what the simulator says of it, and its views as MindFormers keys, per-rank counts and per-layer lists."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Plan:
     layer_modes: tuple[str, ...]
     iteration_time_ms: float
     bubble: BubbleSplit
-    stage_peak_memory_bytes: tuple[float, ...]
+    rank_peak_memory_bytes: tuple[float, ...]
     weight_split_assumed: bool
     status: str = "given"  # "optimal", "feasible" (time limit; see gap), "interrupted" (see gap) or "given"
     gap: float | None = None  # proven relative gap to the best possible iteration time
@@ -34,7 +34,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return all(peak <= self.spec.memory_budget_bytes for peak in self.stage_peak_memory_bytes)
+        return all(peak <= self.spec.memory_budget_bytes for peak in self.rank_peak_memory_bytes)
 
     def with_search(self, *, status: str, gap: float, lower_bound_ms: float, solve_seconds: float) -> Plan:
         return dataclasses.replace(
@@ -49,11 +49,11 @@ class Plan:
             start += count
         return ranges
 
-    def stage_chunk_ranges(self) -> list[list[range]]:
-        """[stage][chunk]: the layers chunk `chunk` of pipeline stage `stage` holds."""
+    def rank_chunk_ranges(self) -> list[list[range]]:
+        """[rank][chunk]: the layers chunk `chunk` of pipeline rank `rank` holds."""
         schedule = self.spec.pipeline_schedule
         ranges = self.virtual_stage_ranges()
-        return [[ranges[virtual] for virtual in schedule.virtual_stages_of(stage)] for stage in range(schedule.ranks)]
+        return [[ranges[virtual] for virtual in schedule.virtual_stages_of(rank)] for rank in range(schedule.ranks)]
 
     def mindformers(self) -> dict[str, object]:
         """MindFormers' keys (see `mindformers_view`)."""
@@ -76,7 +76,7 @@ class Plan:
             "lower_bound_ms": self.lower_bound_ms,
             "solve_seconds": self.solve_seconds,
             "bubble": self.bubble.to_dict(),
-            "stage_peak_memory_bytes": [round(b) for b in self.stage_peak_memory_bytes],
+            "rank_peak_memory_bytes": [round(b) for b in self.rank_peak_memory_bytes],
             "memory_budget_bytes": None if math.isinf(self.spec.memory_budget_bytes) else self.spec.memory_budget_bytes,
             "fits": self.fits,
             "weight_split_assumed": self.weight_split_assumed,
@@ -84,13 +84,13 @@ class Plan:
             "plan": {
                 **self.mindformers(),
                 "virtual_stage_layers": list(self.stage_layer_counts),
-                "stage_chunk_layers": [[len(r) for r in row] for row in self.stage_chunk_ranges()],
+                "rank_chunk_layers": [[len(r) for r in row] for row in self.rank_chunk_ranges()],
                 "layers": [
                     {
                         "name": name,
                         "kind": kind,
                         "virtual_stage": stage_of[index],
-                        "stage": schedule.rank_of(stage_of[index]),
+                        "rank": schedule.rank_of(stage_of[index]),
                         "chunk": schedule.chunk_of(stage_of[index]),
                         "recompute": mode,
                     }

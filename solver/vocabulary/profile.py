@@ -191,7 +191,7 @@ class ModelProfile:
     dtype: str = ""
     micro_batch: Mapping[str, int] = field(default_factory=dict)  # e.g. {"size": 1, "sequence": 4096}
     fingerprint: str = ""
-    stage_constant_bytes: float = 0.0  # held by every stage whatever its layers (framework, buffers)
+    rank_constant_bytes: float = 0.0  # held by every rank whatever its layers (framework, buffers)
     stage_output_bytes: float = 0.0
     model_output_bytes: float = 0.0
     loss_bytes: float = 0.0
@@ -255,7 +255,7 @@ class ModelProfile:
             "dtype": self.dtype,
             "micro_batch": dict(self.micro_batch),
             "fingerprint": self.fingerprint,
-            "stage_constant_bytes": self.stage_constant_bytes,
+            "rank_constant_bytes": self.rank_constant_bytes,
             "stage_output_bytes": self.stage_output_bytes,
             "model_output_bytes": self.model_output_bytes,
             **({"loss_bytes": self.loss_bytes} if self.loss_bytes else {}),
@@ -286,6 +286,7 @@ class ModelProfile:
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in micro_batch.items()
         ):
             raise InputError("micro_batch", f"expected an object of integers, got {micro_batch!r}")
+        fields.renamed("stage_constant_bytes", "rank_constant_bytes")
         profile = cls(
             layers=tuple(_layer_from_dict(item, f"layers[{i}]") for i, item in enumerate(layers_data)),
             model=fields.text("model"),
@@ -294,7 +295,7 @@ class ModelProfile:
             dtype=fields.text("dtype"),
             micro_batch=dict(micro_batch),
             fingerprint=fields.text("fingerprint"),
-            stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+            rank_constant_bytes=fields.number("rank_constant_bytes", 0.0),
             stage_output_bytes=fields.number("stage_output_bytes", 0.0),
             stage_shared_bytes=fields.number("stage_shared_bytes", 0.0),
             checkpoint_state_bytes=fields.number("checkpoint_state_bytes", 0.0),
@@ -424,7 +425,7 @@ def _check_profile(profile: ModelProfile) -> None:
         raise InputError("layers", "expected at least one layer")
     if len(profile.layers) > MAX_LAYERS:
         raise InputError("layers", f"{len(profile.layers):,} layers; expected at most {MAX_LAYERS:,}")
-    check_bytes(profile.stage_constant_bytes, "stage_constant_bytes")
+    check_bytes(profile.rank_constant_bytes, "rank_constant_bytes")
     check_bytes(profile.stage_output_bytes, "stage_output_bytes")
     check_bytes(profile.stage_shared_bytes, "stage_shared_bytes")
     check_bytes(profile.checkpoint_state_bytes, "checkpoint_state_bytes")

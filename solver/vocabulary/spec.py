@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from basics.deprecation import renamed_keywords, warn_renamed
 from basics.errors import InputError, check_bytes, check_ms, check_non_negative, shown
 from basics.fields import Fields
 from simulator import build_schedule
@@ -16,7 +17,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 # How many token copies an expert-parallel rank's experts receive: the even share T k / e, the most a
 # dropless router can send (T min(k, E / e)), or a capacity factor over the even share ("capacity:1.25").
 EXPERT_TOKENS = ("balanced", "dropless")
-DEGREES = ("data_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
+DEGREES = ("pipeline_parallel", "data_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
 FLAGS = (
     "allow_empty_chunks",
     "receive_buffers",
@@ -33,7 +34,7 @@ COLLECTIVE_BACKENDS = ("nccl", "gloo")
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """Stages (pipeline ranks), chunks per stage, micro-batches per iteration, the schedule, and
+    """Pipeline ranks (`pipeline_parallel`), chunks (virtual stages) per rank, micro-batches per iteration, the schedule, and
     what memory each device has.
 
     The profile's parameter, gradient and optimizer bytes are taken as unsharded; with
@@ -46,7 +47,7 @@ class PipelineSpec:
     allocated between steps (`zero_grad(set_to_none=False)`); else they come within each step.
     `ddp`: torch's DistributedDataParallel on each stage, whose buckets hold a copy of the gradients
     unless `ddp_bucket_view` (`gradient_as_bucket_view=True`). `collective_backend`: "gloo" where
-    FSDP's all-gathers hold a temporary of their output's size. `stage_constant_bytes` is added to the profile's.
+    FSDP's all-gathers hold a temporary of their output's size. `rank_constant_bytes` is added to the profile's.
     `action_overhead_ms` is added to every forward, backward, input- and weight-gradient action: the
     engine's own cost per action (Python, scheduling), which a calibration measures.
     `receive_buffers`: the engine is torch.distributed.pipelining (TorchTitan's too), which holds
@@ -54,12 +55,12 @@ class PipelineSpec:
     (all but the first) and one for the output gradient (all but the last).
     """
 
-    stages: int
+    pipeline_parallel: int
     micro_batches: int
     schedule: str = "1F1B"
     chunks: int | None = None  # None: the schedule's own
     memory_budget_bytes: float = math.inf
-    stage_constant_bytes: float = 0.0
+    rank_constant_bytes: float = 0.0
     p2p_ms: float = 0.0
     action_overhead_ms: float = 0.0
     data_parallel: int = 1
@@ -82,7 +83,7 @@ class PipelineSpec:
     def __post_init__(self) -> None:
         if self.memory_budget_bytes != math.inf:
             check_non_negative(self.memory_budget_bytes, "memory_budget_bytes")
-        check_bytes(self.stage_constant_bytes, "stage_constant_bytes")
+        check_bytes(self.rank_constant_bytes, "rank_constant_bytes")
         check_ms(self.p2p_ms, "p2p_ms")
         check_ms(self.action_overhead_ms, "action_overhead_ms")
         for name in DEGREES:
@@ -95,7 +96,7 @@ class PipelineSpec:
         if self.zero_stage not in ZERO_STAGES:
             raise InputError("zero_stage", f"expected one of {ZERO_STAGES}, got {shown(self.zero_stage)}")
         self._check_layout()
-        _ = self.pipeline_schedule  # stages, chunks, micro-batches and the schedule name are checked here
+        _ = self.pipeline_schedule  # ranks, chunks, micro-batches and the schedule name are checked here
         self._check_data_parallel()
 
     def _check_layout(self) -> None:
@@ -161,7 +162,7 @@ class PipelineSpec:
         """The schedule's per-rank action lists."""
         return build_schedule(
             self.schedule,
-            self.stages,
+            self.pipeline_parallel,
             self.micro_batches,
             self.chunks,
             microbatch_group_size=self.microbatch_group_size,
@@ -190,6 +191,17 @@ class PipelineSpec:
         return static_split(
             self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_tensor_bytes, replicas
         ).total
+
+    @property
+    def stages(self) -> int:
+        """Deprecated: the former name of `pipeline_parallel`."""
+        warn_renamed("PipelineSpec.stages", "PipelineSpec.pipeline_parallel")
+        return self.pipeline_parallel
+
+
+PipelineSpec.__init__ = renamed_keywords(stages="pipeline_parallel", stage_constant_bytes="rank_constant_bytes")(  # type: ignore[method-assign]
+    PipelineSpec.__init__
+)
 
 
 @dataclass(frozen=True)
@@ -266,12 +278,12 @@ def capacity_factor(expert_tokens: object) -> float | None:
 
 def spec_to_dict(spec: PipelineSpec) -> dict[str, object]:
     return {
-        "stages": spec.stages,
+        "pipeline_parallel": spec.pipeline_parallel,
         "chunks": spec.num_chunks,
         "micro_batches": spec.micro_batches,
         "schedule": spec.pipeline_schedule.name,
         "memory_budget_bytes": None if spec.memory_budget_bytes == math.inf else spec.memory_budget_bytes,
-        "stage_constant_bytes": spec.stage_constant_bytes,
+        "rank_constant_bytes": spec.rank_constant_bytes,
         "p2p_ms": spec.p2p_ms,
         "action_overhead_ms": spec.action_overhead_ms,
         "data_parallel": spec.data_parallel,
@@ -301,15 +313,17 @@ def spec_from_dict(data: object, where: str = "spec") -> PipelineSpec:
         flags[name] = fields.raw(name, name == "gradients_persist")
         if not isinstance(flags[name], bool):
             raise InputError(fields.at(name), f"expected true or false, got {flags[name]!r}")
+    fields.renamed("stages", "pipeline_parallel")
+    fields.renamed("stage_constant_bytes", "rank_constant_bytes")
     values = dict(
-        stages=fields.integer("stages", required=True, least=1),
+        pipeline_parallel=fields.integer("pipeline_parallel", required=True, least=1),
         micro_batches=fields.integer("micro_batches", required=True, least=1),
         schedule=fields.text("schedule", required=True),
         chunks=fields.integer("chunks", least=1),
         memory_budget_bytes=math.inf
         if budget is None
         else check_non_negative(budget, fields.at("memory_budget_bytes")),
-        stage_constant_bytes=fields.number("stage_constant_bytes", 0.0),
+        rank_constant_bytes=fields.number("rank_constant_bytes", 0.0),
         p2p_ms=fields.number("p2p_ms", 0.0),
         action_overhead_ms=fields.number("action_overhead_ms", 0.0),
         data_parallel=fields.integer("data_parallel", 1, least=1),

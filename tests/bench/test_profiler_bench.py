@@ -86,7 +86,7 @@ def test_layers_cover_the_step(benchmark, name):
                 profiler.step()
                 if profiler.steps_done > profiler.warmup_steps:
                     layers_ms = sum(
-                        s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.measure.samples.values()
+                        s.forward_ms["none"][-1] + s.backward_ms["none"][-1] for s in profiler.samples.values()
                     )
                     ratios.append(layers_ms / step_ms)
 

@@ -16,9 +16,9 @@ CASES = {
 }
 
 
-def costs(stages: int, chunks: int) -> PipelineCosts:
+def costs(ranks: int, chunks: int) -> PipelineCosts:
     return PipelineCosts.uniform(
-        stages,
+        ranks,
         chunks,
         forward_ms=1.0,
         backward_ms=2.0,
@@ -32,11 +32,11 @@ def costs(stages: int, chunks: int) -> PipelineCosts:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_build_and_simulate(benchmark, case):
-    name, stages, chunks, micro_batches = CASES[case]
-    pipeline_costs = costs(stages, chunks)
+    name, ranks, chunks, micro_batches = CASES[case]
+    pipeline_costs = costs(ranks, chunks)
 
     def run():
-        return simulate(build_schedule(name, stages, micro_batches, chunks), pipeline_costs)
+        return simulate(build_schedule(name, ranks, micro_batches, chunks), pipeline_costs)
 
     result = benchmark.pedantic(run, rounds=5, iterations=1)
     assert len(result.end_ms) == result.schedule.num_actions
@@ -45,10 +45,10 @@ def test_build_and_simulate(benchmark, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_resimulate_built_schedule(benchmark, case):
     """What a solver pays per candidate plan: the schedule is built and compiled once."""
-    name, stages, chunks, micro_batches = CASES[case]
-    schedule = build_schedule(name, stages, micro_batches, chunks)
+    name, ranks, chunks, micro_batches = CASES[case]
+    schedule = build_schedule(name, ranks, micro_batches, chunks)
     _ = schedule.compiled  # built outside the timed replay
-    pipeline_costs = costs(stages, chunks)
+    pipeline_costs = costs(ranks, chunks)
     result = benchmark.pedantic(simulate, args=(schedule, pipeline_costs), rounds=5, iterations=1)
     assert result.iteration_time_ms > 0
 

@@ -41,7 +41,7 @@ def test_solve(benchmark, case):
     fixture, schedule, stages, chunks, micro_batches, budget_mib, limit = CASES[case]
     profile = load_profile(SAPP / fixture)
     spec = PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         schedule=schedule,
@@ -82,7 +82,7 @@ UNEVEN = {
 def test_solve_uneven_layers(benchmark, case):
     seed, body_layers, schedule, stages, chunks, micro_batches, budget_mib = UNEVEN[case]
     spec = PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         schedule=schedule,
@@ -159,7 +159,7 @@ def test_solve_real_model_shapes(benchmark, case):
         shape_from_config(config, sequence=4096, tensor_parallel=tensor_parallel), flops_per_second=4e14
     )
     spec = PipelineSpec(
-        stages=stages,
+        pipeline_parallel=stages,
         chunks=chunks,
         micro_batches=micro_batches,
         schedule=schedule,

@@ -120,29 +120,33 @@ def _caveat(value: FlagValue) -> str:
 # -- checks --------------------------------------------------------------------------------------
 
 
-def check_stages(reading: Reading, occurrence: Occurrence, layout: Layout, path: Path, notes: list[str]) -> bool:
-    """Whether the script's pipeline size is to be set to the plan's stage count (said in a note)."""
+def check_pipeline_size(reading: Reading, occurrence: Occurrence, layout: Layout, path: Path, notes: list[str]) -> bool:
+    """Whether the script's pipeline size is to be set to the plan's (said in a note)."""
     value = value_of(reading, occurrence)
-    stages = value.number()
+    size = value.number()
     written = _written(reading, occurrence)
-    if stages is None:
-        launch = f" (launch it with {value.environment[0]}={layout.stages})" if len(value.environment) == 1 else ""
+    if size is None:
+        launch = (
+            f" (launch it with {value.environment[0]}={layout.pipeline_parallel})"
+            if len(value.environment) == 1
+            else ""
+        )
         notes.append(
             f"{PP_SIZE} is {written} in {path.name}, known only where the script is launched: the plan is "
-            f"for {layout.stages} stages{launch}"
+            f"for {layout.pipeline_parallel} pipeline ranks{launch}"
         )
         return False
     caveat = _caveat(value)
-    if stages != layout.stages:
+    if size != layout.pipeline_parallel:
         notes.append(
             f"{PP_SIZE} {_said(reading, occurrence, value)}{f' ({caveat})' if caveat else ''} set to the "
-            f"plan's {layout.stages} stages: Megatron-LM then runs world size / ({layout.stages} x tensor x "
+            f"plan's {layout.pipeline_parallel} pipeline ranks: Megatron-LM then runs world size / ({layout.pipeline_parallel} x tensor x "
             "context-parallel size) data-parallel replicas"
         )
         return True
     if caveat:
         notes.append(
-            f"{PP_SIZE} is {written} in {path.name}: {stages} {caveat}; the plan is for {layout.stages} stages"
+            f"{PP_SIZE} is {written} in {path.name}: {size} {caveat}; the plan is for {layout.pipeline_parallel} pipeline ranks"
         )
     return False
 
@@ -316,12 +320,12 @@ def check_interleaving(reading: Reading, last: dict[str, Occurrence], layout: La
     if layout.chunks == 1:
         return
     least = 3 if NO_OVERLAP_P2P in last else 2
-    if layout.stages < least:
+    if layout.pipeline_parallel < least:
         why = f" with {NO_OVERLAP_P2P}" if least == 3 else ""
         raise InputError(
             "--plan",
-            f"interleaves {layout.chunks} chunks on {layout.stages} pipeline stages; Megatron-LM"
-            f"{why} interleaves only over {least} stages or more",
+            f"interleaves {layout.chunks} chunks on {layout.pipeline_parallel} pipeline ranks; Megatron-LM"
+            f"{why} interleaves only over {least} ranks or more",
         )
 
 
@@ -347,7 +351,12 @@ def plan_flags(
     if split is None:
         text = layout_string(layout, mtp)
         try:
-            check(text, pipeline_size=layout.stages, num_layers=layout.body_layers - mtp, mtp_layers=mtp or None)
+            check(
+                text,
+                pipeline_size=layout.pipeline_parallel,
+                num_layers=layout.body_layers - mtp,
+                mtp_layers=mtp or None,
+            )
         except LayoutError as error:
             raise InputError("--plan", f"cannot be said as a Megatron-LM layout: {error.detail}") from None
         split = [(LAYOUT, text)]
@@ -358,8 +367,8 @@ def plan_flags(
             now = "the layout's virtual stages" if layout.chunks > 1 else "the plan's one chunk per rank"
             notes.append(f"{occurrence.flag} ({where(reading, occurrence)}) taken out: {now} in its place")
     if layout.schedule == "Interleaved1F1B":
-        group = layout.microbatch_group_size or default_group_size(layout.stages, layout.micro_batches)
-        if group != layout.stages or GROUP_SIZE in last:  # Megatron's default is the pipeline size
+        group = layout.microbatch_group_size or default_group_size(layout.pipeline_parallel, layout.micro_batches)
+        if group != layout.pipeline_parallel or GROUP_SIZE in last:  # Megatron's default is the pipeline size
             wanted.append((GROUP_SIZE, [str(group)]))
     return _recompute(reading, last, occurring, layout, mtp, wanted, gone, notes)
 

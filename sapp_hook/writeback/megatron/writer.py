@@ -57,7 +57,7 @@ from sapp_hook.writeback.megatron.plan import (
     check_layers,
     check_micro_batches,
     check_model,
-    check_stages,
+    check_pipeline_size,
     layout_string,
     plan_flags,
     split_flags,
@@ -93,8 +93,8 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     notes = result.notes
     wanted: list[tuple[str, list[str]]] = []
     # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
-    if anchor_flag == TP_SIZE or check_stages(reading, last[PP_SIZE], layout, path, notes):
-        wanted.append((PP_SIZE, [str(layout.stages)]))
+    if anchor_flag == TP_SIZE or check_pipeline_size(reading, last[PP_SIZE], layout, path, notes):
+        wanted.append((PP_SIZE, [str(layout.pipeline_parallel)]))
     check_model(reading, last, launchers, layout, path)
     mtp = check_layers(reading, last, layout, path, notes)
     check_micro_batches(reading, last, layout, path, notes)
@@ -106,7 +106,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         notes.insert(
             0,
             f"{path.name} passes no {PP_SIZE} (Megatron-LM runs 1 stage then"
-            f"{_commented(reading, PP_SIZE)}): the plan's {layout.stages} is added",
+            f"{_commented(reading, PP_SIZE)}): the plan's {layout.pipeline_parallel} is added",
         )
     unseen = _unseen(reading, launchers)
     if unseen:

@@ -18,7 +18,7 @@ from sapp_hook.writeback.mindformers.values import (
     held_layers,
     interleave_value,
     is_int,
-    note_stages,
+    note_pipeline_size,
     section,
     set_counts,
     set_offset,
@@ -38,7 +38,7 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
     parallel = section(document, PARALLEL, path)
     pipeline = section(document, PIPELINE, path)
     section(document, ("recompute_config",), path)
-    note_stages(
+    note_pipeline_size(
         parallel,
         "distribute_parallel_config.pipeline_model_parallel_size",
         ("data_parallel_size", "tensor_model_parallel_size"),
@@ -57,7 +57,7 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
         pipeline.get("seq_split_num", MISSING),
     )
 
-    edit.set((*PARALLEL, "pipeline_model_parallel_size"), layout.stages)
+    edit.set((*PARALLEL, "pipeline_model_parallel_size"), layout.pipeline_parallel)
     edit.set(
         (*PIPELINE, "pipeline_interleave"),
         interleave_value(

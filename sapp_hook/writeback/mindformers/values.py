@@ -3,7 +3,7 @@ patterns), the form sapp-hook writes a plan's in, and the checks both MindFormer
 
 A value is rewritten only where MindFormers would read it otherwise than the plan says, and in the
 config's own form where that form can say it: `recompute: True` stays for a plan that fully recomputes
-every layer, a per-stage list stays one where the plan has one chunk, op patterns keep their ops."""
+every layer, a per-rank list stays one where the plan has one chunk, op patterns keep their ops."""
 
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the
     "seqpipe": (
         (
             "MindSpore's sequence-pipeline order, which sapp-hook plans only without a sequence split "
-            "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the stages)"
+            "(seq_split_num 1: 1F1B, or Interleaved1F1B on micro-batches a multiple of the pipeline ranks)"
         ),
         "",
     ),
     "seqvpp": (
         (
             "MindSpore's interleaved sequence-pipeline order, which sapp-hook plans only without a sequence split "
-            "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the stages)"
+            "(seq_split_num 1: Interleaved1F1B on micro-batches a multiple of the pipeline ranks)"
         ),
         "",
     ),
@@ -46,7 +46,7 @@ OTHER_SCHEDULERS = {  # what each is, and what else the user may do than run the
         (
             "MindSpore's small-memory interleaved sequence-pipeline order, which sapp-hook plans only "
             "without a sequence split (seq_split_num 1: 1F1B, or Interleaved1F1B-less-memory on micro-batches "
-            "a multiple of the stages)"
+            "a multiple of the pipeline ranks)"
         ),
         "",
     ),
@@ -91,33 +91,37 @@ def section(data: object, place: tuple[str, ...], path: Path, *, required: bool 
 
 
 def check_count(value: object, where: str, path: Path) -> None:
-    """A count the config states (a stage or layer count) is an integer, or not stated (None)."""
+    """A count the config states (a pipeline size or layer count) is an integer, or not stated (None)."""
     if value is not None and not is_int(value):
         raise InputError("--config", f"{path}: {where} is {shown(value)}; expected an integer")
 
 
-def note_stages(
+def note_pipeline_size(
     parallel: Mapping, where: str, sizes: tuple[str, str], layout: Layout, path: Path, result: WriteBack
 ) -> None:
     """A pipeline size other than the plan's is set to the plan's, with a note of the device count it
     then takes (MindFormers runs data x model x pipeline parallel devices; `sizes` the other two keys)."""
     value = parallel.get(where.rsplit(".", 1)[-1])
-    if value is None or value == layout.stages:
+    if value is None or value == layout.pipeline_parallel:
         return
     if not is_int(value) or value < 1:
-        raise InputError("--config", f"{path}: {where} is {shown(value)}; expected a whole number of pipeline stages")
+        raise InputError("--config", f"{path}: {where} is {shown(value)}; expected a whole number of pipeline ranks")
     others = [parallel.get(key) for key in sizes]
     devices = ""
     if all(is_int(size) and size > 0 for size in others):
-        before, after = others[0] * others[1] * value, others[0] * others[1] * layout.stages
-        keep = before // (others[1] * layout.stages) if before % (others[1] * layout.stages) == 0 else None
+        before, after = others[0] * others[1] * value, others[0] * others[1] * layout.pipeline_parallel
+        keep = (
+            before // (others[1] * layout.pipeline_parallel)
+            if before % (others[1] * layout.pipeline_parallel) == 0
+            else None
+        )
         devices = (
-            f": the job then takes {sizes[0]} x {sizes[1]} x {layout.stages} = {shown(after)} devices "
+            f": the job then takes {sizes[0]} x {sizes[1]} x {layout.pipeline_parallel} = {shown(after)} devices "
             f"(was {shown(before)})" + (f"; for {shown(before)} set {sizes[0]} to {shown(keep)}" if keep else "")
         )
     result.notes.append(
         f"{where} was {shown(value)}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
-        f"{layout.stages}{devices}"
+        f"{layout.pipeline_parallel}{devices}"
     )
 
 
@@ -198,7 +202,10 @@ def _sequence_order_runs(scheduler: str, layout: Layout) -> bool:
     """Whether a sequence scheduler without a sequence split runs the plan's order (SEQUENCE_ORDERS)."""
     if layout.schedule not in SEQUENCE_ORDERS[scheduler]:
         return False
-    grouped = layout.micro_batches % layout.stages == 0 and layout.microbatch_group_size in (None, layout.stages)
+    grouped = layout.micro_batches % layout.pipeline_parallel == 0 and layout.microbatch_group_size in (
+        None,
+        layout.pipeline_parallel,
+    )
     return layout.chunks == 1 or grouped
 
 
@@ -207,12 +214,12 @@ def interleave_value(before: object, layout: Layout, scheduler: str, where: str,
     MindSpore's interleaved pipeline, one chunk too). A change is noted."""
     value = layout.chunks > 1 or (scheduler in SEQUENCE_ORDERS and before is True)
     if isinstance(before, bool) and before != value:
-        result.notes.append(f"{where} {before} -> {value}: the plan has {layout.chunks} chunk(s) per stage")
+        result.notes.append(f"{where} {before} -> {value}: the plan has {layout.chunks} chunk(s) per rank")
     return value
 
 
 def cells(value: object) -> list[list[int]]:
-    """A MindFormers per-stage list, or list of lists per chunk, as lists per chunk."""
+    """A MindFormers per-rank list, or list of lists per chunk, as lists per chunk."""
     return [list(row) for row in value] if value and isinstance(value[0], list) else [list(value)]
 
 
@@ -220,44 +227,44 @@ def _two_d(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(row, list) for row in value)
 
 
-def read_offset(value: object, chunks: int, stages: int) -> list[list[int]] | None:
-    """Per chunk and stage, the offsets MindFormers takes from `value` (one int for all, a list per stage
+def read_offset(value: object, chunks: int, ranks: int) -> list[list[int]] | None:
+    """Per chunk and rank, the offsets MindFormers takes from `value` (one int for all, a list per rank
     for every chunk, or a list per chunk), or None where it takes none of these."""
     if is_int(value):
-        return [[value] * stages for _ in range(chunks)]
+        return [[value] * ranks for _ in range(chunks)]
     rows = value if _two_d(value) else [value] * chunks if isinstance(value, list) else None
-    if rows is None or len(rows) != chunks or any(len(row) != stages or not all(map(is_int, row)) for row in rows):
+    if rows is None or len(rows) != chunks or any(len(row) != ranks or not all(map(is_int, row)) for row in rows):
         return None
     return [list(row) for row in rows]
 
 
 def read_counts(value: object, held: list[list[int]]) -> list[list[int]] | None:
-    """Per chunk and stage, how many layers (the first ones of each) MindFormers recomputes for `value`:
-    a bool for all or none, op patterns for all, a count per stage (MindFormers hands it out over the
-    chunks one layer at a time, `_alloc_recompute_layer`), or a count per chunk and stage (a bool for
+    """Per chunk and rank, how many layers (the first ones of each) MindFormers recomputes for `value`:
+    a bool for all or none, op patterns for all, a count per rank (MindFormers hands it out over the
+    chunks one layer at a time, `_alloc_recompute_layer`), or a count per chunk and rank (a bool for
     the cell's all or none); None for anything else."""
-    chunks, stages = len(held), len(held[0])
+    chunks, ranks = len(held), len(held[0])
     if isinstance(value, bool):
-        return [list(row) if value else [0] * stages for row in held]
+        return [list(row) if value else [0] * ranks for row in held]
     if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
         return [list(row) for row in held]
-    if isinstance(value, list) and len(value) == stages and all(isinstance(item, int) for item in value):
-        counts = [[0] * stages for _ in range(chunks)]
-        for stage, count in enumerate(value):
+    if isinstance(value, list) and len(value) == ranks and all(isinstance(item, int) for item in value):
+        counts = [[0] * ranks for _ in range(chunks)]
+        for rank, count in enumerate(value):
             left = (
-                sum(row[stage] for row in held)
+                sum(row[rank] for row in held)
                 if count is True
                 else 0
                 if count is False
-                else min(count, sum(row[stage] for row in held))
+                else min(count, sum(row[rank] for row in held))
             )
             while left > 0:
                 for chunk in range(chunks):
-                    if left and counts[chunk][stage] < held[chunk][stage]:
-                        counts[chunk][stage] += 1
+                    if left and counts[chunk][rank] < held[chunk][rank]:
+                        counts[chunk][rank] += 1
                         left -= 1
         return counts
-    if _two_d(value) and len(value) == chunks and all(len(row) == stages for row in value):
+    if _two_d(value) and len(value) == chunks and all(len(row) == ranks for row in value):
         return [
             [
                 held[c][s]
@@ -281,7 +288,7 @@ def offset_value(current: object, desired: list[list[int]], chunks: int) -> list
 
 def count_value(current: object, desired: list[list[int]], held: list[list[int]], chunks: int) -> object:
     """The plan's counts in the config's form: a bool where the config has one and the plan recomputes
-    every layer or none, else per stage, or per chunk where there are chunks or the config has lists."""
+    every layer or none, else per rank, or per chunk where there are chunks or the config has lists."""
     if isinstance(current, bool) and desired in (held, [[0] * len(row) for row in held]):
         return desired == held
     return desired if chunks > 1 or _two_d(current) else desired[0]
@@ -290,12 +297,12 @@ def count_value(current: object, desired: list[list[int]], held: list[list[int]]
 def set_offset(edit: YamlEdit, place: tuple[str, ...], layout: Layout) -> None:
     desired = cells(layout.mindformers["offset"])
     current = edit.get(place)
-    if read_offset(current, layout.chunks, layout.stages) != desired:
+    if read_offset(current, layout.chunks, layout.pipeline_parallel) != desired:
         edit.set(place, offset_value(current, desired, layout.chunks))
 
 
 def held_layers(layout: Layout) -> list[list[int]]:
-    """Body layers per chunk and stage, as the plan's offsets say them."""
+    """Body layers per chunk and rank, as the plan's offsets say them."""
     share = layout.body_layers // layout.num_virtual_stages
     return [[share + offset for offset in row] for row in cells(layout.mindformers["offset"])]
 

@@ -20,7 +20,7 @@ from sapp_hook.writeback.mindformers.values import (
     check_layers,
     check_scheduler,
     interleave_value,
-    note_stages,
+    note_pipeline_size,
     section,
     set_counts,
     set_offset,
@@ -86,7 +86,9 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     """The plan in the classic training config's places; every check before the first change."""
     document = edit.data
     parallel = section(document, ("parallel_config",), path)
-    note_stages(parallel, "parallel_config.pipeline_stage", ("data_parallel", "model_parallel"), layout, path, result)
+    note_pipeline_size(
+        parallel, "parallel_config.pipeline_stage", ("data_parallel", "model_parallel"), layout, path, result
+    )
     model = section(document, ("model", "model_config"), path, required=True)
     check_layers(model, "model.model_config", layout, path, result)
     section(document, ("recompute_config",), path)
@@ -97,7 +99,7 @@ def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack
     )
 
     if "parallel_config" in document:
-        edit.set(("parallel_config", "pipeline_stage"), layout.stages)
+        edit.set(("parallel_config", "pipeline_stage"), layout.pipeline_parallel)
         before = parallel.get("micro_batch_num")
         if before != layout.micro_batches:
             result.notes.append(

@@ -115,9 +115,11 @@ def every_kth_block(layout: Layout) -> int | None:
     over the rank's virtual stages, from 1) and nothing else: what TorchTitan's `selective_ac_option = "k"`
     does, one counter per process over the blocks it wraps."""
     placement = schedule_kind(layout.schedule).placement
-    ranks: list[list[str]] = [[] for _ in range(layout.stages)]
+    ranks: list[list[str]] = [[] for _ in range(layout.pipeline_parallel)]
     for virtual, cell in enumerate(layout.virtual_stages()):
-        ranks[stage_to_rank(virtual, layout.stages, placement)] += [layer.recompute for layer in cell if layer.is_body]
+        ranks[stage_to_rank(virtual, layout.pipeline_parallel, placement)] += [
+            layer.recompute for layer in cell if layer.is_body
+        ]
     for every in range(2, max(len(modes) for modes in ranks) + 1):
         if all(
             mode == (FULL if index % every == 0 else NONE) for modes in ranks for index, mode in enumerate(modes, 1)
@@ -140,7 +142,7 @@ def check_degree(value: object, where: str) -> int | None:
 def change_notes(result: WriteBack, where: str, degree: int | None, schedule: object, layout: Layout) -> None:
     """Notes for a pipeline degree or schedule the plan changes (`degree` None: the config leaves it at
     TorchTitan's default, 1)."""
-    if degree != layout.stages:
+    if degree != layout.pipeline_parallel:
         was = (
             "not set (TorchTitan's default: 1, no pipeline parallelism)"
             if degree is None
@@ -149,8 +151,8 @@ def change_notes(result: WriteBack, where: str, degree: int | None, schedule: ob
             else shown(degree)
         )
         result.notes.append(
-            f"{where}.pipeline_parallel_degree was {was}; set to the plan's {layout.stages}: the job "
-            f"runs {layout.stages} pipeline ranks for every rank of its other degrees (check "
+            f"{where}.pipeline_parallel_degree was {was}; set to the plan's {layout.pipeline_parallel}: the job "
+            f"runs {layout.pipeline_parallel} pipeline ranks for every rank of its other degrees (check "
             f"data_parallel_shard_degree and the launcher's rank count)"
         )
     if schedule is not None and str(schedule).lower() != layout.schedule.lower():

@@ -200,7 +200,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     result = WriteBack(path=path, diff="")
     change_notes(result, f"{chosen.name}: parallelism", degree, parallelism.get("pipeline_parallel_schedule"), layout)
     wanted = {
-        "pipeline_parallel_degree": layout.stages,
+        "pipeline_parallel_degree": layout.pipeline_parallel,
         "pipeline_parallel_schedule": layout.schedule,
         # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
         dialect.micro_key: _micro_batches(

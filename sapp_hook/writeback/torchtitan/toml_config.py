@@ -71,7 +71,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     result = WriteBack(path=path, diff="")
     change_notes(result, dialect.table, degree, table.get("pipeline_parallel_schedule"), layout)
     written = {
-        "pipeline_parallel_degree": layout.stages,
+        "pipeline_parallel_degree": layout.pipeline_parallel,
         "pipeline_parallel_schedule": _schedule(table.get("pipeline_parallel_schedule"), layout, dialect),
     }
     written[dialect.micro_key] = _micro_batches(document, dialect, layout, path)

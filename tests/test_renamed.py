@@ -1,0 +1,76 @@
+"""Names renamed in this release keep working for one more, each with a warning that names the new one."""
+
+import json
+
+import pytest
+from solver_cases import small_profile
+
+import sapp_hook
+from sapp_hook.cli import main
+from sapp_hook.writeback import layout_of
+from solver import PipelineSpec, evaluate_plan
+from solver.vocabulary.spec import spec_from_dict, spec_to_dict
+
+
+def test_pipeline_spec_takes_stages_as_pipeline_parallel():
+    with pytest.warns(DeprecationWarning, match=r"PipelineSpec\(stages=...\) is deprecated .* use pipeline_parallel="):
+        spec = PipelineSpec(stages=4, micro_batches=8)
+    assert spec == PipelineSpec(pipeline_parallel=4, micro_batches=8)
+    with pytest.warns(DeprecationWarning, match="PipelineSpec.stages is deprecated"):
+        assert spec.stages == 4
+    with pytest.raises(TypeError, match="pass pipeline_parallel= only"):
+        PipelineSpec(stages=4, pipeline_parallel=4, micro_batches=8)
+
+
+def test_a_plan_json_of_the_former_names_reads_as_the_new():
+    plan = evaluate_plan(
+        small_profile(8), PipelineSpec(pipeline_parallel=4, micro_batches=8), [3, 2, 3, 2], ["none"] * 10
+    )
+    data = json.loads(json.dumps(plan.to_dict()))
+    data["spec"]["stages"] = data["spec"].pop("pipeline_parallel")
+    data["spec"]["stage_constant_bytes"] = data["spec"].pop("rank_constant_bytes")
+    for layer in data["plan"]["layers"]:
+        layer["stage"] = layer.pop("rank")
+    with pytest.warns(FutureWarning, match="spec.stages is the former name of spec.pipeline_parallel"):
+        assert spec_to_dict(spec_from_dict(data["spec"])) == spec_to_dict(plan.spec)
+    with pytest.warns(FutureWarning):
+        layout = sapp_hook.layout_from_dict(data)
+    assert layout.layers == layout_of(plan).layers
+
+
+def test_sapp_hook_apply_is_build_stages():
+    pytest.importorskip("torch")
+    with pytest.warns(DeprecationWarning, match=r"sapp_hook.apply is deprecated .* use sapp_hook.build_stages"):
+        assert sapp_hook.apply is sapp_hook.build_stages
+
+
+def test_a_former_flag_works_with_a_warning(capsys):
+    argv = [
+        "simulate",
+        "--schedule",
+        "1F1B",
+        "--stages",
+        "4",
+        "--micro-batches",
+        "8",
+        "--forward",
+        "1",
+        "--backward",
+        "2",
+    ]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "sapp-hook: warning: --stages is deprecated and goes in the next release; use --pipeline-parallel\n"
+    )
+    assert json.loads(captured.out)["ranks"] == 4
+
+
+def test_a_former_flag_after_the_training_command_is_the_commands_own(tmp_path, capsys):
+    """`run` passes its command's arguments on untouched: a training script may have a --stages of its own."""
+    from sapp_hook.cli.flags import translate_renamed
+
+    argv = ["run", "--config", "x.yaml", "--", "python", "train.py", "--stages", "4"]
+    assert translate_renamed(argv) == (argv, [])
+    argv = ["solve", "--profile", "p.json", "--stages=4", "--stage-constant", "1GB"]
+    assert translate_renamed(argv)[0][3:] == ["--pipeline-parallel=4", "--rank-constant", "1GB"]
