@@ -21,6 +21,8 @@ from solver_cases import small_profile
 
 from sapp_hook.cli import main
 from sapp_hook.writeback import check_job, layout_of, write_config
+from sapp_hook.writeback.errors import PlanMismatch
+from sapp_hook.writeback.layout import even_layout
 from sapp_hook.writeback.megatron.layout_string import LayoutError, check, parse_stages
 from sapp_hook.writeback.megatron.writer import layout_string, parse_layout
 from simulator import InputError
@@ -777,6 +779,11 @@ def test_the_job_check_reads_scripts_as_the_writer_does(fixtures):
         check_job("megatron", fixtures / name, spec, 8, config_field="--config")
     with pytest.raises(InputError, match=r"--config: .* does not fit this job: the plan places 9 decoder layers"):
         check_job("megatron", fixtures / "gpt3_arrays.sh", spec, 9, config_field="--config")
+    # the writer's refusal is a PlanMismatch: what the plan says, named by the caller, never matched by its words
+    with pytest.raises(PlanMismatch) as caught:
+        write_config("megatron", fixtures / "gpt3_arrays.sh", even_layout(spec, 9), dry_run=True)
+    assert (caught.value.field, caught.value.predicate) == ("--plan", caught.value.detail)
+    assert caught.value.predicate.startswith("places 9 decoder layers")
 
 
 # -- the layout grammar --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from basics.errors import InputError, check_instance, shown
+from sapp_hook.writeback.errors import PLAN, PlanMismatch
 from sapp_hook.writeback.files import WriteBack, check_writable, read_config
 from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
@@ -57,16 +58,16 @@ def check_destination(target: str, path: str | Path, *, target_field: str, confi
 
 
 def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: int, *, config_field: str) -> None:
-    """Refuse, before any work, a config that cannot take any plan for this job (stage count, schedule,
+    """Refuse, before any work, a config that cannot take any plan for this job (pipeline size, schedule,
     layer count, batch sizes): an even split of `body_layers` written in a dry run."""
     try:
         write_config(target, path, even_layout(spec, body_layers), dry_run=True)
+    except PlanMismatch as mismatch:
+        raise InputError(config_field, f"{path} does not fit this job: the plan {mismatch.predicate}") from None
     except InputError as error:
-        if error.field != "--plan":
+        if error.field != PLAN:
             raise InputError(config_field, error.detail) from None
-        # the writers' refusals of a plan read "--plan: is for 4 pipeline stages; ..." and the like
-        subject = "the plan " if error.detail.startswith(("is ", "places ")) else ""
-        raise InputError(config_field, f"{path} does not fit this job: {subject}{error.detail}") from None
+        raise InputError(config_field, f"{path} does not fit this job: {error.detail}") from None
 
 
 __all__ = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from basics.errors import InputError
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.megatron.flags import (
     DECODER_LAYERS,
@@ -164,7 +165,7 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
             )
         mtp = value.number() or 0
     if mtp >= layout.body_layers:
-        raise InputError("--plan", f"places {layout.body_layers} layers; {path} has {MTP_LAYERS} {mtp}")
+        raise PlanMismatch(f"places {layout.body_layers} layers; {path} has {MTP_LAYERS} {mtp}")
     if NUM_LAYERS not in last:
         _check_pattern_layers(reading, last, layout.body_layers - mtp, path)
         return mtp
@@ -173,10 +174,9 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
     mtp_said = f" + {MTP_LAYERS} {mtp}" if mtp else ""
     said = f"{NUM_LAYERS} {_said(reading, last[NUM_LAYERS], value)}{mtp_said}"
     if value.determined() and declared != expected:  # Megatron refuses a split whose layers do not add up
-        raise InputError("--plan", f"places {layout.body_layers} decoder layers; {path} has {said}")
+        raise PlanMismatch(f"places {layout.body_layers} decoder layers; {path} has {said}")
     if value.choices and value.exhaustive and not value.environment and str(expected) not in value.choices:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"places {layout.body_layers} decoder layers; {path} has {NUM_LAYERS} "
             f"{_written(reading, last[NUM_LAYERS])}{mtp_said}, which its branches set to "
             f"{' or '.join(value.choices)}",
@@ -207,8 +207,7 @@ def _check_pattern_layers(reading: Reading, last: dict[str, Occurrence], expecte
     """Without --num-layers, a HybridModel's layers are its --hybrid-layer-pattern's."""
     segments = _pattern_segments(reading, last)
     if segments is not None and sum(segments) != expected:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"places {expected} decoder layers; {path} has {PATTERN} "
             f"{value_of(reading, last[PATTERN]).text} ({sum(segments)} layers)",
         )
@@ -222,8 +221,7 @@ def check_model(
     pipeline size layers and runs no virtual stages (only an even plan of one chunk runs there)."""
     stacks = [flag for flag in (ENCODER_LAYERS, DECODER_LAYERS) if flag in last]
     if stacks:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"splits one stack of {layout.body_layers} layers; {path} trains an encoder-decoder "
             f"model ({' and '.join(stacks)}), whose stacks Megatron-LM's layout and first/last-"
             "stage flags do not split: sapp-hook plans decoder-only models",
@@ -234,8 +232,7 @@ def check_model(
     segments = _pattern_segments(reading, last)
     if segments is not None and len(segments) > 1:  # the pattern's | marks are the split Megatron runs
         if segments != body or layout.chunks > 1:
-            raise InputError(
-                "--plan",
+            raise PlanMismatch(
                 f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path}'s "
                 f"{PATTERN} marks {len(segments)} stages of {segments} layers with |, which sapp-hook does not "
                 "rewrite: only a plan of one chunk per rank that those marks say runs there as it is",
@@ -252,8 +249,7 @@ def check_model(
             "pipeline size layers and runs no virtual stages (newer Megatron-LM's HybridModel also takes "
             "stage boundaries as | in --hybrid-layer-pattern, not written by sapp-hook)"
         )
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"places {body} layers on its {layout.num_virtual_stages} virtual stages; {path} trains "
             f"{why.format(', '.join(hybrid))}: only an even split of one chunk per rank runs there as it is",
         )
@@ -293,8 +289,7 @@ def check_micro_batches(
             and not any(value.environment or value.conditional for value in values)
         )
     ):
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.micro_batches} micro-batches per step; with {path}'s {said}"
             f"{' (or what its branches set)' if len(pairs) > 1 else ''}, Megatron runs "
             f"{global_batch} / ({micro_batch} x data-parallel size): {layout.micro_batches} at "
@@ -322,8 +317,7 @@ def check_interleaving(reading: Reading, last: dict[str, Occurrence], layout: La
     least = 3 if NO_OVERLAP_P2P in last else 2
     if layout.pipeline_parallel < least:
         why = f" with {NO_OVERLAP_P2P}" if least == 3 else ""
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"interleaves {layout.chunks} chunks on {layout.pipeline_parallel} pipeline ranks; Megatron-LM"
             f"{why} interleaves only over {least} ranks or more",
         )
@@ -358,7 +352,7 @@ def plan_flags(
                 mtp_layers=mtp or None,
             )
         except LayoutError as error:
-            raise InputError("--plan", f"cannot be said as a Megatron-LM layout: {error.detail}") from None
+            raise PlanMismatch(f"cannot be said as a Megatron-LM layout: {error.detail}") from None
         split = [(LAYOUT, text)]
     wanted.extend((flag, [value]) for flag, value in split)
     gone.extend(flag for flag in SPLIT_FLAGS if flag not in dict(split))

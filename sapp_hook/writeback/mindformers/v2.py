@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from basics.errors import InputError
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers.values import (
@@ -118,16 +118,14 @@ def _check_micro_batches(document: Mapping, parallel: Mapping, layout: Layout, p
     sizes = f"{said[0]}, {said[1]} and {said[2]}"
     if is_int(data_parallel) and data_parallel > 0:
         if per_replica // data_parallel != layout.micro_batches:
-            raise InputError(
-                "--plan",
+            raise PlanMismatch(
                 f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes} at "
                 f"data_parallel_size {data_parallel}, MindFormers runs {per_replica // data_parallel}",
             )
         return
     replicas = per_replica // layout.micro_batches
     if not replicas or per_replica // replicas != layout.micro_batches:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.micro_batches} micro-batches per step; with {path}'s {sizes}, "
             f"MindFormers runs {per_replica} // data-parallel size: {layout.micro_batches} at none",
         )

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.text.yaml_splice import MISSING, YamlEdit
@@ -143,14 +144,13 @@ def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result:
         )
         return
     if model[key] + mtp != layout.body_layers:
-        raise InputError(
-            "--plan", f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {shown(model[key])}{said}"
+        raise PlanMismatch(
+            f"places {layout.body_layers} decoder layers; {path} has {where}.{key} {shown(model[key])}{said}"
         )
     body = [index for index, layer in enumerate(layout.layers) if layer.is_body]
     planned = [index for index in body if "mtp" in layout.layers[index].kind.lower()]
     if planned and (len(planned) != mtp or planned != body[-len(planned) :]):
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"places {len(planned)} multi-token-prediction layers ({layout.layers[planned[0]].kind}); "
             f"{path} has {mtp} ({where}.{mtp_key or MTP_KEYS[0]}), which MindFormers places after "
             "the decoder layers",
@@ -167,8 +167,7 @@ def check_scheduler(
     wanted = SCHEDULERS.get(layout.schedule)
     if wanted is None:
         known = ", ".join(f"{name} ({scheduler})" for name, scheduler in SCHEDULERS.items())
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.schedule}, an order MindFormers does not run (sapp-hook plans for "
             f"it {known}): solve with one of these",
         )
@@ -191,8 +190,7 @@ def check_scheduler(
     )
     if configured in SEQUENCE_ORDERS and not unsplit:
         what = f"with seq_split_num {seq_split}, {what}"
-    raise InputError(
-        "--plan",
+    raise PlanMismatch(
         f"is for {layout.schedule} (pipeline_scheduler {wanted}); {path} has {where} {configured!r}, "
         f"{what}: {advice}set {where} to {wanted} to run this plan",
     )

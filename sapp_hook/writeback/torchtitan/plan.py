@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan.dialects import Dialect
@@ -65,8 +66,7 @@ def split_points(layout: Layout, key: str) -> list[str]:
     for index, names in enumerate(module_names(layout, "output")[1:], start=1):
         blocks = [name for name in names if name.startswith("layers.")]
         if not blocks:
-            raise InputError(
-                "--plan",
+            raise PlanMismatch(
                 f"gives virtual stage {index} no decoder layer; this TorchTitan splits the model at "
                 f"decoder layers ({key}) and cannot say that",
             )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from basics.errors import InputError
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.text.python_source import (
@@ -293,8 +294,7 @@ def _micro_batches(training: dict[str, object], dialect: Dialect, layout: Layout
             "--config", f"{where}: training.local_batch_size is {local!r}; TorchTitan expects a whole number"
         )
     if local % layout.micro_batches:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.micro_batches} micro-batches; {where} has training.local_batch_size "
             f"{local}, which does not split into {layout.micro_batches}",
         )

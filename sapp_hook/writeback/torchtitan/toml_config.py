@@ -11,6 +11,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan.dialects import (
@@ -122,8 +123,7 @@ def _schedule(current: object, layout: Layout, dialect: Dialect) -> str:
     if not dialect.lowercase_schedules and not unspelled:
         return layout.schedule
     if layout.schedule not in LOWERCASE_SCHEDULES:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.schedule}; this TorchTitan (schedules spelled "
             f"{', '.join(LOWERCASE_SCHEDULES.values())}) runs only {', '.join(LOWERCASE_SCHEDULES)}",
         )
@@ -153,8 +153,7 @@ def _micro_batches(document: Mapping[str, object], dialect: Dialect, layout: Lay
             "--config", f"{path}: training.{key} is {shown(local)}; expected a 64-bit integer, as TOML's are"
         )
     if local % layout.micro_batches:
-        raise InputError(
-            "--plan",
+        raise PlanMismatch(
             f"is for {layout.micro_batches} micro-batches; {path} has training.{key} "
             f"{shown(local)}, which does not split into {layout.micro_batches}",
         )
