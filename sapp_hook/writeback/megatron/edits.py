@@ -56,7 +56,11 @@ def removal(reading: Reading, occurrence: Occurrence) -> Edit:
     depth, prefix = _container(reading, occurrence)
     sites = _sites(reading, occurrence, occurrence.name + _joined(occurrence.values), depth, prefix)
     return Edit(
-        sites[0].file, min(s.start for s in sites), max(s.end for s in sites), "", reading.boxes[sites[0].box].kind
+        sites[0].file,
+        min(site.start for site in sites),
+        max(site.end for site in sites),
+        "",
+        reading.boxes[sites[0].box].kind,
     )
 
 
@@ -166,10 +170,10 @@ def insertion(
         indent = text[line_start : flag_site.start]
         tail = " \\" if continued else ""
         block = "".join(f"{indent}{line}{tail}{newline}" for line in rendered)
-        at = line_end + 1 if line_end < len(text) else len(text)
+        block_start = line_end + 1 if line_end < len(text) else len(text)
         if line_end == len(text):
             block = newline + block.removesuffix(newline)
-        return Edit(last.file, at, at, block, box.kind), where
+        return Edit(last.file, block_start, block_start, block, box.kind), where
     return Edit(last.file, position, position, "".join(" " + line for line in rendered), box.kind), where
 
 
@@ -177,7 +181,7 @@ def splice(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
     """The text with the edits made; a removal takes blanks, an emptied word or line, and the `\\`
     that continued a command onto a line that went."""
     spans: list[tuple[int, int, str]] = []
-    removals = sorted((e for e in edits if e.removal), key=lambda e: e.start)
+    removals = sorted((edit for edit in edits if edit.removal), key=lambda edit: edit.start)
     merged: list[list] = []
     for edit in removals:
         start, end = _whole_tokens(text, edit.start, edit.end, tokens)
@@ -188,7 +192,7 @@ def splice(text: str, edits: list[Edit], tokens: list[tuple[int, int]]) -> str:
             merged.append([start, end, edit.kind == "command"])
     for start, end, command in merged:
         spans.extend(_line_cleanup(text, start, end, command))
-    spans.extend((e.start, e.end, e.text) for e in edits if not e.removal)
+    spans.extend((edit.start, edit.end, edit.text) for edit in edits if not edit.removal)
     spans.sort(key=lambda span: (span[0], span[1]))
     for (_, end, _), (next_start, _, _) in pairwise(spans):
         if next_start < end:
@@ -244,7 +248,7 @@ def reading_tokens(reading: Reading, file: int) -> list[tuple[int, int]]:
     """Every word's span in a file's own text."""
     source = reading.files[file]
     if source.script is None:
-        return [(m.start(), m.end()) for m in re.finditer(r"\S+", source.text)]
+        return [(match.start(), match.end()) for match in re.finditer(r"\S+", source.text)]
     return [(source.offset(start), source.offset(end - 1) + 1) for start, end in source.script.words if end > start]
 
 

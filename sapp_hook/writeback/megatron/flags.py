@@ -264,7 +264,9 @@ def _choices(reading: Reading, chars: Field, depth: int) -> tuple[tuple[str, ...
             continue
         ref = reading.refs[site.ref]
         definitions = [reading.definitions[index] for index in (ref.used, *ref.alternatives) if index >= 0]
-        texts = [text_of(d.value.scalar()) if d.value is not None else None for d in definitions]
+        texts = [
+            text_of(definition.value.scalar()) if definition.value is not None else None for definition in definitions
+        ]
         exhaustive = bool(definitions) and not definitions[-1].conditional and None not in texts
         return tuple(dict.fromkeys(text for text in texts if text is not None)), exhaustive
     return (), False

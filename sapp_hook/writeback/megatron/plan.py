@@ -141,13 +141,14 @@ def check_pipeline_size(reading: Reading, occurrence: Occurrence, layout: Layout
     if size != layout.pipeline_parallel:
         notes.append(
             f"{PP_SIZE} {_said(reading, occurrence, value)}{f' ({caveat})' if caveat else ''} set to the "
-            f"plan's {layout.pipeline_parallel} pipeline ranks: Megatron-LM then runs world size / ({layout.pipeline_parallel} x tensor x "
-            "context-parallel size) data-parallel replicas"
+            f"plan's {layout.pipeline_parallel} pipeline ranks: Megatron-LM then runs world size / "
+            f"({layout.pipeline_parallel} x tensor x context-parallel size) data-parallel replicas"
         )
         return True
     if caveat:
         notes.append(
-            f"{PP_SIZE} is {written} in {path.name}: {size} {caveat}; the plan is for {layout.pipeline_parallel} pipeline ranks"
+            f"{PP_SIZE} is {written} in {path.name}: {size} {caveat}; the plan is for "
+            f"{layout.pipeline_parallel} pipeline ranks"
         )
     return False
 
@@ -265,20 +266,25 @@ def check_micro_batches(
         return  # left to Megatron's defaults
     values = value_of(reading, last[GLOBAL_BATCH]), value_of(reading, last[MICRO_BATCH])
     options = [
-        [n for n in map(as_int, value.choices) if n is not None] or ([value.number()] if value.number() else [])
+        [number for number in map(as_int, value.choices) if number is not None]
+        or ([value.number()] if value.number() else [])
         for value in values
     ]
-    pairs = [(g, m) for g in options[0] for m in options[1] if m]
+    pairs = [(global_size, micro_size) for global_size in options[0] for micro_size in options[1] if micro_size]
     if not pairs:
         return
-    fitting = [(g, m) for g, m in pairs if g % m == 0 and (g // m) % layout.micro_batches == 0]
+    fitting = [
+        (global_size, micro_size)
+        for global_size, micro_size in pairs
+        if global_size % micro_size == 0 and (global_size // micro_size) % layout.micro_batches == 0
+    ]
     global_batch, micro_batch = (fitting or pairs)[0]
     said = f"{GLOBAL_BATCH} {global_batch} and {MICRO_BATCH} {micro_batch}"
     caveat = _caveat(
         FlagValue(
             None,
-            tuple(dict.fromkeys(v for value in values for v in value.environment)),
-            tuple(dict.fromkeys(v for value in values for v in value.branches)),
+            tuple(dict.fromkeys(name for value in values for name in value.environment)),
+            tuple(dict.fromkeys(name for value in values for name in value.branches)),
             any(value.conditional for value in values),
         )
     )
@@ -333,10 +339,10 @@ def plan_flags(
     layout: Layout,
     mtp: int,
     wanted: list[tuple[str, list[str]]],
-    gone: list[str],
+    removed_flags: list[str],
     notes: list[str],
 ) -> str:
-    """Fill in the flags the plan needs (`wanted`) and those it cannot have (`gone`); what the flags
+    """Fill in the flags the plan needs (`wanted`) and those it cannot have (`removed_flags`); what the flags
     cannot say of the plan is returned ("" when they say it exactly)."""
     split = split_flags(layout) if not mtp else None
     segments = _pattern_segments(reading, last)
@@ -355,7 +361,7 @@ def plan_flags(
             raise PlanMismatch(f"cannot be said as a Megatron-LM layout: {error.detail}") from None
         split = [(LAYOUT, text)]
     wanted.extend((flag, [value]) for flag, value in split)
-    gone.extend(flag for flag in SPLIT_FLAGS if flag not in dict(split))
+    removed_flags.extend(flag for flag in SPLIT_FLAGS if flag not in dict(split))
     for occurrence in occurring:
         if occurrence.flag in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES):
             now = "the layout's virtual stages" if layout.chunks > 1 else "the plan's one chunk per rank"
@@ -364,7 +370,7 @@ def plan_flags(
         group = layout.microbatch_group_size or default_group_size(layout.pipeline_parallel, layout.micro_batches)
         if group != layout.pipeline_parallel or GROUP_SIZE in last:  # Megatron's default is the pipeline size
             wanted.append((GROUP_SIZE, [str(group)]))
-    return _recompute(reading, last, occurring, layout, mtp, wanted, gone, notes)
+    return _recompute(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
 
 
 def _recompute(
@@ -374,7 +380,7 @@ def _recompute(
     layout: Layout,
     mtp: int,
     wanted: list[tuple[str, list[str]]],
-    gone: list[str],
+    removed_flags: list[str],
     notes: list[str],
 ) -> str:
     cells, seen = [], 0
@@ -394,14 +400,14 @@ def _recompute(
                 f"takes (now {LEGACY[occurrence.flag]}): taken out, the plan's recompute said with current flags"
             )
     modes = {mode for cell in cells for mode in cell}
-    keep = {DISTRIBUTE} if DISTRIBUTE in last else set()
+    kept_flags = {DISTRIBUTE} if DISTRIBUTE in last else set()
     if modes <= {NONE}:
-        gone.extend(RECOMPUTE_FLAGS)
+        removed_flags.extend(RECOMPUTE_FLAGS)
         return ""
     if modes == {SELECTIVE}:
         modules = ["layernorm"] + (["moe_act"] if GROUPED_GEMM in last else [])
         wanted.extend([(GRANULARITY, ["selective"]), (MODULES, modules)])
-        gone.extend(flag for flag in RECOMPUTE_FLAGS if flag not in (GRANULARITY, MODULES))
+        removed_flags.extend(flag for flag in RECOMPUTE_FLAGS if flag not in (GRANULARITY, MODULES))
         return (
             f"Megatron-LM's selective recompute redoes the modules {MODULES} names; {' '.join(modules)} is the "
             "nearest to the plan's, and is not the selective recompute the profile measured (norms, activations "
@@ -411,10 +417,12 @@ def _recompute(
     counts = [sum(1 for mode in cell if mode != NONE) for cell in cells]
     most = max(counts)
     wanted.extend([(GRANULARITY, ["full"]), (METHOD, ["block"]), (RECOMPUTE_LAYERS, [str(most)])])
-    if "--distribute-checkpointed-activations" in {o.flag for o in occurring}:
-        keep.add(DISTRIBUTE)
+    if "--distribute-checkpointed-activations" in {occurrence.flag for occurrence in occurring}:
+        kept_flags.add(DISTRIBUTE)
         wanted.append((DISTRIBUTE, []))
-    gone.extend(flag for flag in RECOMPUTE_FLAGS if flag not in {GRANULARITY, METHOD, RECOMPUTE_LAYERS} | keep)
+    removed_flags.extend(
+        flag for flag in RECOMPUTE_FLAGS if flag not in {GRANULARITY, METHOD, RECOMPUTE_LAYERS} | kept_flags
+    )
     if modes <= {NONE, FULL} and len(set(counts)) == 1:
         return ""
     return (

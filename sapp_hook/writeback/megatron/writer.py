@@ -99,9 +99,9 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     mtp = check_layers(reading, last, layout, path, notes)
     check_micro_batches(reading, last, layout, path, notes)
     check_interleaving(reading, last, layout)
-    gone: list[str] = []
-    inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, gone, notes)
-    texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, gone, notes)
+    removed_flags: list[str] = []
+    inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
+    texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, removed_flags, notes)
     if anchor_flag == TP_SIZE:
         notes.insert(
             0,
@@ -204,8 +204,9 @@ def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
     for index in launchers:
         argv = reading.commands[index].argv
         texts = ["".join(ch.unknown or ch.char for ch in field) for field in argv]
-        script = next((n for n, text in enumerate(texts) if text.endswith(".py")), -1)  # the launcher's own before
-        for position, field in enumerate(argv[script + 1 :], script + 1):
+        # the words before the script are the launcher's own
+        script_position = next((position for position, text in enumerate(texts) if text.endswith(".py")), -1)
+        for position, field in enumerate(argv[script_position + 1 :], script_position + 1):
             if text_of(field) is None and not texts[position - 1].startswith("-"):
                 found.extend(ch.unknown for ch in field if ch.unknown)
     return list(dict.fromkeys(found))
@@ -242,20 +243,20 @@ def _rewrite(
     launchers: list[int],
     anchor_flag: str,
     wanted: list[tuple[str, list[str]]],
-    gone: list[str],
+    removed_flags: list[str],
     notes: list[str],
 ) -> dict[Path, tuple[str, str]]:
     """The new text of every file that changes; InputError (nothing written) where a change cannot be
     made safely or the result does not pass exactly the plan's flags."""
     try:
-        texts = _change(reading, launchers, anchor_flag, wanted, gone, notes, {})
-        overrides = {p: new for p, (_, new) in texts.items()}
+        texts = _change(reading, launchers, anchor_flag, wanted, removed_flags, notes, {})
+        overrides = {file: new for file, (_, new) in texts.items()}
         reread = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
         again, _ = _launchers(reading=reread, path=path)
-        texts = _change(reread, again, anchor_flag, wanted, gone, notes, texts, insert=True)
-        overrides = {p: new for p, (_, new) in texts.items()}
+        texts = _change(reread, again, anchor_flag, wanted, removed_flags, notes, texts, insert=True)
+        overrides = {file: new for file, (_, new) in texts.items()}
         final = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
-        _verify(reading, launchers, final, wanted, gone)
+        _verify(reading, launchers, final, wanted, removed_flags)
     except EditError as error:
         raise InputError("--config", f"{path}: {error.detail}; nothing was written") from None
     for file, (before, after) in texts.items():
@@ -269,7 +270,7 @@ def _change(
     launchers: list[int],
     anchor_flag: str,
     wanted: list[tuple[str, list[str]]],
-    gone: list[str],
+    removed_flags: list[str],
     notes: list[str],
     texts: dict[Path, tuple[str, str]],
     *,
@@ -280,62 +281,78 @@ def _change(
     edits = []
     anchors: dict[tuple[int, int], Occurrence] = {}
     for index in launchers:
-        found = [o for o in scan(reading.commands[index].argv, index) if o.flag == anchor_flag]
+        found = [
+            occurrence for occurrence in scan(reading.commands[index].argv, index) if occurrence.flag == anchor_flag
+        ]
         anchors.setdefault(found[-1].key(), found[-1])  # argparse takes the last
-    anchor_boxes = {o.name[0].trail[-1].box for o in anchors.values() if o.name and o.name[0].trail}
+    anchor_boxes = {anchor.name[0].trail[-1].box for anchor in anchors.values() if anchor.name and anchor.name[0].trail}
     uses = _variable_uses(reading, launchers)
     protected: set[str] = set()
     missing = []
     removed: list[Occurrence] = []
     for flag, values in wanted:
-        mine = [o for o in occurring if o.flag == flag]
+        flag_occurrences = [occurrence for occurrence in occurring if occurrence.flag == flag]
         if flag == anchor_flag:  # the size every other flag is added next to: changed in place, each
-            mine = list(anchors.values())
-            for anchor in mine[1:]:
+            flag_occurrences = list(anchors.values())
+            for anchor in flag_occurrences[1:]:
                 if anchor.value_text() != " ".join(values) and not insert:
                     edits.append(
                         replacement(
                             reading, anchor, values, evaluated=_evaluated(reading, anchor), protected=set(uses)
                         )[0]
                     )
-        keep = (
-            mine[0]
-            if flag == anchor_flag and mine
+        kept_occurrence = (
+            flag_occurrences[0]
+            if flag == anchor_flag and flag_occurrences
             else next(
                 (
-                    o
-                    for o in mine
-                    if not o.alternative
-                    and (not conditional(reading, o) or (o.name[0].trail and o.name[0].trail[-1].box in anchor_boxes))
+                    occurrence
+                    for occurrence in flag_occurrences
+                    if not occurrence.alternative
+                    and (
+                        not conditional(reading, occurrence)
+                        or (occurrence.name[0].trail and occurrence.name[0].trail[-1].box in anchor_boxes)
+                    )
                 ),
                 None,
             )
         )
-        removed.extend(o for o in mine if o is not keep and flag != anchor_flag)
-        if keep is None:
+        removed.extend(
+            occurrence for occurrence in flag_occurrences if occurrence is not kept_occurrence and flag != anchor_flag
+        )
+        if kept_occurrence is None:
             missing.append((flag, values))
-        elif values and keep.value_text() != " ".join(values) and not insert:
-            own = {(keep.command, keep.position + 1 + k) for k in range(len(keep.values))} | {
-                (keep.command, keep.position)
-            }
-            shared = protected | {name for name, places in uses.items() if places - own}
-            edit, note = replacement(reading, keep, values, evaluated=_evaluated(reading, keep), protected=shared)
+        elif values and kept_occurrence.value_text() != " ".join(values) and not insert:
+            kept_arguments = {
+                (kept_occurrence.command, kept_occurrence.position + 1 + value_index)
+                for value_index in range(len(kept_occurrence.values))
+            } | {(kept_occurrence.command, kept_occurrence.position)}
+            shared = protected | {name for name, places in uses.items() if places - kept_arguments}
+            edit, note = replacement(
+                reading,
+                kept_occurrence,
+                values,
+                evaluated=_evaluated(reading, kept_occurrence),
+                protected=shared,
+            )
             protected |= shared
             edits.append(edit)
             if note:
                 notes.append(note)
-    removed.extend(o for o in occurring if o.flag in gone)
-    edits.extend(removal(reading, o) for o in removed)
+    removed.extend(occurrence for occurrence in occurring if occurrence.flag in removed_flags)
+    edits.extend(removal(reading, occurrence) for occurrence in removed)
     branched = [
-        o
-        for o in removed
-        if conditional(reading, o)
-        and o.flag not in LEGACY
-        and o.name[0].trail
-        and o.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)
+        occurrence
+        for occurrence in removed
+        if conditional(reading, occurrence)
+        and occurrence.flag not in LEGACY
+        and occurrence.name[0].trail
+        and occurrence.flag not in (LAYERS_PER_VIRTUAL, VIRTUAL_STAGES)
     ]  # those have a note of their own
     if branched and not insert:
-        places = ", ".join(dict.fromkeys(f"{o.flag} ({where(reading, o)})" for o in branched))
+        places = ", ".join(
+            dict.fromkeys(f"{occurrence.flag} ({where(reading, occurrence)})" for occurrence in branched)
+        )
         notes.append(f"took out {places}, passed only when a branch runs: the plan's flags hold on every branch")
     if insert:
         if edits:
@@ -355,10 +372,10 @@ def _applied(reading: Reading, edits: list, texts: dict[Path, tuple[str, str]]) 
     for edit in edits:
         by_path.setdefault(reading.files[edit.file].path.resolve(), []).append(edit)
     changed = dict(texts)
-    for path, mine in by_path.items():
+    for path, file_edits in by_path.items():
         source = reading.files[files[path][0]]
         tokens = [span for index in files[path] for span in reading_tokens(reading, index)]
-        new = splice(source.text, mine, tokens)
+        new = splice(source.text, file_edits, tokens)
         original = texts[path][0] if path in texts else source.text
         changed[path] = (original, new)
     return changed
@@ -381,9 +398,13 @@ def _evaluated(reading: Reading, occurrence: Occurrence) -> bool:
 
 
 def _verify(
-    before: Reading, launchers: list[int], after: Reading, wanted: list[tuple[str, list[str]]], gone: list[str]
+    before: Reading,
+    launchers: list[int],
+    after: Reading,
+    wanted: list[tuple[str, list[str]]],
+    removed_flags: list[str],
 ) -> None:
-    """The rewritten script passes each wanted flag once with the plan's value, none of those gone,
+    """The rewritten script passes each wanted flag once with the plan's value, none of `removed_flags`,
     and every other argument as before."""
     try:
         again = _launchers(after, Path(""))[0]
@@ -391,18 +412,19 @@ def _verify(
         raise EditError(f"the rewritten script passes {PP_SIZE} to no command") from None
     if len(again) != len(launchers):
         raise EditError(f"the rewritten script passes {PP_SIZE} to {len(again)} commands, not {len(launchers)}")
-    ours = {flag for flag, _ in wanted} | set(gone)
+    ours = {flag for flag, _ in wanted} | set(removed_flags)
     for old_index, new_index in zip(launchers, again):
         found = occurrences(after, [new_index])
         for flag, values in wanted:
-            mine = [o for o in found if o.flag == flag]
-            if len(mine) != 1 or mine[0].alternative or (values and mine[0].value_text() != " ".join(values)):
-                said = ", ".join(f"{o.flag} {o.value_text()}" for o in mine) or "none"
+            passed = [occurrence for occurrence in found if occurrence.flag == flag]
+            if len(passed) != 1 or passed[0].alternative or (values and passed[0].value_text() != " ".join(values)):
+                said = ", ".join(f"{occurrence.flag} {occurrence.value_text()}" for occurrence in passed) or "none"
                 raise EditError(
                     f"the rewritten script would pass {said} where the plan needs {flag} {' '.join(values)}"
                 )
-        if any(o.flag in gone for o in found):
-            raise EditError(f"the rewritten script still passes {next(o.flag for o in found if o.flag in gone)}")
+        still_passed = [occurrence.flag for occurrence in found if occurrence.flag in removed_flags]
+        if still_passed:
+            raise EditError(f"the rewritten script still passes {still_passed[0]}")
         if _others(before, old_index, ours) != _others(after, new_index, ours):
             raise EditError("the rewrite would change other arguments of the launch command")
 
@@ -442,7 +464,7 @@ def _bash_syntax(path: Path, before: str, after: str) -> None:
 def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], dry_run: bool) -> None:
     """Write every changed file, or none: a failure puts back those already written."""
     main = result.path.resolve()
-    order = sorted(texts, key=lambda p: p == main)  # the config itself last
+    order = sorted(texts, key=lambda changed: changed == main)  # the config itself last
     diffs, done = [], []
     try:
         for path in order:

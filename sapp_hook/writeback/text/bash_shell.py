@@ -133,35 +133,35 @@ class _Parser(WordReader):
 
     def blanks(self) -> None:
         """Skip blanks, line continuations and a comment (to the end of its line)."""
-        while self.i < self.n:
-            char = self.s[self.i]
+        while self.position < self.end:
+            char = self.text[self.position]
             if char in BLANKS:
-                self.i += 1
+                self.position += 1
             elif self.startswith("\\\n"):
-                self.i += 2
+                self.position += 2
             elif char == "#":
-                end = self.s.find("\n", self.i)
-                end = self.n if end < 0 else end
-                self.comments.append((self.i, end))
-                self.i = end
+                end = self.text.find("\n", self.position)
+                end = self.end if end < 0 else end
+                self.comments.append((self.position, end))
+                self.position = end
             else:
                 return
 
     def newline(self) -> None:
         """Consume a newline; here-document bodies begin after it."""
-        self.i += 1
+        self.position += 1
         for delimiter, strip_tabs in self.pending:
-            start = self.i
-            while self.i < self.n:
-                end = self.s.find("\n", self.i)
-                end = self.n if end < 0 else end
-                line = self.s[self.i : end]
-                self.i = min(end + 1, self.n)
+            start = self.position
+            while self.position < self.end:
+                end = self.text.find("\n", self.position)
+                end = self.end if end < 0 else end
+                line = self.text[self.position : end]
+                self.position = min(end + 1, self.end)
                 if (line.lstrip("\t") if strip_tabs else line) == delimiter:
                     break
             else:
                 raise self.error(f"the here-document ending in {delimiter!r} never ends", start)
-            self.heredocs.append((start, self.i))
+            self.heredocs.append((start, self.position))
         self.pending = []
 
     def separators(self) -> None:
@@ -172,21 +172,21 @@ class _Parser(WordReader):
             if char == "\n":
                 self.newline()
             elif (char == ";" and not self.startswith(";;")) or (char == "&" and not self.startswith("&&")):
-                self.i += 1
+                self.position += 1
             else:
                 return
 
     def next_word_text(self) -> str:
         """The plain text of the word ahead (without moving), for reserved words."""
-        match = re.compile(r"[^\s;&|<>()]+").match(self.s, self.i)
+        match = re.compile(r"[^\s;&|<>()]+").match(self.text, self.position)
         return match.group(0) if match else ""
 
     # -- commands ---------------------------------------------------------------------------------
 
     def program(self) -> list[Node]:
         commands = self.commands(frozenset())
-        if self.i < self.n:
-            raise self.error(f"unexpected {self.s[self.i]!r}")
+        if self.position < self.end:
+            raise self.error(f"unexpected {self.text[self.position]!r}")
         return commands
 
     def commands(self, stops: frozenset[str]) -> list[Node]:
@@ -194,7 +194,7 @@ class _Parser(WordReader):
         found: list[Node] = []
         while True:
             self.separators()
-            if self.i >= self.n:
+            if self.position >= self.end:
                 return found
             if self.peek() == ")" and ")" in stops:
                 return found
@@ -211,7 +211,7 @@ class _Parser(WordReader):
         while True:
             self.blanks()
             if self.startswith(("&&", "||")):
-                self.i += 2
+                self.position += 2
                 while True:  # a newline may follow && and ||
                     self.blanks()
                     if self.peek() != "\n":
@@ -224,14 +224,14 @@ class _Parser(WordReader):
     def pipeline(self) -> Node:
         self.blanks()
         if self.next_word_text() == "!":
-            self.i += 1
+            self.position += 1
         if self.next_word_text() == "time":
-            self.i += 4
+            self.position += 4
         node = self.command()
         while True:
             self.blanks()
             if self.peek() == "|" and not self.startswith("||"):
-                self.i += 2 if self.startswith("|&") else 1
+                self.position += 2 if self.startswith("|&") else 1
                 self.separators()
                 right = self.command()
                 node = Block("group", ((node, right),), span(node)[0], span(right)[1])  # both sides run
@@ -240,49 +240,49 @@ class _Parser(WordReader):
 
     def command(self) -> Node:
         self.blanks()
-        start = self.i
+        start = self.position
         keyword = self.next_word_text()
         if keyword == "if":
             return self.if_block(start)
         if keyword in ("while", "until"):
-            self.i += len(keyword)
+            self.position += len(keyword)
             condition = self.commands(frozenset({"do"}))
             body = self.do_done()
-            return self.after_compound(Block("loop", (tuple(condition), tuple(body)), start, self.i))
+            return self.after_compound(Block("loop", (tuple(condition), tuple(body)), start, self.position))
         if keyword in ("for", "select"):
             return self.for_block(start, keyword)
         if keyword == "case":
             return self.case_block(start)
         if keyword == "{":
-            self.i += 1
+            self.position += 1
             body = self.commands(frozenset({"}"}))
             self.expect_word("}", start)
-            return self.after_compound(Block("group", (tuple(body),), start, self.i))
+            return self.after_compound(Block("group", (tuple(body),), start, self.position))
         if self.startswith("(("):
-            end = self._arithmetic_end(self.i + 2)
-            self.i = end
+            end = self._arithmetic_end(self.position + 2)
+            self.position = end
             return self.after_compound(Block("group", ((),), start, end))
         if self.peek() == "(":
-            self.i += 1
+            self.position += 1
             body = self.commands(frozenset({")"}))
             self.expect_char(")", start)
-            return self.after_compound(Block("subshell", (tuple(body),), start, self.i))
+            return self.after_compound(Block("subshell", (tuple(body),), start, self.position))
         if keyword == "[[":
-            end = self._double_bracket_end(self.i + 2)
-            self.i = end
+            end = self._double_bracket_end(self.position + 2)
+            self.position = end
             return Simple((), (), (), start, end)
         if keyword == "function":
-            self.i += len(keyword)
+            self.position += len(keyword)
             self.blanks()
             name = self.next_word_text().removesuffix("()")
-            self.i += len(self.next_word_text())
+            self.position += len(self.next_word_text())
             self.blanks()
             if self.startswith("()"):
-                self.i += 2
+                self.position += 2
             return self.function_body(name, start)
-        function = re.compile(r"([A-Za-z_][\w.:-]*)[ \t]*\([ \t]*\)").match(self.s, self.i)
+        function = re.compile(r"([A-Za-z_][\w.:-]*)[ \t]*\([ \t]*\)").match(self.text, self.position)
         if function and keyword not in RESERVED:
-            self.i = function.end()
+            self.position = function.end()
             return self.function_body(function.group(1), start)
         if keyword in RESERVED - {"!", "time"}:
             raise self.error(f"unexpected {keyword!r}")
@@ -291,7 +291,7 @@ class _Parser(WordReader):
     def function_body(self, name: str, start: int) -> Block:
         self.separators()
         body = self.command()
-        return Block("function", ((body,),), start, self.i, name=name)
+        return Block("function", ((body,),), start, self.position, name=name)
 
     def after_compound(self, block: Block) -> Block:
         """Redirections after a compound command (`done < file`, `} > log`)."""
@@ -303,54 +303,54 @@ class _Parser(WordReader):
     def expect_word(self, word: str, start: int) -> None:
         self.separators()
         if self.next_word_text() != word:
-            raise self.error(f"expected {word!r} to close what line {line_of(self.s, start)} opens")
-        self.i += len(word)
+            raise self.error(f"expected {word!r} to close what line {line_of(self.text, start)} opens")
+        self.position += len(word)
 
     def expect_char(self, char: str, start: int) -> None:
         self.separators()
         if self.peek() != char:
-            raise self.error(f"expected {char!r} to close what line {line_of(self.s, start)} opens")
-        self.i += 1
+            raise self.error(f"expected {char!r} to close what line {line_of(self.text, start)} opens")
+        self.position += 1
 
     def do_done(self) -> list[Node]:
-        self.expect_word("do", self.i)
+        self.expect_word("do", self.position)
         body = self.commands(frozenset({"done"}))
-        self.expect_word("done", self.i)
+        self.expect_word("done", self.position)
         return body
 
     def if_block(self, start: int) -> Block:
         bodies: list[tuple[Node, ...]] = []
-        self.i += 2
+        self.position += 2
         while True:
             bodies.append(tuple(self.commands(frozenset({"then"}))))
             self.expect_word("then", start)
             bodies.append(tuple(self.commands(frozenset({"elif", "else", "fi"}))))
             keyword = self.next_word_text()
-            self.i += len(keyword)
+            self.position += len(keyword)
             if keyword == "elif":
                 continue
             if keyword == "else":
                 bodies.append(tuple(self.commands(frozenset({"fi"}))))
                 self.expect_word("fi", start)
             elif keyword != "fi":
-                raise self.error(f"expected 'fi' to close the 'if' of line {line_of(self.s, start)}")
-            return self.after_compound(Block("if", tuple(bodies), start, self.i))
+                raise self.error(f"expected 'fi' to close the 'if' of line {line_of(self.text, start)}")
+            return self.after_compound(Block("if", tuple(bodies), start, self.position))
 
     def for_block(self, start: int, keyword: str) -> Block:
-        self.i += len(keyword)
+        self.position += len(keyword)
         self.blanks()
         if self.startswith("(("):
-            self.i = self._arithmetic_end(self.i + 2)
+            self.position = self._arithmetic_end(self.position + 2)
             words: list[Word] = []
         else:
-            name = NAME.match(self.s, self.i)
+            name = NAME.match(self.text, self.position)
             if not name:
                 raise self.error(f"expected a name after {keyword!r}")
-            self.i = name.end()
+            self.position = name.end()
             self.separators_without_semicolon()
             words = []
             if self.next_word_text() == "in":
-                self.i += 2
+                self.position += 2
                 while True:
                     self.blanks()
                     if self.peek() in ("", "\n", ";"):
@@ -358,7 +358,7 @@ class _Parser(WordReader):
                     words.append(self.word())
         self.separators()
         body = self.do_done()
-        return self.after_compound(Block("loop", ((), tuple(body)), start, self.i, words=tuple(words)))
+        return self.after_compound(Block("loop", ((), tuple(body)), start, self.position, words=tuple(words)))
 
     def separators_without_semicolon(self) -> None:
         while True:
@@ -368,29 +368,29 @@ class _Parser(WordReader):
             self.newline()
 
     def case_block(self, start: int) -> Block:
-        self.i += 4
+        self.position += 4
         self.blanks()
         subject = self.word()
         self.separators_without_semicolon()
         if self.next_word_text() != "in":
-            raise self.error(f"expected 'in' after the 'case' of line {line_of(self.s, start)}")
-        self.i += 2
+            raise self.error(f"expected 'in' after the 'case' of line {line_of(self.text, start)}")
+        self.position += 2
         bodies: list[tuple[Node, ...]] = []
         while True:
             self.separators_without_semicolon()
             if self.next_word_text() == "esac":
-                self.i += 4
-                return self.after_compound(Block("case", tuple(bodies), start, self.i, words=(subject,)))
-            if self.i >= self.n:
-                raise self.error(f"expected 'esac' to close the 'case' of line {line_of(self.s, start)}")
+                self.position += 4
+                return self.after_compound(Block("case", tuple(bodies), start, self.position, words=(subject,)))
+            if self.position >= self.end:
+                raise self.error(f"expected 'esac' to close the 'case' of line {line_of(self.text, start)}")
             if self.peek() == "(":
-                self.i += 1
+                self.position += 1
             while True:  # patterns: words separated by |, up to )
                 self.blanks()
                 self.word()
                 self.blanks()
                 if self.peek() == "|":
-                    self.i += 1
+                    self.position += 1
                     continue
                 break
             self.expect_char(")", start)
@@ -398,11 +398,11 @@ class _Parser(WordReader):
             self.blanks()
             for ending in (";;&", ";;", ";&"):
                 if self.startswith(ending):
-                    self.i += len(ending)
+                    self.position += len(ending)
                     break
 
     def simple(self) -> Simple:
-        start = self.i
+        start = self.position
         assignments: list[Assignment] = []
         words: list[Word] = []
         declared: list[Assignment] = []
@@ -416,23 +416,23 @@ class _Parser(WordReader):
             if char == "(":
                 raise self.error("unexpected '('")
             declaring = bool(words) and words[0].plain() in DECLARATIONS
-            if (not words or declaring) and ASSIGNMENT.match(self.s, self.i):
+            if (not words or declaring) and ASSIGNMENT.match(self.text, self.position):
                 (declared if declaring else assignments).append(self.assignment())
                 continue
             words.append(self.word())
-        if not assignments and not words and not declared and self.i == start:
+        if not assignments and not words and not declared and self.position == start:
             raise self.error(f"unexpected {self.peek()!r}" if self.peek() else "unexpected end of the script")
-        return Simple(tuple(assignments), tuple(words), tuple(declared), start, self.i)
+        return Simple(tuple(assignments), tuple(words), tuple(declared), start, self.position)
 
     def redirection(self) -> bool:
         """A redirection and its target; a here-document's body is read after the line."""
-        match = re.compile(r"(\d+|&)?(<<<|<<-|<<|<>|>>|>&|<&|>\||&>>|&>|<|>)").match(self.s, self.i)
+        match = re.compile(r"(\d+|&)?(<<<|<<-|<<|<>|>>|>&|<&|>\||&>>|&>|<|>)").match(self.text, self.position)
         if not match or (match.group(1) == "&" and match.group(2) not in (">", ">>")):
             return False
         operator = match.group(2)
-        if operator in ("<", ">") and self.s.startswith("(", match.end()):
+        if operator in ("<", ">") and self.text.startswith("(", match.end()):
             return False  # a process substitution: a word
-        self.i = match.end()
+        self.position = match.end()
         self.blanks()
         target = self.word()
         if operator in ("<<", "<<-"):
@@ -441,46 +441,46 @@ class _Parser(WordReader):
         return True
 
     def assignment(self) -> Assignment:
-        start = self.i
-        match = ASSIGNMENT.match(self.s, self.i)
+        start = self.position
+        match = ASSIGNMENT.match(self.text, self.position)
         assert match
         text = match.group(0)
         name = text.removesuffix("=").removesuffix("+")  # A[2]= sets an element: a name of its own here
-        self.i = match.end()
+        self.position = match.end()
         append = text.endswith("+=")
         if self.peek() == "(" and not match.group(1):
-            self.i += 1
-            open_end = self.i
+            self.position += 1
+            open_end = self.position
             items: list[Word] = []
             while True:
                 self.separators_without_semicolon()
                 if self.peek() == ")":
-                    self.i += 1
+                    self.position += 1
                     break
-                if self.i >= self.n:
-                    raise self.error(f"the array {name}=( of line {line_of(self.s, start)} is never closed", start)
+                if self.position >= self.end:
+                    raise self.error(f"the array {name}=( of line {line_of(self.text, start)} is never closed", start)
                 if self.peek() in ";&|<>(":
                     raise self.error(
-                        f"unexpected {self.peek()!r} in the array {name}=( of line {line_of(self.s, start)}"
+                        f"unexpected {self.peek()!r} in the array {name}=( of line {line_of(self.text, start)}"
                     )
                 items.append(self.word())
-            return Assignment(name, append, None, tuple(items), start, self.i, open_end)
+            return Assignment(name, append, None, tuple(items), start, self.position, open_end)
         value = None if self.peek() in META or self.peek() == "" else self.word()
-        return Assignment(name, append, value, None, start, self.i)
+        return Assignment(name, append, value, None, start, self.position)
 
     def _double_bracket_end(self, index: int) -> int:
         """Just after the `]]` closing a `[[` (its words may hold && || < > ( ))."""
-        while index < self.n:
-            char = self.s[index]
+        while index < self.end:
+            char = self.text[index]
             if char == "\\":
                 index += 2
                 continue
             if char in "'\"":
-                self.i = index
+                self.position = index
                 (self.single_quoted if char == "'" else self.double_quoted)()
-                index = self.i
+                index = self.position
                 continue
-            if self.s.startswith("]]", index) and (index + 2 >= self.n or self.s[index + 2] in META):
+            if self.text.startswith("]]", index) and (index + 2 >= self.end or self.text[index + 2] in META):
                 return index + 2
             if char == "\n":
                 raise self.error("a [[ is not closed on its line")

@@ -88,12 +88,12 @@ class Word:
 
 
 class WordReader(abc.ABC):
-    """The word-level half of the parser: `s` the text, `i` the position, `n` where reading stops."""
+    """The word-level half of the parser: `text`, the `position` read up to, and the `end` where reading stops."""
 
     def __init__(self, text: str) -> None:
-        self.s = text
-        self.i = 0
-        self.n = len(text)
+        self.text = text
+        self.position = 0
+        self.end = len(text)
         self.word_spans: set[tuple[int, int]] = set()
 
     @abc.abstractmethod
@@ -101,36 +101,36 @@ class WordReader(abc.ABC):
         """The commands up to a stop (in a `$(...)`): the command reader's."""
 
     def error(self, detail: str, position: int | None = None) -> ShellError:
-        return ShellError(self.i if position is None else position, detail)
+        return ShellError(self.position if position is None else position, detail)
 
     def peek(self, offset: int = 0) -> str:
-        index = self.i + offset
-        return self.s[index] if index < self.n else ""
+        index = self.position + offset
+        return self.text[index] if index < self.end else ""
 
     def startswith(self, text: str | tuple[str, ...]) -> bool:
-        return self.s.startswith(text, self.i)
+        return self.text.startswith(text, self.position)
 
     # -- words ------------------------------------------------------------------------------------
 
     def word(self) -> Word:
-        start = self.i
+        start = self.position
         parts: list[Part] = []
-        while self.i < self.n:
-            char = self.s[self.i]
+        while self.position < self.end:
+            char = self.text[self.position]
             if char in META:
                 if char in "<>" and self.peek(1) == "(":  # <(...) >(...)
-                    parts.append(self.command_substitution(self.i + 2, "", "process substitution"))
+                    parts.append(self.command_substitution(self.position + 2, "", "process substitution"))
                     continue
                 break
             if char == "\\":
                 if self.peek(1) == "\n":
-                    self.i += 2
-                elif self.i + 1 < self.n:
-                    parts.append(Char(self.s[self.i + 1], self.i + 1, "\\"))
-                    self.i += 2
+                    self.position += 2
+                elif self.position + 1 < self.end:
+                    parts.append(Char(self.text[self.position + 1], self.position + 1, "\\"))
+                    self.position += 2
                 else:
-                    parts.append(Char("\\", self.i, ""))
-                    self.i += 1
+                    parts.append(Char("\\", self.position, ""))
+                    self.position += 1
             elif char == "'":
                 parts.extend(self.single_quoted())
             elif char == '"':
@@ -140,117 +140,117 @@ class WordReader(abc.ABC):
             elif char == "`":
                 parts.append(self.backquoted(""))
             else:
-                parts.append(Char(char, self.i, ""))
-                self.i += 1
-        if self.i == start:
+                parts.append(Char(char, self.position, ""))
+                self.position += 1
+        if self.position == start:
             raise self.error(f"unexpected {self.peek()!r}" if self.peek() else "unexpected end of the script")
-        self.word_spans.add((start, self.i))
-        return Word(tuple(parts), start, self.i)
+        self.word_spans.add((start, self.position))
+        return Word(tuple(parts), start, self.position)
 
     def single_quoted(self) -> list[Part]:
-        start = self.i
-        end = self.s.find("'", self.i + 1)
+        start = self.position
+        end = self.text.find("'", self.position + 1)
         if end < 0:
-            raise self.error(f"the ' of line {line_of(self.s, start)} is never closed", start)
-        self.i = end + 1
-        return [Char(self.s[k], k, "'") for k in range(start + 1, end)]
+            raise self.error(f"the ' of line {line_of(self.text, start)} is never closed", start)
+        self.position = end + 1
+        return [Char(self.text[k], k, "'") for k in range(start + 1, end)]
 
     def double_quoted(self) -> list[Part]:
-        start = self.i
-        self.i += 1
+        start = self.position
+        self.position += 1
         parts: list[Part] = []
         while True:
-            if self.i >= self.n:
-                raise self.error(f'the " of line {line_of(self.s, start)} is never closed', start)
-            char = self.s[self.i]
+            if self.position >= self.end:
+                raise self.error(f'the " of line {line_of(self.text, start)} is never closed', start)
+            char = self.text[self.position]
             if char == '"':
-                self.i += 1
+                self.position += 1
                 return parts
             if char == "\\" and self.peek(1) in ("$", "`", '"', "\\", "\n"):
                 if self.peek(1) != "\n":  # \<newline> inside "" is a line continuation
-                    parts.append(Char(self.peek(1), self.i + 1, '"'))
-                self.i += 2
+                    parts.append(Char(self.peek(1), self.position + 1, '"'))
+                self.position += 2
             elif char == "$":
                 parts.extend(self.dollar('"'))
             elif char == "`":
                 parts.append(self.backquoted('"'))
             else:
-                parts.append(Char(char, self.i, '"'))
-                self.i += 1
+                parts.append(Char(char, self.position, '"'))
+                self.position += 1
 
     def backquoted(self, quote: str) -> Opaque:
-        start = self.i
-        index = self.i + 1
-        while index < self.n and self.s[index] != "`":
-            index += 2 if self.s[index] == "\\" else 1
-        if index >= self.n:
-            raise self.error(f"the ` of line {line_of(self.s, start)} is never closed", start)
-        self.i = index + 1
-        return Opaque(self.s[start : self.i], start, self.i, quote, "command")
+        start = self.position
+        index = self.position + 1
+        while index < self.end and self.text[index] != "`":
+            index += 2 if self.text[index] == "\\" else 1
+        if index >= self.end:
+            raise self.error(f"the ` of line {line_of(self.text, start)} is never closed", start)
+        self.position = index + 1
+        return Opaque(self.text[start : self.position], start, self.position, quote, "command")
 
     def dollar(self, quote: str) -> list[Part]:
-        start = self.i
+        start = self.position
         following = self.peek(1)
         if following == "'" and not quote:
             return self.ansi_c_quoted()
         if following == '"' and not quote:
-            self.i += 1
+            self.position += 1
             return self.double_quoted()
-        if self.s.startswith("$((", self.i):
-            end = self._arithmetic_end(self.i + 3)
-            self.i = end
-            return [Opaque(self.s[start:end], start, end, quote, "arithmetic")]
+        if self.text.startswith("$((", self.position):
+            end = self._arithmetic_end(self.position + 3)
+            self.position = end
+            return [Opaque(self.text[start:end], start, end, quote, "arithmetic")]
         if following == "(":
-            return [self.command_substitution(self.i + 2, quote, "command")]
+            return [self.command_substitution(self.position + 2, quote, "command")]
         if following == "{":
             return [self.braced(quote)]
-        name = NAME.match(self.s, self.i + 1)
+        name = NAME.match(self.text, self.position + 1)
         if name:
-            self.i = name.end()
-            return [Param(name.group(0), start, self.i, quote)]
+            self.position = name.end()
+            return [Param(name.group(0), start, self.position, quote)]
         if following and following in SPECIAL_PARAMETERS:
-            self.i += 2
-            return [Opaque(self.s[start : self.i], start, self.i, quote, "special")]
-        self.i += 1
+            self.position += 2
+            return [Opaque(self.text[start : self.position], start, self.position, quote, "special")]
+        self.position += 1
         return [Char("$", start, quote)]
 
     def ansi_c_quoted(self) -> list[Part]:
-        start = self.i
-        self.i += 2
+        start = self.position
+        self.position += 2
         parts: list[Part] = []
         escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"', "a": "\a", "r": "\r"}
         while True:
-            if self.i >= self.n:
-                raise self.error(f"the $' of line {line_of(self.s, start)} is never closed", start)
-            char = self.s[self.i]
+            if self.position >= self.end:
+                raise self.error(f"the $' of line {line_of(self.text, start)} is never closed", start)
+            char = self.text[self.position]
             if char == "'":
-                self.i += 1
+                self.position += 1
                 return parts
             if char == "\\" and self.peek(1) in escapes:
-                parts.append(Char(escapes[self.peek(1)], self.i + 1, "$'"))
-                self.i += 2
+                parts.append(Char(escapes[self.peek(1)], self.position + 1, "$'"))
+                self.position += 2
             else:
-                parts.append(Char(char, self.i, "$'"))
-                self.i += 1
+                parts.append(Char(char, self.position, "$'"))
+                self.position += 1
 
     def command_substitution(self, inner: int, quote: str, kind: str) -> Opaque:
-        start = self.i
-        self.i = inner
+        start = self.position
+        self.position = inner
         commands = self.commands(frozenset({")"}))
         if self.peek() != ")":
-            raise self.error(f"the $( of line {line_of(self.s, start)} is never closed", start)
-        self.i += 1
-        return Opaque(self.s[start : self.i], start, self.i, quote, "command", tuple(commands))
+            raise self.error(f"the $( of line {line_of(self.text, start)} is never closed", start)
+        self.position += 1
+        return Opaque(self.text[start : self.position], start, self.position, quote, "command", tuple(commands))
 
     def braced(self, quote: str) -> Param | Opaque:
-        start = self.i
-        end = self._braced_end(self.i + 2)
-        self.i = end
-        inner = self.s[start + 2 : end - 1]
+        start = self.position
+        end = self._braced_end(self.position + 2)
+        self.position = end
+        inner = self.text[start + 2 : end - 1]
         match = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[([@*])\])?").match(inner)
         if not match:
             return Opaque(
-                self.s[start:end], start, end, quote, "special" if inner[:1] in SPECIAL_PARAMETERS else "expansion"
+                self.text[start:end], start, end, quote, "special" if inner[:1] in SPECIAL_PARAMETERS else "expansion"
             )
         rest = inner[match.end() :]
         name, index = match.group(1), match.group(2) or ""
@@ -258,25 +258,25 @@ class WordReader(abc.ABC):
             return Param(name, start, end, quote, index=index)
         operator = re.compile(r":?[-=+]").match(rest)
         if not operator or index:
-            return Opaque(self.s[start:end], start, end, quote, "expansion")
+            return Opaque(self.text[start:end], start, end, quote, "expansion")
         arg_start = start + 2 + match.end() + operator.end()
         return Param(name, start, end, quote, operator.group(0), self._argument(arg_start, end - 1, quote))
 
     def _argument(self, start: int, end: int, quote: str) -> Word:
         """The word of `${X:-word}`, read like the text around it (quoted or not); blanks kept."""
-        saved, saved_n = self.i, self.n
-        self.i, self.n = start, end
+        saved_position, saved_end = self.position, self.end
+        self.position, self.end = start, end
         parts: list[Part] = []
         try:
-            while self.i < self.n:
-                char = self.s[self.i]
-                if char == "\\" and self.i + 1 < self.n:
+            while self.position < self.end:
+                char = self.text[self.position]
+                if char == "\\" and self.position + 1 < self.end:
                     if not quote or self.peek(1) in ("$", "`", '"', "\\"):
-                        parts.append(Char(self.s[self.i + 1], self.i + 1, quote or "\\"))
+                        parts.append(Char(self.text[self.position + 1], self.position + 1, quote or "\\"))
                     else:
-                        parts.append(Char("\\", self.i, quote))
-                        self.i -= 1
-                    self.i += 2
+                        parts.append(Char("\\", self.position, quote))
+                        self.position -= 1
+                    self.position += 2
                 elif char == "'" and not quote:
                     parts.extend(self.single_quoted())
                 elif char == '"':
@@ -286,25 +286,25 @@ class WordReader(abc.ABC):
                 elif char == "`":
                     parts.append(self.backquoted(quote))
                 else:
-                    parts.append(Char(char, self.i, quote))
-                    self.i += 1
+                    parts.append(Char(char, self.position, quote))
+                    self.position += 1
         finally:
-            self.i, self.n = saved, saved_n
+            self.position, self.end = saved_position, saved_end
         return Word(tuple(parts), start, end)
 
     def _braced_end(self, index: int) -> int:
         """Just after the `}` closing a `${`, across nested expansions and quotes."""
         depth = 1
-        while index < self.n:
-            char = self.s[index]
+        while index < self.end:
+            char = self.text[index]
             if char == "\\":
                 index += 2
                 continue
             if char == "'" and depth:
-                close = self.s.find("'", index + 1)
-                index = (self.n if close < 0 else close) + 1
+                close = self.text.find("'", index + 1)
+                index = (self.end if close < 0 else close) + 1
                 continue
-            if self.s.startswith("${", index):
+            if self.text.startswith("${", index):
                 depth += 1
                 index += 2
                 continue
@@ -318,8 +318,8 @@ class WordReader(abc.ABC):
     def _arithmetic_end(self, index: int) -> int:
         """Just after the `))` closing a `((` or `$((`."""
         depth = 2
-        while index < self.n:
-            char = self.s[index]
+        while index < self.end:
+            char = self.text[index]
             if char == "(":
                 depth += 1
             elif char == ")":
