@@ -22,6 +22,28 @@ def gather_profiles(
     """Join every rank's `(stage index, profile of that stage's layers)` in stage order on rank `dst`.
 
     Every rank of `group` must call it; ranks other than `dst` get None.
+
+    Args:
+        local: this rank's `(stage index, profile)` pairs: one per stage it profiled (its chunks), or
+            none (a rank whose profiles are not wanted, such as another pipeline's).
+        dst: the rank of `group` that gets the joined profile. Default 0.
+        group: the process group (a pipeline's, or the world where None) the profiles travel over, as
+            JSON in byte tensors: any backend, gloo included.
+
+    Returns:
+        On `dst`, one `ModelProfile` with every stage's layers in stage order (body layers renamed
+        `stageN.NAME` where the stages' names repeat); None on the other ranks.
+
+    Raises:
+        ValueError: on `dst`, a stage index given twice.
+
+    Example::
+
+        with LayerProfiler(stage_module, optimizer) as profiler:
+            ...  # the training steps, profiler.step() after each
+        profile = gather_profiles([(stage_index, profiler.profile())])
+        if profile is not None:  # rank 0
+            profile.save("profile.json")
     """
     payload = json.dumps([{"stage": stage, "profile": profile.to_dict()} for stage, profile in local]).encode()
     parts = all_gather_bytes(payload, group)

@@ -57,24 +57,43 @@ class ShardedCosts:
 
 @dataclass(frozen=True)
 class ChunkCosts:
-    """Costs of one chunk (virtual stage) on one rank, per micro-batch.
+    """Costs of one chunk (virtual stage) on one rank, per micro-batch: times in ms, memory in bytes.
 
-    `backward_ms` is the full backward (input and weight gradients) without recompute;
-    `weight_ms` is the part of it that computes weight gradients, which zero-bubble schedules
-    run as a separate W action (None: not measured), and `input_ms` the I action's part (None:
-    the rest of the backward; the two may add up to more, as torch's two calls do).
-    `recompute_ms` is the forward work the backward redoes for activation recompute.
-    `working_bytes` is held only while a backward of this chunk runs (gradient buffers,
-    re-materialised activations). Where the backward is split:
-    `pending_bytes` is held from the I action to the W action (the gradients the weight gradients
-    still need, those of each weighted op's output; torch keeps them in its param groups; negative
-    where the I action frees more than it holds, down to the whole activation), and
-    `retained_bytes` from a micro-batch's last backward action (W, or B where the backward is whole)
-    to the end of the step: what the engine does not free with the activations (torch's input
-    gradient, left on its receive buffer; tensors sent to other ranks, whose requests torch keeps).
-    `input_working_bytes` and `weight_working_bytes` take the place of `working_bytes` while an I
-    and a W action runs (None: `working_bytes`): what each holds above what was held when it began.
-    `sharded`: what data parallelism holds within a step (None: nothing).
+    Memory is counted as the replay walks a rank's actions (`simulator.replay`): a forward adds
+    `activation_bytes`, a backward's working set comes on top while it runs, its end frees the activation.
+
+    Attributes:
+        forward_ms: the forward (F) of one micro-batch.
+        backward_ms: the full backward (input and weight gradients) without recompute.
+        weight_ms: the part of `backward_ms` that computes weight gradients, which zero-bubble schedules
+            run as a separate W action; None: not measured (half the backward is assumed).
+        recompute_ms: the forward work the backward redoes for activation recompute (added to B, or I).
+        activation_bytes: kept from a forward's end to the backward action that frees it (B; W where the
+            backward is split).
+        static_bytes: held for the whole run (parameters, gradients, optimizer state, ...); a rank's
+            memory starts at the sum of its chunks'.
+        working_bytes: held only while a backward of this chunk runs (gradient buffers, re-materialised
+            activations), above what was held when it began.
+        retained_bytes: from a micro-batch's last backward action (W, or B where the backward is whole) to
+            the end of the step: what the engine does not free with the activations (torch's input
+            gradient, left on its receive buffer; tensors sent to other ranks, whose requests torch keeps).
+        pending_bytes: where the backward is split, held from the I action to the W action (the gradients
+            the weight gradients still need, those of each weighted op's output; torch keeps them in its
+            param groups); negative where the I action frees more than it holds, down to the whole
+            activation.
+        input_ms: the I action's part of the backward; None: the rest of the backward (`weight_ms` and
+            `input_ms` may add up to more than `backward_ms`, as torch's two calls do).
+        input_working_bytes: takes the place of `working_bytes` while an I action runs (None:
+            `working_bytes`): what it holds above what was held when it began.
+        weight_working_bytes: the same for a W action.
+        sharded: what data parallelism holds within a step (`ShardedCosts`); None: nothing.
+
+    Example:
+        >>> costs = ChunkCosts(forward_ms=1.0, backward_ms=2.0, activation_bytes=100.0, retained_bytes=10.0)
+        >>> costs.held_change_bytes("F"), costs.held_change_bytes("B")
+        (100.0, -90.0)
+        >>> costs.split_weight_ms(), costs.split_input_ms()  # no weight_ms measured: half each
+        (1.0, 1.0)
     """
 
     forward_ms: float
@@ -149,7 +168,29 @@ class ChunkCosts:
 
 @dataclass(frozen=True)
 class PipelineCosts:
-    """Costs of every chunk, indexed [rank][chunk], and the P2P time between neighbouring ranks."""
+    """Costs of every chunk, indexed [rank][chunk], and the P2P time between neighbouring ranks.
+
+    Attributes:
+        chunk_costs: per rank, per chunk (the rank's virtual stages in chunk order), its `ChunkCosts`;
+            every rank has as many chunks.
+        p2p_ms: what an activation or gradient takes to reach another rank (0: free).
+        unshard_lookahead: how many chunks ahead of their actions torch's runtime schedules gather a
+            rank's FSDP chunks; 0: each is gathered at its first forward.
+
+    Raises:
+        InputError: on construction, no rank or no chunk, rows of different lengths, a negative,
+            non-finite or inconsistent cost (naming the rank, chunk and field), a negative `p2p_ms` or
+            `unshard_lookahead`.
+
+    Example:
+        >>> slow = ChunkCosts(forward_ms=2.0, backward_ms=4.0)
+        >>> fast = ChunkCosts(forward_ms=1.0, backward_ms=2.0)
+        >>> costs = PipelineCosts(((slow,), (fast,)), p2p_ms=0.1)
+        >>> costs.ranks, costs.chunks, costs[1, 0].forward_ms
+        (2, 1, 1.0)
+        >>> PipelineCosts.uniform(2, 2, forward_ms=2.0, backward_ms=4.0)[0, 1].forward_ms  # a rank's, split
+        1.0
+    """
 
     chunk_costs: tuple[tuple[ChunkCosts, ...], ...]
     p2p_ms: float = 0.0

@@ -23,7 +23,41 @@ from simulator.sharded import memory_points
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
-    """Replay `schedule` with `costs` ([rank][chunk], as the schedule's ranks and chunks)."""
+    """Replay `schedule` with `costs`: when every action starts and ends, each rank's peak memory, the
+    bubble split.
+
+    Each action starts once its rank is free and the action it waits for has ended (plus `costs.p2p_ms`
+    where that one ran on another rank); a rank's memory follows its action order alone (the module doc).
+
+    Args:
+        schedule: the action lists (`build_schedule`).
+        costs: per-(rank, chunk) costs per micro-batch, `costs.chunk_costs[rank][chunk]`, as many ranks and
+            chunks as the schedule has.
+
+    Returns:
+        A `SimulationResult`: start and end of every action (ms from the iteration's start),
+        `iteration_time_ms`, `rank_busy_ms`, `rank_peak_memory_bytes`, `rank_peak_activations` (the most
+        (chunk, micro-batch) activations a rank holds at once) and the `bubble` split.
+
+    Raises:
+        InputError: `schedule` or `costs` of the wrong type, their ranks x chunks differ, or every forward
+            and backward time is zero.
+        ScheduleError: the schedule's order deadlocks.
+
+    Example:
+        >>> from simulator import PipelineCosts, build_schedule
+        >>> schedule = build_schedule("1F1B", ranks=4, micro_batches=8)
+        >>> costs = PipelineCosts.uniform(
+        ...     4, 1, forward_ms=1.0, backward_ms=2.0, activation_bytes=100, static_bytes=1000, working_bytes=10
+        ... )
+        >>> result = simulate(schedule, costs)
+        >>> result.iteration_time_ms  # (M + R - 1) x (F + B)
+        33.0
+        >>> result.rank_peak_activations  # rank r holds R - r micro-batches' activations at most
+        (4, 3, 2, 1)
+        >>> result.rank_peak_memory_bytes  # static + 4 activations + a backward's working set on rank 0
+        (1410.0, 1310.0, 1210.0, 1110.0)
+    """
     _check_shape(schedule, costs)
     compiled = schedule.compiled
     durations = _durations(compiled, costs)
@@ -51,7 +85,28 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
 def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
     """Action ids of a chain of waits that sets the iteration time, first to last: each action in
     it starts the moment the one before it ends (plus the P2P time where the chain changes rank),
-    so the chain's durations and P2P times add up to the iteration time."""
+    so the chain's durations and P2P times add up to the iteration time.
+
+    Args:
+        schedule: the action lists (`build_schedule`).
+        costs: per-(rank, chunk) costs, shaped as the schedule (as `simulate` takes them).
+
+    Returns:
+        Action ids, numbered rank by rank in schedule order (`schedule.compiled`): id i is the i-th action
+        of the rank lists laid end to end.
+
+    Raises:
+        InputError: `schedule` or `costs` of the wrong type, or their ranks x chunks differ.
+        ScheduleError: the schedule's order deadlocks.
+
+    Example:
+        >>> from simulator import PipelineCosts, build_schedule
+        >>> schedule = build_schedule("1F1B", ranks=4, micro_batches=8)
+        >>> path = critical_path(schedule, PipelineCosts.uniform(4, 1, forward_ms=1.0, backward_ms=2.0))
+        >>> actions = [action for rank in schedule.rank_actions for action in rank]
+        >>> " ".join(str(actions[i]) for i in path)
+        '0F0 1F0 2F0 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7 2B7 1B7 0B7'
+    """
     _check_shape(schedule, costs)
     compiled = schedule.compiled
     start, end = _replay(compiled, _durations(compiled, costs), costs.p2p_ms)

@@ -4,6 +4,34 @@ Virtual stages (torch's stages, numbered by `stage_index`) run 0..ranks*chunks-1
 Rank `r` holds chunk `c` of the model as one virtual stage; where that stage sits depends on the
 placement: `loop` (interleaved schedules: stage c*R + r) or `v` (ZBV, DualPipeV: the model goes
 down the ranks and back up, so rank 0 holds both the first and the last stage).
+
+[Note: placement of virtual stages]
+
+With R ranks and `chunks` chunks per rank there are R x chunks virtual stages. Chunk c of a rank is
+the c-th stage it holds in model order, so `chunk_of(stage) = stage // R` under both placements; the
+rank differs:
+
+- `loop` (GPipe, 1F1B, ZBH1 with 1 chunk; Interleaved1F1B, Interleaved1F1B-less-memory with 2 or
+  more): the model loops over the ranks once per chunk, stage = c*R + r. Between two chunks the
+  activation goes from the last rank back to rank 0 (a P2P hop like any other).
+- `v` (ZBVZeroBubble, DualPipeV: exactly 2 chunks): chunk 0 goes down the ranks and chunk 1 back up,
+  stage = c*R + r for even c and c*R + (R-1-r) for odd c. Rank R-1 holds the turn (stages R-1 and R,
+  handed over on the rank, no P2P); rank 0 holds the first and the last stage (embedding and loss).
+
+4 ranks x 2 chunks (stage numbers; model order 0 -> 7)::
+
+                 loop                      v
+             chunk 0  chunk 1        chunk 0  chunk 1
+    rank 0      0        4              0        7
+    rank 1      1        5              1        6
+    rank 2      2        6              2        5
+    rank 3      3        7              3        4
+
+    loop:  r0 -> r1 -> r2 -> r3 -> r0 -> r1 -> r2 -> r3
+    v:     r0 -> r1 -> r2 -> r3 -> r3 -> r2 -> r1 -> r0
+
+`stage_to_rank`, `rank_chunk_to_stage` and `Schedule.rank_of`, `chunk_of`, `stage_index`,
+`virtual_stages_of` compute these.
 """
 
 from __future__ import annotations
@@ -33,7 +61,14 @@ OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 
 def stage_to_rank(stage_index: int, ranks: int, placement: str) -> int:
-    """The rank that runs virtual stage `stage_index` of a pipeline of `ranks` ranks."""
+    """The rank that runs virtual stage `stage_index` of a pipeline of `ranks` ranks.
+
+    Example:
+        >>> [stage_to_rank(stage, 4, "loop") for stage in range(8)]
+        [0, 1, 2, 3, 0, 1, 2, 3]
+        >>> [stage_to_rank(stage, 4, "v") for stage in range(8)]
+        [0, 1, 2, 3, 3, 2, 1, 0]
+    """
     chunk, offset = divmod(stage_index, ranks)
     if placement == "v" and chunk % 2 == 1:
         return ranks - 1 - offset
@@ -49,7 +84,35 @@ def rank_chunk_to_stage(rank: int, chunk: int, ranks: int, placement: str) -> in
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank action lists for `ranks` ranks x `chunks` chunks x `micro_batches` micro-batches."""
+    """Per-rank action lists for `ranks` ranks x `chunks` chunks x `micro_batches` micro-batches.
+
+    Made by `simulator.build_schedule` (or `Schedule.from_csv`); checked when made: every (virtual stage,
+    micro-batch) has one forward and one full backward (B) or one I and one W, each on the rank that
+    holds the stage under `placement` (see the note above).
+
+    Attributes:
+        name: the schedule's name as torch.distributed.pipelining gives it ("1F1B", "ZBVZeroBubble", ...).
+        ranks: pipeline ranks (`pipeline_parallel`).
+        chunks: virtual stages per rank.
+        micro_batches: micro-batches per iteration.
+        placement: "loop" or "v": which rank holds which virtual stage.
+        rank_actions: per rank, its compute actions (`simulator.Action`: F, B, I or W of one virtual stage
+            and micro-batch) in the order the rank runs them.
+
+    Raises:
+        ScheduleError: on construction, a count below 1, an unknown placement, a missing, repeated or
+            misplaced action; `compiled` (and so `simulate`) on an order that deadlocks.
+
+    Example:
+        >>> from simulator import build_schedule
+        >>> schedule = build_schedule("ZBVZeroBubble", ranks=4, micro_batches=8)
+        >>> schedule.describe()
+        'ZBVZeroBubble: 4 ranks x 2 chunks, 8 micro-batches'
+        >>> schedule.virtual_stages_of(0), schedule.rank_of(7), schedule.chunk_of(7)
+        ((0, 7), 0, 1)
+        >>> [str(action) for action in schedule.rank_actions[3][:4]]
+        ['3F0', '4F0', '3F1', '4F1']
+    """
 
     name: str
     ranks: int

@@ -1,5 +1,59 @@
 """From a layer split and recompute choice to the simulator's per-(stage, chunk) costs: sums over
-each chunk's layers, the working set its backward holds, and what the engine keeps besides."""
+each chunk's layers, the working set its backward holds, and what the engine keeps besides.
+
+[Note: what a rank holds at its peak]
+
+The memory model (docs/design/memory-model.md) says what a rank holds at every point of its action
+list, in bytes per device. `pipeline_costs` states its terms per chunk (`simulator.ChunkCosts`),
+`simulator.replay` walks each rank's actions with them (the order alone sets the peak, not the times),
+and the search's program states the same sums for every split at once. A rank's peak is the most,
+over its actions, of::
+
+      static                     for the whole run. Per layer, after data-parallel sharding
+                                 (`layer_static`): parameters, gradients (where they persist between
+                                 steps), optimizer state, DDP's bucket copies. Per chunk: the rank
+                                 constant (on chunk 0), torch's receive buffers (`boundary_bytes`),
+                                 the sends `Schedule1F1B` holds (`torch_1f1b_held_bytes`).
+    + activations in flight      per (chunk, micro-batch) whose forward has run and whose freeing
+                                 backward (B; W where it is split) has not: its layers' activation
+                                 under their recompute modes, the stage output it sent until its
+                                 gradient comes back (under torch's engine, the logits on the last
+                                 stage instead), the rotary tables; less a first layer's saved input
+                                 that is a receive buffer, already static (`buffered_input_bytes`).
+    + pending, retained          split backward: what each I leaves for its W; what torch keeps from
+                                 a micro-batch's last backward to the step's end: input gradients,
+                                 sent outputs whose requests it keeps, the loss (`torch_engine_bytes`).
+    + within the step            FSDP / ZeRO-3's gathered parameters, gradients that do not persist
+                                 (`solver.parallel.sharding.sharded_costs`, replayed by `simulator.sharded`).
+    + working set                only while a backward action runs, on top of what was held when it
+                                 began: its gradients in flight and re-materialised activations, less
+                                 what the layers whose backward ran before freed (`_working_bytes`;
+                                 each half of a split backward: `_split_working_bytes`).
+
+torch's engine (`spec.receive_buffers`) keeps, besides the layers' own: one receive buffer per
+micro-batch for the input of every virtual stage but the first and one for the output gradient of
+every one but the last (static: 2 x M stage outputs on a middle stage); the last stage's output (the
+logits) per micro-batch in flight; every send under the schedules other than 1F1B, and the loss, to
+the step's end (`solver.engine_memory`).
+
+1F1B, rank 0 of 4, 8 micro-batches, one chunk: A is one micro-batch's activation, `w` the working set
+of the backward running. Each F column shows what is held after it, each B column what is held while
+it runs::
+
+       held above
+       static
+               |             w     w     w     w     w
+           4 A |          #  #  #  #  #  #  #  #  #  #  w
+           3 A |       #  #  #  #  #  #  #  #  #  #  #  #  w
+           2 A |    #  #  #  #  #  #  #  #  #  #  #  #  #  #  w
+           1 A | #  #  #  #  #  #  #  #  #  #  #  #  #  #  #  #
+               +-------------------------------------------------> rank 0's actions, in order
+                 F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
+
+The peak, static + 4 A + w, comes at every backward of the steady state. Rank r of R holds at most
+R - r micro-batches' activations (`SimulationResult.rank_peak_activations`: 4, 3, 2, 1), so under an
+even split with no recompute rank 0 holds the most activations.
+"""
 
 from __future__ import annotations
 

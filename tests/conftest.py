@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -23,3 +24,13 @@ def _no_plan_cache_or_launcher_settings_from_outside(tmp_path_factory, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
     for variable in ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_installed_torchtitan(monkeypatch):
+    """The write-back tests say where a TorchTitan source is: the one installed for the trainer tests
+    (which run it in processes of their own) would answer for it."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "torchtitan" else real(name, *args)
+    )

@@ -39,15 +39,6 @@ POINTS = ["layers.2", "layers.4", "layers.7"]
 EVERY_SECOND = {2: "full", 4: "full", 6: "full"}  # blocks 1, 3, 5: the second of ranks 0, 1 and 2
 
 
-@pytest.fixture(autouse=True)
-def no_installed_torchtitan(monkeypatch):
-    """The tests say where a TorchTitan source is; one installed where they run would answer for it."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *args: None if name == "torchtitan" else real(name, *args)
-    )
-
-
 def plan(
     modes: dict[int, str] | None = None,
     *,

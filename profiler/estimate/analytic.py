@@ -54,10 +54,42 @@ def analytic_profile(
     network: Network | None = None,
 ) -> ModelProfile:
     """Every layer's estimated costs on one rank of the shape's mesh (`ModelProfile.mesh` says which):
-    the 1-D estimate, then `solver.parallel.model_parallel`'s rules, then, given a `network`, each layer's collectives
-    with their exposed time in its forward and backward. Adam keeps two fp32 states per parameter (8
-    bytes, plus 4 per parameter tensor for its step count); add 4 for an fp32 master copy of 16-bit
-    weights."""
+    the 1-D estimate, then `solver.parallel.model_parallel`'s rules, then, given a `network`, each layer's
+    collectives with their exposed time in its forward and backward. Adam keeps two fp32 states per
+    parameter (8 bytes, plus 4 per parameter tensor for its step count); add 4 for an fp32 master copy
+    of 16-bit weights.
+
+    Args:
+        shape: the model and how it is trained (`TransformerShape`, or `shape_from_config` of a
+            transformers config.json), the tensor, sequence, context and expert parallel layout included.
+        flops_per_second: the FLOP/s a rank sustains (the device's peak times the utilisation expected);
+            times are FLOPs over it. Default 1e14.
+        bytes_per_second: the memory bytes/s a rank sustains, for memory-bound work (embedding, element-wise
+            ops, the loss). Default 2e12.
+        optimizer_bytes_per_parameter: optimizer state per parameter, bytes. Default 8 (Adam, fp32).
+        network: the links collectives run on (`profiler.estimate.collectives.Network`); None: no
+            collective time.
+
+    Returns:
+        The `ModelProfile`: a head (embedding), a "body:dense" or "body:moe" layer per block with the
+        none, selective and full recompute modes, and a tail (final norm, LM head, loss); times in ms,
+        memory in bytes, source "analytic".
+
+    Raises:
+        InputError: naming the argument: a throughput that is not a finite number > 0, a negative
+            `optimizer_bytes_per_parameter`; a layout the model does not divide into.
+
+    Example:
+        >>> shape = TransformerShape(hidden_size=256, num_layers=4, num_heads=4, vocab_size=1000, sequence=128,
+        ...                          ffn_size=1024)
+        >>> profile = analytic_profile(shape)
+        >>> [layer.kind for layer in profile.layers]
+        ['head', 'body:dense', 'body:dense', 'body:dense', 'body:dense', 'tail']
+        >>> profile.layers[1].parameter_bytes  # bf16: 2 x (4 h^2 attention + 3 h ffn MLP + 2 h norms)
+        2098176
+        >>> sorted(profile.layers[1].recompute)
+        ['full', 'none', 'selective']
+    """
     for name, value in (("flops_per_second", flops_per_second), ("bytes_per_second", bytes_per_second)):
         if not _finite(value) or not value > 0:
             raise InputError(name, f"expected a number > 0, got {value!r}")

@@ -44,7 +44,34 @@ log = logging.getLogger(__name__)
 
 
 class LayerProfiler:
-    """Measures every layer's time and memory, per recompute mode, in the training steps the user runs."""
+    """Measures every layer's time and memory, per recompute mode, in the training steps the user runs.
+
+    Attach it (`with`, or `attach()`), call `step()` after each training step until `done`, then take
+    `profile()`. The first `warmup_steps` steps run without recompute and find the layers' order; then
+    each mode in `modes` runs `steps` times, the modes taking turns (and, on the CPU, one more step per
+    mode counts each backward's working set). Leaving the `with` block, or `detach()`, removes every hook.
+
+    Attributes:
+        blocks: the body layers found (`profiler.find_blocks`), in module order.
+        steps_done: training steps seen so far; `total_steps` are needed, `done` says whether they ran.
+        device: the device the model lies on.
+
+    Raises:
+        InputError: on construction, naming the argument: a step count below 1, `modes` without "none",
+            repeated or not among "none", "selective", "full"; `model` without blocks to find.
+
+    Example::
+
+        with LayerProfiler(model, optimizer, steps=2) as profiler:
+            for batch in batches:
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                profiler.step()
+                if profiler.done:
+                    break
+        profile = profiler.profile()  # a solver.ModelProfile: profile.save("profile.json")
+    """
 
     def __init__(
         self,
@@ -63,15 +90,27 @@ class LayerProfiler:
         micro_batch: Mapping[str, int] | None = None,
         on_step: Callable[[int, int, str], None] | None = None,
     ) -> None:
-        """`steps`: measured steps per recompute mode. `layers`: module-name patterns for the body blocks
-        (found automatically otherwise). `pool`: give the layers of one kind their kind's median times.
-        `split_backward`: time each body kind's backward split in two as torch's stages split it, once,
-        alone, and count what is held between the halves.
-        `tail`: the model's tail as a module from the last block's output to the loss (its final norm,
-        LM head and loss), to split its backward too, on a copy of that output; None: the tail's
-        backward is split in half by assumption and nothing is held between its halves.
-        `count_memory`: count what autograd saves (off: times only, for the least overhead).
-        `on_step(done, total, mode)`: progress after each step."""
+        """Find the model's blocks; nothing is attached before `attach()` or `with`.
+
+        Args:
+            model: the model being trained.
+            optimizer: its optimizer, whose state is counted per layer; None: no optimizer state.
+            steps: measured steps per recompute mode (>= 1). Default 2.
+            warmup_steps: steps before them (>= 1), which find the layers' order. Default 1.
+            modes: the recompute modes to measure, "none" among them. Default none, selective, full.
+            layers: module-name patterns (fnmatch) for the body blocks; None: found automatically.
+            pool: give the layers of one kind their kind's median times.
+            split_backward: time each body kind's backward split in two as torch's stages split it,
+                once, alone, and count what is held between the halves.
+            tail: the model's tail as a module from the last block's output to the loss (its final
+                norm, LM head and loss), to split its backward too, on a copy of that output; None: the
+                tail's backward is split in half by assumption and nothing is held between its halves.
+            count_memory: count what autograd saves (off: times only, for the least overhead).
+            model_name: the profile's model name; empty: the model's class name.
+            micro_batch: the profile's micro-batch shape ({"size": 1, "sequence": 4096}); None: read
+                from the model's input shape.
+            on_step: `on_step(done, total, mode)`, progress after each step; None: none.
+        """
         _check_count(steps, "steps", 1)
         _check_count(warmup_steps, "warmup_steps", 1)
         modes = tuple(modes)
@@ -167,7 +206,11 @@ class LayerProfiler:
             self._attached = False
 
     def step(self) -> None:
-        """Call once after each training step (after `optimizer.step()`)."""
+        """Call once after each training step (after `optimizer.step()`).
+
+        Raises:
+            RuntimeError: while not attached (outside the `with` block).
+        """
         if not self._attached:
             raise RuntimeError(
                 "LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`"
@@ -193,7 +236,15 @@ class LayerProfiler:
             self._start_step()
 
     def profile(self) -> ModelProfile:
-        """The measured profile; after the last profiled step."""
+        """The measured profile; after the last profiled step.
+
+        Returns:
+            The `ModelProfile`: every layer's forward and backward time (ms), and per recompute mode
+            what it keeps for backward and what the mode costs; parameter, gradient, optimizer bytes.
+
+        Raises:
+            RuntimeError: before every profiled step has run (`done`).
+        """
         if not self.done:
             raise RuntimeError(
                 f"profiled {self.steps_done} of {self.total_steps} steps; call step() after each training step"

@@ -120,7 +120,39 @@ def build_stages(
     on_kept: Callable[[torch.Tensor], None] | None = None,
 ) -> list[tuple[int, PipelineStageModule]]:
     """`(stage index, module)` for each virtual stage `rank` runs under `plan`, in chunk order.
-    `on_kept` sees each tensor selective recompute keeps in its own cache (`set_recompute`)."""
+    `on_kept` sees each tensor selective recompute keeps in its own cache (`set_recompute`).
+
+    Each module runs the embedding (first stage), its blocks with the position embeddings it recomputes,
+    and the final norm and LM head (last stage). The modules hold the model's own modules, not copies;
+    the blocks the plan recomputes are switched to full or selective checkpointing in place. A plan
+    whose body layers are not named as the model's blocks gets a warning, as does a tied embedding and
+    LM head on two ranks (see `TiedGradients`).
+
+    Args:
+        model: a transformers causal LM of the Llama family or GPT-2.
+        plan: a `Plan`, a `Layout` or a plan JSON as read.
+        rank: this process's pipeline rank, 0..pipeline_parallel-1.
+        on_kept: called with each tensor selective recompute keeps in its own cache; None: nothing.
+
+    Returns:
+        `(stage index, PipelineStageModule)` per chunk of `rank`, for `PipelineStage(module, stage index,
+        num_stages, ...)`.
+
+    Raises:
+        InputError: a plan that does not read back (naming its field); naming `plan`: a body-layer count
+            other than the model's blocks, a recompute mode torch has not, recompute under a schedule
+            that splits the backward; naming `rank` outside the pipeline; naming `model` for a model
+            that is not of a family it knows.
+
+    Example::
+
+        stages = [
+            PipelineStage(module, index, layout.num_virtual_stages, device, group=pp_group)
+            for index, module in sapp_hook.build_stages(model, layout, pp_rank)
+        ]
+        runner = sapp_hook.schedule_class(layout)
+        schedule = runner(stages if len(stages) > 1 else stages[0], layout.micro_batches, loss_fn=loss_fn)
+    """
     layout = as_layout(plan)
     parts = _parts(model)
     found = find_blocks(model)
@@ -179,7 +211,26 @@ class TiedGradients:
     Make it on every rank of the world, after `build_stages` (it makes the process groups of the holders,
     one per pipeline where data parallelism runs several); call it after each step's backward and
     before the optimizer step. `rank` is the rank in the pipeline `group` (default: the world). It
-    does nothing where the model does not tie the two or one rank holds both (V schedules)."""
+    does nothing where the model does not tie the two or one rank holds both (V schedules).
+
+    Args:
+        model: the model `build_stages` cut (a Llama-family or GPT-2 causal LM).
+        plan: the same plan: a `Plan`, a `Layout` or a plan JSON as read.
+        rank: this process's pipeline rank, its rank in `group`.
+        group: the process group of this rank's pipeline; None: the world is one pipeline.
+
+    Raises:
+        InputError: naming `model` for a model that is not of a family `build_stages` knows; under
+            torch.distributed, with tied weights, a plan that does not read back.
+
+    Example::
+
+        tied = sapp_hook.TiedGradients(model, layout, pp_rank, group=pp_group)  # on every rank
+        for batch in batches:
+            schedule.step(...)
+            tied()  # after the backward, before the optimizer step
+            optimizer.step()
+    """
 
     def __init__(
         self,
@@ -209,7 +260,24 @@ class TiedGradients:
 
 
 def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
-    """The torch.distributed.pipelining schedule class that runs `plan`."""
+    """The torch.distributed.pipelining schedule class that runs `plan`.
+
+    Args:
+        plan: a `Plan`, a `Layout` or a plan JSON as read.
+
+    Returns:
+        The class (`Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble` or
+        `ScheduleDualPipeV`), to make with the rank's stage (or list of stages, one per chunk).
+
+    Raises:
+        InputError: a plan that does not read back; naming `plan` where torch has no class for its
+            schedule (Interleaved1F1B-less-memory, ZBH1).
+
+    Example::
+
+        runner = sapp_hook.schedule_class(layout)  # e.g. Schedule1F1B
+        schedule = runner(stage, n_microbatches=layout.micro_batches, loss_fn=loss_fn)
+    """
     import torch.distributed.pipelining as pipelining
 
     layout = as_layout(plan)

@@ -30,7 +30,41 @@ TARGETS: dict[str, Callable[..., WriteBack]] = {
 
 
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
-    """Write `layout` into the `target` config at `path`."""
+    """Write `layout` into the `target` config at `path`.
+
+    The writer keeps the config's comments, key order and unrelated keys, checks the plan against it
+    (stage and layer counts, schedule, micro-batches) before touching anything, and writes atomically:
+    the first write keeps the file as it was in `NAME.sapp-hook.bak`.
+
+    Args:
+        target: "mindformers" (a YAML config), "megatron" (a launch script or arguments file),
+            "torchtitan" (a TOML config, or a Python config as `FILE.py:FUNCTION`) or "plan" (the plan
+            JSON itself, YAML where `path` ends in .yaml or .yml; the file may be new).
+        path: the config to rewrite.
+        layout: the plan (`layout_of(plan)`, or `layout_from_dict` of a plan JSON).
+        dry_run: only work out the diff; write nothing.
+
+    Returns:
+        A `WriteBack`: `path`, the unified `diff`, `notes` (what the config cannot express, and what was
+        written instead), `written` (the files written; empty in a dry run or where nothing changed) and
+        `backup`.
+
+    Raises:
+        InputError: an unknown `target`, or `path`, `layout` or `dry_run` of the wrong type (naming the
+            argument); a config that cannot be read, parsed or written (naming `--config`); a plan the
+            config cannot run (`PlanMismatch`, naming `--plan`). Nothing is written then.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> from solver import PipelineSpec
+        >>> from sapp_hook.writeback.layout import even_layout
+        >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=4)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+        >>> write_config("plan", path, layout).written == [str(path)]
+        True
+        >>> write_config("plan", path, layout, dry_run=True).diff  # the file already says the plan
+        ''
+    """
     check_target(target, "target")
     check_instance(path, (str, os.PathLike), "path", "a path (str or os.PathLike)")
     check_instance(layout, Layout, "layout", "a Layout (sapp_hook.layout_of(plan) or layout_from_dict(plan JSON))")
@@ -45,7 +79,20 @@ def check_target(target: str, field: str) -> None:
 
 def check_destination(target: str, path: str | Path, *, target_field: str, config_field: str) -> None:
     """Refuse, before any work, a target sapp-hook does not know or a config it cannot rewrite (a plan
-    file, the `plan` target, may be new)."""
+    file, the `plan` target, may be new).
+
+    Args:
+        target: the target, as `write_config` takes it.
+        path: the config `write_config` will rewrite.
+        target_field: the name errors about `target` give (the argument, or the environment variable
+            that set it).
+        config_field: the name errors about the config give.
+
+    Raises:
+        InputError: naming `target_field` for an unknown target; naming `config_field` where the config
+            is not a readable UTF-8 file (any target but "plan") or it, its backup or their folder cannot
+            be written.
+    """
     check_target(target, target_field)
     # a TorchTitan Python config may name its config function: FILE.py:FUNCTION
     file = config_path(path)[0] if target == "torchtitan" else Path(path)
@@ -59,7 +106,19 @@ def check_destination(target: str, path: str | Path, *, target_field: str, confi
 
 def check_job(target: str, path: str | Path, spec: PipelineSpec, body_layers: int, *, config_field: str) -> None:
     """Refuse, before any work, a config that cannot take any plan for this job (pipeline size, schedule,
-    layer count, batch sizes): an even split of `body_layers` written in a dry run."""
+    layer count, batch sizes): an even split of `body_layers` written in a dry run.
+
+    Args:
+        target: the target, as `write_config` takes it.
+        path: the config.
+        spec: the job's pipeline (schedule, ranks, chunks, micro-batches).
+        body_layers: the blocks of the whole model (every rank's, in a pipeline that profiles its own).
+        config_field: the name errors give (the argument, or the environment variable that set it).
+
+    Raises:
+        InputError: naming `config_field`: "PATH does not fit this job: the plan ..." where the config
+            cannot run a plan for this job, or what `write_config` refuses about the config itself.
+    """
     try:
         write_config(target, path, even_layout(spec, body_layers), dry_run=True)
     except PlanMismatch as mismatch:

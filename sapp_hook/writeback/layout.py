@@ -19,18 +19,57 @@ from solver.vocabulary.spec import spec_from_dict, spec_to_dict
 
 @dataclass(frozen=True)
 class PlacedLayer:
+    """One layer of a plan, where it runs and how.
+
+    Attributes:
+        name: the layer's module name as profiled ("layers.3"; "head" and "tail" stand for what runs
+            before and after the blocks).
+        kind: "head", "tail", or "body:TYPE" for a block ("body:block", "body:moe", ...).
+        virtual_stage: the virtual stage holding it, in model order: stage = chunk x pipeline_parallel +
+            rank under loop placement; V schedules run chunk 1 back up the ranks (`simulator.schedule`).
+        recompute: its recompute mode ("none", "selective", "full", ...).
+    """
+
     name: str
     kind: str
-    virtual_stage: int  # in model order: virtual stage v = chunk x stages + rank for loop placement
+    virtual_stage: int  # in model order: virtual stage v = chunk x pipeline_parallel + rank for loop placement
     recompute: str
 
     @property
     def is_body(self) -> bool:
+        """Whether it is a block, neither head nor tail."""
         return self.kind not in (HEAD, TAIL)
 
 
 @dataclass(frozen=True)
 class Layout:
+    """What a launch config needs from a plan: the schedule, and which layers each virtual stage holds
+    with their recompute mode. Made by `layout_of` (a `Plan`), `layout_from_dict` (the plan JSON) or
+    `even_layout`; `write_config` writes it, `build_stages` runs it.
+
+    Attributes:
+        schedule: the schedule's name, as torch.distributed.pipelining gives it ("1F1B", ...).
+        pipeline_parallel: pipeline ranks (the deprecated property `stages` still reads it).
+        chunks: virtual stages per rank.
+        micro_batches: micro-batches per iteration.
+        layers: every layer of the model in model order (`PlacedLayer`), going through the virtual
+            stages in order: the head layers on the first, the tail layers on the last.
+        mindformers: the plan as MindFormers' keys (`offset`, `recompute`, `select_recompute`,
+            `select_comm_recompute`, `pp_interleave_num`).
+        plan_data: the plan JSON (`Plan.to_dict`) it was read from.
+        microbatch_group_size: Interleaved1F1B's group size (Megatron's `microbatch_group_size_per_vp_stage`)
+            as the spec states it; None: the schedule's default.
+
+    Example:
+        >>> from solver import PipelineSpec
+        >>> spec = PipelineSpec(pipeline_parallel=2, micro_batches=4, schedule="Interleaved1F1B")
+        >>> layout = even_layout(spec, body_layers=8)
+        >>> layout.num_virtual_stages, [len(layers) for layers in layout.virtual_stages()]
+        (4, [3, 2, 2, 3])
+        >>> layout.mindformers["offset"], layout.body_modes()
+        ([[0, 0], [0, 0]], {'none'})
+    """
+
     schedule: str
     pipeline_parallel: int
     chunks: int
@@ -42,6 +81,7 @@ class Layout:
 
     @property
     def num_virtual_stages(self) -> int:
+        """pipeline_parallel x chunks."""
         return self.pipeline_parallel * self.chunks
 
     @property
@@ -59,9 +99,11 @@ class Layout:
 
     @property
     def body_layers(self) -> int:
+        """How many blocks (body layers) the plan places."""
         return sum(1 for layer in self.layers if layer.is_body)
 
     def body_modes(self) -> set[str]:
+        """The recompute modes the blocks use."""
         return {layer.recompute for layer in self.layers if layer.is_body}
 
     def uniform_full_count(self) -> int | None:
@@ -88,7 +130,26 @@ class Layout:
 
 def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
     """A head, `body_layers` blocks and a tail split evenly over the virtual stages, without recompute:
-    a stand-in plan for checking a config before any plan exists."""
+    a stand-in plan for checking a config before any plan exists.
+
+    Args:
+        spec: the job's pipeline: its schedule, ranks, chunks and micro-batches.
+        body_layers: the model's blocks, at least 1; the first virtual stages take one more where they
+            do not divide evenly (a stage may be left empty). The layers are named "head", "layers.0",
+            ..., "tail".
+
+    Returns:
+        The `Layout`, its `plan_data` holding only the spec and the layers.
+
+    Raises:
+        InputError: `body_layers` below 1 (naming `layers`: no body layer).
+
+    Example:
+        >>> from solver import PipelineSpec
+        >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=5)
+        >>> [(layer.name, layer.virtual_stage) for layer in layout.layers]
+        [('head', 0), ('layers.0', 0), ('layers.1', 0), ('layers.2', 0), ('layers.3', 1), ('layers.4', 1), ('tail', 1)]
+    """
     virtual_stages = spec.pipeline_schedule.num_virtual_stages
     virtual = [v for v, count in enumerate(even_counts(body_layers, virtual_stages)) for _ in range(count)]
     layers = [{"name": "head", "kind": HEAD, "virtual_stage": 0, "recompute": NONE}]
@@ -101,6 +162,13 @@ def even_layout(spec: PipelineSpec, body_layers: int) -> Layout:
 
 
 def layout_of(plan: Plan) -> Layout:
+    """The `Layout` of a `Plan` (`solve`, `evaluate_plan`, ...): `layout_from_dict(plan.to_dict())`.
+
+    Example::
+
+        plan = solver.solve(profile, spec)
+        sapp_hook.write_config("mindformers", "train.yaml", sapp_hook.layout_of(plan))
+    """
     return layout_from_dict(plan.to_dict())
 
 
@@ -117,7 +185,34 @@ def as_layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
 
 def layout_from_dict(data: object) -> Layout:
     """A Layout from a plan JSON (`Plan.to_dict()`); its MindFormers keys, where given, must say what
-    its layers say."""
+    its layers say.
+
+    Args:
+        data: the plan JSON as read (`sapp-hook solve --plan-out`, a cached plan): its `spec` and its
+            `plan.layers` (each layer's `name`, `kind`, `virtual_stage`, `recompute`). The other views
+            of the split it may give (MindFormers' keys, `virtual_stage_layers`, `rank_chunk_layers`,
+            each layer's `rank` and `chunk`) are checked against the layers.
+
+    Returns:
+        The `Layout`.
+
+    Raises:
+        InputError: naming the JSON field (`spec.schedule`, `plan.layers[2].virtual_stage`, ...): a field
+            missing or of the wrong type, a spec `PipelineSpec` refuses, no layers or no body layer, a
+            virtual stage outside ranks x chunks or out of model order, an unknown recompute mode, a head
+            layer off the first virtual stage or a tail layer off the last, or a view of the split that
+            says other than the layers.
+
+    Example:
+        >>> from solver import PipelineSpec
+        >>> data = dict(even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=2).plan_data)
+        >>> layout_from_dict(data).layers[1]
+        PlacedLayer(name='layers.0', kind='body:block', virtual_stage=0, recompute='none')
+        >>> layout_from_dict({**data, "plan": {**data["plan"], "virtual_stage_layers": [3, 1]}})
+        Traceback (most recent call last):
+        ...
+        basics.errors.InputError: plan.virtual_stage_layers: is [3, 1]; the plan's layers say [2, 2]
+    """
     fields = Fields(data, "")
     spec = spec_from_dict(fields.raw("spec"))
     schedule = spec.pipeline_schedule

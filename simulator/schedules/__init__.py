@@ -136,7 +136,33 @@ def build_schedule(
     """Build the action lists of schedule `name` for `ranks` ranks, `chunks` chunks per rank
     (the schedule's own count when None) and `micro_batches` micro-batches.
 
-    `microbatch_group_size` is Megatron's `microbatch_group_size_per_vp_stage` (Interleaved1F1B only).
+    Args:
+        name: a schedule of `SCHEDULES` (GPipe, 1F1B, Interleaved1F1B, Interleaved1F1B-less-memory, ZBH1,
+            ZBVZeroBubble, DualPipeV), case-insensitive, with or without torch's `Schedule` prefix.
+        ranks: pipeline ranks (`pipeline_parallel`), at least 1.
+        micro_batches: micro-batches per iteration, at least the schedule's fewest (1; `ranks` for the
+            interleaved schedules; 2 x `ranks` for DualPipeV).
+        chunks: virtual stages per rank; None: the schedule's own (1; 2 for the interleaved and V
+            schedules). 1F1B, GPipe and ZBH1 take exactly 1, the V schedules exactly 2, the
+            interleaved ones 2 or more.
+        microbatch_group_size: Megatron's `microbatch_group_size_per_vp_stage` (Interleaved1F1B only):
+            `ranks` <= G <= `micro_batches` with `micro_batches` mod G = 0 or >= `ranks`; None: `ranks`
+            where it divides `micro_batches`, else torch's choice or the smallest group Megatron accepts.
+
+    Returns:
+        The `Schedule`: every rank's action list, with the schedule's placement of virtual stages.
+
+    Raises:
+        InputError: naming the field: an unknown `name`; a count that is not an integer >= 1; `chunks` the
+            schedule does not run; too few `micro_batches`; more than `MAX_ACTIONS` actions (naming the
+            largest count); a `microbatch_group_size` for another schedule or one Megatron refuses.
+
+    Example:
+        >>> schedule = build_schedule("Interleaved1F1B", ranks=4, micro_batches=8)
+        >>> schedule.describe(), schedule.placement, schedule.num_actions
+        ('Interleaved1F1B: 4 ranks x 2 chunks, 8 micro-batches', 'loop', 128)
+        >>> " ".join(str(action) for action in build_schedule("1F1B", 2, 3).rank_actions[0])
+        '0F0 0F1 0B0 0F2 0B1 0B2'
     """
     kind = schedule_kind(name)
     _check_count("ranks", ranks, 1)

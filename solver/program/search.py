@@ -56,15 +56,56 @@ def solve(
 ) -> Plan:
     """The fastest plan that fits `spec.memory_budget_bytes`; raises InfeasibleError when none fits.
 
-    Status "optimal" when the search proved it, "feasible" with the proven gap when the time limit
-    stopped it (the fastest plan found that fits, the balanced split's at least where that fits).
-    Deterministic unless the time limit stops a search.
+    Searches every layer split over the virtual stages and every layer's recompute mode for the least
+    simulated iteration time with each rank's simulated peak within the budget (the module doc), for
+    one rank of the spec's mesh. Deterministic unless the time limit stops a search.
 
-    An exception raised while it runs that is not an `Exception` (KeyboardInterrupt on Ctrl-C, what a
-    SIGTERM handler raises) stops the search at once. `on_interrupt` says what then: "raise", the
-    exception propagates unchanged; "best", the fastest plan found so far that fits is returned, status
-    "interrupted" with its gap; a function, called with that plan before the exception propagates.
-    Where no plan that fits is known yet, the exception propagates whatever `on_interrupt` says.
+    Args:
+        profile: every layer's costs (`load_profile`, `LayerProfiler.profile()`, `analytic_profile`).
+        spec: how the job runs, the memory budget included.
+        time_limit_s: seconds the search may take (default 60; inf: no limit); stopped by it, the search
+            returns the best plan it found.
+        on_interrupt: what happens when an exception that is not an `Exception` (KeyboardInterrupt on
+            Ctrl-C, what a SIGTERM handler raises) stops the search, which it does at once: "raise"
+            (default), the exception propagates unchanged; "best", the fastest plan found so far that
+            fits is returned, status "interrupted" with its gap; a function, called with that plan
+            before the exception propagates. Where no plan that fits is known yet, the exception
+            propagates whatever `on_interrupt` says.
+
+    Returns:
+        The `Plan`, simulated: status "optimal" when the search proved it, "feasible" with the proven
+        gap when the time limit stopped it (the fastest plan found that fits, the balanced split's at
+        least where that fits), "interrupted" as above. Ties are broken by least recompute time, then
+        least peak memory.
+
+    Raises:
+        InfeasibleError: no plan fits the budget; it says the smallest budget that would
+            (`smallest_budget_bytes`), the rank that peaks there (`binding_rank`) and what to try.
+        InputError: `profile` or `spec` of the wrong type, a `time_limit_s` that is not a number of
+            seconds > 0 (inf: no limit), an unknown `on_interrupt`, a mesh the profile cannot be
+            divided for, too few body layers to fill every virtual stage (naming `pipeline_parallel`;
+            unless `spec.allow_empty_chunks`), or no plan found within `time_limit_s` (naming it).
+
+    Example:
+        >>> from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost
+        >>> MiB = 2**20
+        >>> def layer(index, kind):  # 8 MiB kept per micro-batch, 1 MiB under full recompute (+2 ms)
+        ...     modes = {"none": RecomputeCost(extra_ms=0.0, activation_bytes=8 * MiB)}
+        ...     if kind == "body:block":
+        ...         modes["full"] = RecomputeCost(extra_ms=2.0, activation_bytes=1 * MiB, working_bytes=8 * MiB)
+        ...     return LayerProfile(f"layer{index}", kind, 2.0, 4.0, modes, parameter_bytes=10 * MiB)
+        >>> profile = ModelProfile(tuple(layer(i, k) for i, k in enumerate(["head", *["body:block"] * 6, "tail"])))
+        >>> plan = solve(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, memory_budget_bytes=80 * MiB))
+        >>> plan.status, plan.stage_layer_counts, plan.layer_modes.count("full"), plan.iteration_time_ms
+        ('optimal', (4, 4), 2, 132.0)
+        >>> [peak / MiB for peak in plan.rank_peak_memory_bytes]
+        [76.0, 72.0]
+        >>> from solver import InfeasibleError
+        >>> try:
+        ...     solve(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, memory_budget_bytes=60 * MiB))
+        ... except InfeasibleError as error:
+        ...     print(error.smallest_budget_bytes / MiB, error.binding_rank)
+        62.0 1
     """
     check_instance(profile, ModelProfile, "profile", "a ModelProfile (solver.load_profile)")
     check_instance(spec, PipelineSpec, "spec", "a PipelineSpec")

@@ -15,7 +15,31 @@ from solver.vocabulary.profile import ModelProfile
 
 
 def load_profile(path: str | Path) -> ModelProfile:
-    """Read a profile: sapp-hook's JSON, or SAPP's layer JSON (`layers_description`)."""
+    """Read a profile: sapp-hook's JSON, or SAPP's layer JSON (`layers_description`).
+
+    Args:
+        path: a JSON file: sapp-hook's profile (`ModelProfile.save`, `sapp-hook profile`: an object with
+            `schema_version` and `layers`) or SAPP's layer description (an object with `layers_description`).
+
+    Returns:
+        The `ModelProfile`: every layer's times (ms) and bytes, per recompute mode.
+
+    Raises:
+        InputError: naming `profile` where the path is not a path, the file cannot be read, is too large,
+            is not JSON or is neither format; naming the field where a field is missing or wrong
+            (`schema_version`, `layers`, ...).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> from solver import LayerProfile, ModelProfile, RecomputeCost
+        >>> none = {"none": RecomputeCost(extra_ms=0.0, activation_bytes=1024.0)}
+        >>> kinds = ["head", "body:block", "body:block", "tail"]
+        >>> profile = ModelProfile(tuple(LayerProfile(f"layer{i}", k, 2.0, 4.0, none) for i, k in enumerate(kinds)))
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "profile.json"
+        >>> profile.save(path)
+        >>> load_profile(path) == profile
+        True
+    """
     check_instance(path, (str, os.PathLike), "profile", "a path (str or os.PathLike)")
     data = read_json(path, "profile")
     if not isinstance(data, Mapping) or not ("layers_description" in data or "schema_version" in data):

@@ -15,7 +15,45 @@ from solver.vocabulary.spec import PipelineSpec, spec_to_dict
 @dataclass(frozen=True)
 class Plan:
     """A layer split and recompute choice, simulated. Virtual stage v holds layers
-    [sum(counts[:v]), sum(counts[:v+1])) of the model."""
+    [sum(counts[:v]), sum(counts[:v+1])) of the model.
+
+    Made by `solve`, `evaluate_plan`, `even_plan`, `plan_from_dict` or `plan_from_mindformers`, which
+    check it against the profile and simulate it; `to_dict` gives the plan JSON (`sapp-hook solve
+    --plan-out`) that `plan_from_dict` and `sapp_hook.layout_from_dict` read back.
+
+    Attributes:
+        spec: the `PipelineSpec` it is for.
+        layer_names: every layer of the profile, in model order.
+        layer_kinds: each layer's kind ("head", "body:...", "tail").
+        stage_layer_counts: layers per virtual stage, in model order (counts above).
+        layer_modes: each layer's recompute mode ("none", "selective", "full", ...).
+        iteration_time_ms: the simulated iteration time.
+        bubble: where the idle time goes (`simulator.BubbleSplit`).
+        rank_peak_memory_bytes: each rank's simulated peak.
+        weight_split_assumed: some I/W action split a backward whose weight-gradient time was not
+            measured (half of it assumed).
+        status: "optimal" (proven), "feasible" (the time limit stopped the search; see `gap`),
+            "interrupted" (see `gap`) or "given" (checked and simulated, not searched).
+        gap: the proven relative gap to the best possible iteration time,
+            (iteration_time_ms - lower_bound_ms) / iteration_time_ms; None where not searched.
+        lower_bound_ms: a proven lower bound on any plan's iteration time; None where not searched.
+        solve_seconds: how long the search took; None where not searched.
+        simulation: the replay (`simulator.SimulationResult`: every action's times, memory curves);
+            left out of comparisons and repr.
+
+    Example:
+        >>> from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost, even_plan
+        >>> none = {"none": RecomputeCost(extra_ms=0.0, activation_bytes=8 * 2**20)}
+        >>> kinds = ["head", *["body:block"] * 6, "tail"]
+        >>> profile = ModelProfile(tuple(LayerProfile(f"layer{i}", k, 2.0, 4.0, none) for i, k in enumerate(kinds)))
+        >>> plan = even_plan(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4))
+        >>> plan.stage_layer_counts, plan.iteration_time_ms, plan.status, plan.fits
+        ((4, 4), 120.0, 'given', True)
+        >>> plan.rank_chunk_ranges()
+        [[range(0, 4)], [range(4, 8)]]
+        >>> plan.to_dict()["plan"]["virtual_stage_layers"]
+        [4, 4]
+    """
 
     spec: PipelineSpec
     layer_names: tuple[str, ...]
@@ -34,6 +72,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """Whether every rank's peak is within `spec.memory_budget_bytes`."""
         return all(peak <= self.spec.memory_budget_bytes for peak in self.rank_peak_memory_bytes)
 
     def with_search(self, *, status: str, gap: float, lower_bound_ms: float, solve_seconds: float) -> Plan:

@@ -34,25 +34,69 @@ COLLECTIVE_BACKENDS = ("nccl", "gloo")
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """Pipeline ranks (`pipeline_parallel`), chunks (virtual stages) per rank, micro-batches per iteration, the schedule, and
-    what memory each device has.
+    """How the job runs: pipeline ranks, chunks (virtual stages) per rank, micro-batches per iteration,
+    the schedule, what memory each device has, and the other parallel dimensions.
 
-    The profile's parameter, gradient and optimizer bytes are taken as unsharded; with
-    `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also
-    parameters, each by `data_parallel`, and each layer's parameters are gathered whole while its own
-    forward or backward runs. `fsdp`: torch's FSDP2 on each stage as TorchTitan applies it (a
-    `fully_shard` unit per layer), which under torch's pipelining keeps every chunk's gradients whole
-    from its first backward to the step's reduce and, unless `fsdp_reshard_after_forward`, its
-    parameters whole from its first forward (`solver.parallel.sharding`). `gradients_persist`: gradients stay
-    allocated between steps (`zero_grad(set_to_none=False)`); else they come within each step.
-    `ddp`: torch's DistributedDataParallel on each stage, whose buckets hold a copy of the gradients
-    unless `ddp_bucket_view` (`gradient_as_bucket_view=True`). `collective_backend`: "gloo" where
-    FSDP's all-gathers hold a temporary of their output's size. `rank_constant_bytes` is added to the profile's.
-    `action_overhead_ms` is added to every forward, backward, input- and weight-gradient action: the
-    engine's own cost per action (Python, scheduling), which a calibration measures.
-    `receive_buffers`: the engine is torch.distributed.pipelining (TorchTitan's too), which holds
-    for the whole run, on every virtual stage, one buffer per micro-batch for the input it receives
-    (all but the first) and one for the output gradient (all but the last).
+    The profile's parameter, gradient and optimizer bytes are taken as unsharded; the fields below say
+    how data parallelism shards them (`static_split`).
+
+    Attributes:
+        pipeline_parallel: pipeline ranks (the deprecated keyword `stages` still names it).
+        micro_batches: micro-batches per iteration.
+        schedule: the schedule's name, as `simulator.build_schedule` takes it. Default "1F1B".
+        chunks: virtual stages per rank; None: the schedule's own.
+        memory_budget_bytes: what each device may hold; inf (the default): no limit.
+        rank_constant_bytes: added to the profile's `rank_constant_bytes` (held by every rank whatever
+            its layers; the deprecated keyword `stage_constant_bytes` still names it).
+        p2p_ms: what an activation or gradient takes to reach another rank (P2P).
+        action_overhead_ms: added to every forward, backward, input- and weight-gradient action: the
+            engine's own cost per action (Python, scheduling), which a calibration measures.
+        data_parallel: data-parallel replicas of the pipeline.
+        zero_stage: 0-3. With `data_parallel` replicas, ZeRO stage 1 shards optimizer state, 2 also
+            gradients, 3 also parameters, each by `data_parallel`, and each layer's parameters are
+            gathered whole while its own forward or backward runs. 0 or 3 with `fsdp`.
+        allow_empty_chunks: whether a virtual stage may hold no layer.
+        microbatch_group_size: Megatron's `microbatch_group_size_per_vp_stage` (Interleaved1F1B only);
+            None: the schedule's default.
+        receive_buffers: the engine is torch.distributed.pipelining (TorchTitan's too), which holds for
+            the whole run, on every virtual stage, one buffer per micro-batch for the input it receives
+            (all but the first) and one for the output gradient (all but the last).
+        fsdp: torch's FSDP2 on each stage as TorchTitan applies it (a `fully_shard` unit per layer),
+            which under torch's pipelining keeps every chunk's gradients whole from its first backward to
+            the step's reduce and, unless `fsdp_reshard_after_forward`, its parameters whole from its
+            first forward (`solver.parallel.sharding`).
+        fsdp_reshard_after_forward: FSDP re-shards each unit after its forward (needs `fsdp`; not with a
+            schedule that splits the backward).
+        tensor_parallel: tensor-parallel degree.
+        sequence_parallel: sequence parallelism beside tensor parallelism (needs `tensor_parallel` > 1).
+        context_parallel: context-parallel degree.
+        expert_parallel: expert-parallel degree, a divisor of data_parallel x tensor_parallel x
+            context_parallel (the ranks it is carved from).
+        expert_tokens: the token copies an expert-parallel rank's experts receive: "balanced" (the even
+            share T k / e), "dropless" (the most a dropless router can send, T min(k, E / e)) or
+            "capacity:FACTOR" (a factor >= 1 over the even share).
+        gradients_persist: gradients stay allocated between steps (`zero_grad(set_to_none=False)`);
+            else they come within each step.
+        ddp: torch's DistributedDataParallel on each stage, whose buckets hold a copy of the gradients
+            unless `ddp_bucket_view`. Not with `fsdp`, `zero_stage` >= 2 or a split backward.
+        ddp_bucket_view: DDP's `gradient_as_bucket_view=True` (needs `ddp`).
+        collective_backend: "nccl" or "gloo" (where FSDP's all-gathers hold a temporary of their
+            output's size).
+
+    Raises:
+        InputError: naming the field: a degree that is not an integer >= 1, a flag that is not a bool, a
+            time or size that is negative, not finite or beyond any real one, a `zero_stage` or
+            `collective_backend` outside its choices, a schedule, chunk or micro-batch count
+            `build_schedule` refuses, or a combination no engine runs.
+
+    Example:
+        >>> spec = PipelineSpec(pipeline_parallel=4, micro_batches=8, schedule="Interleaved1F1B")
+        >>> spec.num_chunks, spec.pipeline_schedule.describe()
+        (2, 'Interleaved1F1B: 4 ranks x 2 chunks, 8 micro-batches')
+        >>> PipelineSpec(pipeline_parallel=4, micro_batches=8, fsdp_reshard_after_forward=True)
+        Traceback (most recent call last):
+        ...
+        basics.errors.InputError: fsdp_reshard_after_forward: needs fsdp
     """
 
     pipeline_parallel: int
@@ -239,16 +283,15 @@ def static_split(
     optimizer_tensor_bytes: float = 0.0,
     replicas: int | None = None,
 ) -> StaticBytes:
-    """A layer's resident bytes on one rank, per kind, sharded over `replicas` (default: the
-    data-parallel ranks; routed experts have their own: `solver.parallel.sharding.layer_static`). FSDP and ZeRO-3 shard every tensor: parameters,
-    gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars (AdamW's step
-    counts) whole. ZeRO-1 and 2 give each rank whole tensors' state (and gradients): the mean, O / d
-    (a rank's share is within one tensor's of it). FSDP's gradient shard has its parameter's shape
-    (P / d), where the whole gradient it reduces may be larger (a tensor-parallel embedding's, which
-    torch leaves whole: `step_gradient_bytes`). Gradients persist between steps where
-    `spec.gradients_persist` (`zero_grad(set_to_none=False)`); else they come within a step
-    (`step_gradient_bytes`). DDP keeps bucket copies of the gradients for the whole run unless its
-    gradients are views into them (`ddp_bucket_view`)."""
+    """A layer's resident bytes on one rank, per kind, sharded over `replicas` (default: the data-parallel ranks;
+    routed experts have their own: `solver.parallel.sharding.layer_static`). FSDP and ZeRO-3 shard every tensor:
+    parameters, gradients and the optimizer's per-element state / `data_parallel`, its per-tensor scalars
+    (AdamW's step counts) whole. ZeRO-1 and 2 give each rank whole tensors' state (and gradients): the mean,
+    O / d (a rank's share is within one tensor's of it). FSDP's gradient shard has its parameter's shape (P / d),
+    where the whole gradient it reduces may be larger (a tensor-parallel embedding's, which torch leaves whole:
+    `step_gradient_bytes`). Gradients persist between steps where `spec.gradients_persist`
+    (`zero_grad(set_to_none=False)`); else they come within a step (`step_gradient_bytes`). DDP keeps bucket
+    copies of the gradients for the whole run unless its gradients are views into them (`ddp_bucket_view`)."""
     dp = spec.data_parallel if replicas is None else replicas
     sharded = shards_parameters(spec)
     gradient = gradient_bytes / dp if sharded or spec.zero_stage >= 2 else gradient_bytes
