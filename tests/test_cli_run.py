@@ -41,8 +41,12 @@ TRAIN = textwrap.dedent("""
 def test_run_plans_writes_and_relaunches(tmp_path):
     script, log, config = tmp_path / "train.py", tmp_path / "runs.jsonl", tmp_path / "train.yaml"
     script.write_text(TRAIN)
-    # the template's 8 layers made the 4 of the script's model
-    config.write_text((TEMPLATES / "mindformers_llama.yaml").read_text().replace("num_layers: 8", "num_layers: 4"))
+    # the template's 8 layers made the 4 of the script's model; micro_batch_num 4, so that the plan's 8 is written
+    # whatever split it measures (four blocks on four ranks split one way only, and no budget needs recompute)
+    template = (TEMPLATES / "mindformers_llama.yaml").read_text()
+    config.write_text(
+        template.replace("num_layers: 8", "num_layers: 4").replace("micro_batch_num: 8", "micro_batch_num: 4")
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -68,8 +72,9 @@ def test_run_plans_writes_and_relaunches(tmp_path):
     assert "sapp-hook run: planned; training" in done.stderr
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     assert runs == [{"from_cache": True, "steps": 8}]  # the planning launch exited before logging
-    offset = yaml.safe_load(config.read_text())["model"]["model_config"]["offset"]
-    assert isinstance(offset, list) and sum(offset) == 0
+    written = yaml.safe_load(config.read_text())
+    assert written["parallel_config"]["micro_batch_num"] == 8
+    assert sum(written["model"]["model_config"]["offset"] or [0]) == 0
 
 
 def test_run_launches_once_where_the_config_already_says_the_plan(tmp_path):

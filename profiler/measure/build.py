@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,7 @@ def build_profile(
         device=_device_name(device),
         dtype=_dtype(model),
         micro_batch=micro_batch or _micro_batch(recorder.input_shape),
-        fingerprint=fingerprint(model, [b.kind for b in blocks]),
+        fingerprint=fingerprint([model_structure(model, blocks)]),
         # the hidden state a body block receives is what a stage sends on
         stage_output_bytes=median([size for index in structure.body_order for size in samples[index].input_bytes]),
         model_output_bytes=median(recorder.output_bytes),
@@ -271,10 +272,32 @@ def tied_parameters(
     )
 
 
-def fingerprint(model: nn.Module, kinds: list[str]) -> str:
-    """The model's structure: every parameter's name, shape and dtype, and the body kinds in order."""
-    parts = [kinds, [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+# what wrappers add to a parameter's name: torch's checkpoint wrapper, torch.compile, DDP
+_WRAPPER_NAMES = re.compile(r"(?:^|(?<=\.))(?:_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def model_structure(model: nn.Module, blocks: Sequence[Block]) -> dict[str, list]:
+    """What `model` (or the part of a model a pipeline rank holds) is made of, wherever a pipeline splits it:
+    each block's kind and parameters (named within the block, with shape and dtype) in order, and the
+    parameters outside the blocks; wrappers' names left out, so that checkpointing or compiling a layer
+    changes nothing."""
+
+    def described(named: Iterable[tuple[str, nn.Parameter]]) -> list[list[object]]:
+        return [[_WRAPPER_NAMES.sub("", name), list(p.shape), str(p.dtype)] for name, p in named]
+
+    inside = {id(p) for block in blocks for p in block.module.parameters()}
+    return {
+        "blocks": [[block.kind, described(block.module.named_parameters())] for block in blocks],
+        "outside": described((name, p) for name, p in model.named_parameters() if id(p) not in inside),
+    }
+
+
+def fingerprint(structures: Sequence[Mapping[str, list]]) -> str:
+    """A model's fingerprint from the `model_structure` of each pipeline rank's part of it, in pipeline order (one
+    for a whole model): the same for any split of one model."""
+    blocks = [block for part in structures for block in part["blocks"]]
+    outside = sorted(entry for part in structures for entry in part["outside"])
+    return hashlib.sha256(json.dumps([blocks, outside]).encode()).hexdigest()[:16]
 
 
 def split_cost_fields(split: SplitBackward | None, mode: str, kept: float) -> dict[str, float | None]:

@@ -40,7 +40,7 @@ from basics.files import atomic_write_text
 from basics.units import format_bytes, format_ms, parse_bytes
 from profiler import LayerProfiler
 from profiler.distributed import all_gather_bytes, gather_profiles
-from profiler.measure.build import fingerprint
+from profiler.measure.build import fingerprint, model_structure
 from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
 from sapp_hook.hook.cache import PlanCache, cache_key
@@ -74,7 +74,69 @@ class TuneResult:
 
 
 class AutoTuner:
-    """Profiles the first steps, then solves, simulates, writes the config and reports. See the module doc."""
+    """Profiles the first steps, then solves, simulates, writes the config and reports. See the module doc.
+
+    A context manager around the training loop (`step()` after each step) or a decorator of the step function.
+    `sapp-hook run`'s SAPP_HOOK_CONFIG, _TARGET, _ON_PLAN, _CACHE_DIR, _FORCE override the arguments they name.
+
+    Args:
+        model: the model being trained (this rank's part of it under torchrun).
+        optimizer: its optimizer, whose state is measured per layer; None: no optimizer state.
+        pipeline_parallel: pipeline ranks to plan for (the deprecated keyword `stages` still names it).
+        micro_batches: micro-batches per iteration.
+        schedule: the schedule's name, as torch.distributed.pipelining gives it. Default "1F1B".
+        chunks: virtual stages per rank; None: the schedule's own.
+        memory_budget: what each device may hold: a size ("56GB", "52GiB") or bytes; None: no limit.
+        config: the launch config to write the plan into, with `target`; None: nothing written.
+        target: "mindformers", "megatron", "torchtitan" or "plan" (`write_config`). The plan counts
+            torch's receive buffers (`PipelineSpec.receive_buffers`) unless it is "mindformers" or "megatron".
+        profile_steps: measured steps per recompute mode (>= 1).
+        warmup_steps: steps before those, untimed (>= 1).
+        modes: recompute modes to profile and plan, "none" among them (only "none" under a split backward).
+        layers: module-name patterns of the blocks; None: found in the model.
+        on_plan: "continue" (training goes on) or "exit" (`step()` raises SystemExit(75) once the plan is
+            written, for the launcher to restart the job with it).
+        cache_dir: the folder of cached plans; None: $XDG_CACHE_HOME/sapp-hook or ~/.cache/sapp-hook.
+        force: profile and solve again even where a cached plan matches.
+        time_limit_s: the solver's time limit, seconds.
+        data_parallel: data-parallel replicas of the pipeline (this and the next 14: `PipelineSpec`'s fields).
+        zero_stage: ZeRO stage 0-3: 1 shards optimizer state over the replicas, 2 also gradients, 3 also parameters.
+        fsdp: torch's FSDP2 on each stage, a `fully_shard` unit per layer (TorchTitan's way).
+        fsdp_reshard_after_forward: FSDP re-shards each unit after its forward.
+        gradients_persist: gradients stay allocated between steps (`zero_grad(set_to_none=False)`).
+        ddp: torch's DistributedDataParallel on each stage.
+        ddp_bucket_view: DDP's `gradient_as_bucket_view=True` (its buckets are the gradients).
+        tensor_parallel: tensor-parallel degree: the ranks the model's DTensor parameters are split over.
+        sequence_parallel: sequence parallelism beside tensor parallelism.
+        context_parallel: context-parallel degree.
+        expert_parallel: expert-parallel degree.
+        expert_tokens: token copies an expert-parallel rank receives: "balanced", "dropless", "capacity:F".
+        collective_backend: "nccl" or "gloo".
+        p2p_ms: what an activation or gradient takes to reach another rank, ms.
+        action_overhead_ms: the engine's own cost per action, ms, added to every action.
+        pipeline_group: this rank's pipeline's ProcessGroup (or 1-D DeviceMesh); None: pipeline dimension outermost.
+        out_dir: a folder for plan.json, report.txt, profile.json, plan.png (with matplotlib); None: none.
+
+    Attributes:
+        spec: the `PipelineSpec` planned for.
+        profiler: the `LayerProfiler` measuring the steps.
+        result: the `TuneResult` once decided (`plan_data`, `layout`, `from_cache`, `report`, and on the
+            rank that solved `plan` and `profile`); None before. `done` says whether it is there.
+
+    Raises:
+        InputError: naming the argument (or the environment variable that set it): a wrong type or value,
+            `config` or `target` without the other, a target or config that cannot be written, a config that cannot
+            take any plan for this job (`check_job`), a model or optimizer already sharded.
+
+    Example::
+
+        with sapp_hook.autotune(model, optimizer, pipeline_parallel=4, micro_batches=8,
+                                memory_budget="56GB", config="train.yaml", target="mindformers") as tuner:
+            for batch in batches:
+                train_step(batch)
+                tuner.step()
+        print(tuner.result.report)
+    """
 
     @renamed_keywords(stages="pipeline_parallel")
     def __init__(
@@ -223,7 +285,14 @@ class AutoTuner:
         self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
 
     def step(self) -> None:
-        """Call once after each training step."""
+        """Call once after each training step: profiles it, and after the last profiled step (or the
+        warm-up, where a cached plan matches) decides, writes and reports; nothing once `result` is set.
+
+        Raises:
+            RuntimeError: outside the profiling window (before `with` or after it ended).
+            InputError: no plan fits (naming `memory_budget`); the config is left untouched.
+            SystemExit: with status 75 once the plan is written, where `on_plan` is "exit".
+        """
         if self.result is not None:
             return
         if not self.profiler.attached:
@@ -238,7 +307,14 @@ class AutoTuner:
             self._plan()
 
     def __call__(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
-        """As a decorator of a per-step training function: profiling starts with its first call."""
+        """As a decorator of a per-step training function: profiling starts with its first call, and
+        `step()` runs after each.
+
+        Example::
+
+            @sapp_hook.autotune(model, optimizer, pipeline_parallel=2, micro_batches=4)
+            def train_step(batch): ...
+        """
 
         @functools.wraps(train_step)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -283,13 +359,16 @@ class AutoTuner:
         """After the warm-up step: reuse a cached plan for this exact model and setting, if there is one."""
         recorder = self.profiler.recorder
         local = {
-            "fingerprint": fingerprint(self.model, [block.kind for block in self.profiler.blocks]),
+            "structure": model_structure(self.model, self.profiler.blocks),
             "input_shape": list(recorder.input_shape or ()),
         }
         parts = [json.loads(part) for part in _everyone(json.dumps(local).encode())]
+        pipeline = [parts[rank] for rank in self._solving_ranks] if _distributed() else parts
         device = self.profiler.device
         self._key_parts = {
-            "ranks": parts,
+            # the model, whatever the split: a plan written for it must find itself again after the relaunch
+            "model": fingerprint([part["structure"] for part in pipeline]),
+            "input_shapes": [part["input_shape"] for part in pipeline],
             "spec": spec_to_dict(self.spec),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "dtype": str(next(self.model.parameters()).dtype),
@@ -486,7 +565,19 @@ def _kind(value: object) -> str:
 
 def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
     """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
-    step), or a decorator of the per-step training function."""
+    step), or a decorator of the per-step training function.
+
+    Args:
+        model: the model being trained.
+        optimizer: its optimizer; None: no optimizer state.
+        **options: `AutoTuner`'s keyword arguments (`pipeline_parallel` and `micro_batches` required).
+
+    Returns:
+        The `AutoTuner` (examples: its docstring, and the module's).
+
+    Raises:
+        InputError: as `AutoTuner` does, naming the argument.
+    """
     return AutoTuner(model, optimizer, **options)
 
 
