@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,25 +30,28 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from basics.deprecation import renamed_keywords
-from basics.errors import InputError, check_non_negative, check_seconds
+from basics.errors import InputError, check_seconds
 from basics.files import atomic_write_text
 from basics.units import format_bytes, format_ms, parse_bytes
 from profiler import LayerProfiler
-from profiler.distributed import all_gather_bytes, gather_profiles
+from profiler.distributed import gather_profiles
 from profiler.measure.build import fingerprint, model_structure
 from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
+from sapp_hook.hook import job
+from sapp_hook.hook.arguments import check_arguments, check_out_dir, environment
 from sapp_hook.hook.cache import PlanCache, cache_key
+from sapp_hook.hook.check import RankCheck, StepMeasure, check_lines, compare
 from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
 from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from sapp_hook.pipelining.stages import loss_tail
 from sapp_hook.report import against_even, plan_report
+from sapp_hook.validation.predicted import predictions
 from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
-from solver import ModelProfile, PipelineSpec, Plan, solve
+from solver import ModelProfile, PipelineSpec, Plan, plan_from_dict, solve
 from solver.parallel.model_parallel import prediction_caveat
 from solver.vocabulary.profile import NONE, Mesh
 from solver.vocabulary.spec import spec_to_dict
@@ -71,6 +73,7 @@ class TuneResult:
     profile: ModelProfile | None = None
     writeback: WriteBack | None = None
     report: str = ""
+    check: list[RankCheck] | None = None  # a reused plan's first step, measured against it (rank 0)
 
 
 class AutoTuner:
@@ -177,7 +180,7 @@ class AutoTuner:
         action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
     ) -> None:
-        _check_arguments(
+        check_arguments(
             model,
             optimizer,
             schedule=schedule,
@@ -192,7 +195,7 @@ class AutoTuner:
             force=force,
             out_dir=out_dir,
         )
-        given = _environment()  # `sapp-hook run`'s settings override the script's; their errors name them
+        given = environment()  # `sapp-hook run`'s settings override the script's; their errors name them
         field = {name: ENVIRONMENT[name] if name in given else name for name in ENVIRONMENT}
         config, target = given.get("config", config), given.get("target", target)
         on_plan, cache_dir = given.get("on_plan", on_plan), given.get("cache_dir", cache_dir)
@@ -235,7 +238,7 @@ class AutoTuner:
         self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
         self.out_dir = Path(out_dir) if out_dir else None
         if self.out_dir is not None:
-            _check_out_dir(self.out_dir)
+            check_out_dir(self.out_dir)
         try:
             self.cache = PlanCache(cache_dir)
         except InputError as exc:
@@ -266,9 +269,11 @@ class AutoTuner:
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])
         self._config_field = field["config"]  # the argument or the environment variable that gave the config
-        if _distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
+        if job.distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
             self._check_job()
         self.result: TuneResult | None = None
+        self._measure: StepMeasure | None = None  # the first step under a reused plan, measured
+        self._cached_profile: object = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}
 
@@ -293,6 +298,9 @@ class AutoTuner:
             InputError: no plan fits (naming `memory_budget`); the config is left untouched.
             SystemExit: with status 75 once the plan is written, where `on_plan` is "exit".
         """
+        if self._measure is not None:
+            self._check_plan(self._measure.stop())
+            return
         if self.result is not None:
             return
         if not self.profiler.attached:
@@ -338,7 +346,7 @@ class AutoTuner:
         """Refuse, on every rank, a job the plan cannot take: its pipeline's ranks, and a config for another
         layer count (each rank of a pipeline holds its stage's blocks, as the profiles join)."""
         pipeline = self.pipeline
-        counts = _everyone(str(len(self.profiler.blocks)).encode())
+        counts = job.everyone(str(len(self.profiler.blocks)).encode())
         if self.target is not None:
             blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
             check_job(self.target, self.config, self.spec, blocks, config_field=self._config_field)
@@ -350,7 +358,7 @@ class AutoTuner:
             spec = self.spec
             replicas = spec.data_parallel * spec.tensor_parallel * spec.context_parallel
             self._pipeline = pipeline_of(self._pipeline_group, spec.pipeline_parallel, replicas)
-            self._solving_ranks = tuple(json.loads(_from_rank0(json.dumps(self._pipeline.ranks).encode())))
+            self._solving_ranks = tuple(json.loads(job.from_rank0(json.dumps(self._pipeline.ranks).encode())))
         return self._pipeline
 
     # -- deciding ----------------------------------------------------------------------------------
@@ -362,8 +370,8 @@ class AutoTuner:
             "structure": model_structure(self.model, self.profiler.blocks),
             "input_shape": list(recorder.input_shape or ()),
         }
-        parts = [json.loads(part) for part in _everyone(json.dumps(local).encode())]
-        pipeline = [parts[rank] for rank in self._solving_ranks] if _distributed() else parts
+        parts = [json.loads(part) for part in job.everyone(json.dumps(local).encode())]
+        pipeline = [parts[rank] for rank in self._solving_ranks] if job.distributed() else parts
         device = self.profiler.device
         self._key_parts = {
             # the model, whatever the split: a plan written for it must find itself again after the relaunch
@@ -377,10 +385,10 @@ class AutoTuner:
             "sapp_hook": installed_version(),
         }
         self._key = cache_key(self._key_parts)
-        entry = None if self.force or _rank() else self.cache.load(self._key)
+        entry = None if self.force or job.rank() else self.cache.load(self._key)
         if entry is not None and not self._reusable(entry["plan"]):
             entry = None
-        shared = _from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
+        shared = job.from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
         if not shared:
             log.info("sapp-hook: no cached plan for this model and setting (key %s); profiling", self._key)
             return False
@@ -388,7 +396,33 @@ class AutoTuner:
         plan_data = json.loads(shared)
         log.info("sapp-hook: reusing the cached plan %s", self.cache.path(self._key))
         self._finish(plan_data, from_cache=True, plan=None, profile=None)
+        # training goes on under the plan: its next step is measured against what the plan predicted
+        self._cached_profile = entry.get("profile") if entry else None
+        self._measure = StepMeasure(self.model)
+        self._measure.start()
         return True
+
+    def _check_plan(self, measured: dict[str, float]) -> None:
+        """The first step under a reused plan against the plan's prediction, on rank 0 for every pipeline rank:
+        said in the log and the report, kept in `result.check`."""
+        self._measure = None
+        ranks = [json.loads(part) for part in job.everyone(json.dumps(measured).encode())]
+        if job.rank() != 0 or not isinstance(self._cached_profile, dict):
+            return
+        pipeline = [ranks[rank] for rank in self._solving_ranks] if job.distributed() else ranks
+        profile = ModelProfile.from_dict(self._cached_profile)
+        plan = plan_from_dict(profile, self.result.plan_data)
+        predicted = predictions(plan, profile)
+        checks = compare(pipeline, predicted["activation_peak_bytes"], predicted["step_ms"])
+        self.result.check = checks
+        lines = check_lines(checks)
+        drifted = [check for check in checks if check.drifted]
+        for line in lines:
+            (log.warning if drifted else log.info)("sapp-hook: under the plan, %s", line)
+        if self.out_dir is not None:
+            atomic_write_text(
+                self.out_dir / "check.json", json.dumps({"ranks": [c.to_dict() for c in checks]}, indent=1) + "\n"
+            )
 
     def _reusable(self, plan_data: dict[str, Any]) -> bool:
         """Whether a cached plan reads back for this run's settings (the cache may be older than this
@@ -408,9 +442,8 @@ class AutoTuner:
         if self.measured_tensor_parallel > 1:  # measured on one rank of it: the solver divides no further
             mesh = Mesh(tensor_parallel=self.measured_tensor_parallel, sequence_parallel=self.spec.sequence_parallel)
             local = dataclasses.replace(local, mesh=mesh)
-        if _distributed():  # the stages of rank 0's pipeline, joined there
-            rank = self.pipeline.rank
-            profile = gather_profiles([(rank, local)] if _rank() in self._solving_ranks else [])
+        if job.distributed():  # the stages of rank 0's pipeline, joined there
+            profile = gather_profiles([(self.pipeline.rank, local)] if job.rank() in self._solving_ranks else [])
         else:
             profile = local
         error = ""
@@ -425,7 +458,7 @@ class AutoTuner:
             except InputError as exc:
                 error = str(exc)
         payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""
-        plan_data = json.loads(_from_rank0(payload))
+        plan_data = json.loads(job.from_rank0(payload))
         if "error" in plan_data:
             raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {plan_data['error']}")
         if plan is not None:
@@ -437,7 +470,7 @@ class AutoTuner:
     ) -> None:
         layout = layout_from_dict(plan_data)
         result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
-        if _rank() == 0:
+        if job.rank() == 0:
             if self.config is not None:
                 result.writeback = write_config(self.target, self.config, layout)
             result.report = self._report(result)
@@ -448,16 +481,18 @@ class AutoTuner:
         if self.on_plan != "exit":
             return
         # a config that already said the plan was not written: the job runs it now, so it trains on
-        restart = _from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
+        restart = (
+            job.from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
+        )
         planned_file = os.environ.get(ENVIRONMENT["planned_file"])
-        if planned_file and _rank() == 0:
+        if planned_file and job.rank() == 0:
             written = None if self.config is None else str(self.config)
             atomic_write_text(Path(planned_file), json.dumps({"config": written, "restart": restart}) + "\n")
         if not restart:
             log.warning("sapp-hook: %s already says the plan (nothing written); training goes on with it", self.config)
             return
         # torchrun stops every worker once one exits: none may leave before rank 0 has written
-        _everyone(b"")
+        job.everyone(b"")
         where = f" into {self.config}" if self.config else ""
         log.warning(
             "sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
@@ -498,69 +533,8 @@ class AutoTuner:
                 log.info("sapp-hook: matplotlib is not installed; no chart")
 
     def _progress(self, done: int, total: int, mode: str) -> None:
-        if _rank() == 0:
+        if job.rank() == 0:
             log.info("sapp-hook: profiling step %d/%d done (%s)", done, total, self.profiler.describe_step(done - 1))
-
-
-def _check_arguments(model: object, optimizer: object, **given: object) -> None:
-    """The arguments' types, each refused with one InputError naming it (the numbers the pipeline spec
-    takes are checked there), before anything is attached or profiled."""
-    if not isinstance(model, nn.Module):
-        raise InputError("model", f"expected a torch.nn.Module, got {_kind(model)}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputError("optimizer", f"expected a torch.optim.Optimizer or None, got {_kind(optimizer)}")
-    if not isinstance(given["schedule"], str):
-        raise InputError("schedule", f"expected a schedule name such as '1F1B', got {_kind(given['schedule'])}")
-    budget = given["memory_budget"]
-    if budget is not None and not isinstance(budget, str) and budget != math.inf:
-        check_non_negative(budget, "memory_budget")
-    for name in ("config", "cache_dir", "out_dir"):
-        if given[name] is not None and not isinstance(given[name], (str, os.PathLike)):
-            raise InputError(name, f"expected a path (str or os.PathLike) or None, got {_kind(given[name])}")
-    if given["target"] is not None and not isinstance(given["target"], str):
-        raise InputError("target", f"expected a target name such as 'mindformers', got {_kind(given['target'])}")
-    for name in ("profile_steps", "warmup_steps"):
-        value = given[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(name, f"expected an integer >= 1, got {value!r}")
-    for name in ("modes", "layers"):
-        value = given[name]
-        if value is not None and (
-            isinstance(value, str)
-            or not isinstance(value, Sequence)
-            or not all(isinstance(item, str) for item in value)
-        ):
-            raise InputError(name, f"expected a list of strings, got {_kind(value)}")
-    if given["modes"] is None:
-        raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
-    if not isinstance(given["force"], bool):
-        raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
-
-
-def _environment() -> dict[str, str]:
-    """The settings `sapp-hook run` passes in the environment (ENVIRONMENT), those set and not empty."""
-    given = {name: os.environ[variable] for name, variable in ENVIRONMENT.items() if os.environ.get(variable)}
-    if given.get("force", "0") not in ("0", "1"):
-        raise InputError(ENVIRONMENT["force"], f"expected 1 (profile again) or 0, got {given['force']!r}")
-    return given
-
-
-def _check_out_dir(folder: Path) -> None:
-    """The folder for the plan, report and chart: refused now where it cannot be made or written, not
-    once the profiling steps are done."""
-    existing = folder
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise InputError("out_dir", f"{existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError("out_dir", f"folder {existing} is read-only")
-
-
-def _kind(value: object) -> str:
-    """`value` for an error line: short ones as written, others by their type."""
-    shown = repr(value)
-    return shown if len(shown) <= 40 else f"a {type(value).__name__}"
 
 
 def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
@@ -579,19 +553,3 @@ def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *
         InputError: as `AutoTuner` does, naming the argument.
     """
     return AutoTuner(model, optimizer, **options)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _everyone(payload: bytes) -> list[bytes]:
-    return all_gather_bytes(payload) if _distributed() else [payload]
-
-
-def _from_rank0(payload: bytes) -> bytes:
-    return _everyone(payload)[0]
