@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 Function = TypeVar("Function", bound=Callable[..., Any])
+Class = TypeVar("Class", bound=type)
 
 
 def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
@@ -37,3 +38,20 @@ def renamed_keywords(**renames: str) -> Callable[[Function], Function]:
         return call  # type: ignore[return-value]
 
     return wrap
+
+
+def renamed_attributes(**renames: str) -> Callable[[Class], Class]:
+    """A class decorator: each former attribute or method name (`stage_peak_memory_bytes`) reads the new one
+    (`rank_peak_memory_bytes`), with a DeprecationWarning."""
+
+    def decorate(cls: Class) -> Class:
+        for old, new in renames.items():
+
+            def former(self: object, old: str = old, new: str = new) -> Any:
+                warn_renamed(f"{type(self).__name__}.{old}", f"{type(self).__name__}.{new}")
+                return getattr(self, new)
+
+            setattr(cls, old, property(former, doc=f"Deprecated: the former name of `{new}`."))
+        return cls
+
+    return decorate

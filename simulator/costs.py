@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from basics.deprecation import renamed_attributes, renamed_keywords
 from basics.errors import InputError, check_non_negative, shown
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from simulator.schedules import MAX_ACTIONS
@@ -166,6 +167,7 @@ class ChunkCosts:
         return self.backward_ms - self.split_weight_ms() if self.input_ms is None else self.input_ms
 
 
+@renamed_attributes(stages="ranks")
 @dataclass(frozen=True)
 class PipelineCosts:
     """Costs of every chunk, indexed [rank][chunk], and the P2P time between neighbouring ranks.
@@ -235,6 +237,7 @@ class PipelineCosts:
         return any(costs.weight_ms is None for costs in self.all_chunks())
 
     @classmethod
+    @renamed_keywords(stages="ranks")
     def uniform(
         cls,
         ranks: int,

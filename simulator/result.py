@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from basics.deprecation import renamed_attributes
 from simulator.actions import BACKWARD_WEIGHT, Action
 from simulator.costs import PipelineCosts
 from simulator.schedule import Schedule
@@ -53,6 +54,11 @@ class TimedAction(NamedTuple):
     end_ms: float
 
 
+@renamed_attributes(
+    stage_busy_ms="rank_busy_ms",
+    stage_peak_memory_bytes="rank_peak_memory_bytes",
+    stage_peak_activations="rank_peak_activations",
+)
 @dataclass(frozen=True)
 class SimulationResult:
     """A replayed schedule. Times in milliseconds from the start of the iteration, memory in bytes."""

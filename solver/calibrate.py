@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from basics.deprecation import renamed_attributes
 from basics.errors import InputError
 from solver.evaluate import evaluate_plan
 from solver.vocabulary.profile import ModelProfile
@@ -34,6 +35,7 @@ class Run:
     measured_peak_bytes: tuple[float, ...] = ()  # per rank, when measured; compared with the predicted peak
 
 
+@renamed_attributes(apply="adjust")
 @dataclass(frozen=True)
 class Calibration:
     time_scale: float

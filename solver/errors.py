@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from basics.deprecation import renamed_attributes
 from basics.errors import InputError
 
 
+@renamed_attributes(binding_stage="binding_rank")
 class InfeasibleError(InputError):
     """No plan fits the memory budget. Says the smallest budget that would fit and what to try."""
 

@@ -74,3 +74,37 @@ def test_a_former_flag_after_the_training_command_is_the_commands_own(tmp_path, 
     assert translate_renamed(argv) == (argv, [])
     argv = ["solve", "--profile", "p.json", "--stages=4", "--stage-constant", "1GB"]
     assert translate_renamed(argv)[0][3:] == ["--pipeline-parallel=4", "--rank-constant", "1GB"]
+
+
+def test_the_former_names_of_results_read_the_new_ones():
+    from simulator import PipelineCosts, build_schedule, simulate
+    from solver import InfeasibleError
+    from solver.calibrate import Calibration
+
+    with pytest.warns(DeprecationWarning, match=r"build_schedule\(stages=...\)"):
+        schedule = build_schedule("1F1B", stages=2, micro_batches=4)
+    with pytest.warns(DeprecationWarning, match=r"PipelineCosts.uniform\(stages=...\)"):
+        costs = PipelineCosts.uniform(stages=2, chunks=1, forward_ms=1.0, backward_ms=2.0)
+    result = simulate(schedule, costs)
+    for old, new in (
+        ("stage_busy_ms", "rank_busy_ms"),
+        ("stage_peak_memory_bytes", "rank_peak_memory_bytes"),
+        ("stage_peak_activations", "rank_peak_activations"),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"SimulationResult.{old} is deprecated"):
+            assert getattr(result, old) == getattr(result, new)
+    with pytest.warns(DeprecationWarning, match="PipelineCosts.stages"):
+        assert costs.stages == 2
+    plan = evaluate_plan(
+        small_profile(8), PipelineSpec(pipeline_parallel=4, micro_batches=8), [3, 2, 3, 2], ["none"] * 10
+    )
+    with pytest.warns(DeprecationWarning, match="Plan.stage_chunk_ranges"):
+        assert plan.stage_chunk_ranges() == plan.rank_chunk_ranges()
+    with pytest.warns(DeprecationWarning, match="Plan.stage_peak_memory_bytes"):
+        assert plan.stage_peak_memory_bytes == plan.rank_peak_memory_bytes
+    error = InfeasibleError("no plan fits", smallest_budget_bytes=1.0, binding_rank=3)
+    with pytest.warns(DeprecationWarning, match="InfeasibleError.binding_stage"):
+        assert error.binding_stage == 3
+    calibration = Calibration(1.0, 0.0, 0.0, 0.0, 0.0)
+    with pytest.warns(DeprecationWarning, match="Calibration.apply"):
+        assert calibration.apply(small_profile(8), plan.spec) == calibration.adjust(small_profile(8), plan.spec)

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from basics.deprecation import warn_renamed
+from basics.deprecation import renamed_attributes
 from basics.errors import InputError, shown
 from basics.fields import Fields
 from solver import PipelineSpec, Plan
@@ -41,6 +41,7 @@ class PlacedLayer:
         return self.kind not in (HEAD, TAIL)
 
 
+@renamed_attributes(stages="pipeline_parallel")
 @dataclass(frozen=True)
 class Layout:
     """What a launch config needs from a plan: the schedule, and which layers each virtual stage holds
@@ -83,12 +84,6 @@ class Layout:
     def num_virtual_stages(self) -> int:
         """pipeline_parallel x chunks."""
         return self.pipeline_parallel * self.chunks
-
-    @property
-    def stages(self) -> int:
-        """Deprecated: the former name of `pipeline_parallel`."""
-        warn_renamed("Layout.stages", "Layout.pipeline_parallel")
-        return self.pipeline_parallel
 
     def virtual_stages(self) -> list[list[PlacedLayer]]:
         """The layers of each virtual stage, in model order."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from basics.deprecation import renamed_keywords
 from basics.errors import InputError, shown
 from simulator.actions import Action
 from simulator.schedule import Schedule
@@ -125,6 +126,7 @@ def schedule_kind(name: str) -> ScheduleKind:
     raise InputError("schedule", f"expected one of {', '.join(SCHEDULES)}, got {shown(name)}")
 
 
+@renamed_keywords(stages="ranks")
 def build_schedule(
     name: str,
     ranks: int,

@@ -7,11 +7,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from basics.deprecation import renamed_attributes
 from simulator.result import BubbleSplit, SimulationResult
 from solver.formats.mindformers import mindformers_view
 from solver.vocabulary.spec import PipelineSpec, spec_to_dict
 
 
+@renamed_attributes(stage_peak_memory_bytes="rank_peak_memory_bytes", stage_chunk_ranges="rank_chunk_ranges")
 @dataclass(frozen=True)
 class Plan:
     """A layer split and recompute choice, simulated. Virtual stage v holds layers

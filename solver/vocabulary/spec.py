@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from basics.deprecation import renamed_keywords, warn_renamed
+from basics.deprecation import renamed_attributes, renamed_keywords
 from basics.errors import InputError, check_bytes, check_ms, check_non_negative, shown
 from basics.fields import Fields
 from simulator import build_schedule
@@ -32,6 +32,7 @@ FLAGS = (
 COLLECTIVE_BACKENDS = ("nccl", "gloo")
 
 
+@renamed_attributes(stages="pipeline_parallel", stage_constant_bytes="rank_constant_bytes")
 @dataclass(frozen=True)
 class PipelineSpec:
     """How the job runs: pipeline ranks, chunks (virtual stages) per rank, micro-batches per iteration,
@@ -235,12 +236,6 @@ class PipelineSpec:
         return static_split(
             self, parameter_bytes, gradient_bytes, optimizer_bytes, optimizer_tensor_bytes, replicas
         ).total
-
-    @property
-    def stages(self) -> int:
-        """Deprecated: the former name of `pipeline_parallel`."""
-        warn_renamed("PipelineSpec.stages", "PipelineSpec.pipeline_parallel")
-        return self.pipeline_parallel
 
 
 PipelineSpec.__init__ = renamed_keywords(stages="pipeline_parallel", stage_constant_bytes="rank_constant_bytes")(  # type: ignore[method-assign]
