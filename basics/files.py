@@ -9,7 +9,7 @@ import os
 import secrets
 import signal
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from basics.errors import InputError
@@ -98,6 +98,13 @@ def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> P
     return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
+def append_lines(path: str | Path, lines: Sequence[str]) -> None:
+    """`lines` added to the end of the text file at `path` (made where it is not), whole or not at all."""
+    path = Path(path)
+    before = path.read_text() if path.is_file() else ""
+    atomic_write_text(path, before + "\n".join(lines) + "\n")
+
+
 def remove_pending(*names: str) -> None:
     """Remove temp files of writes under way (those of `names`, or all): for a write or a process that must end now."""
     for name in [name for name in names if name in _PENDING] if names else list(_PENDING):
@@ -134,6 +141,28 @@ def _signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def folder_locked(path: str | Path) -> Iterator[None]:
+    """An exclusive lock on the folder `path` lies in, held while the block runs, so that two writers there (two
+    jobs, two `apply` runs) take turns: flock on the folder itself, which leaves no file beside a user's config
+    and outlives no process. Where the platform has no flock, or the folder cannot be opened, no lock."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    try:
+        handle = os.open(Path(path).parent or ".", os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # closing the last descriptor releases the lock
 
 
 def read_limited(path: str | Path, what: str) -> bytes:

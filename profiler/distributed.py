@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from solver.vocabulary.profile import LayerProfile, ModelProfile
+
+_NUMBERED = re.compile(r"(.*?)(\d+)")  # a block named by its index: `layers.3`
 
 
 def gather_profiles(
@@ -62,11 +65,7 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
     layers: list[LayerProfile] = [layer for profile in ordered for layer in profile.layers]
     names = [layer.name for layer in layers]
     if len(set(names)) != len(names):  # stage modules that name their layers from 0 each
-        layers = [
-            dataclasses.replace(layer, name=f"stage{stage}.{layer.name}") if layer.is_body else layer
-            for stage, profile in zip(indices, ordered)
-            for layer in profile.layers
-        ]
+        layers = _renamed(layers, [stage for stage, profile in zip(indices, ordered) for _ in profile.layers])
     # every field the stages agree on is the first stage's; those that differ are joined below
     return dataclasses.replace(
         ordered[0],
@@ -80,6 +79,23 @@ def join_profiles(stages: Sequence[tuple[int, ModelProfile]]) -> ModelProfile:
         checkpoint_state_bytes=max(p.checkpoint_state_bytes for p in ordered),
         tied_parameters=tuple(t for p in ordered for t in p.tied_parameters),
     )
+
+
+def _renamed(layers: list[LayerProfile], stages: list[int]) -> list[LayerProfile]:
+    """The body layers of stages that each number their blocks from 0 (`layers.0`, `layers.1` on every stage),
+    numbered through the model as the model's own blocks are (`layers.0` to `layers.3`); names of another
+    pattern get their stage's index in front (`stage1.block`)."""
+    found = [_NUMBERED.fullmatch(layer.name) for layer in layers if layer.is_body]
+    prefixes = {match.group(1) for match in found if match is not None}
+    if all(found) and len(prefixes) == 1:
+        (prefix,), numbers = prefixes, iter(range(len(found)))
+        return [
+            dataclasses.replace(layer, name=f"{prefix}{next(numbers)}") if layer.is_body else layer for layer in layers
+        ]
+    return [
+        dataclasses.replace(layer, name=f"stage{stage}.{layer.name}") if layer.is_body else layer
+        for stage, layer in zip(stages, layers)
+    ]
 
 
 def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:

@@ -25,15 +25,16 @@ class Block:
     kind: str
 
 
-def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> tuple[Block, ...]:
+def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None, *, part: bool = False) -> tuple[Block, ...]:
     """The body layers of `model` in module order.
 
     With `patterns` (fnmatch on qualified module names, e.g. `model.layers.*`), the outermost modules
     that match. Otherwise the modules named in transformers' `_no_split_modules`, else the largest
-    `ModuleList`/`Sequential` of two or more same-typed children.
+    `ModuleList`/`Sequential` of two or more same-typed children. `part`: `model` is a pipeline rank's part
+    of a model, which a plan may leave without blocks (its embedding or output layer alone): none is no error.
     """
     if patterns:
-        found = _matching(model, patterns)
+        found = [] if part and not _any_matching(model, patterns) else _matching(model, patterns)
     else:
         found = _no_split_blocks(model) or _largest_repeated_list(model)
         if not found:
@@ -43,6 +44,10 @@ def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> tupl
                 "name the blocks with module-name patterns such as 'model.layers.*'",
             )
     return _with_kinds(found)
+
+
+def _any_matching(model: nn.Module, patterns: Sequence[str]) -> bool:
+    return any(fnmatchcase(name, pattern) for name, _ in model.named_modules() if name for pattern in patterns)
 
 
 def _matching(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:

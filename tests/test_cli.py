@@ -90,7 +90,7 @@ def test_quiet_prints_nothing(capsys):
         (["--forward", "-1"], "--forward: expected a number of milliseconds >= 0, got -1"),
         (["--backward", "nan"], "--backward: expected a number of milliseconds >= 0, got nan"),
         (["--weight", "5"], "--weight: expected at most --backward (2), got 5"),
-        (["--chunks", "2"], "--chunks: 1F1B runs exactly 1 chunk per stage, got 2"),
+        (["--chunks", "2"], "--chunks: 1F1B runs exactly 1 chunk per rank, got 2"),
         (["--activation", "3"], "--activation: expected a unit"),
         (["--forward", "1e300"], "--forward: expected at most 1e+09 ms, got 1e+300"),
         (["--working", "2000000TB"], "--working: expected at most 2**50 bytes (1 PiB)"),

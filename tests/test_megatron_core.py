@@ -31,6 +31,7 @@ TRAIN = textwrap.dedent("""
                  "--decoder-last-pipeline-num-layers", "--hidden-size", "--num-attention-heads", "--vocab-size",
                  "--seq-length", "--micro-batch-size", "--global-batch-size", "--train-iters"):
         parser.add_argument(flag, type=int)
+    parser.add_argument("--pipeline-model-parallel-layout")
     args = parser.parse_args()
     dist.init_process_group("gloo")
 
@@ -54,6 +55,7 @@ TRAIN = textwrap.dedent("""
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
     )
     model = GPTModel(
         config=config,
@@ -138,7 +140,13 @@ def test_megatron_core_profiles_plans_writes_relaunches_and_trains_with_the_plan
     body = [counts[0][0] - 1, counts[1][0] - 1]  # less the embedding on the first rank, the output layer on the last
     assert body != [1, 3] and sum(body) == 4
     written = (tmp_path / "train.sh").read_text()
-    assert f"--decoder-first-pipeline-num-layers {body[0]}" in written
+    # the first rank's count, or the layout string where the last rank holds no decoder layer
+    said = (
+        f"--decoder-first-pipeline-num-layers {body[0]}"
+        if body[1]
+        else f"--pipeline-model-parallel-layout 'Et*{body[0]}|L'"
+    )
+    assert said in written, written
     assert (tmp_path / "train.sh.sapp-hook.bak").read_text() == LAUNCH
     launches = [json.loads(line) for line in (tmp_path / "built.jsonl").read_text().splitlines()]
     relaunch = sorted(launches[2:], key=lambda line: line["rank"])

@@ -928,3 +928,50 @@ def test_a_module_level_job_config_gets_a_parallelism_of_its_own_classes(tmp_pat
     assert "parallelism=Parallelism(" in text and "ParallelismConfig" not in text
     sections = {kw.arg: kw.value for kw in ast.parse(text).body[-1].value.keywords}
     assert ast.literal_eval(sections["parallelism"].keywords[0].value) == 4
+
+
+def _write_rounds(path: str, plans: list[dict], rounds: int, start: object) -> None:
+    """One of two writers taking turns on one config (a process of its own)."""
+    from sapp_hook.writeback import layout_from_dict
+
+    layouts = [layout_from_dict(data) for data in plans]
+    start.wait()
+    for _ in range(rounds):
+        for layout in layouts:
+            write_config("torchtitan", path, layout)
+
+
+def test_two_writers_on_one_config_never_leave_it_and_its_side_file_saying_two_plans(tmp_path):
+    """Two jobs (or `apply` runs) writing plans into one config at once take turns: whenever a reader that takes
+    the same lock looks, the config and its side file say one plan."""
+    import multiprocessing
+
+    from basics.files import folder_locked
+    from sapp_hook import layout_from_dict, torchtitan_module_names
+
+    path = copy(tmp_path, "debug_model_v0_2.toml")
+    plans = [
+        plan({2: "full", 4: "selective"}).to_dict(),
+        plan({3: "full", 6: "selective"}, counts=[2, 3, 2, 3]).to_dict(),
+    ]
+    modules = [torchtitan_module_names(layout_from_dict(data)) for data in plans]
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(3)
+    writers = [
+        context.Process(target=_write_rounds, args=(str(path), order, 30, start)) for order in (plans, plans[::-1])
+    ]
+    for writer in writers:
+        writer.start()
+    start.wait()
+    looks, differing = 0, 0
+    while any(writer.is_alive() for writer in writers):
+        with folder_locked(path):
+            side = Path(f"{path}.sapp-hook.json")
+            if side.exists():
+                looks += 1
+                said = tomllib.loads(path.read_text())["parallelism"]["module_fqns_per_model_part"]
+                differing += said != modules[plans.index(json.loads(side.read_text()))]
+    for writer in writers:
+        writer.join(120)
+        assert writer.exitcode == 0
+    assert looks > 10 and differing == 0

@@ -82,6 +82,7 @@ class LayerProfiler:
         warmup_steps: int = 1,
         modes: Sequence[str] = TORCH_MODES,
         layers: Sequence[str] | None = None,
+        part: bool = False,
         pool: bool = True,
         split_backward: bool = True,
         tail: nn.Module | None = None,
@@ -99,6 +100,7 @@ class LayerProfiler:
             warmup_steps: steps before them (>= 1), which find the layers' order. Default 1.
             modes: the recompute modes to measure, "none" among them. Default none, selective, full.
             layers: module-name patterns (fnmatch) for the body blocks; None: found automatically.
+            part: `model` is a pipeline rank's part of a model, which may hold no block (found by `layers`).
             pool: give the layers of one kind their kind's median times.
             split_backward: time each body kind's backward split in two as torch's stages split it,
                 once, alone, and count what is held between the halves.
@@ -120,7 +122,7 @@ class LayerProfiler:
             )
         self.model = model
         self.optimizer = optimizer
-        self.blocks = find_blocks(model, layers)
+        self.blocks = find_blocks(model, layers, part=part)
         self.steps, self.warmup_steps, self.modes = steps, warmup_steps, modes
         self.pool, self.split_backward, self.tail = pool, split_backward, tail
         self.model_name = model_name or type(model).__name__

@@ -191,7 +191,7 @@ class Recorder:
                 "layers on two stages)",
             )
         structure = self.structure
-        last = structure.last_body
+        last = structure.last_body if structure.body_order else None  # a pipeline part may hold no block
         for index, block in enumerate(self.blocks):
             structure.slot_parameters[index] = list(block.module.parameters())
         inside_blocks = self._inside_blocks()

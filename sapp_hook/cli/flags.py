@@ -66,7 +66,7 @@ class Flag:
 
 
 PIPELINE_FLAGS = (
-    Flag("--schedule", "schedule", f"one of: {', '.join(SCHEDULES)}", "NAME", str),
+    Flag("--schedule", "schedule", f"one of: {', '.join(SCHEDULES)} (solve also: auto, the fastest)", "NAME", str),
     Flag("--pipeline-parallel", "pipeline_parallel", "pipeline ranks (the pipeline-parallel degree)", "P"),
     Flag("--chunks", "chunks", "chunks (virtual stages) per rank; default: the schedule's", "V"),
     Flag("--micro-batches", "micro_batches", "micro-batches per step", "M"),

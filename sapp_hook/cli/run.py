@@ -1,9 +1,10 @@
 """`sapp-hook run -- COMMAND`: launch a training job that uses `autotune`, let it plan, relaunch it.
 
 The first launch runs with `on_plan="exit"`: the job profiles its first steps, writes the plan into
-the config and exits with status 75 (and leaves a file saying so, for launchers such as torchrun that
-report that status as 1). The second launch finds the plan in the cache after one step, and trains
-with it. A job whose config already said the plan writes nothing and trains on: there is no second launch.
+the config, leaves a file saying so and exits with status 0 (so that a launcher such as torchrun reports no
+failure). The second launch finds the plan in the cache after one step, and trains with it. A job whose config
+already said the plan writes nothing and trains on: there is no second launch. A job that ends before its plan
+says why in the same file.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="launch a training command that uses autotune: plan, write the config, relaunch",
         description=(
             "Launch COMMAND (e.g. torchrun ... train.py ...) whose script wraps its loop in "
-            "sapp_hook.autotune. The first launch profiles, solves, writes --config and exits with "
-            f"status {REPLAN_EXIT_CODE}; sapp-hook then launches COMMAND again to train with the plan."
+            "sapp_hook.autotune. The first launch profiles, solves, writes --config and exits; sapp-hook "
+            "then launches COMMAND again to train with the plan."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="the launch config to write the plan into")
@@ -68,8 +69,12 @@ def _run(args: argparse.Namespace) -> int:
             ENVIRONMENT["planned_file"]: str(planned_file),
         }
         first = _launch(argv, planning)
-        planned = first == REPLAN_EXIT_CODE or planned_file.exists()
-        trained = planned_file.exists() and not _restart(planned_file)
+        said = _said(planned_file)
+    if "incomplete" in said:  # the job ended before its plan, and says why
+        print(f"{PROG}: the job ended before planning: {said['incomplete']}", file=sys.stderr)
+        return first
+    planned = first == REPLAN_EXIT_CODE or bool(said)
+    trained = bool(said) and said.get("restart", True) is False
     if trained:  # the config already said the plan: the job went on training with it
         print(f"{PROG}: the config already said the plan; the job trained with it", file=sys.stderr)
         return first
@@ -82,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
         return first
-    if first != REPLAN_EXIT_CODE:  # torchrun, for one, reports its workers' status 75 as 1
+    if first not in (0, REPLAN_EXIT_CODE):  # a launcher may report its workers' exit as its own failure
         print(f"{PROG}: the launcher exited with status {first}, but the job had written its plan", file=sys.stderr)
     print(f"{PROG}: planned; training: {' '.join(argv)}", file=sys.stderr, flush=True)
     return _launch(argv, {**environment, ENVIRONMENT["on_plan"]: "continue", ENVIRONMENT["force"]: "0"})
@@ -98,13 +103,17 @@ def _check_cache_dir(folder: Path) -> None:
         raise InputError("--cache-dir", f"folder {folder} is read-only")
 
 
-def _restart(planned_file: Path) -> bool:
-    """Whether the job that planned asks to be launched again (its config changed); a file from an older
-    sapp-hook, without the answer, does."""
+def _said(planned_file: Path) -> dict:
+    """What the job that planned left in `planned_file`: {"config", "restart"} (whether it asks to be launched
+    again: its config changed; an older sapp-hook's file, without the answer, does), {"incomplete": why} where
+    it ended before its plan, {} where it left nothing."""
     try:
-        return json.loads(planned_file.read_text()).get("restart", True) is not False
-    except (OSError, ValueError, AttributeError):
-        return True
+        said = json.loads(planned_file.read_text())
+    except OSError:
+        return {}
+    except ValueError:
+        return {"restart": True}
+    return said if isinstance(said, dict) else {"restart": True}
 
 
 def _launch(argv: list[str], environment: dict[str, str]) -> int:

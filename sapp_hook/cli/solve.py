@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -30,8 +31,9 @@ from sapp_hook.cli.common import (
     write_replay_outputs,
 )
 from sapp_hook.report import against_even, plan_report
-from simulator import InputError
+from simulator import SCHEDULES, InputError
 from solver import PipelineSpec, Plan, solve
+from solver.compare import candidates, describe, plans_by_schedule
 from solver.parallel.model_parallel import prediction_caveat
 
 PROG = "sapp-hook solve"
@@ -88,10 +90,11 @@ def _run(args: argparse.Namespace) -> int:
             profile = profile.with_modes(mode_list(args.modes))
         except InputError as exc:
             raise InputError("--modes", exc.detail) from None
+    auto = args.schedule == "auto"  # the fastest of every schedule sapp-hook plans
     spec = PipelineSpec(
         pipeline_parallel=args.pipeline_parallel,
         micro_batches=args.micro_batches,
-        schedule=args.schedule,
+        schedule=SCHEDULES[0] if auto else args.schedule,
         chunks=args.chunks,
         memory_budget_bytes=budget,
         rank_constant_bytes=constant,
@@ -109,7 +112,18 @@ def _run(args: argparse.Namespace) -> int:
     say(notes, talk)
     configure_logging(talk)
     keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
-    plan = solve(profile, spec, time_limit_s=args.time_limit, on_interrupt=keep)
+    if auto:
+        options = candidates(SCHEDULES)
+        plans = plans_by_schedule(profile, spec, options, args.time_limit / len(options))
+        if talk:
+            for each in plans:
+                print(
+                    f"{describe(each)}: {each.iteration_time_ms:.6g} ms{'' if each.fits else ', does not fit'}",
+                    file=sys.stderr,
+                )
+        plan = plans[0] if plans else solve(profile, spec, time_limit_s=args.time_limit)  # its error says why
+    else:
+        plan = solve(profile, spec, time_limit_s=args.time_limit, on_interrupt=keep)
     written = _write_plan(plan, outputs, talk)
     comparison, even_split = against_even(plan, profile)
     return finish(args, {**plan.to_dict(), "even_split": even_split}, f"{plan_report(plan)}\n{comparison}", written)

@@ -77,6 +77,8 @@ def autotuned(trainer_class: type, **options: Any) -> type:
             self.sapp_hook = tuner_for(self, job_config, **options)
 
         def train_step(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.sapp_hook.done:  # profiling (again, after a drift): the profiler's modes, not TorchTitan's
+                _bypass_checkpointing(self.model_parts[0])
             value = super().train_step(*args, **kwargs)
             self.sapp_hook.step()
             if self.sapp_hook.done:

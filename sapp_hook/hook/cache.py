@@ -4,6 +4,7 @@ the model (more layers, an MoE block, a longer sequence) misses and is profiled 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from basics.errors import InputError
-from basics.files import atomic_write_text, read_json
+from basics.files import atomic_write_text, folder_locked, read_json
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,40 @@ class PlanCache:
         return entry
 
     def store(
-        self, key: str, parts: Mapping[str, object], plan: Mapping[str, object], profile: Mapping[str, object]
+        self,
+        key: str,
+        parts: Mapping[str, object],
+        plan: Mapping[str, object],
+        profile: Mapping[str, object],
+        *,
+        replanned_after_drift: bool = False,
     ) -> Path | None:
-        """Remember the plan; None where the folder cannot take it (read-only, full): the plan is used all
-        the same, and found again only by solving again."""
-        path = self.path(key)
+        """Remember the plan (`replanned_after_drift`: made because the plan before it measured off its
+        prediction); None where the folder cannot take it (read-only, full): the plan is used all the same, and
+        found again only by solving again."""
+        entry = {"key": dict(parts), "plan": dict(plan), "profile": dict(profile)}
+        if replanned_after_drift:
+            entry["replanned_after_drift"] = True
+        return self._write(self.path(key), entry, "plan")
+
+    def store_profile(self, key: str, profile: Mapping[str, object]) -> Path | None:
+        """Keep a profile before it is solved, so that a failed solve does not lose what was measured."""
+        return self._write(self._profile_path(key), dict(profile), "profile")
+
+    def forget_profile(self, key: str) -> None:
+        """Remove the profile `store_profile` kept (its plan's entry holds it)."""
+        with contextlib.suppress(OSError):
+            self._profile_path(key).unlink()
+
+    def _profile_path(self, key: str) -> Path:
+        return self.folder / f"{key}.profile.json"
+
+    def _write(self, path: Path, data: Mapping[str, object], what: str) -> Path | None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(
-                path, json.dumps({"key": dict(parts), "plan": dict(plan), "profile": dict(profile)}, indent=1) + "\n"
-            )
+            with folder_locked(path):
+                atomic_write_text(path, json.dumps(data, indent=1) + "\n")
         except OSError as exc:
-            log.warning("sapp-hook: the plan is not cached: cannot write %s: %s", path, exc.strerror or exc)
+            log.warning("sapp-hook: the %s is not cached: cannot write %s: %s", what, path, exc.strerror or exc)
             return None
         return path

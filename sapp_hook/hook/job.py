@@ -3,8 +3,11 @@ what every rank (or rank 0) says, as bytes over the default process group (nothi
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
+from basics.errors import InputError
 from profiler.distributed import all_gather_bytes
 
 
@@ -25,3 +28,25 @@ def everyone(payload: bytes) -> list[bytes]:
 def from_rank0(payload: bytes) -> bytes:
     """Rank 0's `payload`, on every rank (every rank must call it)."""
     return everyone(payload)[0]
+
+
+def launched() -> int:
+    """How many processes the launcher started (torchrun's WORLD_SIZE), 1 where none says."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_coordinated() -> None:
+    """One InputError where a launcher started several processes and no process group joins them: each would
+    profile, plan and write the config on its own."""
+    world = launched()
+    if world > 1 and not distributed():
+        rank_said = os.environ.get("RANK", "?")
+        raise InputError(
+            "pipeline_group",
+            f"this process is rank {rank_said} of {world} a launcher started (WORLD_SIZE={world}), and no "
+            "torch.distributed process group joins them, so each would plan and write the config on its own: "
+            "call torch.distributed.init_process_group() before the first step(), or launch one process",
+        )

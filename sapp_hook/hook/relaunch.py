@@ -1,10 +1,12 @@
 """How `sapp-hook run` and the `autotune` inside the job it launches talk: environment and exit status."""
 
-REPLAN_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", which is what the launcher should do
+# A job that wrote its plan exits with it for its launcher to restart it (EX_TEMPFAIL: "try again"), or, under
+# `sapp-hook run`, which reads `planned_file`, with 0: torchrun tells of a worker's 75 as its own failure.
+REPLAN_EXIT_CODE = 75
 ON_PLAN = ("continue", "exit")
 # `sapp-hook run` sets these for the training command it launches; they override the script's own choice.
-# `planned_file`: rank 0 creates it once the plan is written, before the job exits with status 75, for
-# launchers that do not pass that status on (torchrun exits with 1 when its workers exit with 75).
+# `planned_file`: rank 0 writes there what the job decided ({"config", "restart"}) once the plan is written,
+# or why it ended before its plan ({"incomplete": why}).
 ENVIRONMENT = {
     "config": "SAPP_HOOK_CONFIG",
     "target": "SAPP_HOOK_TARGET",

@@ -18,13 +18,13 @@ every rank gets the plan.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,45 +35,39 @@ from torch import nn
 from basics.deprecation import renamed_keywords
 from basics.errors import InputError, check_seconds
 from basics.files import atomic_write_text
-from basics.units import format_bytes, format_ms, parse_bytes
+from basics.units import parse_bytes
 from profiler import LayerProfiler
 from profiler.distributed import gather_profiles
-from profiler.measure.build import fingerprint, model_structure
+from profiler.measure.build import model_structure
 from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
 from sapp_hook.hook import job
 from sapp_hook.hook.arguments import check_arguments, check_out_dir, environment
 from sapp_hook.hook.cache import PlanCache, cache_key
-from sapp_hook.hook.check import RankCheck, StepMeasure, check_lines, compare
-from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE, installed_version
+from sapp_hook.hook.check import StepMeasure, verdict
+from sapp_hook.hook.console import Console
+from sapp_hook.hook.decide import plan_for
+from sapp_hook.hook.outputs import (
+    ended_early,
+    report_text,
+    solve_command,
+    summary,
+    write_outputs,
+    written_lines,
+)
+from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
+from sapp_hook.hook.result import TuneResult
+from sapp_hook.hook.reuse import job_key, unusable
 from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from sapp_hook.pipelining.stages import loss_tail
-from sapp_hook.report import against_even, plan_report
-from sapp_hook.validation.predicted import predictions
-from sapp_hook.writeback import Layout, WriteBack, check_destination, check_job, layout_from_dict, write_config
-from solver import ModelProfile, PipelineSpec, Plan, plan_from_dict, solve
-from solver.parallel.model_parallel import prediction_caveat
+from sapp_hook.writeback import check_destination, check_job, layout_from_dict, runnable_schedules, write_config
+from solver import InfeasibleError, ModelProfile, PipelineSpec, Plan
 from solver.vocabulary.profile import NONE, Mesh
-from solver.vocabulary.spec import spec_to_dict
 
 log = logging.getLogger(__name__)
 # The plan runs on torch.distributed.pipelining (this package's `apply`, TorchTitan), whose receive
 # buffers it counts, unless it is written for these.
 ENGINES_WITHOUT_RECEIVE_BUFFERS = ("mindformers", "megatron")
-
-
-@dataclass
-class TuneResult:
-    """What autotune decided. `plan` (with its simulation) and `profile` exist on the rank that solved."""
-
-    plan_data: dict[str, Any]
-    layout: Layout
-    from_cache: bool
-    plan: Plan | None = None
-    profile: ModelProfile | None = None
-    writeback: WriteBack | None = None
-    report: str = ""
-    check: list[RankCheck] | None = None  # a reused plan's first step, measured against it (rank 0)
 
 
 class AutoTuner:
@@ -87,7 +81,8 @@ class AutoTuner:
         optimizer: its optimizer, whose state is measured per layer; None: no optimizer state.
         pipeline_parallel: pipeline ranks to plan for (the deprecated keyword `stages` still names it).
         micro_batches: micro-batches per iteration.
-        schedule: the schedule's name, as torch.distributed.pipelining gives it. Default "1F1B".
+        schedule: the schedule's name, as torch.distributed.pipelining gives it (default "1F1B"), or "auto": the
+            fastest of those the target runs (`runnable_schedules`). Another predicted faster is said either way.
         chunks: virtual stages per rank; None: the schedule's own.
         memory_budget: what each device may hold: a size ("56GB", "52GiB") or bytes; None: no limit.
         config: the launch config to write the plan into, with `target`; None: nothing written.
@@ -119,6 +114,8 @@ class AutoTuner:
         action_overhead_ms: the engine's own cost per action, ms, added to every action.
         pipeline_group: this rank's pipeline's ProcessGroup (or 1-D DeviceMesh); None: pipeline dimension outermost.
         out_dir: a folder for plan.json, report.txt, profile.json, plan.png (with matplotlib); None: none.
+        quiet: say nothing on stderr (the few lines from rank 0 of what was planned and written); the log and
+            `result.report` still have it all.
 
     Attributes:
         spec: the `PipelineSpec` planned for.
@@ -179,6 +176,7 @@ class AutoTuner:
         p2p_ms: float = 0.0,
         action_overhead_ms: float = 0.0,
         out_dir: str | Path | None = None,
+        quiet: bool = False,
     ) -> None:
         check_arguments(
             model,
@@ -210,10 +208,11 @@ class AutoTuner:
             )
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
+        self.auto = schedule == "auto"  # the fastest the target runs, chosen once profiled
         self.spec = PipelineSpec(
             pipeline_parallel=pipeline_parallel,
             micro_batches=micro_batches,
-            schedule=schedule,
+            schedule=runnable_schedules(target)[0] if self.auto else schedule,
             chunks=chunks,
             memory_budget_bytes=float("inf") if budget is None else budget,
             data_parallel=data_parallel,
@@ -234,6 +233,7 @@ class AutoTuner:
             collective_backend=collective_backend,
         )
         self.model, self.optimizer = model, optimizer
+        self.console = Console(quiet)
         self.config, self.target = (Path(config) if config else None), target
         self.on_plan, self.force, self.time_limit_s = on_plan, force, time_limit_s
         self.out_dir = Path(out_dir) if out_dir else None
@@ -243,7 +243,7 @@ class AutoTuner:
             self.cache = PlanCache(cache_dir)
         except InputError as exc:
             raise InputError(field["cache_dir"], exc.detail) from None
-        if not recompute_runs_under(schedule) and set(modes) != {NONE}:
+        if not self.auto and not recompute_runs_under(schedule) and set(modes) != {NONE}:
             modes = (NONE,)
             log.info("sapp-hook: no recompute is profiled or planned: %s", no_recompute_reason(schedule))
         self.measured_tensor_parallel = tensor_parallel_degree(model, optimizer)
@@ -256,24 +256,20 @@ class AutoTuner:
         self._pipeline_group = pipeline_group
         self._pipeline: Pipeline | None = None
         self._solving_ranks: tuple[int, ...] = ()
-        self.profiler = LayerProfiler(
-            model,
-            optimizer,
-            steps=profile_steps,
-            warmup_steps=warmup_steps,
-            modes=modes,
-            layers=layers,
-            tail=loss_tail(model),
-            on_step=self._progress,
-        )
+        self._profiling = {"steps": profile_steps, "warmup_steps": warmup_steps, "modes": modes, "layers": layers}
+        self.profiler = self._new_profiler()
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])
         self._config_field = field["config"]  # the argument or the environment variable that gave the config
-        if job.distributed() or os.environ.get("WORLD_SIZE", "1") == "1":  # not a torchrun rank before its group
+        self._job_checked = False
+        if job.distributed() or job.launched() == 1:  # not a torchrun rank before its group
             self._check_job()
         self.result: TuneResult | None = None
+        self._replanned = False  # profiled again because a reused plan's first step drifted from it
+        self._previous: TuneResult | None = None  # the decision a drift set aside
+        self._cached_entry: dict[str, Any] | None = None
+        self._exit_watch = False
         self._measure: StepMeasure | None = None  # the first step under a reused plan, measured
-        self._cached_profile: object = None
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}
 
@@ -288,6 +284,43 @@ class AutoTuner:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
+        if self._measure is not None:
+            self._measure.cancel()
+            self._measure = None
+        if kind is None:
+            self._ended_early()
+
+    def _first_step(self) -> None:
+        """After the first step of the job: every rank is one of a job the hook can coordinate, the job's check
+        made where its process group came after the tuner, and a job that ends too soon is said at exit."""
+        job.check_coordinated()
+        if not self._job_checked:
+            self._check_job()
+        if not self._exit_watch:
+            atexit.register(self._ended_early)
+            self._exit_watch = True
+
+    def _ended_early(self) -> None:
+        """Said once, at the end of the profiling block or of the process: the job stopped before the plan."""
+        if self.done or not self._exit_watch:
+            return
+        self._stop_watching()
+        why = ended_early(self.profiler.steps_done, self.profiler.total_steps)
+        self.console.say(why)
+        planned_file = os.environ.get(ENVIRONMENT["planned_file"])
+        if planned_file and job.rank() == 0:
+            atomic_write_text(Path(planned_file), json.dumps({"incomplete": why}) + "\n")
+
+    def _stop_watching(self) -> None:
+        if self._exit_watch:
+            atexit.unregister(self._ended_early)
+            self._exit_watch = False
+
+    def _new_profiler(self) -> LayerProfiler:
+        part = job.launched() > 1  # a pipeline rank's part, which a plan may leave without a block
+        return LayerProfiler(
+            self.model, self.optimizer, **self._profiling, part=part, tail=loss_tail(self.model), on_step=self._progress
+        )
 
     def step(self) -> None:
         """Call once after each training step: profiles it, and after the last profiled step (or the
@@ -301,18 +334,24 @@ class AutoTuner:
         if self._measure is not None:
             self._check_plan(self._measure.stop())
             return
-        if self.result is not None:
+        if self.done:
             return
         if not self.profiler.attached:
             raise RuntimeError(
                 "autotune's step() outside its profiling window: call it inside `with sapp_hook.autotune(...) "
                 "as tuner:` (or decorate the step function with the tuner), before the block ends"
             )
-        self.profiler.step()
-        if self.profiler.steps_done == self.profiler.warmup_steps and self._cached():
-            return
-        if self.profiler.done:
-            self._plan()
+        try:
+            if self.profiler.steps_done == 0:
+                self._first_step()
+            self.profiler.step()
+            if self.profiler.steps_done == self.profiler.warmup_steps and not self._replanned and self._cached():
+                return
+            if self.profiler.done:
+                self._plan()
+        except Exception:
+            self._stop_watching()  # the error says why nothing was planned; no second word at exit
+            raise
 
     def __call__(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
         """As a decorator of a per-step training function: profiling starts with its first call, and
@@ -340,11 +379,13 @@ class AutoTuner:
 
     @property
     def done(self) -> bool:
-        return self.result is not None
+        """Whether the tuner has decided: a plan in `result`, and no profiling for a new one under way."""
+        return self.result is not None and not self._replanned
 
     def _check_job(self) -> None:
         """Refuse, on every rank, a job the plan cannot take: its pipeline's ranks, and a config for another
         layer count (each rank of a pipeline holds its stage's blocks, as the profiles join)."""
+        self._job_checked = True
         pipeline = self.pipeline
         counts = job.everyone(str(len(self.profiler.blocks)).encode())
         if self.target is not None:
@@ -365,77 +406,76 @@ class AutoTuner:
 
     def _cached(self) -> bool:
         """After the warm-up step: reuse a cached plan for this exact model and setting, if there is one."""
-        recorder = self.profiler.recorder
         local = {
             "structure": model_structure(self.model, self.profiler.blocks),
-            "input_shape": list(recorder.input_shape or ()),
+            "input_shape": list(self.profiler.recorder.input_shape or ()),
         }
         parts = [json.loads(part) for part in job.everyone(json.dumps(local).encode())]
         pipeline = [parts[rank] for rank in self._solving_ranks] if job.distributed() else parts
-        device = self.profiler.device
-        self._key_parts = {
-            # the model, whatever the split: a plan written for it must find itself again after the relaunch
-            "model": fingerprint([part["structure"] for part in pipeline]),
-            "input_shapes": [part["input_shape"] for part in pipeline],
-            "spec": spec_to_dict(self.spec),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "dtype": str(next(self.model.parameters()).dtype),
-            "modes": list(self.profiler.modes),
-            # another release may measure or plan differently (its memory model gains what runs showed)
-            "sapp_hook": installed_version(),
-        }
+        self._key_parts = job_key(pipeline, self.spec, self.profiler.device, self.model, self.profiler.modes)
+        self._key_parts["schedule"] = "auto" if self.auto else self.spec.pipeline_schedule.name
         self._key = cache_key(self._key_parts)
         entry = None if self.force or job.rank() else self.cache.load(self._key)
-        if entry is not None and not self._reusable(entry["plan"]):
+        why = None if entry is None else unusable(entry, self._key_parts, self.spec, auto=self.auto)
+        if why is not None:
+            self.console.say(f"not reusing the cached plan {self.cache.path(self._key)}: {why}; planning again")
             entry = None
         shared = job.from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
         if not shared:
+            if any(not part["structure"]["blocks"] for part in pipeline):
+                raise InputError(
+                    "layers",
+                    "a rank holds no block, so the profile cannot say what one costs there: profile under a split "
+                    "that gives every rank one (the plan may then leave a rank none)",
+                )
             log.info("sapp-hook: no cached plan for this model and setting (key %s); profiling", self._key)
+            left = self.profiler.total_steps - self.profiler.steps_done
+            self.console.say(
+                f"no plan cached for this job: profiling its {len(self.profiler.blocks)} layers a rank over the next "
+                f"{left} steps (recompute {', '.join(self.profiler.modes)})"
+            )
             return False
         self.profiler.detach()
         plan_data = json.loads(shared)
-        log.info("sapp-hook: reusing the cached plan %s", self.cache.path(self._key))
+        self.console.say(f"reusing the plan cached for this job: {self.cache.path(self._key)}")
+        self._cached_entry = entry
         self._finish(plan_data, from_cache=True, plan=None, profile=None)
-        # training goes on under the plan: its next step is measured against what the plan predicted
-        self._cached_profile = entry.get("profile") if entry else None
-        self._measure = StepMeasure(self.model)
-        self._measure.start()
+        if not self.pipeline.whole_model:  # each rank runs its part of the plan: its next step is measured against it
+            self._measure = StepMeasure(self.model, len(self.profiler.blocks))
+            self._measure.start()
         return True
 
     def _check_plan(self, measured: dict[str, float]) -> None:
-        """The first step under a reused plan against the plan's prediction, on rank 0 for every pipeline rank:
-        said in the log and the report, kept in `result.check`."""
+        """The first step under a reused plan against the plan's prediction, for every pipeline rank (on rank 0,
+        which holds the plan's profile): said, kept in `result.check`, `check.json` and the report. Where a
+        rank's activations are off the prediction by more than ACTIVATION_TOLERANCE, something changed that the
+        cache key does not name (a kernel, a dtype, a wrapper, a library): the job is profiled and planned again,
+        once a plan."""
         self._measure = None
         ranks = [json.loads(part) for part in job.everyone(json.dumps(measured).encode())]
-        if job.rank() != 0 or not isinstance(self._cached_profile, dict):
-            return
-        pipeline = [ranks[rank] for rank in self._solving_ranks] if job.distributed() else ranks
-        profile = ModelProfile.from_dict(self._cached_profile)
-        plan = plan_from_dict(profile, self.result.plan_data)
-        predicted = predictions(plan, profile)
-        checks = compare(pipeline, predicted["activation_peak_bytes"], predicted["step_ms"])
-        self.result.check = checks
-        lines = check_lines(checks)
-        drifted = [check for check in checks if check.drifted]
-        for line in lines:
-            (log.warning if drifted else log.info)("sapp-hook: under the plan, %s", line)
-        if self.out_dir is not None:
-            atomic_write_text(
-                self.out_dir / "check.json", json.dumps({"ranks": [c.to_dict() for c in checks]}, indent=1) + "\n"
-            )
+        why = self._compare(ranks) if job.rank() == 0 else None
+        why = json.loads(job.from_rank0(json.dumps(why).encode()))
+        if why is not None:
+            self._replan(why)
 
-    def _reusable(self, plan_data: dict[str, Any]) -> bool:
-        """Whether a cached plan reads back for this run's settings (the cache may be older than this
-        version, or edited): one that does not is planned again, not a crash."""
-        try:
-            layout = layout_from_dict(plan_data)
-        except InputError as exc:
-            log.warning("sapp-hook: ignoring a cached plan that does not read back (%s); planning again", exc)
-            return False
-        if layout.pipeline_parallel != self.spec.pipeline_parallel or layout.micro_batches != self.spec.micro_batches:
-            log.warning("sapp-hook: ignoring a cached plan made for other parallel settings; planning again")
-            return False
-        return True
+    def _compare(self, ranks: list[dict[str, float]]) -> str | None:
+        """`_check_plan` on rank 0: why to plan again, or None."""
+        entry = self._cached_entry or {}
+        if not isinstance(entry.get("profile"), dict):
+            return None
+        pipeline = [ranks[rank] for rank in self._solving_ranks] if job.distributed() else ranks
+        checks, why = verdict(pipeline, entry, self.result.plan_data, self.out_dir, self.console.say)
+        self.result.check = checks
+        return why
+
+    def _replan(self, why: str) -> None:
+        """Profile the next steps afresh and plan again, keeping the current plan unless the new one is faster by
+        more than the profile's noise."""
+        self.console.say(f"{why}: something changed that the cache key does not name; profiling and planning again")
+        self._replanned = True
+        self._previous = self.result  # `result` stays the plan in use until the new one is made
+        self.profiler = self._new_profiler()
+        self.profiler.attach()
 
     def _plan(self) -> None:
         local = self.profiler.profile()
@@ -446,15 +486,14 @@ class AutoTuner:
             profile = gather_profiles([(self.pipeline.rank, local)] if job.rank() in self._solving_ranks else [])
         else:
             profile = local
-        error = ""
-        plan = None
+        error, plan = "", None
         if profile is not None:  # the rank that solves
+            kept = self._keep(profile)  # before solving: a failed solve keeps what was measured
             try:
-                log.info("sapp-hook: solving %s ...", self.spec.pipeline_schedule.name)
-                plan = solve(profile, self.spec, time_limit_s=self.time_limit_s)
-                caveat = prediction_caveat(profile, self.spec)
-                if caveat is not None:
-                    log.warning("sapp-hook: %s", caveat)
+                plan = self._solve(profile)
+            except InfeasibleError as exc:
+                again = solve_command(self.spec, kept, exc.smallest_budget_bytes) if kept else "sapp-hook solve"
+                error = f"{exc}. The profile is kept: plan again without profiling with `{again}`"
             except InputError as exc:
                 error = str(exc)
         payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""
@@ -462,75 +501,70 @@ class AutoTuner:
         if "error" in plan_data:
             raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {plan_data['error']}")
         if plan is not None:
-            self.cache.store(self._key or "unkeyed", self._key_parts, plan_data, profile.to_dict())
+            self.cache.store(
+                self._key or "unkeyed",
+                self._key_parts,
+                plan_data,
+                profile.to_dict(),
+                replanned_after_drift=self._replanned,
+            )
+            self.cache.forget_profile(self._key or "unkeyed")  # the entry holds it now
         self._finish(plan_data, from_cache=False, plan=plan, profile=profile)
+
+    def _keep(self, profile: ModelProfile) -> Path | None:
+        """The joined profile saved where a user finds it (the out folder, else the plan cache)."""
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            return profile.save(self.out_dir / "profile.json") or self.out_dir / "profile.json"
+        return self.cache.store_profile(self._key or "unkeyed", profile.to_dict())
+
+    def _solve(self, profile: ModelProfile) -> Plan:
+        previous = self._previous.plan_data if self._previous is not None else None
+        return plan_for(
+            profile, self.spec, self.time_limit_s, previous, self.console.say, target=self.target, auto=self.auto
+        )
 
     def _finish(
         self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None
     ) -> None:
+        """On rank 0, write the plan into the config, report it and say so; then, with `on_plan="exit"`, end
+        the process for the relaunch where the config changed."""
+        self._stop_watching()
+        self._replanned = False
         layout = layout_from_dict(plan_data)
         result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
         if job.rank() == 0:
             if self.config is not None:
                 result.writeback = write_config(self.target, self.config, layout)
-            result.report = self._report(result)
+            result.report = report_text(result)
             log.info("%s", result.report)
             if self.out_dir is not None:
-                self._write_outputs(result)
+                write_outputs(self.out_dir, result)
+            if not from_cache:
+                for line in summary(result):
+                    self.console.say(line)
+            for line in written_lines(result, self.out_dir):
+                self.console.say(line)
         self.result = result
-        if self.on_plan != "exit":
-            return
         # a config that already said the plan was not written: the job runs it now, so it trains on
         restart = (
             job.from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
         )
-        planned_file = os.environ.get(ENVIRONMENT["planned_file"])
+        planned_file = os.environ.get(ENVIRONMENT["planned_file"]) if self.on_plan == "exit" else None
         if planned_file and job.rank() == 0:
-            written = None if self.config is None else str(self.config)
-            atomic_write_text(Path(planned_file), json.dumps({"config": written, "restart": restart}) + "\n")
-        if not restart:
-            log.warning("sapp-hook: %s already says the plan (nothing written); training goes on with it", self.config)
+            config = None if self.config is None else str(self.config)
+            atomic_write_text(Path(planned_file), json.dumps({"config": config, "restart": restart}) + "\n")
+        if self.on_plan != "exit" or not restart:
+            if self.config is not None and not from_cache:
+                self.console.say("training goes on" + ("" if restart else " with it: the config already said it"))
             return
         # torchrun stops every worker once one exits: none may leave before rank 0 has written
         job.everyone(b"")
-        where = f" into {self.config}" if self.config else ""
-        log.warning(
-            "sapp-hook: wrote the plan%s; exiting with status %d so the launcher restarts with it",
-            where,
-            REPLAN_EXIT_CODE,
-        )
+        if planned_file:  # `sapp-hook run` reads the file: a clean exit, and no launcher tells of a failure
+            self.console.say("exiting for the relaunch with the plan")
+            raise SystemExit(0)
+        self.console.say(f"exiting with status {REPLAN_EXIT_CODE} so that the launcher restarts the job with the plan")
         raise SystemExit(REPLAN_EXIT_CODE)
-
-    def _report(self, result: TuneResult) -> str:
-        lines = []
-        if result.plan is not None and result.profile is not None:
-            lines.append(plan_report(result.plan))
-            lines.append(against_even(result.plan, result.profile)[0])
-        else:
-            data = result.plan_data
-            lines.append(
-                f"cached plan: iteration time {format_ms(data['iteration_time'])} ms, peak memory per rank "
-                + ", ".join(format_bytes(b) for b in data["rank_peak_memory_bytes"])
-            )
-        if result.writeback is not None:
-            lines += [f"wrote {path}" for path in result.writeback.written]
-            lines += [f"note: {note}" for note in result.writeback.notes]
-        return "\n".join(lines)
-
-    def _write_outputs(self, result: TuneResult) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.out_dir / "plan.json", json.dumps(result.plan_data, indent=1) + "\n")
-        atomic_write_text(self.out_dir / "report.txt", result.report + "\n")
-        if result.profile is not None:
-            result.profile.save(self.out_dir / "profile.json")
-        if result.plan is not None and result.plan.simulation is not None:
-            try:
-                from simulator.plot import draw_gantt
-
-                draw_gantt(result.plan.simulation, self.out_dir / "plan.png")
-                log.info("sapp-hook: the plan's schedule and memory: %s", self.out_dir / "plan.png")
-            except ImportError:
-                log.info("sapp-hook: matplotlib is not installed; no chart")
 
     def _progress(self, done: int, total: int, mode: str) -> None:
         if job.rank() == 0:

@@ -12,13 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from basics.errors import InputError, check_instance, shown
+from basics.files import folder_locked
+from sapp_hook.pipelining.engine_rules import TORCH_SCHEDULES
 from sapp_hook.writeback.errors import PLAN, PlanMismatch
 from sapp_hook.writeback.files import WriteBack, check_writable, read_config
 from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
+from sapp_hook.writeback.megatron.plan import SCHEDULES as MEGATRON_SCHEDULES
 from sapp_hook.writeback.mindformers import write_mindformers
+from sapp_hook.writeback.mindformers.values import SCHEDULERS as MINDFORMERS_SCHEDULERS
 from sapp_hook.writeback.plain import write_plan
 from sapp_hook.writeback.torchtitan import config_path, write_torchtitan
+from simulator import SCHEDULES
 from solver import PipelineSpec
 
 TARGETS: dict[str, Callable[..., WriteBack]] = {
@@ -29,47 +34,63 @@ TARGETS: dict[str, Callable[..., WriteBack]] = {
 }
 
 
+def runnable_schedules(target: str | None) -> tuple[str, ...]:
+    """The schedules a target's engine runs (and its config can say); None or "plan": every schedule sapp-hook
+    plans."""
+    runs = {
+        "mindformers": tuple(MINDFORMERS_SCHEDULERS),
+        "megatron": MEGATRON_SCHEDULES,
+        "torchtitan": tuple(TORCH_SCHEDULES),
+    }
+    return runs.get(target or "plan", SCHEDULES)
+
+
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     """Write `layout` into the `target` config at `path`.
 
-    The writer keeps the config's comments, key order and unrelated keys, checks the plan against it
-    (stage and layer counts, schedule, micro-batches) before touching anything, and writes atomically:
-    the first write keeps the file as it was in `NAME.sapp-hook.bak`.
+        The writer keeps the config's comments, key order and unrelated keys, checks the plan against it
+        (stage and layer counts, schedule, micro-batches) before touching anything, and writes atomically:
+        the first write keeps the file as it was in `NAME.sapp-hook.bak`.
 
-    Args:
-        target: "mindformers" (a YAML config), "megatron" (a launch script or arguments file),
-            "torchtitan" (a TOML config, or a Python config as `FILE.py:FUNCTION`) or "plan" (the plan
-            JSON itself, YAML where `path` ends in .yaml or .yml; the file may be new).
-        path: the config to rewrite.
-        layout: the plan (`layout_of(plan)`, or `layout_from_dict` of a plan JSON).
-        dry_run: only work out the diff; write nothing.
+        Args:
+            target: "mindformers" (a YAML config), "megatron" (a launch script or arguments file),
+                "torchtitan" (a TOML config, or a Python config as `FILE.py:FUNCTION`) or "plan" (the plan
+                JSON itself, YAML where `path` ends in .yaml or .yml; the file may be new).
+            path: the config to rewrite.
+            layout: the plan (`layout_of(plan)`, or `layout_from_dict` of a plan JSON).
+            dry_run: only work out the diff; write nothing.
 
-    Returns:
-        A `WriteBack`: `path`, the unified `diff`, `notes` (what the config cannot express, and what was
-        written instead), `written` (the files written; empty in a dry run or where nothing changed) and
-        `backup`.
+        Returns:
+            A `WriteBack`: `path`, the unified `diff`, `notes` (what the config cannot express, and what was
+            written instead), `written` (the files written; empty in a dry run or where nothing changed) and
+            `backup`.
 
-    Raises:
-        InputError: an unknown `target`, or `path`, `layout` or `dry_run` of the wrong type (naming the
-            argument); a config that cannot be read, parsed or written (naming `--config`); a plan the
-            config cannot run (`PlanMismatch`, naming `--plan`). Nothing is written then.
+        Raises:
+            InputError: an unknown `target`, or `path`, `layout` or `dry_run` of the wrong type (naming the
+                argument); a config that cannot be read, parsed or written (naming `--config`); a plan the
+                config cannot run (`PlanMismatch`, naming `--plan`). Nothing is written then.
 
-    Example:
-        >>> import pathlib, tempfile
-        >>> from solver import PipelineSpec
-        >>> from sapp_hook.writeback.layout import even_layout
-        >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=4)
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
-        >>> write_config("plan", path, layout).written == [str(path)]
-        True
-        >>> write_config("plan", path, layout, dry_run=True).diff  # the file already says the plan
-        ''
+        Example:
+            >>> import pathlib, tempfile
+            >>> from simulator import SCHEDULES
+    from solver import PipelineSpec
+            >>> from sapp_hook.writeback.layout import even_layout
+            >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=4)
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+            >>> write_config("plan", path, layout).written == [str(path)]
+            True
+            >>> write_config("plan", path, layout, dry_run=True).diff  # the file already says the plan
+            ''
     """
     check_target(target, "target")
     check_instance(path, (str, os.PathLike), "path", "a path (str or os.PathLike)")
     check_instance(layout, Layout, "layout", "a Layout (sapp_hook.layout_of(plan) or layout_from_dict(plan JSON))")
     check_instance(dry_run, bool, "dry_run", "True or False")
-    return TARGETS[target](Path(path), layout, dry_run=dry_run)
+    if dry_run:
+        return TARGETS[target](Path(path), layout, dry_run=True)
+    # the config and its side file together, and never interleaved with another writer's
+    with folder_locked(config_path(path)[0] if target == "torchtitan" else Path(path)):
+        return TARGETS[target](Path(path), layout, dry_run=False)
 
 
 def check_target(target: str, field: str) -> None:
@@ -137,5 +158,6 @@ __all__ = [
     "check_job",
     "layout_from_dict",
     "layout_of",
+    "runnable_schedules",
     "write_config",
 ]
