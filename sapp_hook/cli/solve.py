@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = PipelineSpec(
         pipeline_parallel=args.pipeline_parallel,
         micro_batches=args.micro_batches,
-        schedule=SCHEDULES[0] if auto else args.schedule,
+        schedule=next(iter(SCHEDULES)) if auto else args.schedule,
         chunks=args.chunks,
         memory_budget_bytes=budget,
         rank_constant_bytes=constant,

@@ -42,7 +42,7 @@ def runnable_schedules(target: str | None) -> tuple[str, ...]:
         "megatron": MEGATRON_SCHEDULES,
         "torchtitan": tuple(TORCH_SCHEDULES),
     }
-    return runs.get(target or "plan", SCHEDULES)
+    return runs.get(target or "plan", tuple(SCHEDULES))
 
 
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
