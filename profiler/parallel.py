@@ -77,12 +77,13 @@ def _process_group(group: Any) -> Any:
 
 
 def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """The ranks `model`'s DTensor parameters are split over (1 for plain tensors). A model under FSDP2,
-    parameters on a mesh of more than one dimension, and torch's ZeRO optimizer are refused."""
-    if _is_fsdp(model):
+    """The ranks `model`'s DTensor parameters are split over (1 for plain tensors). A model FSDP2 shards over
+    more than one rank, parameters on a mesh of more than one dimension, and torch's ZeRO optimizer are refused
+    (FSDP over one rank, as TorchTitan applies it at data-parallel degree 1, shards nothing: measured through)."""
+    if holds_fsdp(model) and max((p.device_mesh.size() for p in model.parameters() if _is_dtensor(p)), default=1) > 1:
         raise InputError(
             "model",
-            "is sharded by FSDP (fully_shard): autotune measures each layer whole and plans FSDP itself; "
+            "is sharded by FSDP (fully_shard) over more than one rank: autotune measures each layer whole and plans FSDP itself; "
             "profile the model before fully_shard (with fsdp=True and data_parallel), or measure one rank of "
             "the mesh with `sapp-hook profile --data-parallel D --fsdp`",
         )
@@ -105,7 +106,8 @@ def tensor_parallel_degree(model: nn.Module, optimizer: torch.optim.Optimizer | 
     return int(next(iter(meshes))[1][0])
 
 
-def _is_fsdp(model: nn.Module) -> bool:
+def holds_fsdp(model: nn.Module) -> bool:
+    """Whether FSDP2 (fully_shard) wraps `model` or a module inside it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed has no such model

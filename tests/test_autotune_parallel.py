@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from profiler_cases import batch, llama
+import torch.distributed as dist
+from profiler_cases import batch, llama, train_step
 from test_profiler_distributed import FirstStage, LastStage, train_stage
 
 from profiler import LayerProfiler
@@ -127,27 +128,40 @@ def test_under_data_parallelism_one_replicas_pipeline_is_planned_and_every_rank_
     assert json.loads((tmp_path / "plan.json").read_text()) == layouts[0]
 
 
-def refusing_rank(rank: int, store: str, folder: str) -> None:
+def fsdp_rank(rank: int, store: str, folder: str, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    with gloo_group(rank, 1, store):
+    with gloo_group(rank, world, store):
         said = []
         zero = ZeroRedundancyOptimizer(llama().parameters(), optimizer_class=torch.optim.AdamW)
+        with pytest.raises(InputError) as caught:
+            autotune(llama(), zero, pipeline_parallel=2, **SETTING)
+        said.append(str(caught.value))
         sharded = llama()
         fully_shard(sharded)
-        for model, optimizer in ((llama(), zero), (sharded, None)):
-            with pytest.raises(InputError) as caught:
-                autotune(model, optimizer, pipeline_parallel=2, **SETTING)
-            said.append(str(caught.value))
-        Path(folder, "said.json").write_text(json.dumps(said))
+        try:  # over one rank FSDP shards nothing, as TorchTitan applies it at data-parallel degree 1
+            optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+            group = dist.new_group([rank]) if world > 1 else None
+            with autotune(sharded, optimizer, pipeline_parallel=2, **SETTING, pipeline_group=group) as tuner:
+                for step in range(8):  # a warm-up, then one timed and one memory step per recompute mode
+                    train_step(sharded, optimizer, step)
+                    tuner.step()
+            whole = sum(p.numel() * 4 for p in llama().parameters())
+            said += [tuner.done, sum(layer.parameter_bytes for layer in tuner.result.profile.layers) == whole]
+        except InputError as error:
+            said.append(str(error))
+        Path(folder, f"said{rank}.json").write_text(json.dumps(said))
 
 
-def test_fsdp_and_zero_are_refused_by_name(tmp_path):
-    spawn(refusing_rank, (str(tmp_path / "store"), str(tmp_path)), 1)
-    zero, fsdp = json.loads((tmp_path / "said.json").read_text())
+def test_zero_and_fsdp_over_several_ranks_are_refused_by_name_fsdp_over_one_is_measured_through(tmp_path):
+    spawn(fsdp_rank, (str(tmp_path / "store1"), str(tmp_path), 1), 1)
+    zero, planned, whole = json.loads((tmp_path / "said0.json").read_text())
     assert zero.startswith("optimizer: is torch's ZeroRedundancyOptimizer, whose state this rank holds only in part")
-    assert fsdp.startswith("model: is sharded by FSDP (fully_shard): autotune measures each layer whole")
+    assert planned is True and whole is True  # profiled and planned through FSDP's wrappers, each layer whole
+    spawn(fsdp_rank, (str(tmp_path / "store2"), str(tmp_path), 2), 2)
+    _, fsdp = json.loads((tmp_path / "said0.json").read_text())
+    assert fsdp.startswith("model: is sharded by FSDP (fully_shard) over more than one rank: autotune measures")
 
 
 def test_a_pipeline_group_outside_a_distributed_job_is_refused():

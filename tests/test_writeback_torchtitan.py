@@ -22,7 +22,7 @@ from solver_cases import small_profile
 from sapp_hook.cli import main
 from sapp_hook.writeback import check_destination, layout_of, write_config
 from sapp_hook.writeback.files import read_config
-from sapp_hook.writeback.torchtitan.plan import every_kth_block
+from sapp_hook.writeback.torchtitan.plan_fields import every_kth_block
 from simulator import InputError
 from solver import PipelineSpec, evaluate_plan
 

@@ -61,6 +61,7 @@ from sapp_hook.hook.reuse import job_key, unusable
 from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from sapp_hook.pipelining.stages import loss_tail
 from sapp_hook.writeback import check_destination, check_job, layout_from_dict, runnable_schedules, write_config
+from simulator.schedules import schedule_kind
 from solver import InfeasibleError, ModelProfile, PipelineSpec, Plan
 from solver.vocabulary.profile import NONE, Mesh
 
@@ -135,7 +136,7 @@ class AutoTuner:
             for batch in batches:
                 train_step(batch)
                 tuner.step()
-        print(tuner.result.report)
+        report = tuner.result.report  # the plan, the even split beside it, what was written
     """
 
     @renamed_keywords(stages="pipeline_parallel")
@@ -256,7 +257,14 @@ class AutoTuner:
         self._pipeline_group = pipeline_group
         self._pipeline: Pipeline | None = None
         self._solving_ranks: tuple[int, ...] = ()
-        self._profiling = {"steps": profile_steps, "warmup_steps": warmup_steps, "modes": modes, "layers": layers}
+        splits = self.auto or schedule_kind(schedule).splits_backward  # only such schedules need it measured
+        self._profiling = {
+            "steps": profile_steps,
+            "warmup_steps": warmup_steps,
+            "modes": modes,
+            "layers": layers,
+            "split_backward": splits,
+        }
         self.profiler = self._new_profiler()
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])

@@ -18,7 +18,7 @@ from sapp_hook.writeback.errors import PLAN, PlanMismatch
 from sapp_hook.writeback.files import WriteBack, check_writable, read_config
 from sapp_hook.writeback.layout import Layout, even_layout, layout_from_dict, layout_of
 from sapp_hook.writeback.megatron import write_megatron
-from sapp_hook.writeback.megatron.plan import SCHEDULES as MEGATRON_SCHEDULES
+from sapp_hook.writeback.megatron.plan_flags import SCHEDULES as MEGATRON_SCHEDULES
 from sapp_hook.writeback.mindformers import write_mindformers
 from sapp_hook.writeback.mindformers.values import SCHEDULERS as MINDFORMERS_SCHEDULERS
 from sapp_hook.writeback.plain import write_plan

@@ -51,7 +51,7 @@ from sapp_hook.writeback.megatron.flags import (
     split_fields,
 )
 from sapp_hook.writeback.megatron.layout_string import parse_stages
-from sapp_hook.writeback.megatron.plan import (
+from sapp_hook.writeback.megatron.plan_flags import (
     SCHEDULES,
     check_interleaving,
     check_layers,

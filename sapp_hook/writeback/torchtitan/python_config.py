@@ -51,7 +51,7 @@ from sapp_hook.writeback.torchtitan.dialects import (
     find_source,
     python_dialect,
 )
-from sapp_hook.writeback.torchtitan.plan import (
+from sapp_hook.writeback.torchtitan.plan_fields import (
     Checkpointing,
     change_notes,
     check_degree,

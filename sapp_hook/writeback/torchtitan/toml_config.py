@@ -24,7 +24,7 @@ from sapp_hook.writeback.torchtitan.dialects import (
     find_source,
     toml_dialect,
 )
-from sapp_hook.writeback.torchtitan.plan import (
+from sapp_hook.writeback.torchtitan.plan_fields import (
     change_notes,
     check_degree,
     check_pipelines,

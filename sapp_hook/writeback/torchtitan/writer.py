@@ -22,7 +22,7 @@ import tomlkit
 from sapp_hook.pipelining.engine_rules import check_no_recompute, check_torch_runs
 from sapp_hook.writeback.files import WriteBack, read_config
 from sapp_hook.writeback.layout import Layout, as_layout
-from sapp_hook.writeback.torchtitan.plan import module_names
+from sapp_hook.writeback.torchtitan.plan_fields import module_names
 from sapp_hook.writeback.torchtitan.python_config import write_python
 from sapp_hook.writeback.torchtitan.toml_config import write_toml
 from solver import Plan
