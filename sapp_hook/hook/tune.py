@@ -297,6 +297,8 @@ class AutoTuner:
             self._measure = None
         if kind is None:
             self._ended_early()
+        else:
+            self._stop_watching()  # the error says why nothing was planned
 
     def _first_step(self) -> None:
         """After the first step of the job: every rank is one of a job the hook can coordinate, the job's check
