@@ -61,7 +61,6 @@ from sapp_hook.hook.reuse import job_key, unusable
 from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from sapp_hook.pipelining.stages import loss_tail
 from sapp_hook.writeback import check_destination, check_job, layout_from_dict, runnable_schedules, write_config
-from simulator.schedules import schedule_kind
 from solver import InfeasibleError, ModelProfile, PipelineSpec, Plan
 from solver.vocabulary.profile import NONE, Mesh
 
@@ -257,14 +256,7 @@ class AutoTuner:
         self._pipeline_group = pipeline_group
         self._pipeline: Pipeline | None = None
         self._solving_ranks: tuple[int, ...] = ()
-        splits = self.auto or schedule_kind(schedule).splits_backward  # only such schedules need it measured
-        self._profiling = {
-            "steps": profile_steps,
-            "warmup_steps": warmup_steps,
-            "modes": modes,
-            "layers": layers,
-            "split_backward": splits,
-        }
+        self._profiling = {"steps": profile_steps, "warmup_steps": warmup_steps, "modes": modes, "layers": layers}
         self.profiler = self._new_profiler()
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])
