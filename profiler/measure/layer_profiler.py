@@ -36,6 +36,7 @@ from profiler.measure.cpu_memory import CpuMemory
 from profiler.measure.recorder import BACKWARD, FORWARD, TAIL, Recorder
 from profiler.measure.samples import LayerSamples
 from profiler.measure.split import SplitBackward, measure_split_backward
+from profiler.parallel import holds_fsdp
 from profiler.recompute import TORCH_MODES
 from profiler.tp_roles import role_bytes
 from solver.vocabulary.profile import NONE, ModelProfile
@@ -315,6 +316,10 @@ class LayerProfiler:
             self.recorder.memory = None
 
     def _measure_split_backward(self) -> None:
+        if holds_fsdp(self.model):  # FSDP's unsharding refuses a block's backward run alone: the split is assumed
+            self.recorder.captured_inputs.clear()
+            self.recorder.captured_tail_input = None
+            return
         for index, (args, kwargs) in self.recorder.captured_inputs.items():
             block = self.blocks[index]
             measured = measure_split_backward(block.module, args, kwargs, self.device)

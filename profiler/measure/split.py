@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_leaves
 from profiler.measure.clock import clock_for, memory_for
 from profiler.measure.cpu_memory import CpuMemory
 from profiler.measure.recorder import _output_tensor
-from profiler.parallel import holds_fsdp
 
 HELD_COUNTS = 3  # what a split holds is counted this many times, the median kept
 
@@ -55,10 +54,7 @@ def measure_split_backward(
 ) -> SplitBackward | None:
     """Time `repeats` plain backwards and split ones of `module` after a warm-up (medians of the
     shares), then count what a split holds between its halves (HELD_COUNTS times, the median of
-    each field). None where the block takes no input gradient or has no parameters, or is an FSDP unit (its
-    parameters are shards, which its forward leaves out of the graph: the split is then assumed)."""
-    if holds_fsdp(module):
-        return None
+    each field). None where the block takes no input gradient or has no parameters."""
     inputs, params = _differentiable(module, args, kwargs)
     if not inputs or not params:
         return None
