@@ -11,11 +11,14 @@ Function = TypeVar("Function", bound=Callable[..., Any])
 Class = TypeVar("Class", bound=type)
 
 
+def renamed_message(old: str, new: str) -> str:
+    """What a warning about the former name `old` of `new` says."""
+    return f"{old} is deprecated and goes in the next release; use {new}"
+
+
 def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     """Warn that `old` is deprecated in favour of `new` (`stacklevel` 3: the caller of the caller)."""
-    warnings.warn(
-        f"{old} is deprecated and goes in the next release; use {new}", DeprecationWarning, stacklevel=stacklevel
-    )
+    warnings.warn(renamed_message(old, new), DeprecationWarning, stacklevel=stacklevel)
 
 
 def renamed_keywords(**renames: str) -> Callable[[Function], Function]:

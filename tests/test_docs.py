@@ -126,3 +126,25 @@ def test_every_flag_is_documented():
         if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text)
     ]
     assert missing == []
+
+
+PACKAGES = ("basics", "simulator", "solver", "profiler", "sapp_hook")
+
+
+def _modules_with_examples() -> list[str]:
+    """The modules whose docstrings hold `>>>` examples."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if ">>> " in path.read_text(encoding="utf-8"):
+                found.append(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+    return found
+
+
+@pytest.mark.parametrize("name", _modules_with_examples())
+def test_every_docstring_example_runs_as_shown(name):
+    import doctest
+    import importlib
+
+    failed, tried = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert tried and not failed

@@ -87,8 +87,8 @@ def build_profile(
         layers=tuple(layers),
         model=model_name,
         source="measured",
-        device=_device_name(device),
-        dtype=_dtype(model),
+        device=device_name(device),
+        dtype=parameters_dtype(model),
         micro_batch=micro_batch or _micro_batch(recorder.input_shape),
         fingerprint=fingerprint([model_structure(model, blocks)]),
         # the hidden state a body block receives is what a stage sends on
@@ -294,7 +294,8 @@ def model_structure(model: nn.Module, blocks: Sequence[Block]) -> dict[str, list
 
 def fingerprint(structures: Sequence[Mapping[str, list]]) -> str:
     """A model's fingerprint from the `model_structure` of each pipeline rank's part of it, in pipeline order (one
-    for a whole model): the same for any split of one model."""
+    for a whole model): the same for any split of one model over the same ranks (a whole model holds a tied
+    embedding once, where a split's first and last ranks each name it)."""
     blocks = [block for part in structures for block in part["blocks"]]
     outside = sorted(entry for part in structures for entry in part["outside"])
     return hashlib.sha256(json.dumps([blocks, outside]).encode()).hexdigest()[:16]
@@ -319,13 +320,15 @@ def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
     return list({id(p): p for p in params}.values())
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """`cpu`, or `cuda:` and the GPU's name: what a profile and a cached plan say they were measured on."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
 
 
-def _dtype(model: nn.Module) -> str:
+def parameters_dtype(model: nn.Module) -> str:
+    """The dtype of the model's first floating-point parameter (`bfloat16`); "" where it has none."""
     for param in model.parameters():
         if param.is_floating_point():
             return str(param.dtype).removeprefix("torch.")

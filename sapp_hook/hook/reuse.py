@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from basics.errors import InputError
-from profiler.measure.build import fingerprint
+from profiler.measure.build import device_name, fingerprint, parameters_dtype
 from sapp_hook.hook.relaunch import installed_version
 from sapp_hook.writeback import layout_from_dict
 from solver import ModelProfile, PipelineSpec, plan_from_dict
@@ -63,8 +63,8 @@ def job_key(
         "model": fingerprint([part["structure"] for part in pipeline]),
         "input_shapes": [part["input_shape"] for part in pipeline],
         "spec": spec_to_dict(spec),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "dtype": str(next(model.parameters()).dtype),
+        "device": device_name(device),
+        "dtype": parameters_dtype(model),
         "modes": list(modes),
         # another release may measure or plan differently (its memory model gains what runs showed)
         "sapp_hook": installed_version(),

@@ -48,39 +48,38 @@ def runnable_schedules(target: str | None) -> tuple[str, ...]:
 def write_config(target: str, path: str | Path, layout: Layout, *, dry_run: bool = False) -> WriteBack:
     """Write `layout` into the `target` config at `path`.
 
-        The writer keeps the config's comments, key order and unrelated keys, checks the plan against it
-        (stage and layer counts, schedule, micro-batches) before touching anything, and writes atomically:
-        the first write keeps the file as it was in `NAME.sapp-hook.bak`.
+    The writer keeps the config's comments, key order and unrelated keys, checks the plan against it
+    (stage and layer counts, schedule, micro-batches) before touching anything, and writes atomically:
+    the first write keeps the file as it was in `NAME.sapp-hook.bak`.
 
-        Args:
-            target: "mindformers" (a YAML config), "megatron" (a launch script or arguments file),
-                "torchtitan" (a TOML config, or a Python config as `FILE.py:FUNCTION`) or "plan" (the plan
-                JSON itself, YAML where `path` ends in .yaml or .yml; the file may be new).
-            path: the config to rewrite.
-            layout: the plan (`layout_of(plan)`, or `layout_from_dict` of a plan JSON).
-            dry_run: only work out the diff; write nothing.
+    Args:
+        target: "mindformers" (a YAML config), "megatron" (a launch script or arguments file),
+            "torchtitan" (a TOML config, or a Python config as `FILE.py:FUNCTION`) or "plan" (the plan
+            JSON itself, YAML where `path` ends in .yaml or .yml; the file may be new).
+        path: the config to rewrite.
+        layout: the plan (`layout_of(plan)`, or `layout_from_dict` of a plan JSON).
+        dry_run: only work out the diff; write nothing.
 
-        Returns:
-            A `WriteBack`: `path`, the unified `diff`, `notes` (what the config cannot express, and what was
-            written instead), `written` (the files written; empty in a dry run or where nothing changed) and
-            `backup`.
+    Returns:
+        A `WriteBack`: `path`, the unified `diff`, `notes` (what the config cannot express, and what was
+        written instead), `written` (the files written; empty in a dry run or where nothing changed) and
+        `backup`.
 
-        Raises:
-            InputError: an unknown `target`, or `path`, `layout` or `dry_run` of the wrong type (naming the
-                argument); a config that cannot be read, parsed or written (naming `--config`); a plan the
-                config cannot run (`PlanMismatch`, naming `--plan`). Nothing is written then.
+    Raises:
+        InputError: an unknown `target`, or `path`, `layout` or `dry_run` of the wrong type (naming the
+            argument); a config that cannot be read, parsed or written (naming `--config`); a plan the
+            config cannot run (`PlanMismatch`, naming `--plan`). Nothing is written then.
 
-        Example:
-            >>> import pathlib, tempfile
-            >>> from simulator import SCHEDULES
-    from solver import PipelineSpec
-            >>> from sapp_hook.writeback.layout import even_layout
-            >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=4)
-            >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
-            >>> write_config("plan", path, layout).written == [str(path)]
-            True
-            >>> write_config("plan", path, layout, dry_run=True).diff  # the file already says the plan
-            ''
+    Example:
+        >>> import pathlib, tempfile
+        >>> from solver import PipelineSpec
+        >>> from sapp_hook.writeback.layout import even_layout
+        >>> layout = even_layout(PipelineSpec(pipeline_parallel=2, micro_batches=4), body_layers=4)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+        >>> write_config("plan", path, layout).written == [str(path)]
+        True
+        >>> write_config("plan", path, layout, dry_run=True).diff  # the file already says the plan
+        ''
     """
     check_target(target, "target")
     check_instance(path, (str, os.PathLike), "path", "a path (str or os.PathLike)")
