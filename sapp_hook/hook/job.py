@@ -3,7 +3,9 @@ what every rank (or rank 0) says, as bytes over the default process group (nothi
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -17,7 +19,13 @@ def distributed() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if distributed() else 0
+    """This process's rank: the process group's, else the launcher's (the group may be gone by exit time)."""
+    if distributed():
+        return dist.get_rank()
+    try:
+        return max(0, int(os.environ.get("RANK", "0"))) if launched() > 1 else 0
+    except ValueError:
+        return 0
 
 
 def everyone(payload: bytes) -> list[bytes]:
@@ -28,6 +36,34 @@ def everyone(payload: bytes) -> list[bytes]:
 def from_rank0(payload: bytes) -> bytes:
     """Rank 0's `payload`, on every rank (every rank must call it)."""
     return everyone(payload)[0]
+
+
+class RankZeroFailed(RuntimeError):
+    """What rank 0 did for every rank raised there (rank 0 raises its own error; the others this one)."""
+
+
+def by_rank0(work: Callable[[], object]) -> object:
+    """`work()` run on rank 0 only, its JSON value given to every rank (every rank must call it). Where it
+    raises, every rank raises: rank 0 its error, the others the same InputError, or RankZeroFailed saying it,
+    so that no rank waits for a rank that left."""
+    failure: BaseException | None = None
+    outcome: dict[str, object] = {}
+    if rank() == 0:
+        try:
+            outcome = {"value": work()}
+        except Exception as exc:
+            failure = exc
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, InputError):
+                outcome |= {"field": exc.field, "detail": exc.detail}
+    shared = json.loads(from_rank0(json.dumps(outcome).encode()))
+    if failure is not None:
+        raise failure
+    if "field" in shared:
+        raise InputError(shared["field"], shared["detail"])
+    if "error" in shared:
+        raise RankZeroFailed(f"rank 0 failed, so this rank stops too: {shared['error']}")
+    return shared["value"]
 
 
 def launched() -> int:
