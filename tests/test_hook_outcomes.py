@@ -11,14 +11,21 @@ import shlex
 from pathlib import Path
 
 import pytest
-from profiler_cases import llama
+import torch
+from profiler_cases import llama, train_step
 from solver_cases import small_profile
-from test_autotune import PROFILING, train
+from test_autotune import PROFILING, SETTING, train
 
+from sapp_hook import autotune
 from sapp_hook.cli import main
+from sapp_hook.hook.cache import PlanCache
+from sapp_hook.hook.check import verdict
 from sapp_hook.hook.decide import plan_for
+from sapp_hook.hook.outputs import solve_command
+from sapp_hook.writeback import runnable_schedules
 from simulator import InputError
-from solver import PipelineSpec, solve
+from solver import InfeasibleError, PipelineSpec, solve
+from solver.compare import candidates, fastest
 
 
 def said(captured: str) -> list[str]:
@@ -96,23 +103,27 @@ def test_a_plan_within_the_profiles_noise_of_the_new_one_stays():
     best = solve(profile, spec)
     slower = dataclasses.replace(best, stage_layer_counts=(2, 3, 3, 2)).to_dict()  # another split, not faster
     lines: list[str] = []
-    kept = plan_for(noisy, spec, 10.0, slower, lines.append)
+    kept = plan_for(noisy, spec, 10.0, slower, lines.append, options=[("1F1B", 1)])
     assert kept.stage_layer_counts == (2, 3, 3, 2) and "so the plan in use stays" in lines[-1]
     quiet = dataclasses.replace(
         profile, layers=tuple(dataclasses.replace(layer, spread={}) for layer in profile.layers)
     )
-    assert plan_for(quiet, spec, 10.0, slower, lines.append).stage_layer_counts == best.stage_layer_counts
+    assert (
+        plan_for(quiet, spec, 10.0, slower, lines.append, options=[("1F1B", 1)]).stage_layer_counts
+        == best.stage_layer_counts
+    )
 
 
 def test_another_schedule_predicted_faster_is_said_and_auto_picks_the_fastest():
     profile = small_profile(8)
     spec = PipelineSpec(pipeline_parallel=4, micro_batches=4, schedule="GPipe")
     lines: list[str] = []
-    plan = plan_for(profile, spec, 10.0, None, lines.append, target="megatron")
+    megatron = candidates(runnable_schedules("megatron"))
+    plan = plan_for(profile, spec, 10.0, None, lines.append, options=megatron)
     assert plan.spec.schedule == "GPipe"
     advice = [line for line in lines if "is predicted" in line]
     assert len(advice) == 1 and "where GPipe x1 gives" in advice[0] and "schedule='auto'" in advice[0]
-    auto = plan_for(profile, spec, 10.0, None, lines.append, target="megatron", auto=True)
+    auto = plan_for(profile, spec, 10.0, None, lines.append, options=megatron, auto=True)
     assert auto.spec.pipeline_schedule.name in ("1F1B", "Interleaved1F1B")  # what Megatron-LM runs
     assert lines[-1].startswith(f"auto: {auto.spec.pipeline_schedule.name} x")
     assert auto.iteration_time_ms <= plan.iteration_time_ms
@@ -127,3 +138,69 @@ def test_solve_takes_schedule_auto(tmp_path, capsys):
     for schedule in ("GPipe", "1F1B"):
         assert main([*argv, "--schedule", schedule, "--json"]) == 0
         assert auto <= json.loads(capsys.readouterr().out)["iteration_time"]
+
+
+def test_a_step_function_that_crashes_leaves_no_word_of_an_early_end(tmp_path, capfd, monkeypatch):
+    planned = tmp_path / "planned.json"
+    monkeypatch.setenv("SAPP_HOOK_PLANNED_FILE", str(planned))
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tuner = autotune(model, optimizer, **SETTING, cache_dir=tmp_path)
+
+    @tuner
+    def step(index: int) -> None:
+        if index == 2:
+            raise RuntimeError("out of data")
+        train_step(model, optimizer, index)
+
+    step(0), step(1)
+    with pytest.raises(RuntimeError, match="out of data"):
+        step(2)
+    tuner.close()  # what the process's exit runs: the crash said why nothing was planned
+    assert not any("the training ended after" in line for line in said(capfd.readouterr().err))
+    assert not planned.exists() and not tuner.profiler.attached
+
+
+def test_a_drift_under_a_plan_that_leaves_a_rank_no_layer_keeps_the_plan():
+    profile = small_profile(8)
+    best = solve(profile, PipelineSpec(pipeline_parallel=2, micro_batches=4, allow_empty_chunks=True))
+    plan_data = dataclasses.replace(best, stage_layer_counts=(len(profile.layers) - 1, 1)).to_dict()  # rank 1: tail
+    blocks = len(profile.layers) - 2
+    measured = [
+        {"activation_bytes": 1e12, "step_ms": 1.0, "forwards": 4, "blocks": blocks},  # far off the prediction
+        {"activation_bytes": 0, "step_ms": 1.0, "forwards": 4, "blocks": 0},
+    ]
+    lines: list[str] = []
+    checks, why = verdict(measured, {"profile": profile.to_dict()}, plan_data, None, lines.append)
+    assert why is None and checks[0].drifted
+    assert "rank 1 holds no layer under it" in lines[-1] and lines[-1].endswith("force=True)")
+
+
+def test_auto_chooses_the_chunks_and_its_failure_names_the_least_budget_and_auto(tmp_path, capsys):
+    with pytest.raises(InputError, match=r"^chunks: schedule='auto' chooses the chunks"):
+        autotune(llama(), schedule="auto", chunks=2, pipeline_parallel=2, micro_batches=4)
+    profile_path = tmp_path / "profile.json"
+    small_profile(8).save(profile_path)
+    argv = ["solve", "--profile", str(profile_path), "--pipeline-parallel", "4", "--micro-batches", "8"]
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--memory", "1GB", "--schedule", "auto", "--chunks", "2"])
+    assert refused.value.code == 2
+    assert "--chunks: --schedule auto chooses the chunks" in capsys.readouterr().err
+    profile, spec = small_profile(8), PipelineSpec(pipeline_parallel=4, micro_batches=8, memory_budget_bytes=1.0)
+    options = candidates(runnable_schedules("torchtitan"))
+    least = []
+    for name, chunks in options:
+        with pytest.raises(InfeasibleError) as each:
+            solve(profile, dataclasses.replace(spec, schedule=name, chunks=chunks), time_limit_s=5)
+        least.append((each.value.smallest_budget_bytes, name, chunks))
+    with pytest.raises(InfeasibleError) as caught:
+        fastest(profile, spec, options, 5.0)
+    budget, name, chunks = min(least)
+    assert caught.value.smallest_budget_bytes == budget and caught.value.detail.startswith(f"{name} x{chunks}, ")
+    assert " --schedule auto --memory " in solve_command(spec, profile_path, budget, auto=True)
+
+
+def test_a_cache_that_cannot_take_the_plan_keeps_the_profile(tmp_path, monkeypatch):
+    monkeypatch.setattr(PlanCache, "store", lambda *args, **kwargs: None)  # a full or read-only folder
+    tuner = train(llama(), PROFILING + 1, cache_dir=tmp_path)
+    assert tuner.done and len(list(tmp_path.glob("*.profile.json"))) == 1  # what was measured is not lost

@@ -108,3 +108,17 @@ def test_the_former_names_of_results_read_the_new_ones():
     calibration = Calibration(1.0, 0.0, 0.0, 0.0, 0.0)
     with pytest.warns(DeprecationWarning, match="Calibration.apply"):
         assert calibration.apply(small_profile(8), plan.spec) == calibration.adjust(small_profile(8), plan.spec)
+
+
+def test_autotunes_former_keyword_is_told_where_the_user_called_it():
+    import warnings
+
+    from profiler_cases import llama
+
+    from sapp_hook import autotune
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autotune(llama(), stages=2, micro_batches=4)
+    (warning,) = [each for each in caught if "stages=" in str(each.message)]
+    assert warning.filename == __file__  # not the hook's own module, where default filters would hide it

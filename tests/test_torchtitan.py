@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -150,12 +149,18 @@ def test_torchtitan_profiles_plans_writes_relaunches_and_trains_with_the_plan(jo
 
 def test_a_changed_job_is_planned_again(job):
     """After the plan above: the same job at another sequence length is another job (no plan reused)."""
-    shutil.copy(job / "train.toml", job / "planned.toml")
+    before = plan_entries(job)
+    assert len(before) == 1, "runs after the test above, whose plan is cached"
     text = (job / "train.toml").read_text().replace("seq_len = 256", "seq_len = 128")
     (job / "train.toml").write_text(text)
     (job / "built.jsonl").unlink()
     done = run(job)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no cached plan" in done.stdout + done.stderr  # TorchTitan's logger prints on stdout
-    profile = json.loads((job / "out" / "profile.json").read_text())
-    assert profile["micro_batch"] == {"size": 1, "sequence": 128}  # profiled again, at the job's new length
+    (new,) = set(plan_entries(job)) - set(before)  # planned again, beside the first job's plan
+    entry = json.loads(new.read_text())
+    assert entry["profile"]["micro_batch"] == {"size": 1, "sequence": 128}  # profiled at the job's new length
+
+
+def plan_entries(job: Path) -> list[Path]:
+    return [path for path in (job / "cache").glob("*.json") if not path.name.endswith(".profile.json")]

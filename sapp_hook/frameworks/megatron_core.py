@@ -35,10 +35,12 @@ MODES = ("none", "full")
 FROM_THE_JOB = frozenset(
     {
         "pipeline_parallel",
+        "stages",  # its former name
         "micro_batches",
         "schedule",
         "chunks",
         "data_parallel",
+        "zero_stage",
         "tensor_parallel",
         "context_parallel",
         "pipeline_group",
@@ -97,7 +99,11 @@ def autotuned(
             wrapped.tuner = tuner
         else:
             tuner.step()  # the previous call's step, the optimizer's included, ends here
-        return forward_backward(*args, **kwargs)
+        try:
+            return forward_backward(*args, **kwargs)
+        except BaseException as error:
+            tuner.close(error)
+            raise
 
     wrapped.tuner = None
     return wrapped
@@ -117,6 +123,7 @@ def tuner_for(chunk: nn.Module, optimizer: Any, micro_batches: int, **options: A
         micro_batches=micro_batches,
         schedule="1F1B",  # Megatron's schedule for one chunk a rank
         data_parallel=parallel_state.get_data_parallel_world_size(),
+        zero_stage=1 if _distributed_optimizer(optimizer) else 0,  # its optimizer state sharded over data parallel
         tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
         context_parallel=parallel_state.get_context_parallel_world_size(),
         pipeline_group=parallel_state.get_pipeline_model_parallel_group() if pipeline > 1 else None,
@@ -135,6 +142,11 @@ def _unwrapped(chunk: nn.Module) -> nn.Module:
     if not hasattr(chunk, "decoder"):
         raise InputError("model", f"expected a Megatron-core GPTModel (with a decoder), got {type(chunk).__name__}")
     return chunk
+
+
+def _distributed_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is Megatron's distributed optimizer (`--use-distributed-optimizer`)."""
+    return bool(getattr(getattr(optimizer, "config", None), "use_distributed_optimizer", False))
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -19,6 +19,7 @@ again after.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from torch import nn
@@ -34,11 +35,13 @@ BLOCKS = ("layers.*",)  # each model part's decoder layers: a ModuleDict keyed b
 FROM_THE_JOB = frozenset(
     {
         "pipeline_parallel",
+        "stages",  # its former name
         "micro_batches",
         "schedule",
         "chunks",
         "data_parallel",
         "fsdp",
+        "ddp",
         "tensor_parallel",
         "context_parallel",
         "pipeline_group",
@@ -79,14 +82,19 @@ def autotuned(trainer_class: type, **options: Any) -> type:
         def train_step(self, *args: Any, **kwargs: Any) -> Any:
             if not self.sapp_hook.done:  # profiling (again, after a drift): the profiler's modes, not TorchTitan's
                 _bypass_checkpointing(self.model_parts[0])
-            value = super().train_step(*args, **kwargs)
+            try:
+                value = super().train_step(*args, **kwargs)
+            except BaseException as error:
+                self.sapp_hook.close(error)
+                raise
             self.sapp_hook.step()
             if self.sapp_hook.done:
                 _restore_checkpointing(self.model_parts)
             return value
 
         def close(self) -> None:
-            self.sapp_hook.profiler.detach()
+            # TorchTitan's main closes the trainer on an error too, inside its `except`: that error, if any
+            self.sapp_hook.close(sys.exc_info()[1])
             _restore_checkpointing(self.model_parts)
             super().close()
 
@@ -106,12 +114,19 @@ def tuner_for(trainer: Any, job_config: Any, **options: Any) -> AutoTuner:
             "with `sapp-hook solve --profile`",
         )
     dims = trainer.parallel_dims
-    if getattr(dims, "dp_shard", 1) > 1 or getattr(dims, "cp", 1) > 1:
+    if getattr(dims, "dp_shard", 1) > 1:
         raise InputError(
             "parallelism.data_parallel_shard_degree",
             "FSDP over more than one rank keeps a shard of each layer, which the profiler does not yet scale "
             "back to the whole layer: profile with data_parallel_shard_degree 1, and plan the job's FSDP with "
             "`sapp-hook solve --fsdp --data-parallel D`",
+        )
+    if getattr(dims, "cp", 1) > 1:
+        raise InputError(
+            "parallelism.context_parallel_degree",
+            f"is {dims.cp}; a context-parallel rank holds a slice of each sequence, which the profiler does not yet "
+            "scale back to the whole: profile with context_parallel_degree 1, and plan the job's with "
+            "`sapp-hook solve --context-parallel C`",
         )
     try:
         schedule = schedule_kind(parallelism.pipeline_parallel_schedule).name
@@ -131,6 +146,7 @@ def tuner_for(trainer: Any, job_config: Any, **options: Any) -> AutoTuner:
         schedule=schedule,
         chunks=len(parts),
         data_parallel=dims.dp_replicate * dims.dp_shard,
+        ddp=dims.dp_replicate > 1,  # TorchTitan replicates with torch's DDP where it does not shard
         tensor_parallel=dims.tp,
         pipeline_group=_pipeline_mesh(dims),
         gradients_persist=False,  # TorchTitan's zero_grad sets them to None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from basics.errors import InputError, check_non_negative
-from sapp_hook.hook.relaunch import ENVIRONMENT
+from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN
 
 
 def check_arguments(model: object, optimizer: object, **given: object) -> None:
@@ -48,6 +48,28 @@ def check_arguments(model: object, optimizer: object, **given: object) -> None:
         raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
     if not isinstance(given["force"], bool):
         raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
+
+
+def settings(
+    config: str | Path | None, target: str | None, on_plan: str, cache_dir: str | Path | None, force: bool
+) -> tuple[dict[str, str], tuple]:
+    """(each setting's name in errors: the argument's, or the environment variable's that overrode it; config,
+    target, on_plan, cache_dir and force as `sapp-hook run`'s environment overrides them). InputError for an
+    on_plan it does not know, and for config or target without the other."""
+    given = environment()
+    field = {name: ENVIRONMENT[name] if name in given else name for name in ENVIRONMENT}
+    config, target = given.get("config", config), given.get("target", target)
+    on_plan, cache_dir = given.get("on_plan", on_plan), given.get("cache_dir", cache_dir)
+    force = force or given.get("force") == "1"
+    if on_plan not in ON_PLAN:
+        raise InputError(field["on_plan"], f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
+    if (config is None) != (target is None):
+        missing, other = ("target", "config") if target is None else ("config", "target")
+        raise InputError(
+            ENVIRONMENT[missing] if other in given else missing,
+            f"give config and target together ({field[other]} is set)",
+        )
+    return field, (config, target, on_plan, cache_dir, force)
 
 
 def environment() -> dict[str, str]:

@@ -106,7 +106,9 @@ def compare(
     """Each pipeline rank's measurement beside its prediction, in pipeline order."""
     return [
         RankCheck(rank, activation, int(values["activation_bytes"]), step_ms, values["step_ms"])
-        for rank, (values, activation, step_ms) in enumerate(zip(measured, predicted_activation, predicted_step_ms))
+        for rank, (values, activation, step_ms) in enumerate(
+            zip(measured, predicted_activation, predicted_step_ms, strict=True)
+        )
     ]
 
 
@@ -176,5 +178,12 @@ def verdict(
         return checks, None
     if entry.get("replanned_after_drift"):
         say(f"under the plan, {said}, and it was planned again for that already: keeping it")
+        return checks, None
+    empty = [rank for rank, values in enumerate(measured) if not values.get("blocks")]
+    if empty:  # a profile under this split cannot say what a layer costs there
+        say(
+            f"under the plan, {said}, but rank {empty[0]} holds no layer under it, so profiling it again cannot "
+            "measure one there: keeping it (plan afresh under an even split with SAPP_HOOK_FORCE=1 or force=True)"
+        )
         return checks, None
     return checks, f"under the plan, {said} (more than {ACTIVATION_TOLERANCE:.0%} off)"

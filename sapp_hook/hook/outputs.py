@@ -13,7 +13,7 @@ from basics.files import append_lines, atomic_write_text
 from basics.units import format_bytes, format_ms
 from sapp_hook.hook.result import TuneResult
 from sapp_hook.report import against_even, plan_report
-from solver import ModelProfile, PipelineSpec
+from solver import PipelineSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,15 @@ def report_text(result: TuneResult) -> str:
             + ", ".join(format_bytes(b) for b in data["rank_peak_memory_bytes"])
         )
     if result.writeback is not None:
-        lines += [f"wrote {path}" for path in result.writeback.written]
+        lines += _wrote(result)
         lines += [f"note: {note}" for note in result.writeback.notes]
     return "\n".join(lines)
 
 
 def write_outputs(folder: Path, result: TuneResult) -> None:
-    """plan.json, report.txt, profile.json and plan.png (with matplotlib) into `folder`. A reused plan's launch
-    adds its lines to the report the planning launch wrote, never replaces its table."""
+    """plan.json, report.txt and plan.png (with matplotlib) into `folder` (profile.json is kept there before
+    solving). A reused plan's launch adds its lines to the report the planning launch wrote, never replaces its
+    table."""
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(folder / "plan.json", json.dumps(result.plan_data, indent=1) + "\n")
     report = folder / "report.txt"
@@ -47,8 +48,6 @@ def write_outputs(folder: Path, result: TuneResult) -> None:
         append_lines(report, ["", "-- a launch that reused the plan --", result.report])
     else:
         atomic_write_text(report, result.report + "\n")
-    if result.profile is not None:
-        result.profile.save(folder / "profile.json")
     if result.plan is not None and result.plan.simulation is not None:
         try:
             from simulator.plot import draw_gantt
@@ -80,12 +79,16 @@ def written_lines(result: TuneResult, out_dir: Path | None) -> list[str]:
     """What was written where, in the lines a user sees."""
     lines = []
     if result.writeback is not None:
-        lines += [f"wrote {path}" for path in result.writeback.written]
+        lines += _wrote(result)
         if result.writeback.notes:
             lines.append(f"{len(result.writeback.notes)} note(s) on what the config cannot say: see the report")
     if out_dir is not None:
         lines.append(f"report: {out_dir / 'report.txt'}")
     return lines
+
+
+def _wrote(result: TuneResult) -> list[str]:
+    return [f"wrote {path}" for path in result.writeback.written] if result.writeback is not None else []
 
 
 def ended_early(done: int, total: int) -> str:
@@ -96,20 +99,13 @@ def ended_early(done: int, total: int) -> str:
     )
 
 
-def noise(profile: ModelProfile) -> float:
-    """How far the profiled steps disagree, as a fraction of a step: the layers' spreads (max - min over the
-    measured steps) over their times, forward and backward, without recompute."""
-    spread = sum(layer.spread.get("forward_ms", 0.0) + layer.spread.get("backward_ms", 0.0) for layer in profile.layers)
-    total = sum(layer.forward_ms + layer.backward_ms for layer in profile.layers)
-    return spread / total if total else 0.0
-
-
-def solve_command(spec: PipelineSpec, profile: Path, budget_bytes: float | None) -> str:
-    """The `sapp-hook solve` that plans this job again from a kept profile, without profiling."""
+def solve_command(spec: PipelineSpec, profile: Path, budget_bytes: float | None, *, auto: bool = False) -> str:
+    """The `sapp-hook solve` that plans this job again from a kept profile, without profiling (`auto`: the job's
+    schedule is `auto`, not `spec`'s)."""
     parts = [
         f"sapp-hook solve --profile {profile}",
         f"--pipeline-parallel {spec.pipeline_parallel} --micro-batches {spec.micro_batches}",
-        f"--schedule {spec.pipeline_schedule.name} --chunks {spec.num_chunks}",
+        "--schedule auto" if auto else f"--schedule {spec.pipeline_schedule.name} --chunks {spec.num_chunks}",
         f"--memory {math.ceil(budget_bytes)}B" if budget_bytes is not None else "--memory SIZE",
     ]
     switches: dict[str, Any] = {

@@ -8,9 +8,10 @@
 
 The first steps are profiled (one warm-up step, then `profile_steps` per recompute mode); then the
 plan is solved, checked in the simulator, written into the launch config and reported. Training goes
-on (`on_plan="continue"`) or the process exits with status 75 (`on_plan="exit"`) so the launcher
-restarts the job with the new config. A run whose model, micro-batch shape, parallel settings and
-device match a cached plan skips profiling after its first step. Under torchrun every rank profiles
+on (`on_plan="continue"`) or the process exits (`on_plan="exit"`: status 75, or 0 under `sapp-hook run`) so
+the launcher restarts the job with the new config; where the config already said the plan, training goes on.
+A run whose model, micro-batch shape, parallel settings and device match a cached plan skips profiling after
+its warm-up steps. Under torchrun every rank profiles
 the stage it holds, rank 0 joins its pipeline's profiles (one replica's stages where the job is also
 data or tensor parallel: `pipeline_group`, or the pipeline dimension outermost), solves and writes, and
 every rank gets the plan.
@@ -18,7 +19,6 @@ every rank gets the plan.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import json
@@ -42,26 +42,21 @@ from profiler.measure.build import model_structure
 from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
 from sapp_hook.hook import job
-from sapp_hook.hook.arguments import check_arguments, check_out_dir, environment
+from sapp_hook.hook.arguments import check_arguments, check_out_dir, settings
 from sapp_hook.hook.cache import PlanCache, cache_key
 from sapp_hook.hook.check import StepMeasure, verdict
 from sapp_hook.hook.console import Console
-from sapp_hook.hook.decide import plan_for
-from sapp_hook.hook.outputs import (
-    ended_early,
-    report_text,
-    solve_command,
-    summary,
-    write_outputs,
-    written_lines,
-)
-from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN, REPLAN_EXIT_CODE
+from sapp_hook.hook.decide import plan_for, runnable_options
+from sapp_hook.hook.outputs import report_text, solve_command, summary, write_outputs, written_lines
+from sapp_hook.hook.relaunch import ENVIRONMENT, REPLAN_EXIT_CODE
 from sapp_hook.hook.result import TuneResult
 from sapp_hook.hook.reuse import job_key, unusable
+from sapp_hook.hook.watch import EndWatch
 from sapp_hook.pipelining.engine_rules import no_recompute_reason, recompute_runs_under
 from sapp_hook.pipelining.stages import loss_tail
-from sapp_hook.writeback import check_destination, check_job, layout_from_dict, runnable_schedules, write_config
+from sapp_hook.writeback import check_destination, layout_from_dict, runnable_schedules, write_config
 from solver import InfeasibleError, ModelProfile, PipelineSpec, Plan
+from solver.compare import candidates
 from solver.vocabulary.profile import NONE, Mesh
 
 log = logging.getLogger(__name__)
@@ -92,8 +87,9 @@ class AutoTuner:
         warmup_steps: steps before those, untimed (>= 1).
         modes: recompute modes to profile and plan, "none" among them (only "none" under a split backward).
         layers: module-name patterns of the blocks; None: found in the model.
-        on_plan: "continue" (training goes on) or "exit" (`step()` raises SystemExit(75) once the plan is
-            written, for the launcher to restart the job with it).
+        on_plan: "continue" (training goes on) or "exit" (`step()` raises SystemExit once the plan is written,
+            for the launcher to restart the job with it: status 75, 0 under `sapp-hook run`; none where the
+            config already said the plan).
         cache_dir: the folder of cached plans; None: $XDG_CACHE_HOME/sapp-hook or ~/.cache/sapp-hook.
         force: profile and solve again even where a cached plan matches.
         time_limit_s: the solver's time limit, seconds.
@@ -121,7 +117,8 @@ class AutoTuner:
         spec: the `PipelineSpec` planned for.
         profiler: the `LayerProfiler` measuring the steps.
         result: the `TuneResult` once decided (`plan_data`, `layout`, `from_cache`, `report`, and on the
-            rank that solved `plan` and `profile`); None before. `done` says whether it is there.
+            rank that solved `plan` and `profile`); None before. While a drift is profiled again, the plan in
+            use (`done` is False until the new decision).
 
     Raises:
         InputError: naming the argument (or the environment variable that set it): a wrong type or value,
@@ -193,22 +190,14 @@ class AutoTuner:
             force=force,
             out_dir=out_dir,
         )
-        given = environment()  # `sapp-hook run`'s settings override the script's; their errors name them
-        field = {name: ENVIRONMENT[name] if name in given else name for name in ENVIRONMENT}
-        config, target = given.get("config", config), given.get("target", target)
-        on_plan, cache_dir = given.get("on_plan", on_plan), given.get("cache_dir", cache_dir)
-        force = force or given.get("force") == "1"
-        if on_plan not in ON_PLAN:
-            raise InputError(field["on_plan"], f"expected one of {', '.join(ON_PLAN)}, got {on_plan!r}")
-        if (config is None) != (target is None):
-            missing, other = ("target", "config") if target is None else ("config", "target")
-            raise InputError(
-                ENVIRONMENT[missing] if other in given else missing,
-                f"give config and target together ({field[other]} is set)",
-            )
+        # `sapp-hook run`'s settings override the script's; their errors name them
+        field, (config, target, on_plan, cache_dir, force) = settings(config, target, on_plan, cache_dir, force)
         check_seconds(time_limit_s, "time_limit_s")
         budget = parse_bytes(memory_budget, "memory_budget") if isinstance(memory_budget, str) else memory_budget
         self.auto = schedule == "auto"  # the fastest the target runs, chosen once profiled
+        if self.auto and chunks is not None:
+            raise InputError("chunks", "schedule='auto' chooses the chunks with the schedule: leave chunks unset")
+        self._options = candidates(runnable_schedules(target))  # the schedules compared (auto: chosen among)
         self.spec = PipelineSpec(
             pipeline_parallel=pipeline_parallel,
             micro_batches=micro_batches,
@@ -261,14 +250,12 @@ class AutoTuner:
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])
         self._config_field = field["config"]  # the argument or the environment variable that gave the config
-        self._job_checked = False
+        self._watch = EndWatch(self.console.say, lambda: (self.profiler.steps_done, self.profiler.total_steps))
         if job.distributed() or job.launched() == 1:  # not a torchrun rank before its group
             self._check_job()
         self.result: TuneResult | None = None
         self._replanned = False  # profiled again because a reused plan's first step drifted from it
-        self._previous: TuneResult | None = None  # the decision a drift set aside
         self._cached_entry: dict[str, Any] | None = None
-        self._exit_watch = False
         self._measure: StepMeasure | None = None  # the first step under a reused plan, measured
         self._key: str | None = None
         self._key_parts: dict[str, object] = {}
@@ -283,40 +270,28 @@ class AutoTuner:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        self.close(error)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """The training is over (`error`: it stopped on that): the tuner's hooks are removed, and where it had
+        not decided, the job's end before the plan is said now (nothing after an error, which says why). Called
+        by the `with` block's end, the decorator and the framework integrations; a second call does nothing."""
         self.profiler.detach()  # a crash or Ctrl-C while profiling: hooks gone, config untouched
         if self._measure is not None:
             self._measure.cancel()
             self._measure = None
-        if kind is None:
-            self._ended_early()
+        if error is None:
+            self._watch.end()
         else:
-            self._stop_watching()  # the error says why nothing was planned
+            self._watch.stop()
 
     def _first_step(self) -> None:
         """After the first step of the job: every rank is one of a job the hook can coordinate, the job's check
         made where its process group came after the tuner, and a job that ends too soon is said at exit."""
         job.check_coordinated()
-        if not self._job_checked:
+        if self._pipeline is None:
             self._check_job()
-        if not self._exit_watch:
-            atexit.register(self._ended_early)
-            self._exit_watch = True
-
-    def _ended_early(self) -> None:
-        """Said once, at the end of the profiling block or of the process: the job stopped before the plan."""
-        if self.done or not self._exit_watch:
-            return
-        self._stop_watching()
-        why = ended_early(self.profiler.steps_done, self.profiler.total_steps)
-        self.console.say(why)
-        planned_file = os.environ.get(ENVIRONMENT["planned_file"])
-        if planned_file and job.rank() == 0:
-            atomic_write_text(Path(planned_file), json.dumps({"incomplete": why}) + "\n")
-
-    def _stop_watching(self) -> None:
-        if self._exit_watch:
-            atexit.unregister(self._ended_early)
-            self._exit_watch = False
+        self._watch.start()
 
     def _new_profiler(self) -> LayerProfiler:
         part = job.launched() > 1  # a pipeline rank's part, which a plan may leave without a block
@@ -331,7 +306,7 @@ class AutoTuner:
         Raises:
             RuntimeError: outside the profiling window (before `with` or after it ended).
             InputError: no plan fits (naming `memory_budget`); the config is left untouched.
-            SystemExit: with status 75 once the plan is written, where `on_plan` is "exit".
+            SystemExit: once the plan is written where `on_plan` is "exit" (as that argument says).
         """
         if self._measure is not None:
             self._check_plan(self._measure.stop())
@@ -352,7 +327,7 @@ class AutoTuner:
             if self.profiler.done:
                 self._plan()
         except Exception:
-            self._stop_watching()  # the error says why nothing was planned; no second word at exit
+            self._watch.stop()  # the error says why nothing was planned; no second word at exit
             raise
 
     def __call__(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -371,8 +346,8 @@ class AutoTuner:
                 self.profiler.attach()
             try:
                 value = train_step(*args, **kwargs)
-            except BaseException:
-                self.profiler.detach()
+            except BaseException as error:
+                self.close(error)
                 raise
             self.step()
             return value
@@ -387,12 +362,15 @@ class AutoTuner:
     def _check_job(self) -> None:
         """Refuse, on every rank, a job the plan cannot take: its pipeline's ranks, and a config for another
         layer count (each rank of a pipeline holds its stage's blocks, as the profiles join)."""
-        self._job_checked = True
         pipeline = self.pipeline
         counts = job.everyone(str(len(self.profiler.blocks)).encode())
-        if self.target is not None:
-            blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
-            check_job(self.target, self.config, self.spec, blocks, config_field=self._config_field)
+        if self.target is None:
+            return
+        blocks = sum(int(counts[rank]) for rank in pipeline.ranks)
+        options = self._options if self.auto else [(self.spec.pipeline_schedule.name, self.spec.num_chunks)]
+        self._options = runnable_options(
+            self.target, self.config, self.spec, blocks, options, config_field=self._config_field
+        )
 
     @property
     def pipeline(self) -> Pipeline:
@@ -417,13 +395,8 @@ class AutoTuner:
         self._key_parts = job_key(pipeline, self.spec, self.profiler.device, self.model, self.profiler.modes)
         self._key_parts["schedule"] = "auto" if self.auto else self.spec.pipeline_schedule.name
         self._key = cache_key(self._key_parts)
-        entry = None if self.force or job.rank() else self.cache.load(self._key)
-        why = None if entry is None else unusable(entry, self._key_parts, self.spec, auto=self.auto)
-        if why is not None:
-            self.console.say(f"not reusing the cached plan {self.cache.path(self._key)}: {why}; planning again")
-            entry = None
-        shared = job.from_rank0(json.dumps(entry["plan"]).encode() if entry else b"")
-        if not shared:
+        plan_data = job.by_rank0(self._cache_entry)
+        if plan_data is None:
             if any(not part["structure"]["blocks"] for part in pipeline):
                 raise InputError(
                     "layers",
@@ -438,14 +411,23 @@ class AutoTuner:
             )
             return False
         self.profiler.detach()
-        plan_data = json.loads(shared)
         self.console.say(f"reusing the plan cached for this job: {self.cache.path(self._key)}")
-        self._cached_entry = entry
         self._finish(plan_data, from_cache=True, plan=None, profile=None)
         if not self.pipeline.whole_model:  # each rank runs its part of the plan: its next step is measured against it
             self._measure = StepMeasure(self.model, len(self.profiler.blocks))
             self._measure.start()
         return True
+
+    def _cache_entry(self) -> dict[str, Any] | None:
+        """On rank 0: the plan of the cache entry for this job (kept whole in `_cached_entry`), None where there is
+        none to reuse."""
+        entry = None if self.force else self.cache.load(self._key)
+        why = None if entry is None else unusable(entry, self._key_parts, self.spec, auto=self.auto)
+        if why is not None:
+            self.console.say(f"not reusing the cached plan {self.cache.path(self._key)}: {why}; planning again")
+            entry = None
+        self._cached_entry = entry
+        return None if entry is None else entry["plan"]
 
     def _check_plan(self, measured: dict[str, float]) -> None:
         """The first step under a reused plan against the plan's prediction, for every pipeline rank (on rank 0,
@@ -455,18 +437,14 @@ class AutoTuner:
         once a plan."""
         self._measure = None
         ranks = [json.loads(part) for part in job.everyone(json.dumps(measured).encode())]
-        why = self._compare(ranks) if job.rank() == 0 else None
-        why = json.loads(job.from_rank0(json.dumps(why).encode()))
+        why = job.by_rank0(lambda: self._compare(ranks))
         if why is not None:
             self._replan(why)
 
     def _compare(self, ranks: list[dict[str, float]]) -> str | None:
         """`_check_plan` on rank 0: why to plan again, or None."""
-        entry = self._cached_entry or {}
-        if not isinstance(entry.get("profile"), dict):
-            return None
         pipeline = [ranks[rank] for rank in self._solving_ranks] if job.distributed() else ranks
-        checks, why = verdict(pipeline, entry, self.result.plan_data, self.out_dir, self.console.say)
+        checks, why = verdict(pipeline, self._cached_entry, self.result.plan_data, self.out_dir, self.console.say)
         self.result.check = checks
         return why
 
@@ -474,10 +452,10 @@ class AutoTuner:
         """Profile the next steps afresh and plan again, keeping the current plan unless the new one is faster by
         more than the profile's noise."""
         self.console.say(f"{why}: something changed that the cache key does not name; profiling and planning again")
-        self._replanned = True
-        self._previous = self.result  # `result` stays the plan in use until the new one is made
+        self._replanned = True  # `result` stays the plan in use until the new one is made
         self.profiler = self._new_profiler()
         self.profiler.attach()
+        self._watch.start()
 
     def _plan(self) -> None:
         local = self.profiler.profile()
@@ -488,91 +466,96 @@ class AutoTuner:
             profile = gather_profiles([(self.pipeline.rank, local)] if job.rank() in self._solving_ranks else [])
         else:
             profile = local
-        error, plan = "", None
-        if profile is not None:  # the rank that solves
-            kept = self._keep(profile)  # before solving: a failed solve keeps what was measured
-            try:
-                plan = self._solve(profile)
-            except InfeasibleError as exc:
-                again = solve_command(self.spec, kept, exc.smallest_budget_bytes) if kept else "sapp-hook solve"
-                error = f"{exc}. The profile is kept: plan again without profiling with `{again}`"
-            except InputError as exc:
-                error = str(exc)
-        payload = json.dumps({"error": error} if error else plan.to_dict()).encode() if profile is not None else b""
-        plan_data = json.loads(job.from_rank0(payload))
-        if "error" in plan_data:
-            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {plan_data['error']}")
-        if plan is not None:
-            self.cache.store(
-                self._key or "unkeyed",
-                self._key_parts,
-                plan_data,
-                profile.to_dict(),
-                replanned_after_drift=self._replanned,
+        solved: list[Plan] = []  # on rank 0, which solves
+        plan_data = job.by_rank0(lambda: self._decide(profile, solved))
+        self._finish(plan_data, from_cache=False, plan=solved[0] if solved else None, profile=profile)
+
+    def _decide(self, profile: ModelProfile, solved: list[Plan]) -> dict[str, Any]:
+        """On rank 0: the plan for the joined `profile` (appended to `solved`), cached; InputError naming
+        memory_budget where none is found, the profile kept for `sapp-hook solve`."""
+        kept = self._keep(profile)  # before solving: a failed solve keeps what was measured
+        try:
+            plan = self._solve(profile)
+        except InfeasibleError as exc:
+            again = (
+                solve_command(self.spec, kept, exc.smallest_budget_bytes, auto=self.auto) if kept else "sapp-hook solve"
             )
-            self.cache.forget_profile(self._key or "unkeyed")  # the entry holds it now
-        self._finish(plan_data, from_cache=False, plan=plan, profile=profile)
+            why = f"{exc}. The profile is kept: plan again without profiling with `{again}`"
+            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {why}") from None
+        except InputError as exc:
+            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {exc}") from None
+        solved.append(plan)
+        plan_data = plan.to_dict()
+        stored = self.cache.store(
+            self._key, self._key_parts, plan_data, profile.to_dict(), replanned_after_drift=self._replanned
+        )
+        if stored is not None:  # the entry holds the profile now
+            self.cache.forget_profile(self._key)
+        return plan_data
 
     def _keep(self, profile: ModelProfile) -> Path | None:
         """The joined profile saved where a user finds it (the out folder, else the plan cache)."""
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            return profile.save(self.out_dir / "profile.json") or self.out_dir / "profile.json"
-        return self.cache.store_profile(self._key or "unkeyed", profile.to_dict())
+            profile.save(self.out_dir / "profile.json")
+            return self.out_dir / "profile.json"
+        return self.cache.store_profile(self._key, profile.to_dict())
 
     def _solve(self, profile: ModelProfile) -> Plan:
-        previous = self._previous.plan_data if self._previous is not None else None
+        previous = self.result.plan_data if self._replanned and self.result is not None else None
         return plan_for(
-            profile, self.spec, self.time_limit_s, previous, self.console.say, target=self.target, auto=self.auto
+            profile, self.spec, self.time_limit_s, previous, self.console.say, options=self._options, auto=self.auto
         )
 
     def _finish(
         self, plan_data: dict[str, Any], *, from_cache: bool, plan: Plan | None, profile: ModelProfile | None
     ) -> None:
-        """On rank 0, write the plan into the config, report it and say so; then, with `on_plan="exit"`, end
-        the process for the relaunch where the config changed."""
-        self._stop_watching()
+        """Rank 0 writes the plan into the config, reports it and says so (`_deliver`); then, with
+        `on_plan="exit"`, every rank ends its process for the relaunch where the config changed."""
+        self._watch.stop()
         self._replanned = False
         layout = layout_from_dict(plan_data)
         result = TuneResult(plan_data=plan_data, layout=layout, from_cache=from_cache, plan=plan, profile=profile)
-        if job.rank() == 0:
-            if self.config is not None:
-                result.writeback = write_config(self.target, self.config, layout)
-            result.report = report_text(result)
-            log.info("%s", result.report)
-            if self.out_dir is not None:
-                write_outputs(self.out_dir, result)
-            if not from_cache:
-                for line in summary(result):
-                    self.console.say(line)
-            for line in written_lines(result, self.out_dir):
-                self.console.say(line)
+        # once rank 0 has written (the config, and the file `sapp-hook run` reads), every rank goes on
+        restart = job.by_rank0(lambda: self._deliver(result))
         self.result = result
-        # a config that already said the plan was not written: the job runs it now, so it trains on
-        restart = (
-            job.from_rank0(b"0" if result.writeback is not None and not result.writeback.written else b"1") == b"1"
-        )
-        planned_file = os.environ.get(ENVIRONMENT["planned_file"]) if self.on_plan == "exit" else None
-        if planned_file and job.rank() == 0:
-            config = None if self.config is None else str(self.config)
-            atomic_write_text(Path(planned_file), json.dumps({"config": config, "restart": restart}) + "\n")
         if self.on_plan != "exit" or not restart:
             if self.config is not None and not from_cache:
                 self.console.say("training goes on" + ("" if restart else " with it: the config already said it"))
             return
-        # torchrun stops every worker once one exits: none may leave before rank 0 has written
-        job.everyone(b"")
-        if planned_file:  # `sapp-hook run` reads the file: a clean exit, and no launcher tells of a failure
+        if os.environ.get(ENVIRONMENT["planned_file"]):  # `sapp-hook run` reads it: a clean exit, no failure told
             self.console.say("exiting for the relaunch with the plan")
             raise SystemExit(0)
         self.console.say(f"exiting with status {REPLAN_EXIT_CODE} so that the launcher restarts the job with the plan")
         raise SystemExit(REPLAN_EXIT_CODE)
+
+    def _deliver(self, result: TuneResult) -> bool:
+        """On rank 0: the plan written, reported, said and left for `sapp-hook run`; whether the job must be
+        launched again for it (not where the config already said it)."""
+        if self.config is not None:
+            result.writeback = write_config(self.target, self.config, result.layout)
+        result.report = report_text(result)
+        log.info("%s", result.report)
+        if self.out_dir is not None:
+            write_outputs(self.out_dir, result)
+        if not result.from_cache:
+            for line in summary(result):
+                self.console.say(line)
+        for line in written_lines(result, self.out_dir):
+            self.console.say(line)
+        restart = result.writeback is None or bool(result.writeback.written)
+        planned_file = os.environ.get(ENVIRONMENT["planned_file"]) if self.on_plan == "exit" else None
+        if planned_file:
+            config = None if self.config is None else str(self.config)
+            atomic_write_text(Path(planned_file), json.dumps({"config": config, "restart": restart}) + "\n")
+        return restart
 
     def _progress(self, done: int, total: int, mode: str) -> None:
         if job.rank() == 0:
             log.info("sapp-hook: profiling step %d/%d done (%s)", done, total, self.profiler.describe_step(done - 1))
 
 
+@renamed_keywords(stages="pipeline_parallel")  # here too: the warning then points at the user's call
 def autotune(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> AutoTuner:
     """An `AutoTuner` for `model`: a context manager around the training loop (call `step()` after each
     step), or a decorator of the per-step training function.
