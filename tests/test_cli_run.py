@@ -200,3 +200,8 @@ def test_a_command_ended_by_a_signal_is_said_as_a_shell_says_it(capsys):
     status = main(["run", "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     assert status == 128 + 9
     assert "the planning launch failed with status 137" in capsys.readouterr().err
+
+
+def test_a_command_that_ends_without_planning_is_not_a_success(capsys):
+    assert main(["run", "--", sys.executable, "-c", "pass"]) == 4  # status 0, and nothing planned
+    assert "the command finished without planning" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """The `sapp-hook` command. The CLI owns the terminal: tables and progress on stderr, `--json` on stdout.
 
 Exit statuses (`sapp_hook.cli.common`): 0 done, 1 the result could not be printed (stdout closed or
-full), 2 bad input, 3 no plan fits, 129 hung up (SIGHUP), 130 interrupted (Ctrl-C), 143 terminated
-(SIGTERM); `run` passes on its training command's own status.
+full), 2 bad input, 3 no plan fits, 4 `run`'s command ended before its job planned, 129 hung up (SIGHUP), 130
+interrupted (Ctrl-C), 143 terminated (SIGTERM); `run` passes on its training command's own status otherwise.
 
 This module loads nothing of sapp-hook itself: a signal while the commands and the libraries under
 them load (half a second) ends the command with its one line too, not with a traceback.

@@ -16,6 +16,7 @@ from sapp_hook.cli.common import (
     EXIT_INPUT,
     EXIT_INTERRUPTED,
     EXIT_NO_PLAN,
+    EXIT_NOT_PLANNED,
     EXIT_OUTPUT,
     EXIT_TERMINATED,
     StdoutError,
@@ -41,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sapp-hook",
         description="Balance pipeline-parallel training: profile layers, solve plans, simulate schedules, write configs.",
         epilog=f"Exit status: 0 done; {EXIT_OUTPUT} the result could not be printed (stdout closed or full); "
-        f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_INTERRUPTED} "
-        f"interrupted (Ctrl-C); {EXIT_TERMINATED} terminated (SIGTERM); {EXIT_HUNG_UP} hung up (SIGHUP). "
-        "`run` passes on its command's status.",
+        f"{EXIT_INPUT} bad input; {EXIT_NO_PLAN} no plan fits the memory budget; {EXIT_NOT_PLANNED} `run`: the "
+        f"command ended before its job planned; {EXIT_INTERRUPTED} interrupted (Ctrl-C); {EXIT_TERMINATED} terminated "
+        f"(SIGTERM); {EXIT_HUNG_UP} hung up (SIGHUP). `run` passes on its command's status otherwise.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

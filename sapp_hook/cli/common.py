@@ -43,6 +43,7 @@ FLAGS = {
 EXIT_OUTPUT = 1  # the result could not be printed: stdout closed (silently, for a reader that left) or full
 EXIT_INPUT = 2  # bad input: a flag, a file, a field in a file, or an output that cannot be written
 EXIT_NO_PLAN = 3  # no plan fits the memory budget (solver.InfeasibleError)
+EXIT_NOT_PLANNED = 4  # `run`: the training command ended (status 0) before its job planned
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2, as shells report it
 EXIT_TERMINATED = 143  # SIGTERM: 128 + 15
 EXIT_HUNG_UP = 129  # SIGHUP (the terminal went away): 128 + 1
@@ -109,10 +110,14 @@ def read_profile(path: str, flag: str = "--profile") -> ModelProfile:
         return load_profile(path)
 
 
-def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    """The schedule and its sizes (`flags.PIPELINE_FLAGS`); `required`: the schedule, ranks and micro-batches."""
+def add_pipeline_flags(parser: argparse.ArgumentParser, *, required: bool, auto: bool = False) -> None:
+    """The schedule and its sizes (`flags.PIPELINE_FLAGS`); `required`: the schedule, ranks and micro-batches;
+    `auto`: the command also takes `--schedule auto`."""
     for flag in PIPELINE_FLAGS:
-        flag.add_to(parser, required=required and flag.field in ("schedule", "pipeline_parallel", "micro_batches"))
+        text = f"{flag.help}, or auto (the fastest)" if auto and flag.field == "schedule" else None
+        flag.add_to(
+            parser, required=required and flag.field in ("schedule", "pipeline_parallel", "micro_batches"), help=text
+        )
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from basics.deprecation import renamed_message
 from simulator import SCHEDULES
 
 
@@ -66,7 +67,7 @@ class Flag:
 
 
 PIPELINE_FLAGS = (
-    Flag("--schedule", "schedule", f"one of: {', '.join(SCHEDULES)} (solve also: auto, the fastest)", "NAME", str),
+    Flag("--schedule", "schedule", f"one of: {', '.join(SCHEDULES)}", "NAME", str),
     Flag("--pipeline-parallel", "pipeline_parallel", "pipeline ranks (the pipeline-parallel degree)", "P"),
     Flag("--chunks", "chunks", "chunks (virtual stages) per rank; default: the schedule's", "V"),
     Flag("--micro-batches", "micro_batches", "micro-batches per step", "M"),
@@ -167,7 +168,7 @@ def translate_renamed(argv: list[str]) -> tuple[list[str], list[str]]:
     for word in argv:
         name, equals, value = word.partition("=")
         if not passed and name in RENAMED:
-            warnings.append(f"{name} is deprecated and goes in the next release; use {RENAMED[name]}")
+            warnings.append(renamed_message(name, RENAMED[name]))
             word = RENAMED[name] + equals + value
         passed = passed or word == "--"
         out.append(word)

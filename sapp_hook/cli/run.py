@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from basics.errors import InputError
-from sapp_hook.cli.common import command
+from sapp_hook.cli.common import EXIT_NOT_PLANNED, command
 from sapp_hook.hook.relaunch import ENVIRONMENT, REPLAN_EXIT_CODE
 from sapp_hook.writeback import TARGETS, check_destination
 
@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
         said = _said(planned_file)
     if "incomplete" in said:  # the job ended before its plan, and says why
         print(f"{PROG}: the job ended before planning: {said['incomplete']}", file=sys.stderr)
-        return first
+        return first or EXIT_NOT_PLANNED
     planned = first == REPLAN_EXIT_CODE or bool(said)
     trained = bool(said) and said.get("restart", True) is False
     if trained:  # the config already said the plan: the job went on training with it
@@ -84,8 +84,8 @@ def _run(args: argparse.Namespace) -> int:
                 f"{PROG}: the command finished without planning (did its script call sapp_hook.autotune?)",
                 file=sys.stderr,
             )
-        else:
-            print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
+            return EXIT_NOT_PLANNED
+        print(f"{PROG}: the planning launch failed with status {first}; the config is as it was", file=sys.stderr)
         return first
     if first not in (0, REPLAN_EXIT_CODE):  # a launcher may report its workers' exit as its own failure
         print(f"{PROG}: the launcher exited with status {first}, but the job had written its plan", file=sys.stderr)

@@ -33,7 +33,7 @@ from sapp_hook.cli.common import (
 from sapp_hook.report import against_even, plan_report
 from simulator import SCHEDULES, InputError
 from solver import PipelineSpec, Plan, solve
-from solver.compare import candidates, describe, plans_by_schedule
+from solver.compare import candidates, describe, fastest
 from solver.parallel.model_parallel import prediction_caveat
 
 PROG = "sapp-hook solve"
@@ -51,7 +51,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--profile", required=True, metavar="FILE", help="sapp-hook profile JSON or SAPP layer JSON")
-    add_pipeline_flags(parser, required=True)
+    add_pipeline_flags(parser, required=True, auto=True)
     parser.add_argument("--memory", required=True, metavar="SIZE", help="memory per device, e.g. 56GB or 52GiB")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SEC", help="default 60; inf for none")
     add_parallel_flags(parser)
@@ -91,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         except InputError as exc:
             raise InputError("--modes", exc.detail) from None
     auto = args.schedule == "auto"  # the fastest of every schedule sapp-hook plans
+    if auto and args.chunks is not None:
+        raise InputError("--chunks", "--schedule auto chooses the chunks with the schedule: leave --chunks out")
     spec = PipelineSpec(
         pipeline_parallel=args.pipeline_parallel,
         micro_batches=args.micro_batches,
@@ -114,14 +116,11 @@ def _run(args: argparse.Namespace) -> int:
     keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
     if auto:
         options = candidates(SCHEDULES)
-        plans = plans_by_schedule(profile, spec, options, args.time_limit / len(options))
+        plans = fastest(profile, spec, options, args.time_limit / len(options), on_interrupt=keep)
         if talk:
             for each in plans:
-                print(
-                    f"{describe(each)}: {each.iteration_time_ms:.6g} ms{'' if each.fits else ', does not fit'}",
-                    file=sys.stderr,
-                )
-        plan = plans[0] if plans else solve(profile, spec, time_limit_s=args.time_limit)  # its error says why
+                print(f"{describe(each)}: {each.iteration_time_ms:.6g} ms", file=sys.stderr)
+        plan = plans[0]
     else:
         plan = solve(profile, spec, time_limit_s=args.time_limit, on_interrupt=keep)
     written = _write_plan(plan, outputs, talk)
