@@ -30,7 +30,7 @@ from pathlib import Path
 
 from basics.errors import InputError
 from sapp_hook.writeback.errors import PlanMismatch
-from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
+from sapp_hook.writeback.files import BOM, WriteBack, commit_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.text.python_source import (
     Code,
@@ -261,9 +261,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
             "lacks, so the head stays on the last stage in either"
         )
     result.notes += list(choice.notes)
-    commit(result, as_read, new, dry_run=dry_run)
-    if not choice.exact:
-        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    commit_config(result, as_read, new, None if choice.exact else layout.plan_json(), dry_run=dry_run)
     return result
 
 
