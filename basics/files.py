@@ -144,10 +144,11 @@ def _signals_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def folder_locked(path: str | Path) -> Iterator[None]:
+def folder_locked(path: str | Path, *, shared: bool = False) -> Iterator[None]:
     """An exclusive lock on the folder `path` lies in, held while the block runs, so that two writers there (two
     jobs, two `apply` runs) take turns: flock on the folder itself, which leaves no file beside a user's config
-    and outlives no process. Where the platform has no flock, or the folder cannot be opened, no lock."""
+    and outlives no process. `shared`: a reader's lock, which waits for a writer's and lets other readers in.
+    Where the platform has no flock, or the folder cannot be opened, no lock."""
     try:
         import fcntl
     except ImportError:  # Windows
@@ -159,7 +160,7 @@ def folder_locked(path: str | Path) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(handle)  # closing the last descriptor releases the lock

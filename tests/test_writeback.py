@@ -24,6 +24,7 @@ from sapp_hook.writeback.megatron.writer import FIRST, LAST, LAYOUT, layout_stri
 from simulator import InputError
 from solver import ModelProfile, PipelineSpec, evaluate_plan
 from solver.formats.mindformers import mindformers_keys
+from solver.vocabulary.load import read_plan_json
 
 CONFIGS = Path(__file__).parents[1] / "sapp_hook" / "templates"
 FILES = {
@@ -398,7 +399,7 @@ def test_megatron_cannot_vary_recompute_per_stage_and_says_so(config):
     assert any("same number of layers on every stage" in note for note in result.notes)
     side = path.with_name(path.name + ".sapp-hook.json")
     assert str(side) in result.written
-    assert layout_from_dict(read_document(side, "plan")) == chosen  # the plan JSON, as sapp_hook.apply reads it
+    assert layout_from_dict(read_plan_json(side, "plan")) == chosen  # the plan JSON, as apply --plan reads it
 
 
 def test_selective_recompute_is_the_profiles_where_a_target_can_say_it_and_said_where_not(config):

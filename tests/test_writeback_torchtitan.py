@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -424,7 +425,9 @@ def test_a_plan_torchtitan_cannot_say_per_layer_gets_the_heaviest_mode_and_a_sid
     checkpoint = tomllib.loads(path.read_text())["activation_checkpoint"]
     assert checkpoint == {"mode": "full", "selective_ac_option": "2"}  # the option is unused under "full"
     side = Path(f"{path}.sapp-hook.json")
-    assert json.loads(side.read_text()) == chosen.to_dict() and str(side) in result.written
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()  # the config it belongs with, as written
+    record = {"side_file_of": {"config": path.name, "config_sha256": digest}}
+    assert json.loads(side.read_text()) == {**chosen.to_dict(), **record} and str(side) in result.written
 
 
 @pytest.mark.parametrize(
@@ -970,7 +973,10 @@ def test_two_writers_on_one_config_never_leave_it_and_its_side_file_saying_two_p
             if side.exists():
                 looks += 1
                 said = tomllib.loads(path.read_text())["parallelism"]["module_fqns_per_model_part"]
-                differing += said != modules[plans.index(json.loads(side.read_text()))]
+                data = json.loads(side.read_text())
+                record = data.pop("side_file_of")
+                differing += said != modules[plans.index(data)]
+                differing += record["config_sha256"] != hashlib.sha256(path.read_bytes()).hexdigest()
     for writer in writers:
         writer.join(120)
         assert writer.exitcode == 0

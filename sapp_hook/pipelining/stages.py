@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ def _same_module(planned: str, found: str) -> bool:
 
 def build_stages(
     model: nn.Module,
-    plan: Plan | Layout | Mapping[str, object],
+    plan: Plan | Layout | Mapping[str, object] | str | os.PathLike,
     rank: int,
     on_kept: Callable[[torch.Tensor], None] | None = None,
 ) -> list[tuple[int, PipelineStageModule]]:
@@ -130,7 +131,8 @@ def build_stages(
 
     Args:
         model: a transformers causal LM of the Llama family or GPT-2.
-        plan: a `Plan`, a `Layout` or a plan JSON as read.
+        plan: a `Plan`, a `Layout`, a plan JSON as read, or its path (a config's side file,
+            `NAME.sapp-hook.json`, is then checked against the config beside it).
         rank: this process's pipeline rank, 0..pipeline_parallel-1.
         on_kept: called with each tensor selective recompute keeps in its own cache; None: nothing.
 
@@ -139,10 +141,11 @@ def build_stages(
         num_stages, ...)`.
 
     Raises:
-        InputError: a plan that does not read back (naming its field); naming `plan`: a body-layer count
-            other than the model's blocks, a recompute mode torch has not, recompute under a schedule
-            that splits the backward; naming `rank` outside the pipeline; naming `model` for a model
-            that is not of a family it knows.
+        InputError: a plan that does not read back (naming its field); naming `plan`: a side file whose
+            config has changed since they were written together, a body-layer count other than the
+            model's blocks, a recompute mode torch has not, recompute under a schedule that splits the
+            backward; naming `rank` outside the pipeline; naming `model` for a model that is not of a
+            family it knows.
 
     Example::
 
@@ -259,11 +262,12 @@ class TiedGradients:
         dist.all_reduce(self.weight.grad, group=self.group)
 
 
-def schedule_class(plan: Plan | Layout | Mapping[str, object]) -> type:
+def schedule_class(plan: Plan | Layout | Mapping[str, object] | str | os.PathLike) -> type:
     """The torch.distributed.pipelining schedule class that runs `plan`.
 
     Args:
-        plan: a `Plan`, a `Layout` or a plan JSON as read.
+        plan: a `Plan`, a `Layout`, a plan JSON as read, or its path (a config's side file,
+            `NAME.sapp-hook.json`, is then checked against the config beside it).
 
     Returns:
         The class (`Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble` or

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from basics.errors import InputError
 from basics.files import atomic_write_bytes, atomic_write_text, read_limited, writable_target, write_target
+from basics.side_files import side_file_path, side_file_text
 
 BOM = "\ufeff"
 
@@ -40,11 +41,25 @@ def read_config(path: Path, flag: str = "--config") -> str:
 
 
 def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack:
+    """`commit_config` for a file that has no side file: a plan file, a file a launch script sources."""
+    return _commit(result, old, new, dry_run, None, paired=False)
+
+
+def commit_config(result: WriteBack, old: str, new: str, side_plan: str | None, *, dry_run: bool) -> WriteBack:
+    """`_commit` of a launch config and its side file, as one unit."""
+    return _commit(result, old, new, dry_run, side_plan, paired=True)
+
+
+def _commit(result: WriteBack, old: str, new: str, dry_run: bool, side_plan: str | None, *, paired: bool) -> WriteBack:
     """Fill in the diff; unless a dry run, replace the file atomically. The first write keeps the
     file as it was in `NAME.sapp-hook.bak`; later writes leave that backup alone, so re-planning
     never replaces the user's own config with one sapp-hook wrote (nor touches a `NAME.bak` of theirs).
     The new text keeps the file's line endings and byte-order mark; a symbolic link is written through
-    (its target rewritten, the backup beside the link); anything but a regular file is refused."""
+    (its target rewritten, the backup beside the link); anything but a regular file is refused.
+
+    `side_plan` (where `paired`, a launch config): the plan JSON for its side file (`NAME.sapp-hook.json`),
+    written with the digest of the new config bytes before the config; None: the plan needs none, and a
+    side file there (an earlier plan's) is removed after the config is written."""
     path = result.path
     target = _target(path, "--config")
     new = in_form_of(old, new)
@@ -55,28 +70,94 @@ def commit(result: WriteBack, old: str, new: str, *, dry_run: bool) -> WriteBack
     )
     if path.is_symlink():
         result.notes.append(f"{path} is a symbolic link: its target {target} is what is rewritten; the link stays")
-    if dry_run or new == old:
+    side = _Side.of(path, new, side_plan, result.notes, dry_run) if paired else _Side(path, None, None, False)
+    if dry_run or (new == old and not side.changes):
         return result
     backup = path.with_name(path.name + ".sapp-hook.bak") if target.exists() else None
     made: Path | None = None
     try:
         check_writable(path, backup)
-        if backup is not None and not os.path.lexists(backup):
+        if new != old and backup is not None and not os.path.lexists(backup):
             # exactly the bytes the config holds (at most read_limited's cap), whole or not at all
             made = atomic_write_bytes(
                 backup, read_limited(target, "--config"), mode=stat.S_IMODE(target.stat().st_mode)
             )
-        elif backup is not None:
+        elif new != old and backup is not None:
             write_target(backup)  # the backup there stays; a folder or a device there is refused
-        atomic_write_text(target, new)
+        side.write()  # before the config: a stop between the two leaves a side file its config contradicts
+        if new != old:
+            atomic_write_text(target, new)
     except BaseException as exc:
+        side.put_back()
         _drop_backup_of_unchanged(made, target)
         if not isinstance(exc, OSError):
             raise
         raise InputError("--config", f"cannot write {path}: {exc.strerror or exc}; it was left as it was") from None
-    result.backup = backup
-    result.written.append(str(path))
+    if new != old:
+        result.backup = backup
+        result.written.append(str(path))
+    side.finish(result)  # after the config: a stop between the two leaves an old side file it contradicts
     return result
+
+
+@dataclass
+class _Side:
+    """The side file's part in a commit: what it holds before, and what it is to hold (None: nothing)."""
+
+    path: Path
+    wanted: bytes | None
+    before: bytes | None
+    changes: bool
+
+    @classmethod
+    def of(cls, config: Path, new: str, plan: str | None, notes: list[str], dry_run: bool) -> _Side:
+        side = side_file_path(config)
+        wanted = None if plan is None else side_file_text(plan, config, new.encode("utf-8")).encode("utf-8")
+        before = _read_side(side) if os.path.lexists(side) else None
+        if wanted is not None:
+            notes.append(f"the exact per-layer recompute plan is in {side}")
+        elif os.path.lexists(side):
+            notes.append(
+                f"{'would remove' if dry_run else 'removed'} {side}: it held an earlier plan's exact recompute, "
+                "and the config now says this plan whole"
+            )
+        return cls(side, wanted, before, changes=wanted != before if wanted is not None else os.path.lexists(side))
+
+    def write(self) -> None:
+        if self.wanted is not None and self.wanted != self.before:
+            atomic_write_bytes(self.path, self.wanted)
+
+    def put_back(self) -> None:
+        """The side file as it was, where the config write failed after it was written."""
+        if self.wanted is None or self.wanted == self.before:
+            return
+        with contextlib.suppress(OSError):
+            if self.before is None:
+                os.unlink(self.path)
+            else:
+                atomic_write_bytes(self.path, self.before)
+
+    def finish(self, result: WriteBack) -> None:
+        """Note the side file written, or remove the one no longer wanted."""
+        if self.wanted is not None and self.wanted != self.before:
+            result.written.append(str(self.path))
+        elif self.wanted is None and self.changes:
+            try:
+                os.unlink(self.path)
+            except OSError as exc:
+                raise InputError(
+                    "--config",
+                    f"wrote {result.path}, but cannot remove {self.path}, the side file of an earlier plan: "
+                    f"{exc.strerror or exc}; remove it (readers refuse it: it no longer matches the config)",
+                ) from None
+
+
+def _read_side(side: Path) -> bytes | None:
+    """The side file's bytes; None where it cannot be read (check_writable says why, if it matters)."""
+    try:
+        return read_limited(side, "--config")
+    except InputError:
+        return None
 
 
 def check_writable(path: Path, backup: Path | None = None) -> None:
@@ -130,19 +211,3 @@ def _target(path: Path, flag: str) -> Path:
         return write_target(path)
     except OSError as exc:
         raise InputError(flag, f"{exc.strerror}; expected a regular file") from None
-
-
-def side_file_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sapp-hook.json")
-
-
-def write_side_file(result: WriteBack, text: str, *, dry_run: bool) -> None:
-    """The plan JSON next to the config (`NAME.sapp-hook.json`), for `sapp_hook.apply`."""
-    side = side_file_path(result.path)
-    result.notes.append(f"the exact per-layer recompute plan is in {side}")
-    if not dry_run:
-        try:
-            atomic_write_text(side, text)
-        except OSError as exc:
-            raise InputError("--config", f"cannot write {side}: {exc.strerror or exc}") from None
-        result.written.append(str(side))

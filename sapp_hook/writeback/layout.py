@@ -4,6 +4,7 @@ their recompute mode. Read from a `Plan` or from the plan JSON `sapp-hook solve 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from basics.fields import Fields
 from solver import PipelineSpec, Plan
 from solver.evaluate import even_counts
 from solver.formats.mindformers import mindformers_view
+from solver.vocabulary.load import read_plan_json
 from solver.vocabulary.profile import FULL, HEAD, NONE, RECOMPUTE_MODES, SELECTIVE, TAIL, check_kinds
 from solver.vocabulary.spec import spec_from_dict, spec_to_dict
 
@@ -167,14 +169,19 @@ def layout_of(plan: Plan) -> Layout:
     return layout_from_dict(plan.to_dict())
 
 
-def as_layout(plan: Plan | Layout | Mapping[str, object]) -> Layout:
-    """A Layout from a Plan, a Layout or a plan JSON as read."""
+def as_layout(plan: Plan | Layout | Mapping[str, object] | str | os.PathLike) -> Layout:
+    """A Layout from a Plan, a Layout, a plan JSON as read, or the path of a plan JSON (read as `apply --plan`
+    reads it: a config's side file checked against the config beside it)."""
     if isinstance(plan, Layout):
         return plan
     if isinstance(plan, Plan):
         return layout_of(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return layout_from_dict(read_plan_json(plan, "plan"))
     if not isinstance(plan, Mapping):
-        raise InputError("plan", f"expected a Plan, a Layout or a plan JSON as read, got {type(plan).__name__}")
+        raise InputError(
+            "plan", f"expected a Plan, a Layout, a plan JSON as read or its path, got {type(plan).__name__}"
+        )
     return layout_from_dict(plan)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from basics.documents import read_document
 from basics.errors import InputError, check_instance
 from basics.files import read_json
+from basics.side_files import read_checked
 from solver.formats.sapp import profile_from_sapp
 from solver.vocabulary.profile import ModelProfile
 
@@ -54,8 +55,9 @@ def load_profile(path: str | Path) -> ModelProfile:
 
 
 def read_plan_json(path: str | Path, what: str) -> Mapping:
-    """A plan JSON (`solve --plan-out`, `Plan.to_dict`): an object holding `spec` and `plan`."""
-    data = read_document(path, what)
+    """A plan JSON (`solve --plan-out`, `Plan.to_dict`): an object holding `spec` and `plan`. A config's side
+    file (`NAME.sapp-hook.json`) is checked against the config beside it (`basics.side_files`)."""
+    data = read_checked(path, what, lambda plan: read_document(plan, what))
     if not (
         isinstance(data, Mapping) and isinstance(data.get("spec"), Mapping) and isinstance(data.get("plan"), Mapping)
     ):

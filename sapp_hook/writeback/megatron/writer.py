@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from basics.errors import InputError
-from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
+from sapp_hook.writeback.files import WriteBack, commit, commit_config, read_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.megatron.edits import (
     EditError,
@@ -120,10 +120,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
             "CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
             "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them"
         )
-    _commit_all(result, texts, dry_run)
     if inexact:
         notes.append(inexact)
-        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    texts.setdefault(path.resolve(), (old, old))  # unchanged, it still takes its side file or loses it
+    _commit_all(result, texts, layout.plan_json() if inexact else None, dry_run)
     return result
 
 
@@ -461,8 +461,9 @@ def _bash_syntax(path: Path, before: str, after: str) -> None:
         raise InputError("--config", f"{path}: the rewrite does not pass bash -n; nothing was written")
 
 
-def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], dry_run: bool) -> None:
-    """Write every changed file, or none: a failure puts back those already written."""
+def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], side_plan: str | None, dry_run: bool) -> None:
+    """Write every changed file, or none: a failure puts back those already written. The config itself goes
+    last, with its side file (`side_plan`; None: none)."""
     main = result.path.resolve()
     order = sorted(texts, key=lambda changed: changed == main)  # the config itself last
     diffs, done = [], []
@@ -470,7 +471,11 @@ def _commit_all(result: WriteBack, texts: dict[Path, tuple[str, str]], dry_run: 
         for path in order:
             old, new = texts[path]
             target = result.path if path == main else path
-            single = commit(WriteBack(path=target, diff=""), old, new, dry_run=dry_run)
+            single = WriteBack(path=target, diff="", notes=result.notes if path == main else [])
+            if path == main:
+                commit_config(single, old, new, side_plan, dry_run=dry_run)
+            else:
+                commit(single, old, new, dry_run=dry_run)
             diffs.append(single.diff)
             if single.written:
                 done.append((target, old, new))

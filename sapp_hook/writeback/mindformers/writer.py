@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from basics.errors import InputError, shown
-from sapp_hook.writeback.files import WriteBack, commit, read_config, write_side_file
+from sapp_hook.writeback.files import WriteBack, commit_config, read_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers.v2 import TEMPLATE_V2_SECTIONS, write_template_v2
 from sapp_hook.writeback.mindformers.values import (
@@ -61,9 +61,7 @@ def write_mindformers(path: Path, layout: Layout, *, dry_run: bool = False) -> W
         )
     text = edit.result()
     result.notes.extend(edit.notes)
-    commit(result, old, text, dry_run=dry_run)
-    if side_file:
-        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    commit_config(result, old, text, layout.plan_json() if side_file else None, dry_run=dry_run)
     return result
 
 

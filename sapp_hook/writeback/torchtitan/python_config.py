@@ -8,8 +8,10 @@ config.parallelism.x = ...; return config`); TorchTitan runs the one `--module M
 The writer sets the fields where the function sets them: a keyword of its `ParallelismConfig(...)`
 call, an assignment `X.parallelism.FIELD = ...` (which runs after the call), else a new keyword or,
 in a function that changes a config it got, a new assignment before its `return`. Only those spans
-change; comments and formatting stay. The new source must parse (`ast`), and the function must then
-set every field to the plan's value, or nothing is written.
+change; comments and formatting stay. What the editor cannot read whole (a `**splat`, a config built
+dynamically, a function defined conditionally) is refused first (`python_rules`). The new source must
+parse and compile (`ast`, never run), pass no keyword twice, and the function must then set every field
+to the plan's value, or nothing is written.
 
 Why an edit of the source rather than `--parallelism.*` command-line overrides written to a file: the
 overrides (which TorchTitan's tyro parser does take, module lists as `a,b c,d`) change nothing until the
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from basics.errors import InputError
 from sapp_hook.writeback.errors import PlanMismatch
-from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
+from sapp_hook.writeback.files import BOM, WriteBack, commit_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.text.python_source import (
     Code,
@@ -59,6 +61,15 @@ from sapp_hook.writeback.torchtitan.plan_fields import (
     checkpointing,
     module_names,
 )
+from sapp_hook.writeback.torchtitan.python_rules import (
+    called,
+    check_explicit,
+    check_returns,
+    check_written,
+    config_function,
+    dotted,
+    module_config,
+)
 
 CONFIG_MODULE = "torchtitan.config"
 AC_MODULE = "torchtitan.distributed.activation_checkpoint"
@@ -75,7 +86,6 @@ JOB_CONFIG_SECTIONS = {
     "training": "Training",
     "activation_checkpoint": "ActivationCheckpoint",
 }
-MODULE_CONFIG = "default_config"  # the name such a file's config has
 
 
 @dataclass
@@ -107,7 +117,7 @@ class Sites:
                 target = node.targets[0]
                 if isinstance(target, ast.Name) and isinstance(node.value, ast.Call) and _section(node.value):
                     local[target.id] = _section(node.value)
-                path = (_dotted(target) or "").split(".") if isinstance(target, ast.Attribute) else []
+                path = (dotted(target) or "").split(".") if isinstance(target, ast.Attribute) else []
                 if len(path) == 2 and path[0] in local:
                     sites.fields[(local[path[0]], path[1])] = node
                 elif len(path) >= 3:
@@ -121,15 +131,15 @@ class Sites:
                 sites.returned = last.value.id
                 sites.base = next(
                     (
-                        _dotted(node.value.func)
+                        dotted(node.value.func)
                         for node in function.body
                         if isinstance(node, ast.Assign)
                         and isinstance(node.value, ast.Call)
-                        and [_dotted(t) for t in node.targets] == [sites.returned]
+                        and [dotted(t) for t in node.targets] == [sites.returned]
                     ),
                     None,
                 )
-            elif isinstance(last.value, ast.Call) and (_dotted(last.value.func) or "").endswith("Config"):
+            elif isinstance(last.value, ast.Call) and (dotted(last.value.func) or "").endswith("Config"):
                 sites.config_call = last.value
         return sites
 
@@ -156,15 +166,31 @@ class Sites:
         return said
 
 
-def inherited(tree: ast.Module, sites: Sites, section: str, depth: int = 0) -> dict[str, object]:
+def inherited(tree: ast.Module, sites: Sites, section: str) -> dict[str, object]:
     """`section`'s values as the function leaves them, with those of the function in the same file it
     takes its config from (`config = base()`) beneath."""
     said: dict[str, object] = {}
-    base = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == sites.base), None)
-    if base is not None and depth < 8:
-        said.update(inherited(tree, Sites.of(base), section, depth + 1))
-    said.update(sites.values(section))
+    for each in reversed(_chain(tree, sites)):
+        said.update(each.values(section))
     return said
+
+
+def _chain(tree: ast.Module, sites: Sites) -> list[Sites]:
+    """The function's sites, then those of the function in the same file it takes its config from, and so on."""
+    chain = [sites]
+    while chain[-1].base is not None and len(chain) < 9:
+        base = next(
+            (node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == chain[-1].base), None
+        )
+        if base is None:
+            break
+        chain.append(Sites.of(base))
+    return chain
+
+
+def _calls(tree: ast.Module, sites: Sites, *sections: str) -> list[ast.Call]:
+    """The config calls of `sections` in the function and the functions it takes its config from."""
+    return [call for each in _chain(tree, sites) for section in sections for call in each.calls.get(section, [])]
 
 
 BOTH_HEADS = ("output", "lm_head")
@@ -178,15 +204,17 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
         raise InputError("--config", f"{path} is not valid Python: {exc.msg} (line {exc.lineno})") from None
     except (ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting deeper than the parser goes
         raise InputError("--config", f"{path} is not Python sapp-hook can read: {exc}") from None
-    chosen = _config_function(tree, function, path)
+    chosen = config_function(tree, function, path)
     where = f"{path}: {chosen.name}"
+    check_returns(chosen, where)
     model = _model_name(chosen, path)
     check_pipelines(model, where)
     dialect = python_dialect(tree, find_source(path))
     sites, text = Sites.of(chosen), Text(old)
+    check_explicit(_calls(tree, sites, "parallelism"), where, "the pipeline fields it writes")
     # a JobConfig(...) is older than `lm_head` (2026-04); where neither its TorchTitan nor its text names
     # the head, both names are listed, of which the model has one
-    head = dialect.head or ("output" if _called(sites.config_call) == "JobConfig" else "")
+    head = dialect.head or ("output" if called(sites.config_call) == "JobConfig" else "")
     heads = (head,) if head else BOTH_HEADS
     parallelism = inherited(tree, sites, "parallelism")
     # an expression (not a literal) is what it is at launch: no note, no check
@@ -205,7 +233,11 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
         "pipeline_parallel_schedule": layout.schedule,
         # the local batch: TrainingConfig's, BatchConfig's since 2026-07 (#3926)
         dialect.micro_key: _micro_batches(
-            {**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")}, dialect, layout, where
+            {**inherited(tree, sites, "training"), **inherited(tree, sites, "batch")},
+            _calls(tree, sites, "training", "batch"),
+            dialect,
+            layout,
+            where,
         ),
         dialect.split_key: module_names(layout, heads, model),
     }
@@ -215,7 +247,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     choice = checkpointing(layout, dialect)
     checked = _set_checkpointing(change, dialect, choice)
     new = change.edited(old, chosen.name)
-    _read_back(new, path, chosen.name, wanted, checked)
+    _read_back(new, path, chosen, wanted, checked)
     result.notes += [
         f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
         f"beside it): wrote {what}"
@@ -229,55 +261,18 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
             "lacks, so the head stays on the last stage in either"
         )
     result.notes += list(choice.notes)
-    commit(result, as_read, new, dry_run=dry_run)
-    if not choice.exact:
-        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    commit_config(result, as_read, new, None if choice.exact else layout.plan_json(), dry_run=dry_run)
     return result
 
 
-def _config_function(tree: ast.Module, name: str | None, path: Path) -> ast.FunctionDef:
-    """The config function `name`, or the file's only one (as TorchTitan's `--config` names it); in a
-    file that defines none, its module-level `default_config = JobConfig(...)`, as a function returning it."""
-    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
-    public = [node.name for node in functions if not node.name.startswith("_")]
-    module_config = _module_config(tree, name or MODULE_CONFIG)
-    if module_config is not None and (name is not None or not public):
-        return module_config
-    if name is not None:
-        found = [node for node in functions if node.name == name]
-        if len(found) > 1:  # Python runs the last; the writer edits the first
-            raise InputError(
-                "--config",
-                f"{path} defines {name} {len(found)} times (lines "
-                f"{', '.join(str(node.lineno) for node in found)}): expected one",
-            )
-        if found:
-            return found[0]
-        raise InputError("--config", f"{path} has no config function {name!r}; it defines {_listed(public)}")
-    if len(public) == 1:
-        return next(node for node in functions if node.name == public[0])
-    if not public:
-        raise InputError(
-            "--config",
-            f"{path} defines no config function (a def returning Trainer.Config) and no module-level "
-            f"{MODULE_CONFIG} = JobConfig(...)",
-        )
-    raise InputError(
-        "--config",
-        f"{path} defines {len(public)} config functions ({_listed(public)}): name the one "
-        f"the job runs as {path}:FUNCTION (TorchTitan's --config FUNCTION)",
-    )
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
-
-
-def _micro_batches(training: dict[str, object], dialect: Dialect, layout: Layout, where: str) -> int:
+def _micro_batches(
+    training: dict[str, object], calls: list[ast.Call], dialect: Dialect, layout: Layout, where: str
+) -> int:
     if dialect.counts_micro_batches:
         return layout.micro_batches
     local = training.get("local_batch_size")
     if local is None:
+        check_explicit(calls, where, "the training.local_batch_size it reads")
         raise InputError(
             "--config",
             f"{where} sets no literal training.local_batch_size, which TorchTitan splits into the "
@@ -337,7 +332,8 @@ class Change:
                 f"{self.where} {said}: sapp-hook cannot tell where to write the plan's "
                 f"{keyword} ({', '.join(name or str(value) for name, value in values.items())})",
             )
-        if constructor is not None and _called(host) == "JobConfig":
+        check_explicit([host], self.where, f"the {keyword} it adds")
+        if constructor is not None and called(host) == "JobConfig":
             constructor = JOB_CONFIG_SECTIONS[keyword]
         self.host[keyword] = (constructor, values)
         if constructor is not None:
@@ -387,30 +383,14 @@ def _construct(text: Text, host: ast.Call, constructor: str | None, values: dict
 
 def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
     found = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name), None)
-    return found or _module_config(tree, name)  # type: ignore[return-value]
-
-
-def _module_config(tree: ast.Module, name: str) -> ast.FunctionDef | None:
-    """A module-level `name = JobConfig(...)` as a function that returns the call, so that the rest of
-    the writer reads and edits it as it does a config function (None where the module has none)."""
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and [_dotted(target) for target in node.targets] == [name]
-            and isinstance(node.value, ast.Call)
-            and (_dotted(node.value.func) or "").endswith("Config")
-        ):
-            returned = ast.copy_location(ast.Return(value=node.value), node)
-            function = ast.FunctionDef(name=name, args=ast.arguments(), body=[returned], decorator_list=[])
-            return ast.copy_location(function, node)
-    return None
+    return found or module_config(tree, name)  # type: ignore[return-value]
 
 
 def _model_name(chosen: ast.FunctionDef, path: Path) -> str | None:
     """The TorchTitan model a config trains: `Model(name=...)` of a JobConfig, else the model package a
     config_registry.py sits in (`torchtitan/models/NAME/config_registry.py`)."""
     for node in ast.walk(chosen):
-        if isinstance(node, ast.Call) and _called(node) == "Model":
+        if isinstance(node, ast.Call) and called(node) == "Model":
             named = next((kw.value for kw in node.keywords if kw.arg == "name"), None)
             if isinstance(named, ast.Constant) and isinstance(named.value, str):
                 return named.value
@@ -481,6 +461,7 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
     if choice.option is not None and dialect.layer_checkpointing:
         settings["selective_ac_option"] = choice.option
     call = last if isinstance(last, ast.Call) and _section(last) == "activation_checkpoint" else None
+    check_explicit([call] if call is not None else [], change.where, "the checkpointing fields it writes")
     in_call = {}
     for name, value in settings.items():
         assigned = sites.fields.get(("activation_checkpoint", name))
@@ -503,15 +484,21 @@ def _set_checkpointing(change: Change, dialect: Dialect, choice: Checkpointing) 
     return settings
 
 
-def _read_back(new: str, path: Path, name: str, wanted: dict[str, object], checked: dict[str, object]) -> None:
-    """Parse the new source as Python does and check the function sets what was written."""
+def _read_back(
+    new: str, path: Path, chosen: ast.FunctionDef, wanted: dict[str, object], checked: dict[str, object]
+) -> None:
+    """Parse the new source as Python does and check the function sets what was written, passing no keyword
+    twice."""
+    name = chosen.name
     try:
         tree = ast.parse(new)
     except SyntaxError as exc:
         raise InputError(
             "--config", f"{path} would not parse after the write ({exc.msg}); it was left as it was"
         ) from None
-    sites = Sites.of(_function(tree, name))
+    function = _function(tree, name)
+    check_written(chosen, function, new, path, name)
+    sites = Sites.of(function)
     said = {key: value for key, value in sites.values("parallelism").items() if key in wanted}
     if "class" in checked:
         current = sites.wholes.get("activation_checkpoint", [])
@@ -533,18 +520,13 @@ def _ac_class(node: ast.AST) -> str | None:
     if isinstance(node, ast.Constant) and node.value is None:
         return "None"
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Config":
-        return _dotted(node.func.value)
+        return dotted(node.func.value)
     return None
-
-
-def _called(call: ast.Call | None) -> str:
-    """The last name of what a call calls (`JobConfig` for `config.JobConfig(...)`)."""
-    return (_dotted(call.func) or "").split(".")[-1] if call is not None else ""
 
 
 def _section(call: ast.Call) -> str | None:
     """The section a call builds the config of (`ParallelismConfig(...)`, `Parallelism(...)`: parallelism)."""
-    name = _called(call)
+    name = called(call)
     return next(
         (section for names in (SECTIONS, JOB_CONFIG_SECTIONS) for section, config in names.items() if config == name),
         None,
@@ -556,15 +538,6 @@ def _literal(node: ast.AST) -> object:
         return ast.literal_eval(node)
     except (ValueError, SyntaxError, TypeError):
         return Code(ast.unparse(node))
-
-
-def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        inner = _dotted(node.value)
-        return None if inner is None else f"{inner}.{node.attr}"
-    return None
 
 
 def _in_order(function: ast.FunctionDef) -> Iterator[ast.AST]:

@@ -12,7 +12,7 @@ from tomlkit.exceptions import TOMLKitError
 
 from basics.errors import InputError, shown
 from sapp_hook.writeback.errors import PlanMismatch
-from sapp_hook.writeback.files import BOM, WriteBack, commit, write_side_file
+from sapp_hook.writeback.files import BOM, WriteBack, commit_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan.dialects import (
     LOWERCASE_SCHEDULES,
@@ -108,9 +108,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     result.notes += [*_assumed(dialect), *choice.notes]
     new = tomlkit.dumps(document)  # its line endings: commit's, as the config had them
     _read_back(new, path, dialect.table, written, checked)
-    commit(result, old, new, dry_run=dry_run)
-    if not choice.exact:
-        write_side_file(result, layout.plan_json(), dry_run=dry_run)
+    commit_config(result, old, new, None if choice.exact else layout.plan_json(), dry_run=dry_run)
     return result
 
 
