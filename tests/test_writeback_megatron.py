@@ -962,3 +962,29 @@ def test_quoted_and_unquoted_variables_read_alike(tmp_path, preamble, unquoted, 
     assert got.get(LAYOUT, got.get("--decoder-first-pipeline-num-layers")) == [
         ["Ett|tt|t*3|tL" if pipeline_parallel == 4 else "5"]
     ]
+
+
+def test_a_long_line_is_read_in_memory_linear_in_its_length(tmp_path):
+    """A 45 KB `--data-path` line (real blends run to megabytes) costs the reader a small multiple of its bytes:
+    one record per stretch of text written in one place, not per character."""
+    import tracemalloc
+
+    from sapp_hook.writeback.text.bash_script import read_script
+
+    blend = " ".join(f"1.0 /data/corpus/shard_{i:07d}_text_document" for i in range(1000))
+    script = tmp_path / "train.sh"
+    text = (
+        f'#!/bin/bash\nPP=4\nDATA_PATH="{blend}"\n'
+        "torchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size $PP --data-path $DATA_PATH\n"
+    )
+    script.write_text(text)
+    tracemalloc.start()
+    try:
+        reading = read_script(script, text)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(reading.commands[-1].argv) == 7 + 2000  # the blend split into its words, as bash splits it
+    assert peak_bytes < 64 * len(text), f"{peak_bytes / len(text):.0f} bytes held per byte of the script"
+    write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL)))
+    assert launched(script)[0].count("--data-path") == 1 and blend in script.read_text()

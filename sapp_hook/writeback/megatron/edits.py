@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from sapp_hook.writeback.megatron.flags import Occurrence, sites_at, written_depth
-from sapp_hook.writeback.text.provenance import Field, Reading, Site
+from sapp_hook.writeback.text.provenance import Field, Reading, Site, part_of
 
 PLAIN = re.compile(r"[\w@%+=:,./-]*")  # what a shell word holds without quotes
 CONTINUED = re.compile(r"[ \t]*\\[ \t]*")
@@ -151,7 +151,7 @@ def insertion(
             f"{anchor.flag} is in the unquoted value of {box.name} ({reading.where(last)}): sapp-hook "
             "adds flags in a command, an array or a quoted string"
         )
-    newline = "\r\n" if source.offsets is not None else "\n"
+    newline = "\r\n" if source.crlf is not None else "\n"
     line_start = text.rfind("\n", 0, flag_site.start) + 1
     line_end = text.find("\n", position)
     line_end = len(text) if line_end < 0 else line_end
@@ -256,7 +256,7 @@ def reading_tokens(reading: Reading, file: int) -> list[tuple[int, int]]:
 
 
 def _container(reading: Reading, occurrence: Occurrence) -> tuple[int, tuple[Site, ...]]:
-    flag_chars = occurrence.name[: len(occurrence.flag)]
+    flag_chars = part_of(occurrence.name, 0, len(occurrence.flag))
     depth = written_depth(flag_chars)
     if depth is None:
         raise EditError(
