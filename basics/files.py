@@ -175,7 +175,15 @@ def read_limited(path: str | Path, what: str) -> bytes:
         if size > MAX_FILE_BYTES:
             raise InputError(what, f"{path} is {size:,} bytes; {limit}")
         with path.open("rb") as stream:  # a pipe or a device states no size: read one byte past the cap
-            data = stream.read(MAX_FILE_BYTES + 1)
+            # what the file holds, not a buffer of the cap's size whatever it holds
+            chunks, total, want = [], 0, size + 1
+            while total <= MAX_FILE_BYTES:
+                chunk = stream.read(min(want, MAX_FILE_BYTES + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total, want = total + len(chunk), 2**20
+            data = b"".join(chunks)
     except OSError as exc:
         raise InputError(what, f"cannot read {path}: {exc.strerror or exc}") from None
     if len(data) > MAX_FILE_BYTES:

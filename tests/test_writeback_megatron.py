@@ -927,3 +927,64 @@ def test_a_batch_size_ramp_is_said_with_the_micro_batches(tmp_path):
     notes = write_config("megatron", script, layout_of(plan())).notes
     assert any(note.startswith("--rampup-batch-size 16 16 5859375: the global batch grows to 64") for note in notes)
     assert flags_of(launched(script)[0])["--rampup-batch-size"] == [["16", "16", "5859375"]]
+
+
+@pytest.mark.parametrize(
+    ("preamble", "unquoted", "quoted"),
+    [
+        ("PP=${PP:-4}\n", "--pipeline-model-parallel-size $PP", '--pipeline-model-parallel-size "$PP"'),
+        ("PP=4\n", "--pipeline-model-parallel-size ${PP}", '--pipeline-model-parallel-size "${PP}"'),
+        ("", "--pipeline-model-parallel-size ${PP:-4}", '--pipeline-model-parallel-size "${PP:-4}"'),
+        ("PP=4\n", "--pipeline-model-parallel-size=$PP", '--pipeline-model-parallel-size="$PP"'),
+        ("PP=4\n", "ARGS=(--pipeline-model-parallel-size $PP", 'ARGS=("--pipeline-model-parallel-size" "$PP"'),
+    ],
+)
+@pytest.mark.parametrize("pipeline_parallel", [4, 2])
+def test_quoted_and_unquoted_variables_read_alike(tmp_path, preamble, unquoted, quoted, pipeline_parallel):
+    """`"$PP"` passes what `$PP` passes: a plan goes into both alike (the flags it adds after the quoted word)."""
+    chosen = plan(pipeline_parallel=pipeline_parallel, counts=[3, 2, 3, 2] if pipeline_parallel == 4 else [6, 4])
+    results = []
+    for form in (unquoted, quoted):
+        folder = tmp_path / ("quoted" if form == quoted else "unquoted")
+        folder.mkdir()
+        script = folder / "train.sh"
+        command = "torchrun pretrain_gpt.py --num-layers 8 {} --tensor-model-parallel-size 1\n"
+        if form.startswith("ARGS=("):
+            command = form + ' --tensor-model-parallel-size 1)\ntorchrun pretrain_gpt.py --num-layers 8 "${ARGS[@]}"\n'
+        else:
+            command = command.format(form)
+        script.write_text(f"#!/bin/bash\n{preamble}{command}")
+        notes = write_config("megatron", script, layout_of(chosen)).notes
+        results.append((notes, launched(script)[0], script.read_text().replace(quoted, unquoted).replace('"', "")))
+    assert results[0] == results[1]
+    got = flags_of(results[0][1])
+    assert got[PP] == [[str(pipeline_parallel)]]
+    assert got.get(LAYOUT, got.get("--decoder-first-pipeline-num-layers")) == [
+        ["Ett|tt|t*3|tL" if pipeline_parallel == 4 else "5"]
+    ]
+
+
+def test_a_long_line_is_read_in_memory_linear_in_its_length(tmp_path):
+    """A 45 KB `--data-path` line (real blends run to megabytes) costs the reader a small multiple of its bytes:
+    one record per stretch of text written in one place, not per character."""
+    import tracemalloc
+
+    from sapp_hook.writeback.text.bash_script import read_script
+
+    blend = " ".join(f"1.0 /data/corpus/shard_{i:07d}_text_document" for i in range(1000))
+    script = tmp_path / "train.sh"
+    text = (
+        f'#!/bin/bash\nPP=4\nDATA_PATH="{blend}"\n'
+        "torchrun pretrain_gpt.py --num-layers 8 --pipeline-model-parallel-size $PP --data-path $DATA_PATH\n"
+    )
+    script.write_text(text)
+    tracemalloc.start()
+    try:
+        reading = read_script(script, text)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(reading.commands[-1].argv) == 7 + 2000  # the blend split into its words, as bash splits it
+    assert peak_bytes < 64 * len(text), f"{peak_bytes / len(text):.0f} bytes held per byte of the script"
+    write_config("megatron", script, layout_of(plan(FIRST_STAGE_FULL)))
+    assert launched(script)[0].count("--data-path") == 1 and blend in script.read_text()

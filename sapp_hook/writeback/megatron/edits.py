@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from sapp_hook.writeback.megatron.flags import Occurrence, sites_at, written_depth
-from sapp_hook.writeback.text.provenance import Field, Reading, Site
+from sapp_hook.writeback.text.provenance import Field, Reading, Site, part_of
 
 PLAIN = re.compile(r"[\w@%+=:,./-]*")  # what a shell word holds without quotes
 CONTINUED = re.compile(r"[ \t]*\\[ \t]*")
@@ -141,14 +141,17 @@ def insertion(
     box = reading.boxes[last.box]
     quote = "raw" if box.kind == "arguments" else "" if last.quote in ("", "\\") else last.quote
     position = last.end
+    tokens = reading_tokens(reading, last.file) if box.kind in ("command", "array") else []
+    if quote and tokens and (not evaluated or _token(tokens, flag_site.start + 1) != _token(tokens, last.end)):
+        quote = ""  # quotes in a word read once (`"$PP"`, `--size="$PP"`) end with it: the flags go after the word
     if box.kind in ("command", "array") and not quote:
-        position = _token_end(reading, last.file, position)
+        position = (_token(tokens, position) or (position, position))[1]
     elif box.kind == "value" and not quote:
         raise EditError(
             f"{anchor.flag} is in the unquoted value of {box.name} ({reading.where(last)}): sapp-hook "
             "adds flags in a command, an array or a quoted string"
         )
-    newline = "\r\n" if source.offsets is not None else "\n"
+    newline = "\r\n" if source.crlf is not None else "\n"
     line_start = text.rfind("\n", 0, flag_site.start) + 1
     line_end = text.find("\n", position)
     line_end = len(text) if line_end < 0 else line_end
@@ -235,13 +238,13 @@ def _line_cleanup(text: str, start: int, end: int, command: bool) -> list[tuple[
     return [(line_start + trailing.start() if trailing else start, end, "")]
 
 
-def _token_end(reading: Reading, file: int, position: int) -> int:
-    """The end of the shell word holding the character before `position`."""
+def _token(tokens: list[tuple[int, int]], position: int) -> tuple[int, int] | None:
+    """The narrowest shell word holding the character before `position`."""
     best = None
-    for start, end in reading_tokens(reading, file):
+    for start, end in tokens:
         if start < position <= end and (best is None or end - start < best[1] - best[0]):
             best = (start, end)
-    return best[1] if best else position
+    return best
 
 
 def reading_tokens(reading: Reading, file: int) -> list[tuple[int, int]]:
@@ -253,7 +256,7 @@ def reading_tokens(reading: Reading, file: int) -> list[tuple[int, int]]:
 
 
 def _container(reading: Reading, occurrence: Occurrence) -> tuple[int, tuple[Site, ...]]:
-    flag_chars = occurrence.name[: len(occurrence.flag)]
+    flag_chars = part_of(occurrence.name, 0, len(occurrence.flag))
     depth = written_depth(flag_chars)
     if depth is None:
         raise EditError(

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from basics.errors import InputError
-from sapp_hook.writeback.text.bash_script import IFS
-from sapp_hook.writeback.text.provenance import Ch, Field, Reading, Site, text_of
+from sapp_hook.writeback.text.bash_script import NOT_BLANK
+from sapp_hook.writeback.text.provenance import Ch, Field, Reading, Site, part_of, text_of
 
 SWITCH, ONE, MANY = 0, 1, -1
 PP_SIZE = "--pipeline-model-parallel-size"
@@ -128,7 +128,7 @@ def scan(fields: tuple[Field, ...], command: int) -> list[Occurrence]:
             continue
         arity = FLAGS[flag]
         if equals:
-            found.append(Occurrence(flag, chars, (chars[len(flag) + 1 :],), command, position, True))
+            found.append(Occurrence(flag, chars, (part_of(chars, len(flag) + 1),), command, position, True))
             continue
         values: list[Field] = []
         if arity == ONE and position + 1 < len(fields):
@@ -178,12 +178,19 @@ def split_fields(chars: Field) -> tuple[Field, ...]:
     fields: list[Field] = []
     current: list[Ch] = []
     for ch in chars:
-        if ch.char in IFS and not ch.unknown:
-            if current:
-                fields.append(tuple(current))
-            current = []
-        else:
+        if ch.unknown:
             current.append(ch)
+            continue
+        position = 0
+        for match in NOT_BLANK.finditer(ch.text):
+            if match.start() > position and current:
+                fields.append(tuple(current))
+                current = []
+            current.append(ch.cut(match.start(), match.end()))
+            position = match.end()
+        if position < len(ch.text) and current:
+            fields.append(tuple(current))
+            current = []
     if current:
         fields.append(tuple(current))
     return tuple(fields)
@@ -230,7 +237,7 @@ def value_of(reading: Reading, occurrence: Occurrence) -> FlagValue:
             "--config", f"{occurrence.flag} is a number of {len(text):,} digits; Megatron-LM reads at most 4,300"
         )
     chars = tuple(ch for value in occurrence.values for ch in value)
-    depth = written_depth(occurrence.name[: len(occurrence.flag)])
+    depth = written_depth(part_of(occurrence.name, 0, len(occurrence.flag)))
     environment: list[str] = []
     branches: list[str] = []
     for ch in chars:

@@ -115,7 +115,7 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
         )
     if reading.unfollowed:
         notes.append(f"not followed: {', '.join(dict.fromkeys(reading.unfollowed))}")
-    if any(source.offsets is not None and source.script is not None for source in reading.files):
+    if any(source.crlf is not None and source.script is not None for source in reading.files):
         notes.append(
             "CRLF line ends: bash on Linux reads the \\r into each line's last word and a \\ before "
             "CRLF continues no line (convert with dos2unix to run it there); the rewrite keeps them"
@@ -203,7 +203,7 @@ def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
     found = []
     for index in launchers:
         argv = reading.commands[index].argv
-        texts = ["".join(ch.unknown or ch.char for ch in field) for field in argv]
+        texts = ["".join(ch.unknown or ch.text for ch in field) for field in argv]
         # the words before the script are the launcher's own
         script_position = next((position for position, text in enumerate(texts) if text.endswith(".py")), -1)
         for position, field in enumerate(argv[script_position + 1 :], script_position + 1):

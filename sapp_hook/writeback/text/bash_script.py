@@ -11,12 +11,13 @@ arguments, variables from the environment) stay unknown and say what they stand 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
 from sapp_hook.writeback.text.bash_shell import Assignment, Block, Node, Simple, parse
 from sapp_hook.writeback.text.bash_words import (
-    Char,
+    Literal,
     Opaque,
     Param,
     ShellError,
@@ -36,10 +37,12 @@ from sapp_hook.writeback.text.provenance import (
     SourceFile,
     Trail,
     Value,
+    part_of,
     text_of,
 )
 
 IFS = " \t\n"
+NOT_BLANK = re.compile(f"[^{IFS}]+")
 MAX_FILES = 32
 MAX_DEPTH = 16  # sourced files, called scripts, evals and function calls inside each other
 _SOURCE = r"\$(?:0|\{0\}|BASH_SOURCE|\{BASH_SOURCE(?:\[0\])?\})"
@@ -87,32 +90,56 @@ class _Scope:
 
 
 class _Unit:
-    """Text being run: a file's (parsed text, offsets into the file) or an eval's (each character's
-    trail)."""
+    """Text being run: a file's (parsed text, offsets into the file) or an eval's (the characters it
+    was made of, each kept with its trail; a value known only at launch is one stand-in character)."""
 
-    def __init__(
-        self,
-        file: int,
-        source: SourceFile | None,
-        trails: list[Trail] | None = None,
-        unknowns: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, file: int, source: SourceFile | None, chars: Field | None = None) -> None:
         self.file = file
         self.source = source
-        self.trails = trails
-        self.unknowns = unknowns or {}  # an eval's stand-in characters for values known only at launch
+        self.chars = chars
+        self.starts: list[int] = []  # where each of an eval's characters begins in its text
+        position = 0
+        for ch in chars or ():
+            self.starts.append(position)
+            position += len(ch.text)
 
-    def char_trail(self, position: int, box: int, quote: str) -> Trail:
-        if self.trails is not None:
-            return self.trails[position]
-        offset = self.source.offset(position)  # type: ignore[union-attr]
-        return (Site(self.file, offset, offset + 1, box, quote),)
+    @property
+    def evaluated(self) -> bool:
+        return self.chars is not None
+
+    def literal(self, part: Literal, box: int) -> list[Ch]:
+        """The characters of a literal, each stretch written in one place one Ch."""
+        start, end = part.position, part.position + len(part.text)
+        if self.chars is None:
+            source = self.source
+            assert source is not None
+            # a CRLF read as LF puts the characters after it one further on in the file
+            breaks = (
+                []
+                if source.crlf is None
+                else source.crlf[bisect_right(source.crlf, start) : bisect_right(source.crlf, end - 1)]
+            )
+            out = []
+            for first, stop in zip([start, *breaks], [*breaks, end]):
+                offset = source.offset(first)
+                site = Site(self.file, offset, offset + stop - first, box, part.quote)
+                out.append(Ch(part.text[first - start : stop - start], (site,)))
+            return out
+        out = []
+        index = bisect_right(self.starts, start) - 1
+        while index < len(self.chars) and self.starts[index] < end:
+            ch, at = self.chars[index], self.starts[index]
+            low, high = max(start, at), min(end, at + len(ch.text))
+            text = part.text[low - start : high - start]
+            out.append(ch if ch.unknown else Ch(text, ch.cut(low - at, high - at).trail))
+            index += 1
+        return out
 
     def span_trail(self, start: int, end: int, box: int, quote: str, ref: int = -1) -> Trail:
-        if self.trails is None:
+        if self.chars is None:
             source = self.source
             return (Site(self.file, source.offset(start), source.offset(end - 1) + 1, box, quote, ref),)  # type: ignore[union-attr]
-        trails = [trail for trail in self.trails[start:end] if trail]
+        trails = [ch.trail for ch in self.literal(Literal("\0" * (end - start), start, quote), box) if ch.trail]
         if not trails or any(trail[:-1] != trails[0][:-1] or trail[-1].file != trails[0][-1].file for trail in trails):
             return ()
         first, last = trails[0][-1], trails[-1][-1]
@@ -142,11 +169,9 @@ class _Run:
                 raise ReadError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
         source = SourceFile(path, text, None)
         if "\r\n" in text:  # read a CRLF file as bash would read it converted (its line ends kept on writing)
-            source.offsets = [
-                index for index, char in enumerate(text) if not (char == "\r" and text.startswith("\n", index + 1))
-            ]
+            source.crlf = [match.start() - number for number, match in enumerate(re.finditer("\r\n", text))]
         if not arguments:
-            lexed = text.replace("\r\n", "\n") if source.offsets is not None else text
+            lexed = text.replace("\r\n", "\n") if source.crlf is not None else text
             try:
                 source.script = parse(lexed)
             except ShellError as error:
@@ -159,11 +184,11 @@ class _Run:
         return self.loaded[key]
 
     def file_chars(self, index: int, box: int) -> Field:
-        source = self.reading.files[index]
+        """A file's characters but its carriage returns, each stretch between them one Ch."""
+        text = self.reading.files[index].text
         return tuple(
-            Ch(char, (Site(index, offset, offset + 1, box, ""),))
-            for offset, char in enumerate(source.text)
-            if char != "\r"
+            Ch(match.group(), (Site(index, match.start(), match.end(), box, ""),))
+            for match in re.finditer("[^\r]+", text)
         )
 
     def resolve(self, name: str, current: int) -> Path | None:
@@ -201,7 +226,7 @@ class _Run:
         elif isinstance(node, Block):
             if node.kind == "function":
                 scope.functions[node.name] = (node, unit.file)
-                if unit.trails is None:
+                if not unit.evaluated:
                     self.reading.functions_unused.append((unit.file, node.start, node.end))
                 return
             if node.kind in ("if", "case"):
@@ -273,7 +298,7 @@ class _Run:
             rest = 1
             while rest < len(argv) and re.match(r"[A-Za-z_]\w*=", text_of(argv[rest]) or ""):
                 key, _, _ = (text_of(argv[rest]) or "").partition("=")
-                prefix[key] = Value(argv[rest][len(key) + 1 :])
+                prefix[key] = Value(part_of(argv[rest], len(key) + 1))
                 rest += 1
             if rest < len(argv):
                 self.dispatch(argv[rest:], prefix, command, unit, scope, conditional, evaluated, depth, box)
@@ -322,7 +347,7 @@ class _Run:
         name = text_of(name_field)
         path = self.resolve(name, unit.file) if name else None
         if path is None or depth >= MAX_DEPTH:
-            said = name if name is not None else "".join(ch.unknown or ch.char for ch in name_field)
+            said = name if name is not None else "".join(ch.unknown or ch.text for ch in name_field)
             self.reading.unfollowed.append(f"{said} (run from {self.reading.files[unit.file].path.name}): not found")
             return
         index = self.load(path, arguments=False)
@@ -349,20 +374,12 @@ class _Run:
         """Run text again as commands (eval, bash -c); a value known only at launch stays one word."""
         if depth >= MAX_DEPTH:
             return
-        unknowns: dict[str, str] = {}
-        text = []
-        for ch in chars:
-            if ch.unknown:
-                stand_in = chr(0xE000 + len(unknowns))
-                unknowns[stand_in] = ch.unknown
-                text.append(stand_in)
-            else:
-                text.append(ch.char)
+        text = "".join("\ue000" if ch.unknown else ch.text for ch in chars)  # a stand-in: one literal character
         try:
-            script = parse("".join(text))
+            script = parse(text)
         except ShellError as error:
             raise ReadError(f"the text an eval runs cannot be read: {error.detail}") from None
-        inner = _Unit(unit.file, None, [ch.trail for ch in chars], unknowns)
+        inner = _Unit(unit.file, None, chars)
         self.nodes(script.commands, inner, scope, conditional, True, depth + 1)
 
     def _current(self, scope: _Scope) -> dict[str, Value]:
@@ -441,10 +458,8 @@ class _Run:
         pieces: list[tuple[Ch, bool] | None] = []  # None: a break between "${A[@]}" elements
         quoted = False
         for part in word.parts:
-            if isinstance(part, Char):
-                trail = unit.char_trail(part.position, box, part.quote)
-                unknown = unit.unknowns.get(part.char, "")
-                pieces.append((Ch("\0" if unknown else part.char, trail, unknown), False))
+            if isinstance(part, Literal):
+                pieces.extend((ch, False) for ch in unit.literal(part, box))
                 quoted |= bool(part.quote)
             elif isinstance(part, Param):
                 quoted |= bool(part.quote)
@@ -486,13 +501,13 @@ class _Run:
             for number, item in enumerate(value.elements()):
                 if number:
                     pieces.append(None)
-                pieces.extend((Ch(ch.char, trail + ch.trail, ch.unknown), False) for ch in item)
+                pieces.extend((Ch(ch.text, trail + ch.trail, ch.unknown), False) for ch in item)
             return pieces
         chars: list[Ch] = []
         for number, item in enumerate(value.elements() if part.index else (value.scalar(),)):
             if number:
                 chars.append(Ch(" ", ()))
-            chars.extend(Ch(ch.char, trail + ch.trail, ch.unknown) for ch in item)
+            chars.extend(Ch(ch.text, trail + ch.trail, ch.unknown) for ch in item)
         return [(ch, splits) for ch in chars]
 
     def positional(self, part: Opaque, unit: _Unit, scope: _Scope, box: int) -> list[tuple[Ch, bool] | None]:
@@ -509,7 +524,7 @@ class _Run:
         for count, item in enumerate(chosen):
             if count:
                 pieces.append(None if name == "@" and part.quote else (Ch(" ", ()), not part.quote))
-            pieces.extend((Ch(ch.char, trail + ch.trail, ch.unknown), not part.quote) for ch in item)
+            pieces.extend((Ch(ch.text, trail + ch.trail, ch.unknown), not part.quote) for ch in item)
         return pieces
 
     def opaque(self, part: Opaque, unit: _Unit, scope: _Scope, box: int) -> list[Ch]:
@@ -517,18 +532,18 @@ class _Run:
         text = part.text
         if SCRIPT_DIR.match(re.sub(r"[\s\"']", "", text)):
             folder = str(self.reading.files[unit.file].path.resolve().parent)
-            return [Ch(char, ()) for char in folder]
+            return [Ch(folder, ())]
         content = FILE_CONTENT.match(text)
         if content:
             path = self.resolve(content.group(2), unit.file)
             if path is not None:
                 index = self.load(path, arguments=True)
                 arguments_box = self.box("arguments", index, 0, len(self.reading.files[index].text), "", False)
-                return [Ch(ch.char, trail + ch.trail) for ch in self.file_chars(index, arguments_box)]
+                return [Ch(ch.text, trail + ch.trail) for ch in self.file_chars(index, arguments_box)]
         return [Ch("\0", trail, text)]
 
     def _file_span(self, unit: _Unit, start: int, end: int) -> tuple[int, int]:
-        if unit.trails is None:
+        if not unit.evaluated:
             return unit.source.offset(start), unit.source.offset(max(start, end - 1)) + 1  # type: ignore[union-attr]
         return start, end  # an eval's text: the span is of its own text
 
@@ -553,13 +568,20 @@ def _split(pieces: list[tuple[Ch, bool] | None], keep_empty: bool = False) -> li
             current, started = [], True
             continue
         ch, splits = piece
-        if splits and not ch.unknown and ch.char in IFS:
-            if current or started:
-                fields.append(tuple(current))
-            current, started = [], False
+        if not splits or ch.unknown:
+            current.append(ch)
+            started = True
             continue
-        current.append(ch)
-        started = True
+        position = 0
+        for match in NOT_BLANK.finditer(ch.text):
+            if match.start() > position and (current or started):  # blanks end the field
+                fields.append(tuple(current))
+                current, started = [], False
+            current.append(ch.cut(match.start(), match.end()))
+            started, position = True, match.end()
+        if position < len(ch.text) and (current or started):
+            fields.append(tuple(current))
+            current, started = [], False
     if current or started:
         fields.append(tuple(current))
     return fields

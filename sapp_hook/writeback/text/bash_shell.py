@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from sapp_hook.writeback.text.bash_words import (
     META,
-    Char,
+    Literal,
     Word,
     WordReader,
     line_of,
@@ -436,7 +436,7 @@ class _Parser(WordReader):
         self.blanks()
         target = self.word()
         if operator in ("<<", "<<-"):
-            delimiter = "".join(part.char for part in target.parts if isinstance(part, Char))
+            delimiter = "".join(part.text for part in target.parts if isinstance(part, Literal))
             self.pending.append((delimiter, operator == "<<-"))
         return True
 

@@ -27,12 +27,18 @@ def line_of(text: str, position: int) -> int:
     return text.count("\n", 0, max(0, position)) + 1
 
 
-@dataclass(frozen=True)
-class Char:
-    """A literal character of a word after quote removal; `quote` says how it was written: '' bare,
-    '\\\\' escaped, '"' or "'" inside those quotes, "$'" inside ANSI-C quotes."""
+# literal text bare and inside "...", up to the next character that means more there
+BARE_RUN = re.compile(f"[^{re.escape(META)}\\\\'\"$`]+")
+DOUBLE_QUOTED_RUN = re.compile(r'[^"\\$`]+')
 
-    char: str
+
+@dataclass(frozen=True, slots=True)
+class Literal:
+    """Literal characters of a word after quote removal, written one after another from `position` (one
+    text position per character); `quote` says how they were written: '' bare, '\\\\' escaped, '"' or "'"
+    inside those quotes, "$'" inside ANSI-C quotes."""
+
+    text: str
     position: int
     quote: str
 
@@ -64,7 +70,7 @@ class Opaque:
     commands: tuple[object, ...] = ()  # bash_shell nodes
 
 
-Part = Char | Param | Opaque
+Part = Literal | Param | Opaque
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,8 @@ class Word:
 
     def literal(self) -> str | None:
         """The word's text when it is all literal characters."""
-        if all(isinstance(part, Char) for part in self.parts):
-            return "".join(part.char for part in self.parts)  # type: ignore[union-attr]
+        if all(isinstance(part, Literal) for part in self.parts):
+            return "".join(part.text for part in self.parts)  # type: ignore[union-attr]
         return None
 
     def plain(self) -> str | None:
@@ -126,10 +132,10 @@ class WordReader(abc.ABC):
                 if self.peek(1) == "\n":
                     self.position += 2
                 elif self.position + 1 < self.end:
-                    parts.append(Char(self.text[self.position + 1], self.position + 1, "\\"))
+                    parts.append(Literal(self.text[self.position + 1], self.position + 1, "\\"))
                     self.position += 2
                 else:
-                    parts.append(Char("\\", self.position, ""))
+                    parts.append(Literal("\\", self.position, ""))
                     self.position += 1
             elif char == "'":
                 parts.extend(self.single_quoted())
@@ -140,12 +146,14 @@ class WordReader(abc.ABC):
             elif char == "`":
                 parts.append(self.backquoted(""))
             else:
-                parts.append(Char(char, self.position, ""))
-                self.position += 1
+                run = BARE_RUN.match(self.text, self.position, self.end)
+                end = run.end() if run else self.position + 1
+                parts.append(Literal(self.text[self.position : end], self.position, ""))
+                self.position = end
         if self.position == start:
             raise self.error(f"unexpected {self.peek()!r}" if self.peek() else "unexpected end of the script")
         self.word_spans.add((start, self.position))
-        return Word(tuple(parts), start, self.position)
+        return Word(merged(parts), start, self.position)
 
     def single_quoted(self) -> list[Part]:
         start = self.position
@@ -153,7 +161,7 @@ class WordReader(abc.ABC):
         if end < 0:
             raise self.error(f"the ' of line {line_of(self.text, start)} is never closed", start)
         self.position = end + 1
-        return [Char(self.text[k], k, "'") for k in range(start + 1, end)]
+        return [Literal(self.text[start + 1 : end], start + 1, "'")] if end > start + 1 else []
 
     def double_quoted(self) -> list[Part]:
         start = self.position
@@ -168,15 +176,17 @@ class WordReader(abc.ABC):
                 return parts
             if char == "\\" and self.peek(1) in ("$", "`", '"', "\\", "\n"):
                 if self.peek(1) != "\n":  # \<newline> inside "" is a line continuation
-                    parts.append(Char(self.peek(1), self.position + 1, '"'))
+                    parts.append(Literal(self.peek(1), self.position + 1, '"'))
                 self.position += 2
             elif char == "$":
                 parts.extend(self.dollar('"'))
             elif char == "`":
                 parts.append(self.backquoted('"'))
             else:
-                parts.append(Char(char, self.position, '"'))
-                self.position += 1
+                run = DOUBLE_QUOTED_RUN.match(self.text, self.position, self.end)
+                end = run.end() if run else self.position + 1
+                parts.append(Literal(self.text[self.position : end], self.position, '"'))
+                self.position = end
 
     def backquoted(self, quote: str) -> Opaque:
         start = self.position
@@ -212,7 +222,7 @@ class WordReader(abc.ABC):
             self.position += 2
             return [Opaque(self.text[start : self.position], start, self.position, quote, "special")]
         self.position += 1
-        return [Char("$", start, quote)]
+        return [Literal("$", start, quote)]
 
     def ansi_c_quoted(self) -> list[Part]:
         start = self.position
@@ -227,10 +237,10 @@ class WordReader(abc.ABC):
                 self.position += 1
                 return parts
             if char == "\\" and self.peek(1) in escapes:
-                parts.append(Char(escapes[self.peek(1)], self.position + 1, "$'"))
+                parts.append(Literal(escapes[self.peek(1)], self.position + 1, "$'"))
                 self.position += 2
             else:
-                parts.append(Char(char, self.position, "$'"))
+                parts.append(Literal(char, self.position, "$'"))
                 self.position += 1
 
     def command_substitution(self, inner: int, quote: str, kind: str) -> Opaque:
@@ -272,9 +282,9 @@ class WordReader(abc.ABC):
                 char = self.text[self.position]
                 if char == "\\" and self.position + 1 < self.end:
                     if not quote or self.peek(1) in ("$", "`", '"', "\\"):
-                        parts.append(Char(self.text[self.position + 1], self.position + 1, quote or "\\"))
+                        parts.append(Literal(self.text[self.position + 1], self.position + 1, quote or "\\"))
                     else:
-                        parts.append(Char("\\", self.position, quote))
+                        parts.append(Literal("\\", self.position, quote))
                         self.position -= 1
                     self.position += 2
                 elif char == "'" and not quote:
@@ -286,11 +296,11 @@ class WordReader(abc.ABC):
                 elif char == "`":
                     parts.append(self.backquoted(quote))
                 else:
-                    parts.append(Char(char, self.position, quote))
+                    parts.append(Literal(char, self.position, quote))
                     self.position += 1
         finally:
             self.position, self.end = saved_position, saved_end
-        return Word(tuple(parts), start, end)
+        return Word(merged(parts), start, end)
 
     def _braced_end(self, index: int) -> int:
         """Just after the `}` closing a `${`, across nested expansions and quotes."""
@@ -328,3 +338,29 @@ class WordReader(abc.ABC):
                     return index + 1
             index += 1
         raise self.error("a (( is never closed")
+
+
+def merged(parts: list[Part]) -> tuple[Part, ...]:
+    """The parts with each stretch of literals written one after another, alike quoted, made one."""
+    out: list[Part] = []
+    pending: list[Literal] = []
+
+    def flush() -> None:
+        if pending:
+            first = pending[0]
+            out.append(
+                first if len(pending) == 1 else Literal("".join(p.text for p in pending), first.position, first.quote)
+            )
+            pending.clear()
+
+    for part in parts:
+        if not isinstance(part, Literal):
+            flush()
+            out.append(part)
+            continue
+        last = pending[-1] if pending else None
+        if last is not None and (last.quote != part.quote or last.position + len(last.text) != part.position):
+            flush()
+        pending.append(part)
+    flush()
+    return tuple(out)

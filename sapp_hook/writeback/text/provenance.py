@@ -1,10 +1,14 @@
 """What a run of a launch script yields: every character traced to where a file writes it (its
 trail of sites), values, the boxes (commands, assignments) words are written in, variable
 definitions and references, the commands run, and the files read. `bash_script` fills them in.
+
+Characters written one after another in one place travel together (one `Ch` for a stretch, its last
+site spanning them), so that a long line costs a few objects per word, not several per character.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +16,7 @@ from sapp_hook.writeback.text.bash_shell import Script
 from sapp_hook.writeback.text.bash_words import line_of
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Site:
     """Where a file writes something: `file` index, span of its text, the box (command or assignment)
     it is written in, how it is quoted there, and for a variable reference the index of its Ref."""
@@ -28,11 +32,25 @@ class Site:
 Trail = tuple[Site, ...]  # outermost first: the reference in the command ... the character itself
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ch:
-    char: str
-    trail: Trail  # () for text sapp-hook works out itself (the script's own folder)
+    """Characters of a field written one after another in one place: the last site of their trail spans
+    them, one file character each (a value known only at launch is one character, "\\0", its site the
+    expansion's); with an empty trail, text sapp-hook works out itself (the script's own folder)."""
+
+    text: str
+    trail: Trail
     unknown: str = ""  # what a value known only at launch stands for
+
+    def cut(self, start: int, end: int) -> Ch:
+        """Its characters `start` to `end`, their last site narrowed to them."""
+        if (start, end) == (0, len(self.text)) or self.unknown:
+            return self
+        if not self.trail:
+            return Ch(self.text[start:end], ())
+        last = self.trail[-1]
+        narrowed = Site(last.file, last.start + start, last.start + end, last.box, last.quote, last.ref)
+        return Ch(self.text[start:end], (*self.trail[:-1], narrowed))
 
 
 Field = tuple[Ch, ...]
@@ -40,9 +58,24 @@ Field = tuple[Ch, ...]
 
 def text_of(chars: Field) -> str | None:
     """The text of a field, None where part of it is known only at launch."""
+    if len(chars) == 1:  # most fields: written in one place
+        return None if chars[0].unknown else chars[0].text
     if any(ch.unknown for ch in chars):
         return None
-    return "".join(ch.char for ch in chars)
+    return "".join(ch.text for ch in chars)
+
+
+def part_of(chars: Field, start: int, end: int | None = None) -> Field:
+    """The characters `start` to `end` (None: the last) of a field, counted in characters."""
+    stop = sum(len(ch.text) for ch in chars) if end is None else end
+    out = []
+    position = 0
+    for ch in chars:
+        after = position + len(ch.text)
+        if after > start and position < stop:
+            out.append(ch.cut(max(start, position) - position, min(stop, after) - position))
+        position = after
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -106,10 +139,11 @@ class SourceFile:
     path: Path
     text: str
     script: Script | None  # None: an arguments file
-    offsets: list[int] | None = None  # parsed text index -> text index, where CRLF line ends were read as LF
+    crlf: list[int] | None = None  # where CRLF line ends were read as LF: the parsed index of each such LF
 
     def offset(self, index: int) -> int:
-        return self.offsets[index] if self.offsets is not None else index
+        """The index in `text` of the parsed text's character `index`."""
+        return index + bisect_right(self.crlf, index) if self.crlf is not None else index
 
     def line(self, offset: int) -> int:
         return line_of(self.text, offset)
