@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from profiler_cases import batch, llama, train_step
+from profiler_cases import batch, llama, qwen3_moe, train_step
 
 from sapp_hook import REPLAN_EXIT_CODE, autotune
 from simulator import InputError
@@ -296,7 +296,7 @@ def test_the_jobs_parallel_layout_reaches_the_spec(tmp_path):
         "expert_tokens": "dropless",
         "collective_backend": "gloo",
     }
-    tuner = autotune(llama(), **SETTING, **layout, cache_dir=tmp_path)
+    tuner = autotune(qwen3_moe(), **SETTING, **layout, cache_dir=tmp_path)
     assert {name: getattr(tuner.spec, name) for name in layout} == layout
     with pytest.raises(InputError) as caught:
         autotune(

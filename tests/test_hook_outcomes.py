@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from profiler_cases import llama, train_step
+from profiler_cases import llama, qwen3_moe, train_step
 from solver_cases import small_profile
 from test_autotune import PROFILING, SETTING, train
 
@@ -204,3 +204,43 @@ def test_a_cache_that_cannot_take_the_plan_keeps_the_profile(tmp_path, monkeypat
     monkeypatch.setattr(PlanCache, "store", lambda *args, **kwargs: None)  # a full or read-only folder
     tuner = train(llama(), PROFILING + 1, cache_dir=tmp_path)
     assert tuner.done and len(list(tmp_path.glob("*.profile.json"))) == 1  # what was measured is not lost
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "field", "message"),
+    [
+        (llama, {"tensor_parallel": 3}, "tensor_parallel", "expected a divisor of the model's heads (4), got 3"),
+        (llama, {"expert_parallel": 2, "data_parallel": 2}, "expert_parallel", "the model has no routed experts"),
+        (qwen3_moe, {"expert_parallel": 3, "data_parallel": 3}, "expert_parallel", "the model's experts (4), got 3"),
+    ],
+)
+def test_a_layout_the_model_cannot_be_split_by_is_refused_before_profiling(tmp_path, model, options, field, message):
+    with pytest.raises(InputError) as caught:
+        autotune(model(), None, **{**SETTING, **options}, cache_dir=tmp_path)
+    assert caught.value.field == field and message in caught.value.detail
+
+
+def test_an_error_of_the_profile_under_the_layout_names_its_own_field(tmp_path):
+    with pytest.raises(InputError) as caught:
+        train(llama(), PROFILING + 1, context_parallel=3, cache_dir=tmp_path)
+    assert caught.value.field == "context_parallel"
+    assert "the profile's sequence (32) to be a multiple of 2 x 3" in caught.value.detail
+
+
+@pytest.mark.parametrize("accumulating", [False, True])
+def test_step_called_twice_per_training_step_is_refused_before_a_plan(tmp_path, accumulating):
+    """A second step() with no forward since the first, or (gradient accumulation) with a forward and backward
+    but no optimizer step, would profile a part of a step as a whole one."""
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(RuntimeError) as caught:
+        with autotune(model, optimizer, **SETTING, cache_dir=tmp_path, out_dir=tmp_path) as tuner:
+            for index in range(PROFILING + 1):
+                train_step(model, optimizer, index)
+                tuner.step()
+                if accumulating:
+                    model(torch.randint(0, 512, (2, 16))).logits.sum().backward()
+                tuner.step()
+    why = "optimizer.step() ran not once since the last call" if accumulating else "the model ran no forward"
+    assert str(caught.value).startswith(f"step() is called more than once per training step: {why}")
+    assert tuner.profiler.steps_done == 1 and tuner.result is None and not (tmp_path / "plan.json").exists()

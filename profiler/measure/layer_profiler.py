@@ -136,6 +136,7 @@ class LayerProfiler:
         self.samples: dict[object, LayerSamples] = {}
         self.steps_done = 0
         self._attached = False
+        self._seen_at_step = (0, 0)  # the recorder's forwards and optimizer steps at the last step()
         self._backward_splits: dict[str, SplitBackward] = {}
 
     @property
@@ -212,13 +213,15 @@ class LayerProfiler:
         """Call once after each training step (after `optimizer.step()`).
 
         Raises:
-            RuntimeError: while not attached (outside the `with` block).
+            RuntimeError: while not attached (outside the `with` block), or where no training step ran since the
+                last call (no forward of the model; no optimizer step, once the optimizer was seen stepping).
         """
         if not self._attached:
             raise RuntimeError(
                 "LayerProfiler.step() outside the profiling window: use it inside `with LayerProfiler(...)`"
             )
         recorder = self.recorder
+        self._check_one_step()
         recorder.clock.synchronize()
         mode = self.mode_of(self.steps_done)
         if self.is_memory_step(self.steps_done):
@@ -237,6 +240,25 @@ class LayerProfiler:
             self._measure_split_backward()
         else:
             self._start_step()
+
+    def _check_one_step(self) -> None:
+        """RuntimeError where `step()` ends no training step: no forward of the model since the last one, or
+        (once the optimizer was seen stepping) no `optimizer.step()`: each profiled step would hold a part
+        of a training step's work and memory, and the plan would be made from it."""
+        recorder = self.recorder
+        forwards, optimizer_steps = recorder.forwards, recorder.optimizer_steps
+        last_forwards, last_optimizer_steps = self._seen_at_step
+        self._seen_at_step = forwards, optimizer_steps
+        if forwards == last_forwards:
+            why = "the model ran no forward since the last call"
+        elif last_optimizer_steps and optimizer_steps == last_optimizer_steps:
+            why = "optimizer.step() ran not once since the last call (under gradient accumulation: call it after the step that updates the weights)"
+        else:
+            return
+        raise RuntimeError(
+            f"step() is called more than once per training step: {why}. Call it once after each "
+            "training step, after optimizer.step(); nothing measured is used"
+        )
 
     def profile(self) -> ModelProfile:
         """The measured profile; after the last profiled step.

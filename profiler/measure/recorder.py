@@ -129,6 +129,8 @@ class Recorder:
         self.input_shape: tuple[int, ...] | None = None  # of the model's first tensor input (token ids)
         self.output_bytes: list[int] = []  # per recorded forward: what the model returns that has a gradient
         self.loss_bytes: list[int] = []  # per recorded forward: of those, the scalars (its loss)
+        self.forwards = 0  # of the model, since attached: a training step runs one at least
+        self.optimizer_steps = 0  # since attached
 
     # -- installing and removing ------------------------------------------------------------------
 
@@ -233,6 +235,7 @@ class Recorder:
     # -- forward ----------------------------------------------------------------------------------
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.forwards += 1
         self._body_started = -1
         if self.owners is not None:
             self.owners.reset()
@@ -429,6 +432,7 @@ class Recorder:
             self.memory.forget(param.grad)
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.optimizer_steps += 1
         for group in optimizer.param_groups:
             for param in group["params"]:
                 counted: set[int] = set()

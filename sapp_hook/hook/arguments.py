@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from basics.errors import InputError, check_non_negative
+from profiler.estimate.shape import model_dimensions
+from profiler.tp_roles import tagged
 from sapp_hook.hook.relaunch import ENVIRONMENT, ON_PLAN
+from solver import PipelineSpec
+from solver.parallel.model_parallel import check_dimensions, spec_mesh
 
 
 def check_arguments(model: object, optimizer: object, **given: object) -> None:
@@ -48,6 +52,17 @@ def check_arguments(model: object, optimizer: object, **given: object) -> None:
         raise InputError("modes", "expected a list of recompute modes such as ['none', 'full'], got None")
     if not isinstance(given["force"], bool):
         raise InputError("force", f"expected True or False, got {_kind(given['force'])}")
+
+
+def check_layout(model: nn.Module, spec: PipelineSpec, measured_tensor_parallel: int) -> None:
+    """The model's sizes against the degrees `spec` splits them by, before any step is profiled: InputError
+    naming tensor_parallel where it divides no heads, key-value heads, FFN or vocabulary, expert_parallel
+    where the model has no routed experts or their count is not a multiple. A model whose sizes the profiler
+    does not read (not of the Llama family) is checked once profiled."""
+    dimensions = model_dimensions(model.config.to_dict()) if tagged(model) else {}
+    # a model already split over t (DTensor) is measured per rank: nothing more is divided
+    tensor = spec.tensor_parallel > 1 and measured_tensor_parallel == 1
+    check_dimensions(dimensions, spec_mesh(spec), tensor=tensor, expert=spec.expert_parallel > 1)
 
 
 def settings(

@@ -42,7 +42,7 @@ from profiler.measure.build import model_structure
 from profiler.parallel import Pipeline, pipeline_of, tensor_parallel_degree
 from profiler.recompute import TORCH_MODES
 from sapp_hook.hook import job
-from sapp_hook.hook.arguments import check_arguments, check_out_dir, settings
+from sapp_hook.hook.arguments import check_arguments, check_layout, check_out_dir, settings
 from sapp_hook.hook.cache import PlanCache, cache_key
 from sapp_hook.hook.check import StepMeasure, verdict
 from sapp_hook.hook.console import Console
@@ -123,7 +123,8 @@ class AutoTuner:
     Raises:
         InputError: naming the argument (or the environment variable that set it): a wrong type or value,
             `config` or `target` without the other, a target or config that cannot be written, a config that cannot
-            take any plan for this job (`check_job`), a model or optimizer already sharded.
+            take any plan for this job (`check_job`), a model or optimizer already sharded, a tensor_parallel or
+            expert_parallel the model's sizes cannot be split by (`check_layout`).
 
     Example::
 
@@ -242,6 +243,7 @@ class AutoTuner:
                 f"the model's parameters are split over {self.measured_tensor_parallel} ranks (DTensor): "
                 f"expected {self.measured_tensor_parallel}, got {tensor_parallel!r}",
             )
+        check_layout(model, self.spec, self.measured_tensor_parallel)
         self._pipeline_group = pipeline_group
         self._pipeline: Pipeline | None = None
         self._solving_ranks: tuple[int, ...] = ()
@@ -304,8 +306,10 @@ class AutoTuner:
         warm-up, where a cached plan matches) decides, writes and reports; nothing once `result` is set.
 
         Raises:
-            RuntimeError: outside the profiling window (before `with` or after it ended).
-            InputError: no plan fits (naming `memory_budget`); the config is left untouched.
+            RuntimeError: outside the profiling window (before `with` or after it ended), or called twice in one
+                training step (no forward, or no optimizer step, since the last call).
+            InputError: no plan fits (naming `memory_budget`), or the profile cannot be split as the layout says
+                (naming that argument); the config is left untouched.
             SystemExit: once the plan is written where `on_plan` is "exit" (as that argument says).
         """
         if self._measure is not None:
@@ -482,8 +486,8 @@ class AutoTuner:
             )
             why = f"{exc}. The profile is kept: plan again without profiling with `{again}`"
             raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {why}") from None
-        except InputError as exc:
-            raise InputError("memory_budget", f"sapp-hook found no plan; the config is untouched. {exc}") from None
+        except InputError as exc:  # the argument or profile field at fault, as named
+            raise InputError(exc.field, f"sapp-hook found no plan; the config is untouched. {exc.detail}") from None
         solved.append(plan)
         plan_data = plan.to_dict()
         stored = self.cache.store(

@@ -24,7 +24,7 @@ each MoE layer's backward holds its all-to-all buffers; times as balanced.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from basics.errors import InputError, named
 from solver.vocabulary.profile import NONE, LayerProfile, ModelProfile, RecomputeCost
@@ -150,21 +150,12 @@ def _to_apply(have: int, want: int, name: str) -> bool:
 
 
 def _check_divides(profile: ModelProfile, mesh: Mesh, *, tensor: bool, context: bool, expert: bool) -> None:
-    """Heads, key-value heads, FFN widths and the vocabulary split over t, experts over e, the sequence
-    into 2c chunks: refused where they do not."""
-    needs = []
-    if tensor:
-        needs += [(name, mesh.tensor_parallel, "tensor_parallel") for name in ("heads", "kv_heads", "ffn", "vocab")]
-        # routed experts split their FFN width over t where expert parallel does not split them
-        needs.append(("moe_ffn", 1 if mesh.expert_parallel > 1 else mesh.tensor_parallel, "tensor_parallel"))
-    if expert:
-        needs.append(("experts", mesh.expert_parallel, "expert_parallel"))
-    for name, degree, flag in needs:
-        size = _dimension(profile, name, flag)
-        if name == "experts" and not size:
-            raise InputError(flag, f"the model has no routed experts; expected 1, got {degree}")
-        if size % degree:
-            raise InputError(flag, f"expected a divisor of the model's {name} ({size}), got {degree}")
+    """`check_dimensions` of the profile's sizes (each one needed must be stated), and the sequence into 2c
+    chunks: refused where they do not divide."""
+    needed = _needed_dimensions(mesh, tensor=tensor, expert=expert)
+    check_dimensions(
+        {name: _dimension(profile, name, flag) for name, _, flag in needed}, mesh, tensor=tensor, expert=expert
+    )
     if context:
         sequence = profile.micro_batch.get("sequence", 0)
         if not sequence or sequence % (2 * mesh.context_parallel):
@@ -173,6 +164,32 @@ def _check_divides(profile: ModelProfile, mesh: Mesh, *, tensor: bool, context: 
                 f"expected the profile's sequence ({sequence or 'not stated'}) to be "
                 f"a multiple of 2 x {mesh.context_parallel} (two chunks per rank)",
             )
+
+
+def check_dimensions(dimensions: Mapping[str, int], mesh: Mesh, *, tensor: bool, expert: bool) -> None:
+    """Heads, key-value heads, FFN widths and the vocabulary split over the mesh's t, routed experts over its
+    e (`tensor`, `expert`: whether each is split here): InputError naming the degree where a size does not
+    divide, or expert parallel over a model without routed experts. A size `dimensions` lacks is not checked."""
+    for name, degree, flag in _needed_dimensions(mesh, tensor=tensor, expert=expert):
+        if name not in dimensions:
+            continue
+        size = dimensions[name]
+        if name == "experts" and not size:
+            raise InputError(flag, f"the model has no routed experts; expected 1, got {degree}")
+        if size % degree:
+            raise InputError(flag, f"expected a divisor of the model's {name} ({size}), got {degree}")
+
+
+def _needed_dimensions(mesh: Mesh, *, tensor: bool, expert: bool) -> list[tuple[str, int, str]]:
+    """(size, the degree that splits it, the degree's name) for each size the split needs divided."""
+    needs = []
+    if tensor:
+        needs += [(name, mesh.tensor_parallel, "tensor_parallel") for name in ("heads", "kv_heads", "ffn", "vocab")]
+        # routed experts split their FFN width over t where expert parallel does not split them
+        needs.append(("moe_ffn", 1 if mesh.expert_parallel > 1 else mesh.tensor_parallel, "tensor_parallel"))
+    if expert:
+        needs.append(("experts", mesh.expert_parallel, "expert_parallel"))
+    return needs
 
 
 def _dimension(profile: ModelProfile, name: str, flag: str) -> int:
