@@ -11,28 +11,38 @@ from basics.errors import InputError
 from basics.files import read_json, read_limited
 
 MAX_DEPTH = 32
+# What the parser's own recursion may take as written (three Python frames a level): a merge value nested in
+# place (`<<: {<<: {...}}`) adds no level to the data, but still one to the text.
+MAX_WRITTEN_DEPTH = 128
 # What aliases may add to a document's nodes when expanded: real configs' aliases add dozens (`*dp` in
 # dataset_strategy); a few lines of nested aliases ("billion laughs") add billions.
 MAX_ALIAS_NODES = 100_000
+MERGE = "tag:yaml.org,2002:merge"
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe subset, at most MAX_DEPTH levels deep and with at most MAX_ALIAS_NODES nodes added
-    by expanding its aliases (an alias bomb is refused before anything is built), each key once in
-    a mapping."""
+    """YAML's safe subset, at most MAX_DEPTH levels deep as loaded (a merge key's mapping adds none: its keys
+    join the mapping that merges it) and with at most MAX_ALIAS_NODES nodes added by expanding its aliases
+    and merges (an alias bomb is refused before anything is built), each key once in a mapping."""
 
-    depth = 0
+    depth = written = 0
+    merging: tuple[bool, ...] = ()  # per node being composed: whether it is a merge key's value
 
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
-        self.depth += 1
+        merged = _is_merge(index) if isinstance(parent, yaml.MappingNode) else None
+        flat = bool(merged) or (isinstance(parent, yaml.SequenceNode) and self.merging[-1])
+        self.depth += not flat
+        self.written += 1
+        self.merging += (bool(merged),)
         try:
-            if self.depth > MAX_DEPTH:
-                raise InputError(
-                    "yaml", f"line {self.peek_event().start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels"
-                )
+            if self.depth > MAX_DEPTH or self.written > MAX_WRITTEN_DEPTH:
+                what = f"{MAX_DEPTH} levels" if self.depth > MAX_DEPTH else f"{MAX_WRITTEN_DEPTH} levels as written"
+                raise InputError("yaml", f"line {self.peek_event().start_mark.line + 1}: nested deeper than {what}")
             return super().compose_node(parent, index)
         finally:
-            self.depth -= 1
+            self.depth -= not flat
+            self.written -= 1
+            self.merging = self.merging[:-1]
 
     def compose_document(self):  # type: ignore[no-untyped-def]
         node = super().compose_document()
@@ -51,12 +61,27 @@ class _StrictLoader(yaml.SafeLoader):
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
 
 
-def _children(node: yaml.Node) -> list[yaml.Node]:
+def _is_merge(key: object) -> bool:
+    return isinstance(key, yaml.ScalarNode) and key.tag == MERGE
+
+
+def _children(node: yaml.Node) -> list[tuple[yaml.Node, int]]:
+    """A node's children, each with the levels it adds below the node as loaded: 1, or 0 for a merge key's
+    value and a merged list's mappings (their keys join the node's own)."""
     if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    return []
+        return [(item, 1) for item in node.value]
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    children = []
+    for key, value in node.value:
+        children.append((key, 1))
+        if not _is_merge(key):
+            children.append((value, 1))
+        elif isinstance(value, yaml.SequenceNode):  # `<<: [*a, *b]`: the list itself is no level either
+            children.extend((item, 0) for item in value.value)
+        else:
+            children.append((value, 0))
+    return children
 
 
 def _line(node: yaml.Node) -> int:
@@ -64,34 +89,38 @@ def _line(node: yaml.Node) -> int:
 
 
 def _check_expansion(root: yaml.Node) -> None:
-    """Refuse a composed document whose aliases nest it deeper than MAX_DEPTH, expand it by more than
-    MAX_ALIAS_NODES nodes or refer to a node from inside it, or a mapping that repeats a key."""
+    """Refuse a composed document whose aliases and merges nest it deeper than MAX_DEPTH as loaded, expand
+    it by more than MAX_ALIAS_NODES nodes (PyYAML copies each merged key into the mapping that merges it) or
+    refer to a node from inside it, or a mapping that repeats a key."""
     distinct: set[int] = set()
     pending = [root]
     while pending:  # every node once, however often aliases name it
         node = pending.pop()
         if id(node) not in distinct:
             distinct.add(id(node))
-            pending.extend(_children(node))
+            pending.extend(child for child, _ in _children(node))
     limit = len(distinct) + MAX_ALIAS_NODES
-    known: dict[int, tuple[int, int]] = {}  # id -> (nodes once expanded, levels)
+    known: dict[int, tuple[int, int]] = {}  # id -> (nodes once expanded, levels as loaded)
     inside: set[int] = set()
+
+    def deeper(node: yaml.Node) -> InputError:
+        return InputError(
+            "yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases are expanded"
+        )
 
     def visit(node: yaml.Node, depth: int) -> tuple[int, int]:
         if id(node) in inside:
             raise InputError("yaml", f"line {_line(node)}: an alias refers to a node from inside it, which never ends")
         if id(node) not in known:
             if depth > MAX_DEPTH:
-                raise InputError(
-                    "yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases are expanded"
-                )
+                raise deeper(node)
             if isinstance(node, yaml.MappingNode):
                 _check_keys(node)
             inside.add(id(node))
             nodes, levels = 1, 1
-            for child in _children(node):
-                child_nodes, child_levels = visit(child, depth + 1)
-                nodes, levels = nodes + child_nodes, max(levels, child_levels + 1)
+            for child, step in _children(node):
+                child_nodes, child_levels = visit(child, depth + step)
+                nodes, levels = nodes + child_nodes, max(levels, child_levels + step)
                 if nodes > limit:
                     raise InputError(
                         "yaml",
@@ -101,9 +130,7 @@ def _check_expansion(root: yaml.Node) -> None:
             inside.discard(id(node))
             known[id(node)] = nodes, levels
         if depth + known[id(node)][1] - 1 > MAX_DEPTH:
-            raise InputError(
-                "yaml", f"line {_line(node)}: nested deeper than {MAX_DEPTH} levels once its aliases are expanded"
-            )
+            raise deeper(node)
         return known[id(node)]
 
     visit(root, 1)

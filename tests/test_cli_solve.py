@@ -245,6 +245,31 @@ def test_solve_errors_are_one_line(capsys, args, message):
         assert len(lines) == 1
 
 
+def test_solve_refuses_a_profile_with_a_negative_sequence(capsys, tmp_path):
+    data = small_profile(6).to_dict()
+    data["micro_batch"] = {"size": 1, "sequence": -4096}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(data))
+    args = [
+        "solve",
+        "--profile",
+        str(profile),
+        "--pipeline-parallel",
+        "2",
+        "--micro-batches",
+        "4",
+        "--schedule",
+        "1F1B",
+    ]
+    args += ["--memory", "1GiB"]
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    out, err = capsys.readouterr()
+    assert caught.value.code == 2 and out == ""
+    refusal = "micro_batch.sequence: expected an integer from 1 to 2**50, got -4096"
+    assert err.splitlines() == [f"sapp-hook solve: error: --profile: {profile}: {refusal}"]
+
+
 def test_modes_limit_the_recompute_a_plan_may_use(capsys, tmp_path):
     profile = tmp_path / "profile.json"
     small_profile(6).save(profile)  # none, selective and full for every body layer

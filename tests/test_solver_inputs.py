@@ -233,6 +233,57 @@ def test_bad_profiles_are_refused(change, words):
         ModelProfile.from_dict(data)
 
 
+@pytest.mark.parametrize("key", ["size", "sequence"])
+@pytest.mark.parametrize("value", [-4, 0, 2**50 + 1, 1.5, True, "4096", None])
+def test_every_micro_batch_amount_is_a_positive_integer(key, value):
+    data = profile_dict()
+    data["micro_batch"] = {"size": 2, "sequence": 4096, key: value}
+    with pytest.raises(InputError) as caught:
+        ModelProfile.from_dict(data)
+    assert str(caught.value) == f"micro_batch.{key}: expected an integer from 1 to 2**50, got {value!r}"
+    with pytest.raises(InputError) as built:  # a profile made in Python is held to the same
+        dataclasses.replace(small_profile(2), micro_batch={key: value})
+    assert str(built.value) == str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "micro_batch, message",
+    [
+        ({"size": 1, "tokens": 128}, "micro_batch.tokens: unknown key; expected one of sequence, size"),
+        ([1, 128], "micro_batch: expected an object, got list"),
+    ],
+)
+def test_a_micro_batch_other_than_size_and_sequence_is_refused(micro_batch, message):
+    data = profile_dict()
+    data["micro_batch"] = micro_batch
+    with pytest.raises(InputError) as caught:
+        ModelProfile.from_dict(data)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("micro_batch", [{}, {"size": 1}, {"size": 2**50, "sequence": 1}])
+def test_a_micro_batch_of_positive_integers_is_read(micro_batch):
+    data = profile_dict()
+    data["micro_batch"] = micro_batch
+    assert ModelProfile.from_dict(data).micro_batch == micro_batch
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("forward_ms", 2e9, "layers[1].spread.forward_ms: expected at most 1e+09 ms, got 2000000000.0"),
+        ("activation_bytes", 2.0**51, "layers[1].spread.activation_bytes: expected at most 2**50 bytes (1 PiB), got "),
+        ("backward_ms", -1, "layers[1].spread.backward_ms: expected a finite number >= 0, got -1"),
+    ],
+)
+def test_a_spread_is_held_to_its_fields_bounds(key, value, message):
+    data = profile_dict()
+    data["layers"][1]["spread"] = {key: value}
+    with pytest.raises(InputError) as caught:
+        ModelProfile.from_dict(data)
+    assert str(caught.value).startswith(message)
+
+
 @pytest.mark.parametrize("content", ["{", "[1, 2", "\xff\xfe", "[" * 100_000 + "]" * 100_000])
 def test_broken_json_is_one_clear_error(tmp_path, content):
     path = tmp_path / "profile.json"

@@ -763,6 +763,31 @@ def test_a_section_from_a_merge_is_not_written_into(tmp_path):
     )
 
 
+def test_a_fifty_deep_chain_of_merges_is_edited_where_it_is_used(tmp_path):
+    """Each mapping merges the one before it: the plan's micro_batch_num overrides the chain's 49 in
+    parallel_config itself, and the chain is left as written."""
+    from basics.documents import read_yaml
+
+    chain = "d0: &d0 {pipeline_stage: 2, micro_batch_num: 0, vocab_emb_dp: true}\n" + "".join(
+        f"d{n}: &d{n} {{<<: *d{n - 1}, micro_batch_num: {n}}}\n" for n in range(1, 50)
+    )
+    path = tmp_path / "train.yaml"
+    path.write_text(chain + "parallel_config:\n  <<: *d49\n  use_seq_parallel: false\n" + MODEL)
+    result = write_config("mindformers", path, layout(**PLAIN))
+    assert path.read_text() == (
+        chain + "parallel_config:\n  <<: *d49\n  use_seq_parallel: false\n  micro_batch_num: 8\n" + SPLIT
+    )
+    data = read_yaml(path, "--config")
+    assert data["parallel_config"] == {
+        "pipeline_stage": 2,
+        "micro_batch_num": 8,
+        "vocab_emb_dp": True,
+        "use_seq_parallel": False,
+    }
+    assert data["d49"]["micro_batch_num"] == 49
+    assert "parallel_config.micro_batch_num came from a merge (<<:)" in " ".join(result.notes)
+
+
 def test_a_failure_while_writing_leaves_the_config_byte_identical(tmp_path, monkeypatch):
     path = copied(tmp_path, "llama2_70b_pretrain_crlf.yaml")
     before = path.read_bytes()

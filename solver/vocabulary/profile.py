@@ -18,8 +18,11 @@ from solver.vocabulary.profile_parts import (
     Collective,
     Mesh,
     check_dimensions,
+    check_micro_batch,
     collectives_from_list,
     dimensions_from_dict,
+    micro_batch_from_dict,
+    spread_from_dict,
 )
 
 SCHEMA_VERSION = 1
@@ -281,11 +284,6 @@ class ModelProfile:
         layers_data = fields.raw("layers")
         if not isinstance(layers_data, list) or not layers_data:
             raise InputError("layers", "expected a non-empty list of layers")
-        micro_batch = fields.raw("micro_batch", {})
-        if not isinstance(micro_batch, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in micro_batch.items()
-        ):
-            raise InputError("micro_batch", f"expected an object of integers, got {micro_batch!r}")
         fields.renamed("stage_constant_bytes", "rank_constant_bytes")
         profile = cls(
             layers=tuple(_layer_from_dict(item, f"layers[{i}]") for i, item in enumerate(layers_data)),
@@ -293,7 +291,7 @@ class ModelProfile:
             source=fields.text("source"),
             device=fields.text("device"),
             dtype=fields.text("dtype"),
-            micro_batch=dict(micro_batch),
+            micro_batch=micro_batch_from_dict(fields.raw("micro_batch", {})),
             fingerprint=fields.text("fingerprint"),
             rank_constant_bytes=fields.number("rank_constant_bytes", 0.0),
             stage_output_bytes=fields.number("stage_output_bytes", 0.0),
@@ -395,9 +393,6 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
             **{name: cost.number(name) for name in COST_MESH_FIELDS},
         )
         cost.done()
-    spread = fields.raw("spread", {})
-    if not isinstance(spread, Mapping):
-        raise InputError(f"{where}.spread", f"expected an object, got {spread!r}")
     layer = LayerProfile(
         name=fields.text("name", required=True),
         kind=fields.text("kind", required=True),
@@ -409,7 +404,7 @@ def _layer_from_dict(data: object, where: str) -> LayerProfile:
         gradient_bytes=fields.number("gradient_bytes", 0.0),
         optimizer_bytes=fields.number("optimizer_bytes", 0.0),
         recompute=recompute,
-        spread={str(k): check_non_negative(v, f"{where}.spread.{k}") for k, v in spread.items()},
+        spread=spread_from_dict(fields.raw("spread", {}), f"{where}.spread"),
         parameter_tensors=fields.integer("parameter_tensors"),
         replicated_parameter_bytes=fields.number("replicated_parameter_bytes"),
         replicated_gradient_bytes=fields.number("replicated_gradient_bytes"),
@@ -437,6 +432,7 @@ def _check_profile(profile: ModelProfile) -> None:
             f"expected at most model_output_bytes ({profile.model_output_bytes:,.0f}), got {profile.loss_bytes:,.0f}",
         )
     check_dimensions(profile.dimensions)
+    check_micro_batch(profile.micro_batch)
     layers = profile.layers
     check_printable(profile.model, "model")
     for index, layer in enumerate(layers):  # names go into tables and error lines: each one line

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from basics.errors import InputError, check_bytes, check_ms, shown
+from basics.errors import InputError, check_bytes, check_ms, check_non_negative, shown
 from basics.fields import Fields
 from solver.vocabulary.spec import EXPERT_TOKENS, capacity_factor
 
@@ -18,6 +18,8 @@ BALANCED = "balanced"
 DIMENSIONS = ("hidden", "heads", "kv_heads", "head_dim", "ffn", "moe_ffn", "vocab", "experts", "experts_per_token")
 COLLECTIVE_DIMENSIONS = ("tensor", "context", "expert", "data")
 COLLECTIVE_PER = ("micro-batch", "step")
+MICRO_BATCH = ("sequence", "size")  # samples per micro-batch, tokens per sample
+MAX_COUNT = 2**50  # beyond any real batch or sequence, and where an integer still converts to a float exactly
 
 
 @dataclass(frozen=True)
@@ -173,3 +175,36 @@ def check_dimensions(dimensions: Mapping[str, object]) -> None:
             raise InputError(f"dimensions.{name}", f"unknown; expected one of {', '.join(DIMENSIONS)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InputError(f"dimensions.{name}", f"expected an integer >= 0, got {shown(value)}")
+
+
+def micro_batch_from_dict(data: object) -> dict[str, int]:
+    """The `micro_batch` object of a profile: `size` and `sequence`, each an integer from 1 to MAX_COUNT."""
+    if not isinstance(data, Mapping):
+        raise InputError("micro_batch", f"expected an object, got {type(data).__name__}")
+    check_micro_batch(data)
+    return dict(data)
+
+
+def check_micro_batch(micro_batch: Mapping[object, object]) -> None:
+    """InputError naming `micro_batch.KEY` for a key other than size and sequence or an amount outside 1..2**50."""
+    for name, value in micro_batch.items():
+        if name not in MICRO_BATCH:
+            raise InputError(f"micro_batch.{name}", f"unknown key; expected one of {', '.join(MICRO_BATCH)}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+            raise InputError(f"micro_batch.{name}", f"expected an integer from 1 to 2**50, got {shown(value)}")
+
+
+def spread_from_dict(data: object, where: str) -> dict[str, float]:
+    """A layer's `spread`: per field, its spread over the measured steps, in the field's unit (a time in ms
+    at most MAX_MS, a size in bytes at most MAX_BYTES)."""
+    if not isinstance(data, Mapping):
+        raise InputError(where, f"expected an object, got {shown(data)}")
+    spread = {}
+    for key, value in data.items():
+        number = check_non_negative(value, f"{where}.{key}")
+        if str(key).endswith("_ms"):
+            check_ms(value, f"{where}.{key}")
+        elif str(key).endswith("_bytes"):
+            check_bytes(value, f"{where}.{key}")
+        spread[str(key)] = number
+    return spread
