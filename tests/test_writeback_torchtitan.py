@@ -591,6 +591,7 @@ def test_an_installed_torchtitan_answers_where_no_checkout_is_above_the_config(t
     )
     init = tmp_path / "site-packages" / "torchtitan" / "__init__.py"
     init.write_text("")
+    init.with_name("trainer.py").write_text("")  # a TorchTitan of Python configs (Trainer.Config)
     monkeypatch.setattr(
         importlib.util,
         "find_spec",

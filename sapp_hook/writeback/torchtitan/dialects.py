@@ -30,7 +30,7 @@ import ast
 import importlib.util
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SPLIT_POINTS = "pipeline_parallel_split_points"
@@ -107,6 +107,8 @@ class Source:
     fields: Mapping[str, frozenset[str]]
     head: str | None
     ac_classes: bool
+    installed: bool = False  # the installed package, not a checkout above the config
+    python_configs: bool = True  # has `torchtitan/trainer.py`, whose Trainer.Config Python configs build
 
     def knows(self, section: str, key: str) -> bool | None:
         """Whether `section.key` is a field there (None where that section was not found)."""
@@ -125,7 +127,8 @@ def find_source(config: Path) -> Source | None:
         return None
     if spec is None or not spec.origin:
         return None
-    return read_source(Path(spec.origin).parent.parent)
+    found = read_source(Path(spec.origin).parent.parent)
+    return None if found is None else replace(found, installed=True)
 
 
 def read_source(root: Path) -> Source | None:
@@ -153,7 +156,13 @@ def read_source(root: Path) -> Source | None:
     ac_classes = "class FullAC" in (_read(package / "distributed" / "activation_checkpoint.py") or "")
     if not fields and head is None:
         return None
-    return Source(where=root, fields={k: frozenset(v) for k, v in fields.items()}, head=head, ac_classes=ac_classes)
+    return Source(
+        where=root,
+        fields={k: frozenset(v) for k, v in fields.items()},
+        head=head,
+        ac_classes=ac_classes,
+        python_configs=(package / "trainer.py").is_file(),
+    )
 
 
 def _read(path: Path) -> str | None:

@@ -10,6 +10,7 @@ from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.torchtitan.dialects import Dialect
+from sapp_hook.writeback.torchtitan.models import EVERY_PART, FIRST_PART
 from simulator.schedule import stage_to_rank
 from simulator.schedules import schedule_kind
 from solver.vocabulary.profile import FULL, NONE, SELECTIVE
@@ -23,15 +24,12 @@ NO_PIPELINE = {
     "flux": "torchtitan/models/flux, experiments/flux before",
     "llama3-siglip2": "torchtitan/experiments/vlm",
 }
-# Modules every model part of a model must list: the transformers backend's rotary embedding, shared by
-# all its layers (its own split lists it in every part; a part that does not gets an Identity there)
-EVERY_PART = {"transformers_backend": ("rotary_emb",)}
 
 
 def module_names(layout: Layout, head: str | tuple[str, ...], model: str | None = None) -> list[list[str]]:
     """Every model part's modules; `head` the output projection's name (or names: TorchTitan keeps the
     modules a part names and passes over names its model lacks); `model` the TorchTitan model's name,
-    for the modules its every part lists (EVERY_PART)."""
+    for the modules its first part (FIRST_PART) and its every part (EVERY_PART) list."""
     heads = (head,) if isinstance(head, str) else head
     parts, body = [], 0
     for cell in layout.virtual_stages():
@@ -45,6 +43,8 @@ def module_names(layout: Layout, head: str | tuple[str, ...], model: str | None 
                 names.append(f"layers.{body}")
                 body += 1
         parts.append(names + list(EVERY_PART.get(model or "", ())))
+    # a list in the config is taken as written: the vision tower is in it or in no part
+    parts[0][:0] = FIRST_PART.get(model or "", ())
     return parts
 
 

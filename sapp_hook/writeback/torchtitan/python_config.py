@@ -53,6 +53,13 @@ from sapp_hook.writeback.torchtitan.dialects import (
     find_source,
     python_dialect,
 )
+from sapp_hook.writeback.torchtitan.models import (
+    check_mtp,
+    model_from_imports,
+    mtp_in_python,
+    python_source,
+    source_notes,
+)
 from sapp_hook.writeback.torchtitan.plan_fields import (
     Checkpointing,
     change_notes,
@@ -207,10 +214,12 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     chosen = config_function(tree, function, path)
     where = f"{path}: {chosen.name}"
     check_returns(chosen, where)
-    model = _model_name(chosen, path)
+    model = _model_name(tree, chosen, path)
     check_pipelines(model, where)
-    dialect = python_dialect(tree, find_source(path))
+    source, passed_over = python_source(find_source(path), where)
+    dialect = python_dialect(tree, source)
     sites, text = Sites.of(chosen), Text(old)
+    check_mtp(mtp_in_python(each.function for each in _chain(tree, sites)), layout.pipeline_parallel, where)
     check_explicit(_calls(tree, sites, "parallelism"), where, "the pipeline fields it writes")
     # a JobConfig(...) is older than `lm_head` (2026-04); where neither its TorchTitan nor its text names
     # the head, both names are listed, of which the model has one
@@ -248,6 +257,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
     checked = _set_checkpointing(change, dialect, choice)
     new = change.edited(old, chosen.name)
     _read_back(new, path, chosen, wanted, checked)
+    result.notes += [*passed_over, *source_notes(where, source, dialect)]
     result.notes += [
         f"{where}: the config does not say which TorchTitan it is for (nor does a TorchTitan source "
         f"beside it): wrote {what}"
@@ -386,14 +396,17 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
     return found or module_config(tree, name)  # type: ignore[return-value]
 
 
-def _model_name(chosen: ast.FunctionDef, path: Path) -> str | None:
-    """The TorchTitan model a config trains: `Model(name=...)` of a JobConfig, else the model package a
-    config_registry.py sits in (`torchtitan/models/NAME/config_registry.py`)."""
+def _model_name(tree: ast.Module, chosen: ast.FunctionDef, path: Path) -> str | None:
+    """The TorchTitan model a config trains: `Model(name=...)` of a JobConfig, else the model package whose
+    model_registry or config functions it imports, else the one a config_registry.py sits in."""
     for node in ast.walk(chosen):
         if isinstance(node, ast.Call) and called(node) == "Model":
             named = next((kw.value for kw in node.keywords if kw.arg == "name"), None)
             if isinstance(named, ast.Constant) and isinstance(named.value, str):
                 return named.value
+    imported = model_from_imports(tree)
+    if imported is not None:
+        return imported
     return path.parent.name if path.name == "config_registry.py" else None
 
 

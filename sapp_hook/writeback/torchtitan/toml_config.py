@@ -24,6 +24,7 @@ from sapp_hook.writeback.torchtitan.dialects import (
     find_source,
     toml_dialect,
 )
+from sapp_hook.writeback.torchtitan.models import check_mtp, mtp_in_toml, source_notes
 from sapp_hook.writeback.torchtitan.plan_fields import (
     change_notes,
     check_degree,
@@ -54,7 +55,9 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
     model = document.get("model")
     model = _plain(model.get("name")) if isinstance(model, Mapping) else None
     check_pipelines(model, str(path))
-    dialect = toml_dialect(document, find_source(path))
+    check_mtp(mtp_in_toml(document), layout.pipeline_parallel, str(path))
+    source = find_source(path)
+    dialect = toml_dialect(document, source)
     if dialect.table == "experimental" and "experimental" not in document:
         document["experimental"] = tomlkit.table()  # where 2024's TorchTitan reads the pipeline keys
     table = document.get(dialect.table)
@@ -105,7 +108,7 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
         checked["selective_ac_option"] = choice.option
     for key, value in checked.items():
         section[key] = _like(section.get(key), value)
-    result.notes += [*_assumed(dialect), *choice.notes]
+    result.notes += [*_assumed(dialect), *source_notes(str(path), source, dialect), *choice.notes]
     new = tomlkit.dumps(document)  # its line endings: commit's, as the config had them
     _read_back(new, path, dialect.table, written, checked)
     commit_config(result, old, new, None if choice.exact else layout.plan_json(), dry_run=dry_run)
