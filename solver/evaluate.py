@@ -99,7 +99,9 @@ def evaluate_plan(
     )
 
 
-def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]) -> Plan:
+def plan_from_mindformers(
+    profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object], *, notes: list[str] | None = None
+) -> Plan:
     """A user's hand-made plan from MindFormers' keys (offset and the three recompute counts).
 
     Args:
@@ -110,6 +112,8 @@ def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mappi
             `recompute`, `select_recompute`, `select_comm_recompute` (how many body layers of each
             virtual stage are recomputed so; full ones count in all three) and `pp_interleave_num`
             (chunks, as the spec's). A key left out means 0 (or, for the select lists, the full count).
+        notes: where given, each recompute count above the layers its stage holds (MindFormers lowers
+            it to them) is said there, naming the key, the stage, the count and the layers.
 
     Returns:
         The `Plan`, status "given", simulated as `evaluate_plan` does.
@@ -130,7 +134,7 @@ def plan_from_mindformers(profile: ModelProfile, spec: PipelineSpec, keys: Mappi
         (5, 3)
     """
     check_instance(keys, Mapping, "keys", "a mapping of MindFormers keys (offset, recompute, ...)")
-    return evaluate_plan(profile, spec, *mindformers_split(profile, spec, keys))
+    return evaluate_plan(profile, spec, *mindformers_split(profile, spec, keys, notes))
 
 
 def plan_from_dict(profile: ModelProfile, data: object) -> Plan:

@@ -365,3 +365,28 @@ def test_solve_and_simulate_note_the_margin_zbv_x_tensor_parallel_needs(capsys, 
     profile.write_text(json.dumps({**json.loads(profile.read_text()), "mesh": mesh}))
     assert main([*argv, "--memory", "1TB", "--tensor-parallel", "2", *flags]) == 0
     assert ("up to 8% above its prediction" in capsys.readouterr().err) == bool(flags)
+
+
+@pytest.mark.parametrize(
+    "recompute, chunks, said",
+    [
+        ("[2, 0, 30, 0]", "1", ["recompute[2] is 30, above the 24 layers that stage holds: MindFormers recomputes 24"]),
+        (
+            "[[2, 0, 30, 0], [0, 0, 0, 13]]",
+            "2",
+            [
+                "recompute[0][2] is 30, above the 12 layers that stage holds: MindFormers recomputes 12",
+                "recompute[1][3] is 13, above the 12 layers that stage holds: MindFormers recomputes 12",
+            ],
+        ),
+    ],
+)
+def test_a_recompute_count_above_a_stages_layers_is_said(capsys, tmp_path, recompute, chunks, said):
+    """MindFormers lowers such a count to the layers the stage holds; the replay does too, and says so."""
+    config = tmp_path / "mf.yaml"
+    config.write_text(f"recompute_config:\n  recompute: {recompute}\n")
+    args = [*CASE[:2], "--pipeline-parallel", "4", "--chunks", chunks, "--micro-batches", "8"]
+    schedule = "1F1B" if chunks == "1" else "Interleaved1F1B"
+    assert main(["simulate", *args, "--schedule", schedule, "--mindformers-plan", str(config), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"sapp-hook simulate: warning: {config}: {line}" for line in said]

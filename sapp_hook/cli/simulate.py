@@ -25,6 +25,7 @@ from sapp_hook.cli.common import (
     parallel_fields,
     read_profile,
     say,
+    say_warning,
     size_flag,
     write_replay_outputs,
 )
@@ -216,12 +217,15 @@ def _replay_plan(args: argparse.Namespace) -> int:
             **parallel_fields(args),
         )
         keys = mindformers_keys(read_document(args.mindformers_plan, "--mindformers-plan"), "--mindformers-plan")
+        capped: list[str] = []
         try:
-            plan = plan_from_mindformers(profile, spec, keys)
+            plan = plan_from_mindformers(profile, spec, keys, notes=capped)
         except InputError as error:
             if error.field.startswith("--"):
                 raise
             raise InputError("--mindformers-plan", f"{args.mindformers_plan}: {error}") from None
+        for note in capped:  # the replay is of what MindFormers runs, not of the count written
+            say_warning(PROG, f"{args.mindformers_plan}: {note}")
     caveat = prediction_caveat(profile, plan.spec)
     if caveat:
         notes.append(f"note: {caveat}")

@@ -52,10 +52,11 @@ def mindformers_view(
 
 
 def mindformers_split(
-    profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object]
+    profile: ModelProfile, spec: PipelineSpec, keys: Mapping[str, object], notes: list[str] | None = None
 ) -> tuple[list[int], list[str]]:
     """The layers per virtual stage and each layer's recompute mode that MindFormers' keys (offset
-    and the three recompute counts) state for `profile` under `spec`."""
+    and the three recompute counts) state for `profile` under `spec`; in `notes`, each count above the
+    layers its stage holds, which MindFormers lowers to them."""
     unknown = sorted(set(keys) - set(MINDFORMERS_KEYS))
     if unknown:
         raise InputError(unknown[0], f"unknown key; expected {', '.join(MINDFORMERS_KEYS)}")
@@ -75,13 +76,13 @@ def mindformers_split(
     total = sum(map(sum, body_counts))
     if total != len(body):
         raise InputError("offset", f"gives {total} body layers; the profile has {len(body)} (even share {share} each)")
-    full = _per_chunk_and_rank(keys.get("recompute", 0), "recompute", ranks, chunks, per_rank=body_counts)
+    full = _per_chunk_and_rank(keys.get("recompute", 0), "recompute", ranks, chunks, body_counts, notes)
     # Fully recomputed layers count in both select lists; a list not given holds just those.
     select = _per_chunk_and_rank(
-        keys.get("select_recompute", full), "select_recompute", ranks, chunks, per_rank=body_counts
+        keys.get("select_recompute", full), "select_recompute", ranks, chunks, body_counts, notes
     )
     comm = _per_chunk_and_rank(
-        keys.get("select_comm_recompute", full), "select_comm_recompute", ranks, chunks, per_rank=body_counts
+        keys.get("select_comm_recompute", full), "select_comm_recompute", ranks, chunks, body_counts, notes
     )
 
     counts = [0] * schedule.num_virtual_stages
@@ -125,7 +126,12 @@ def mindformers_split(
 
 
 def _per_chunk_and_rank(
-    value: object, key: str, ranks: int, chunks: int, per_rank: list[list[int]] | None
+    value: object,
+    key: str,
+    ranks: int,
+    chunks: int,
+    per_rank: list[list[int]] | None,
+    notes: list[str] | None = None,
 ) -> list[list[int]]:
     """MindFormers' forms, as its LayerSetting reads them: a bool (true: every layer of each stage), 0, a list
     per stage, or a list per chunk of lists. Offsets (`per_rank` None) in a list per stage hold for every
@@ -139,7 +145,7 @@ def _per_chunk_and_rank(
         return [[0] * ranks for _ in range(chunks)]
     if isinstance(value, list) and len(value) == ranks and all(not isinstance(item, list) for item in value):
         row = [_count(item, f"{key}[{s}]", per_rank, None) for s, item in enumerate(value)]
-        return [list(row) for _ in range(chunks)] if per_rank is None else _spread(row, per_rank)
+        return [list(row) for _ in range(chunks)] if per_rank is None else _spread(row, per_rank, key, notes)
     if (
         not isinstance(value, list)
         or len(value) != chunks
@@ -150,14 +156,16 @@ def _per_chunk_and_rank(
         )
     return [
         [
-            _count(item, f"{key}[{c}][{s}]", per_rank, None if per_rank is None else per_rank[c][s])
+            _count(item, f"{key}[{c}][{s}]", per_rank, None if per_rank is None else per_rank[c][s], notes)
             for s, item in enumerate(row)
         ]
         for c, row in enumerate(value)
     ]
 
 
-def _count(item: object, where: str, per_rank: list[list[int]] | None, held: int | None) -> int:
+def _count(
+    item: object, where: str, per_rank: list[list[int]] | None, held: int | None, notes: list[str] | None = None
+) -> int:
     """One offset, or one recompute count (a bool: all or none of the `held` layers; None: of the stage's)."""
     if isinstance(item, bool) and per_rank is not None:
         return (held if held is not None else _ALL) if item else 0
@@ -165,18 +173,26 @@ def _count(item: object, where: str, per_rank: list[list[int]] | None, held: int
         raise InputError(where, f"expected an integer{' >= 0' if per_rank else ''}, got {shown(item)}")
     if abs(item) > _ALL:  # beyond any layer count: what counts and offsets add up to stays printable
         raise InputError(where, f"expected an integer between {-_ALL:,} and {_ALL:,}, got {shown(item)}")
+    if held is not None and item > held and notes is not None:
+        notes.append(_capped(where, item, held))
     return item if held is None else min(item, held)
+
+
+def _capped(where: str, count: int, held: int) -> str:
+    return f"{where} is {count}, above the {held} layers that stage holds: MindFormers recomputes {held}"
 
 
 _ALL = 2**31 - 1  # MindFormers' count for `True` in a list per stage: every layer the stage holds
 
 
-def _spread(counts: list[int], held: list[list[int]]) -> list[list[int]]:
+def _spread(counts: list[int], held: list[list[int]], key: str, notes: list[str] | None) -> list[list[int]]:
     """MindFormers' LayerSetting._alloc_recompute_layer: each stage's count, at most the layers it holds,
     handed out over its chunks one layer at a time."""
     rows = [[0] * len(counts) for _ in held]
     for stage, count in enumerate(counts):
         left = min(count, sum(row[stage] for row in held))
+        if count > left and count != _ALL and notes is not None:  # _ALL: `true`, every layer it holds
+            notes.append(_capped(f"{key}[{stage}]", count, left))
         while left:
             for chunk, row in enumerate(rows):
                 if left and row[stage] < held[chunk][stage]:

@@ -36,12 +36,19 @@ from sapp_hook.writeback.megatron.edits import (
     splice,
 )
 from sapp_hook.writeback.megatron.flags import (
+    DISTRIBUTE,
     FIRST,
+    GRANULARITY,
+    GROUP_SIZE,
     LAST,
     LAYERS_PER_VIRTUAL,
     LAYOUT,
     LEGACY,
+    METHOD,
+    MODULES,
     PP_SIZE,
+    RECOMPUTE_ACTIVATIONS,
+    RECOMPUTE_LAYERS,
     TP_SIZE,
     VIRTUAL_STAGES,
     Occurrence,
@@ -67,6 +74,10 @@ from sapp_hook.writeback.text.bash_script import read_script
 from sapp_hook.writeback.text.provenance import Command, ReadError, Reading, text_of
 
 PRINTERS = ("echo", "printf")  # they show a command's flags; they launch nothing
+# What a fragment a launcher sources holds: the flags of the split and of recompute, in variables
+PLAN_FLAGS = {FIRST, LAST, LAYOUT, LAYERS_PER_VIRTUAL, VIRTUAL_STAGES, GROUP_SIZE, GRANULARITY, METHOD}
+PLAN_FLAGS |= {RECOMPUTE_LAYERS, MODULES, RECOMPUTE_ACTIVATIONS, DISTRIBUTE, *LEGACY}
+PIPELINE_VARIABLES = ("PP", "PP_SIZE", "PIPELINE_PARALLEL_SIZE", "PIPELINE_MODEL_PARALLEL_SIZE")
 
 __all__ = ["FIRST", "LAST", "LAYOUT", "layout_string", "parse_layout", "split_flags", "write_megatron"]
 
@@ -93,7 +104,9 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     notes = result.notes
     wanted: list[tuple[str, list[str]]] = []
     # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
-    if anchor_flag == TP_SIZE or check_pipeline_size(reading, last[PP_SIZE], layout, path, notes):
+    if anchor_flag.startswith("$"):
+        notes.append(_fragment(reading, anchor_flag, layout, path))
+    elif anchor_flag == TP_SIZE or check_pipeline_size(reading, last[PP_SIZE], layout, path, notes):
         wanted.append((PP_SIZE, [str(layout.pipeline_parallel)]))
     check_model(reading, last, launchers, layout, path)
     mtp = check_layers(reading, last, layout, path, notes)
@@ -160,13 +173,17 @@ def _read(path: Path, text: str, arguments_file: bool, overrides: dict[Path, str
         raise InputError("--config", error.detail) from None
 
 
-def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
-    """The commands that get the pipeline size; in a fragment that only sets variables of flags (for
-    the script that sources it), those variables; where neither has one, the commands that get the
-    tensor-parallel size (the pipeline size is added there)."""
+def _launchers(reading: Reading, path: Path, anchor: str = "") -> tuple[list[int], str]:
+    """The commands that get the pipeline size, and that flag; in a fragment that only sets variables of
+    flags (for the script that sources it), those variables; where neither has one, the commands that
+    get the tensor-parallel size. Last, a fragment whose variables hold split or recompute flags (its
+    launcher passes the pipeline size): those variables, and `$NAME ...` for the flag (`anchor`: read
+    the variables it names again)."""
+    if anchor.startswith("$"):
+        return _add_fragments(reading, set(), anchor[1:].split(" $")), anchor
     for flag, fragments in ((PP_SIZE, False), (PP_SIZE, True), (TP_SIZE, False)):
         if fragments:
-            _add_fragments(reading, flag)
+            _add_fragments(reading, {flag})
         found = [
             index
             for index, command in enumerate(reading.commands)
@@ -175,6 +192,10 @@ def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
         ]
         if found:
             return found, flag
+    added = len(reading.commands)
+    names = [reading.definitions[index].name for index in _fragment_definitions(reading, PLAN_FLAGS, ())]
+    if names and _add_fragments(reading, PLAN_FLAGS):
+        return list(range(added, len(reading.commands))), "$" + " $".join(names)
     unfollowed = f"; not followed: {', '.join(reading.unfollowed)}" if reading.unfollowed else ""
     raise InputError(
         "--config",
@@ -183,18 +204,52 @@ def _launchers(reading: Reading, path: Path) -> tuple[list[int], str]:
     )
 
 
-def _add_fragments(reading: Reading, flag: str) -> None:
-    """Each variable whose (last) value holds the flag, as the arguments of a command to be."""
+def _add_fragments(reading: Reading, flags: set[str], names: list[str] | tuple[str, ...] = ()) -> list[int]:
+    """Each variable whose (last) value holds one of the flags, or is named, as the arguments of a
+    command to be; their indexes in `reading.commands`."""
+    added = []
+    for index in _fragment_definitions(reading, flags, names):
+        definition = reading.definitions[index]
+        fields = tuple(part for item in definition.value.elements() for part in split_fields(item))  # type: ignore[union-attr]
+        added.append(len(reading.commands))
+        reading.commands.append(Command(fields, definition.box, definition.conditional, False))
+    return added
+
+
+def _fragment_definitions(reading: Reading, flags: set[str], names: list[str] | tuple[str, ...]) -> list[int]:
     latest: dict[str, int] = {}
     for index, definition in enumerate(reading.definitions):
         value = definition.value
         fields = [part for item in value.elements() for part in split_fields(item)] if value else []
-        if any(occurrence.flag == flag for occurrence in scan(tuple(fields), -1)):
+        if definition.name in names or any(occurrence.flag in flags for occurrence in scan(tuple(fields), -1)):
             latest[definition.name] = index
-    for index in latest.values():
-        definition = reading.definitions[index]
-        fields = tuple(part for item in definition.value.elements() for part in split_fields(item))  # type: ignore[union-attr]
-        reading.commands.append(Command(fields, definition.box, definition.conditional, False))
+    return list(latest.values())
+
+
+def _fragment(reading: Reading, anchor: str, layout: Layout, path: Path) -> str:
+    """The note for a fragment a launcher sources; InputError where its pipeline size is not the plan's."""
+    said = f"{path.name} runs no Megatron-LM command: read as a fragment sourced by a launch script"
+    sizes = [
+        definition
+        for definition in reading.definitions
+        if definition.name in PIPELINE_VARIABLES and definition.value is not None and not definition.conditional
+    ]
+    size = text_of(sizes[-1].value.scalar()) if sizes else None  # type: ignore[union-attr]
+    if size is None or not size.isdigit():
+        return (
+            f"{said}; the plan's flags are written in {anchor}, and the launcher's {PP_SIZE} must be the "
+            f"plan's {layout.pipeline_parallel}"
+        )
+    box = reading.boxes[sizes[-1].box]
+    place = f"{reading.files[box.file].path.name} line {reading.files[box.file].line(box.start)}"
+    if int(size) != layout.pipeline_parallel:
+        raise InputError(
+            "--config",
+            f"{said}, it sets {sizes[-1].name}={size} ({place}), which its launcher passes as {PP_SIZE}; "
+            f"the plan is for {layout.pipeline_parallel} pipeline ranks: plan for {size} or set "
+            f"{sizes[-1].name}={layout.pipeline_parallel} first",
+        )
+    return f"{said}; the plan's flags are written in {anchor}, for {sizes[-1].name}={size} ({place})"
 
 
 def _unseen(reading: Reading, launchers: list[int]) -> list[str]:
@@ -252,11 +307,11 @@ def _rewrite(
         texts = _change(reading, launchers, anchor_flag, wanted, removed_flags, notes, {})
         overrides = {file: new for file, (_, new) in texts.items()}
         reread = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
-        again, _ = _launchers(reading=reread, path=path)
+        again, _ = _launchers(reading=reread, path=path, anchor=anchor_flag)
         texts = _change(reread, again, anchor_flag, wanted, removed_flags, notes, texts, insert=True)
         overrides = {file: new for file, (_, new) in texts.items()}
         final = _read(path, overrides.get(path.resolve(), old), arguments_file, overrides)
-        _verify(reading, launchers, final, wanted, removed_flags)
+        _verify(reading, launchers, final, wanted, removed_flags, anchor_flag)
     except EditError as error:
         raise InputError("--config", f"{path}: {error.detail}; nothing was written") from None
     for file, (before, after) in texts.items():
@@ -281,9 +336,7 @@ def _change(
     edits = []
     anchors: dict[tuple[int, int], Occurrence] = {}
     for index in launchers:
-        found = [
-            occurrence for occurrence in scan(reading.commands[index].argv, index) if occurrence.flag == anchor_flag
-        ]
+        found = _anchors(reading, index, anchor_flag)
         anchors.setdefault(found[-1].key(), found[-1])  # argparse takes the last
     anchor_boxes = {anchor.name[0].trail[-1].box for anchor in anchors.values() if anchor.name and anchor.name[0].trail}
     uses = _variable_uses(reading, launchers)
@@ -381,6 +434,16 @@ def _applied(reading: Reading, edits: list, texts: dict[Path, tuple[str, str]]) 
     return changed
 
 
+def _anchors(reading: Reading, index: int, anchor_flag: str) -> list[Occurrence]:
+    """Where flags are added in a command: after the anchor flag; in a fragment, after its last word."""
+    argv = reading.commands[index].argv
+    if not anchor_flag.startswith("$"):
+        return [occurrence for occurrence in scan(argv, index) if occurrence.flag == anchor_flag]
+    if not argv or text_of(argv[-1]) is None:
+        raise EditError(f"{anchor_flag} ends in no word written out, after which flags could be added")
+    return [Occurrence(text_of(argv[-1]) or "", argv[-1], (), index, len(argv) - 1, False)]
+
+
 def _variable_uses(reading: Reading, launchers: list[int]) -> dict[str, set[tuple[int, int]]]:
     """Each variable the launch commands expand, and which of their arguments use it."""
     uses: dict[str, set[tuple[int, int]]] = {}
@@ -403,11 +466,12 @@ def _verify(
     after: Reading,
     wanted: list[tuple[str, list[str]]],
     removed_flags: list[str],
+    anchor_flag: str,
 ) -> None:
     """The rewritten script passes each wanted flag once with the plan's value, none of `removed_flags`,
     and every other argument as before."""
     try:
-        again = _launchers(after, Path(""))[0]
+        again = _launchers(after, Path(""), anchor_flag if anchor_flag.startswith("$") else "")[0]
     except InputError:
         raise EditError(f"the rewritten script passes {PP_SIZE} to no command") from None
     if len(again) != len(launchers):

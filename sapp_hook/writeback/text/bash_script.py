@@ -46,9 +46,14 @@ NOT_BLANK = re.compile(f"[^{IFS}]+")
 MAX_FILES = 32
 MAX_DEPTH = 16  # sourced files, called scripts, evals and function calls inside each other
 _SOURCE = r"\$(?:0|\{0\}|BASH_SOURCE|\{BASH_SOURCE(?:\[0\])?\})"
-_DIRNAME = rf"\$\(dirname(?:{_SOURCE}|\$\((?:realpath|readlink-f){_SOURCE}\))\)"
-# the script's own folder, as scripts compute it (quotes and blanks taken out first)
-SCRIPT_DIR = re.compile(rf"^(?:{_DIRNAME}|\$\((?:cd{_DIRNAME}(?:&&|;)pwd(?:-P)?|realpath{_DIRNAME})\))$")
+_CANONICAL = r"(?:realpath(?:-[es])?|readlink-[fem]|readlink--canonicalize(?:-existing|-missing)?)(?:--)?"
+_DIRNAME = rf"\$\(dirname(?:--)?(?:{_SOURCE}|\$\({_CANONICAL}{_SOURCE}\))\)"
+_QUIET = r"(?:[12&]?>/dev/null|2>&1)*"  # cd's output thrown away
+# the script's own folder, as scripts compute it (quotes and blanks taken out first, `...` read as $(...))
+SCRIPT_DIR = re.compile(
+    rf"^(?:{_DIRNAME}|\$\((?:cd(?:--)?{_DIRNAME}{_QUIET}(?:&&|;)pwd(?:-P)?|realpath{_DIRNAME})\)"
+    r"|\$\{(?:BASH_SOURCE(?:\[0\])?|0)%/\*\})$"
+)
 POSITIONAL = re.compile(r"\$(?:[1-9@*]|\{(?:[1-9]|[@*])\})")
 FILE_CONTENT = re.compile(r"""^\$\(\s*(?:cat\s+|<\s*)(["']?)([^\s"'$`;&|<>()]+)\1\s*\)$""")
 
@@ -348,7 +353,9 @@ class _Run:
         path = self.resolve(name, unit.file) if name else None
         if path is None or depth >= MAX_DEPTH:
             said = name if name is not None else "".join(ch.unknown or ch.text for ch in name_field)
-            self.reading.unfollowed.append(f"{said} (run from {self.reading.files[unit.file].path.name}): not found")
+            missing = f"{said} (run from {self.reading.files[unit.file].path.name}): not found"
+            if missing not in self.reading.unfollowed:  # sourced from several places: said once
+                self.reading.unfollowed.append(missing)
             return
         index = self.load(path, arguments=False)
         self.block_file(index, child or scope, conditional, evaluated, depth + 1)
@@ -530,7 +537,7 @@ class _Run:
     def opaque(self, part: Opaque, unit: _Unit, scope: _Scope, box: int) -> list[Ch]:
         trail = unit.span_trail(part.start, part.end, box, part.quote)
         text = part.text
-        if SCRIPT_DIR.match(re.sub(r"[\s\"']", "", text)):
+        if SCRIPT_DIR.match(re.sub(r"`([^`]*)`", r"$(\1)", re.sub(r"[\s\"']", "", text))):
             folder = str(self.reading.files[unit.file].path.resolve().parent)
             return [Ch(folder, ())]
         content = FILE_CONTENT.match(text)
