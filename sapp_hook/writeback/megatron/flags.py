@@ -49,7 +49,39 @@ LEGACY = {
     "--moe-layer-recompute": "--recompute-granularity selective --recompute-modules moe",
 }
 
+# MindSpeed-LLM's own flags (mindspeed_llm/training/arguments.py and MindSpeed's features), read where a
+# script is of that dialect (`writeback.mindspeed`)
+NUM_LAYER_LIST = "--num-layer-list"  # decoder layers per pipeline rank, "17,20,22,21"
+NOOP_LAYERS = "--noop-layers"  # ids (of --num-layers) of layers that do nothing
+PIPELINE_NUM_LAYERS = "--pipeline-num-transformer-layers"  # "[[a,b],[c,d]]": per rank, per virtual stage
+SCHEDULES_METHOD = "--schedules-method"  # dualpipev
+FB_OVERLAP = "--moe-fb-overlap"
+SWAP_ATTENTION, SWAP_MODULES = "--swap-attention", "--swap-modules"
+PER_PP_RANK = "--enable-recompute-layers-per-pp-rank"
+RECOMPUTE_ACTIVATION_FUNCTION = "--recompute-activation-function"
+RECOMPUTE_ACTIVATION_LAYERS = "--recompute-activation-function-num-layers"
+RECOMPUTE_NORM, RECOMPUTE_NORM_LAYERS = "--recompute-norm", "--recompute-norm-num-layers"
+USE_MCORE, CKPT_FORMAT, LOAD = "--use-mcore-models", "--ckpt-format", "--load"
+MINDSPEED_FLAGS = {
+    NUM_LAYER_LIST: ONE,
+    NOOP_LAYERS: ONE,
+    PIPELINE_NUM_LAYERS: ONE,
+    SCHEDULES_METHOD: ONE,
+    FB_OVERLAP: SWITCH,
+    SWAP_ATTENTION: SWITCH,
+    SWAP_MODULES: ONE,
+    PER_PP_RANK: SWITCH,
+    RECOMPUTE_ACTIVATION_FUNCTION: SWITCH,
+    RECOMPUTE_ACTIVATION_LAYERS: ONE,
+    RECOMPUTE_NORM: SWITCH,
+    RECOMPUTE_NORM_LAYERS: ONE,
+    USE_MCORE: SWITCH,
+    CKPT_FORMAT: ONE,
+    LOAD: ONE,
+}
+
 FLAGS = {
+    **MINDSPEED_FLAGS,
     PP_SIZE: ONE,
     TP_SIZE: ONE,
     NUM_LAYERS: ONE,

@@ -32,6 +32,7 @@ from sapp_hook.writeback.megatron.flags import (
     MODULES,
     MTP_LAYERS,
     NO_OVERLAP_P2P,
+    NOOP_LAYERS,
     NUM_LAYERS,
     PATTERN,
     PP_SIZE,
@@ -153,8 +154,16 @@ def check_pipeline_size(reading: Reading, occurrence: Occurrence, layout: Layout
     return False
 
 
-def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path, notes: list[str]) -> int:
-    """The MTP layers (`--mtp-num-layers`, the plan's last body layers); the layer count checked."""
+def check_layers(
+    reading: Reading,
+    last: dict[str, Occurrence],
+    layout: Layout,
+    path: Path,
+    notes: list[str],
+    noop: tuple[int, ...] = (),
+) -> int:
+    """The MTP layers (`--mtp-num-layers`, the plan's last body layers); the layer count checked (`noop`:
+    ids of layers that do nothing, counted in --num-layers: MindSpeed-LLM's --noop-layers)."""
     mtp = 0
     if MTP_LAYERS in last:
         value = value_of(reading, last[MTP_LAYERS])
@@ -171,8 +180,10 @@ def check_layers(reading: Reading, last: dict[str, Occurrence], layout: Layout, 
         _check_pattern_layers(reading, last, layout.body_layers - mtp, path)
         return mtp
     value = value_of(reading, last[NUM_LAYERS])
-    declared, expected = value.number(), layout.body_layers - mtp
+    declared, expected = value.number(), layout.body_layers - mtp + len(noop)
     mtp_said = f" + {MTP_LAYERS} {mtp}" if mtp else ""
+    if noop:
+        mtp_said += f", {len(noop)} of them {NOOP_LAYERS} {','.join(map(str, noop))}"
     said = f"{NUM_LAYERS} {_said(reading, last[NUM_LAYERS], value)}{mtp_said}"
     if value.determined() and declared != expected:  # Megatron refuses a split whose layers do not add up
         raise PlanMismatch(f"places {layout.body_layers} decoder layers; {path} has {said}")
@@ -370,10 +381,10 @@ def plan_flags(
         group = layout.microbatch_group_size or default_group_size(layout.pipeline_parallel, layout.micro_batches)
         if group != layout.pipeline_parallel or GROUP_SIZE in last:  # Megatron's default is the pipeline size
             wanted.append((GROUP_SIZE, [str(group)]))
-    return _recompute(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
+    return recompute_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
 
 
-def _recompute(
+def recompute_flags(
     reading: Reading,
     last: dict[str, Occurrence],
     occurring: list[Occurrence],

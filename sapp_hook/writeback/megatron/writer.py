@@ -70,6 +70,8 @@ from sapp_hook.writeback.megatron.plan_flags import (
     split_flags,
     where,
 )
+from sapp_hook.writeback.mindspeed.dialect import mindspeed_dialect
+from sapp_hook.writeback.mindspeed.plan_flags import mindspeed_flags
 from sapp_hook.writeback.text.bash_script import read_script
 from sapp_hook.writeback.text.provenance import Command, ReadError, Reading, text_of
 
@@ -91,8 +93,8 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     """Write the plan into the launch script (or arguments file) at `path` and the files it sources or
     runs where its flags are; in a dry run only the diff. InputError, and nothing written, where the
     script cannot run the plan or a change cannot be made safely."""
-    if layout.schedule not in SCHEDULES:
-        raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
+    if layout.schedule not in (*SCHEDULES, "DualPipeV"):  # MindSpeed-LLM runs DualPipeV (its dialect, below)
+        _refuse_schedule(layout)
     old = read_config(path)
     _refuse_yaml(path, old)
     arguments_file = not _is_script(path, old)
@@ -102,6 +104,9 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     occurring = occurrences(reading, launchers)
     last = {occurrence.flag: occurrence for occurrence in occurring if not occurrence.alternative}
     notes = result.notes
+    dialect = mindspeed_dialect(reading, last, launchers, path)
+    if layout.schedule not in SCHEDULES and dialect is None:
+        _refuse_schedule(layout)
     wanted: list[tuple[str, list[str]]] = []
     # where no command gets the size, Megatron would run one stage: the plan's is added (said below)
     if anchor_flag.startswith("$"):
@@ -109,11 +114,14 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     elif anchor_flag == TP_SIZE or check_pipeline_size(reading, last[PP_SIZE], layout, path, notes):
         wanted.append((PP_SIZE, [str(layout.pipeline_parallel)]))
     check_model(reading, last, launchers, layout, path)
-    mtp = check_layers(reading, last, layout, path, notes)
+    mtp = check_layers(reading, last, layout, path, notes, dialect.noop if dialect else ())
     check_micro_batches(reading, last, layout, path, notes)
     check_interleaving(reading, last, layout)
     removed_flags: list[str] = []
-    inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
+    if dialect is None:
+        inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
+    else:
+        inexact = mindspeed_flags(reading, last, occurring, layout, mtp, dialect, wanted, removed_flags, notes)
     texts = _rewrite(path, old, arguments_file, reading, launchers, anchor_flag, wanted, removed_flags, notes)
     if anchor_flag == TP_SIZE:
         notes.insert(
@@ -141,6 +149,10 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
 
 
 # -- reading -------------------------------------------------------------------------------------
+
+
+def _refuse_schedule(layout: Layout) -> None:
+    raise InputError("--plan", f"Megatron-LM runs {', '.join(SCHEDULES)}; this plan is for {layout.schedule}")
 
 
 def _refuse_yaml(path: Path, text: str) -> None:
