@@ -28,7 +28,7 @@ def test_a_schedule_too_large_for_the_time_limit_is_refused_naming_its_largest_c
     assert caught.value.field == "micro_batches" and "make 201,326,592 ZBVZeroBubble actions" in caught.value.detail
     with pytest.raises(InputError) as caught:
         check_time_limit("1F1B", 50_000, None, 8, 1)
-    assert caught.value.field == "ranks" and caught.value.detail.endswith(
+    assert caught.value.field == "pipeline_parallel" and caught.value.detail.endswith(
         "at most 5,000 ranks fit it, or allow more time"
     )
     check_time_limit("1F1B", 4, None, 55_000, 10)  # 440,000 actions: 11 s, the limit and a second's grace

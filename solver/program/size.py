@@ -16,9 +16,8 @@ def check_time_limit(
     schedule: str | None, ranks: int, chunks: int | None, micro_batches: int, time_limit_s: float
 ) -> None:
     """Refuse a schedule whose actions take longer to build and replay than `time_limit_s` (inf: none)
-    and GRACE_S,
-    before any is built: an InputError naming the count that makes it large (`micro_batches`, `ranks`
-    or `chunks`, the largest) and how many would fit. `chunks` None: the schedule's default;
+    and GRACE_S, before any is built: an InputError naming the count that makes it large (`micro_batches`,
+    `pipeline_parallel` or `chunks`, the largest) and how many would fit. `chunks` None: the schedule's default;
     `schedule` None: the one with the fewest actions (a forward and a backward per micro-batch)."""
     if math.isinf(time_limit_s):
         return
@@ -29,10 +28,10 @@ def check_time_limit(
     seconds = actions * SECONDS_PER_ACTION
     if seconds <= time_limit_s + GRACE_S:
         return
-    counts = {"micro_batches": micro_batches, "ranks": ranks, "chunks": chunks}
+    counts = {"micro_batches": micro_batches, "pipeline_parallel": ranks, "chunks": chunks}
     largest = max(counts, key=counts.__getitem__)  # the count that went astray, most likely
     fitting = math.floor((time_limit_s + GRACE_S) / (seconds / counts[largest]))
-    noun = largest.replace("_", "-")
+    noun = {"micro_batches": "micro-batches", "pipeline_parallel": "ranks", "chunks": "chunks"}[largest]
     what_fits = f"at most {fitting:,} {noun} fit it, or allow more time" if fitting else "allow more time"
     raise InputError(
         largest,
