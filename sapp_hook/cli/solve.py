@@ -35,6 +35,7 @@ from simulator import SCHEDULES, InputError
 from solver import PipelineSpec, Plan, solve
 from solver.compare import candidates, describe, fastest
 from solver.parallel.model_parallel import prediction_caveat
+from solver.program.size import check_time_limit
 
 PROG = "sapp-hook solve"
 
@@ -93,6 +94,16 @@ def _run(args: argparse.Namespace) -> int:
     auto = args.schedule == "auto"  # the fastest of every schedule sapp-hook plans
     if auto and args.chunks is not None:
         raise InputError("--chunks", "--schedule auto chooses the chunks with the schedule: leave --chunks out")
+    check_seconds(args.time_limit, "--time-limit")
+    # before the spec builds the schedule: a schedule too large for the limit takes minutes to build
+    options = candidates(SCHEDULES) if auto else None
+    check_time_limit(
+        None if auto else args.schedule,  # under auto, the fewest actions of any
+        args.pipeline_parallel,
+        None if auto else args.chunks,
+        args.micro_batches,
+        args.time_limit / len(options) if options else args.time_limit,
+    )
     spec = PipelineSpec(
         pipeline_parallel=args.pipeline_parallel,
         micro_batches=args.micro_batches,
@@ -107,7 +118,6 @@ def _run(args: argparse.Namespace) -> int:
         receive_buffers=args.receive_buffers,
         **parallel_fields(args),
     )
-    check_seconds(args.time_limit, "--time-limit")
     caveat = prediction_caveat(profile, spec)
     if caveat:
         notes.append(f"note: {caveat}")
@@ -115,7 +125,6 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(talk)
     keep = (lambda best: _write_plan(best, outputs, talk)) if args.keep_best_on_interrupt else "raise"
     if auto:
-        options = candidates(SCHEDULES)
         plans = fastest(profile, spec, options, args.time_limit / len(options), on_interrupt=keep)
         if talk:
             for each in plans:

@@ -12,6 +12,7 @@ slower, which is where the integer plans near it differ.
 from __future__ import annotations
 
 import itertools
+import time
 
 from basics.units import MIB
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OPS
@@ -163,9 +164,12 @@ class IntegerProgram(LayerPlacement):
         hops = sum(1 for before, after in itertools.pairwise(chain) if compiled.rank[before] != compiled.rank[after])
         return terms, hops
 
-    def add_paths_of_slower_stages(self, values: list[float]) -> None:
-        """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower."""
+    def add_paths_of_slower_stages(self, values: list[float], deadline: float = INF) -> None:
+        """Add the critical path of `values` with each virtual stage in turn SLOWER_STAGE slower, until
+        `deadline` (a time.perf_counter() value): each is a replay, and there are as many as virtual stages."""
         for virtual in range(self.schedule.num_virtual_stages):
+            if time.perf_counter() >= deadline:
+                return
             slower = list(values)
             for op in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
                 slower[self.duration[virtual, op]] *= 1 + SLOWER_STAGE

@@ -155,11 +155,7 @@ def _working_sets(placement: LayerPlacement, last_layer: list[tuple[Linear, Line
             head_rows = []
             # the head's backward runs last, after every other layer here has freed
             if head + handed_to_head > pinned:
-                terms = {
-                    count: -placement.groups[g].activation_mib[mode]
-                    for (g, virtual, mode), count in placement.count.items()
-                    if virtual == c
-                }
+                terms = {count: -placement.groups[g].activation_mib[mode] for g, mode, count in placement.counts_at[c]}
                 # with a body layer here: the head's handed gradient less the tables the blocks freed (negative is safe)
                 body_coefficient = handed_to_head - placement.profile.stage_shared_bytes / MIB
                 if body_coefficient:

@@ -26,12 +26,15 @@ class LayerPlacement:
         self.milp = milp = Milp()
         num_virtual_stages = schedule.num_virtual_stages
         self.count: dict[tuple[int, int, str], int] = {}  # (group, virtual stage, mode) -> variable
+        # per virtual stage, its (group, mode, variable)s in the order of `count`: scanning `count` per stage is quadratic
+        self.counts_at: list[list[tuple[int, str, int]]] = [[] for _ in range(num_virtual_stages)]
         for g, group in enumerate(groups):
             if group.pinned_virtual_stage is not None:
                 continue
             for c in range(num_virtual_stages):
                 for mode in group.modes:
                     self.count[g, c, mode] = milp.variable(0, group.size, integer=True)
+                    self.counts_at[c].append((g, mode, self.count[g, c, mode]))
             milp.row(
                 {self.count[g, c, m]: 1.0 for c in range(num_virtual_stages) for m in group.modes},
                 group.size,
@@ -44,7 +47,7 @@ class LayerPlacement:
             for c in range(num_virtual_stages):
                 pinned = sum(g.size for g in groups if g.pinned_virtual_stage == c)
                 if not pinned:
-                    milp.row({v: 1.0 for (g, virtual, m), v in self.count.items() if virtual == c}, lower=1)
+                    milp.row({v: 1.0 for _, _, v in self.counts_at[c]}, lower=1)
         self._group_presence: dict[tuple[int, int], int] = {}  # (group, virtual stage) -> 1 where it holds the group
         self._end_indicators: dict[tuple[int, int | None, int], int] = {}  # see _end_indicator
         self._end_terms: list[tuple[int, int, int | None]] = []  # (indicator, group present, neighbour present)
@@ -136,8 +139,8 @@ class LayerPlacement:
         single counts would not."""
         schedule = self.schedule
         for rank in range(schedule.ranks):
-            held = set(schedule.virtual_stages_of(rank))
-            terms = {variable: 1.0 for (_, virtual, _), variable in self.count.items() if virtual in held}
+            held = sorted(v for c in schedule.virtual_stages_of(rank) for _, _, v in self.counts_at[c])
+            terms = dict.fromkeys(held, 1.0)  # in the order of `count`
             if len(terms) > 1:
                 total = self.milp.variable(0, sum(g.size for g in self.groups), integer=True)
                 self.milp.row({**terms, total: -1.0}, 0.0, 0.0)
@@ -173,8 +176,7 @@ class LayerPlacement:
             if size is None
             else [
                 (count, size(self.groups[g], mode), self._freed_before(virtual, g, mode, freed, front_to_back))
-                for (g, c, mode), count in self.count.items()
-                if c == virtual
+                for g, mode, count in self.counts_at[virtual]
             ]
         )
         choices = [choice for choice in choices if choice[1] > pinned]
@@ -200,9 +202,8 @@ class LayerPlacement:
         first, rank = sign * self.groups[g].first, sign * MODE_ORDER.index(mode)
         passed = {
             count: freed(self.groups[h], other)
-            for (h, c, other), count in self.count.items()
-            if c == virtual
-            and (sign * self.groups[h].first > first or (h == g and sign * MODE_ORDER.index(other) > rank))
+            for h, other, count in self.counts_at[virtual]
+            if sign * self.groups[h].first > first or (h == g and sign * MODE_ORDER.index(other) > rank)
         }
         return {count: bytes_freed for count, bytes_freed in passed.items() if bytes_freed}
 

@@ -32,6 +32,7 @@ from solver.program.formulation import PATHS, START_TIMES, IntegerProgram
 from solver.program.groups import LayerGroup, check_room, layer_groups
 from solver.program.infeasible import infeasible_error
 from solver.program.milp import INF, MilpResult, dot, within
+from solver.program.size import check_time_limit
 from solver.program.start import balanced_plan, improved_by_moves
 from solver.vocabulary.plan import Plan
 from solver.vocabulary.profile import ModelProfile
@@ -40,6 +41,8 @@ from solver.vocabulary.spec import PipelineSpec
 log = logging.getLogger("solver")
 TIME_SLACK = 1e-7  # relative: later solves keep the iteration time within this of the best
 BOUND_LIMIT_S = 5.0  # the most a stopped search spends past its limit on a bound of its own
+REPLAY_SECONDS_PER_ACTION = 10e-6  # two replays of a plan, measured at 0.4-0.6 M actions
+BOUND_SHARE, BOUND_LEAST_S = 0.1, 0.5  # of the limit, or at least this, within BOUND_LIMIT_S
 # Nodes per tie-break (a count, unlike a time, is deterministic): proving a min-max peak can take minutes.
 TIE_BREAK_NODES = {START_TIMES: 200, PATHS: 50}
 POLISH_SHARE = 0.1  # of a start-times limit, to choose a stopped search's recompute again (far faster)
@@ -84,7 +87,9 @@ def solve(
         InputError: `profile` or `spec` of the wrong type, a `time_limit_s` that is not a number of
             seconds > 0 (inf: no limit), an unknown `on_interrupt`, a mesh the profile cannot be
             divided for, too few body layers to fill every virtual stage (naming `pipeline_parallel`;
-            unless `spec.allow_empty_chunks`), or no plan found within `time_limit_s` (naming it).
+            unless `spec.allow_empty_chunks`), a schedule with more actions than can be built and
+            replayed within `time_limit_s` (naming the largest of `micro_batches`, `ranks`, `chunks`,
+            before anything is built), or no plan found within `time_limit_s` (naming it).
 
     Example:
         >>> from solver import LayerProfile, ModelProfile, PipelineSpec, RecomputeCost
@@ -114,6 +119,8 @@ def solve(
         raise InputError(
             "on_interrupt", f"expected one of {', '.join(ON_INTERRUPT)} or a function, got {on_interrupt!r}"
         )
+    schedule = spec.pipeline_schedule
+    check_time_limit(schedule.name, schedule.ranks, schedule.chunks, schedule.micro_batches, time_limit_s)
     profile = rank_profile(profile, spec)  # one rank of the spec's mesh from here on
     scale = _search_time_scale(profile, spec)
     if scale != 1.0:
@@ -211,8 +218,9 @@ def _average_work_bound_ms(profile: ModelProfile, spec: PipelineSpec) -> float:
 def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, found: _Found) -> Plan:
     """`solve` at the profile's own times, recording in `found` what it finds as it goes."""
     started = found.started
-    deadline = started + time_limit_s
     schedule = spec.pipeline_schedule
+    # the plan's replay after the search, and the caller's of the even split, are in the limit too
+    deadline = started + max(time_limit_s - REPLAY_SECONDS_PER_ACTION * schedule.num_actions, 0.0)
     groups = layer_groups(profile, spec, schedule.num_virtual_stages)
     check_room(schedule, groups, spec)
     log.info("solving %s, %d layers (%d actions)", schedule.describe(), len(profile.layers), schedule.num_actions)
@@ -220,32 +228,38 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
     program = found.program = IntegerProgram(
         profile, spec, schedule, groups, with_budget=True, timing=_timing_for(schedule)
     )
-    if program.timing == PATHS:
-        _paths_of_relaxation(program, deadline)
+    built_s = time.perf_counter() - started
     # first, so it cannot overrun: what a stopped search falls back on (the first LP alone can take minutes)
     balanced = balanced_plan(program, move_layers=False)
     fallback = balanced if balanced is not None else balanced_plan(program, move_layers=True)
     found.add(fallback)
+    if program.timing == PATHS:
+        _paths_of_relaxation(program, deadline)
     if fallback is not None and program.timing == START_TIMES:
         fallback = improved_by_moves(program, fallback, started + time_limit_s / 2)  # start-time searches stop often
         found.add(fallback)
     # started from the balanced split, critical-path searches skip HiGHS's root heuristics (a moved split starts too far off)
     seeded = program.timing == PATHS and balanced is not None
-    if seeded:
+    if seeded and time.perf_counter() < deadline:
         # the start's own paths, so that its first solve misses none
         program.simulated_time(balanced, add_path=True)
-        program.add_paths_of_slower_stages(balanced)
+        program.add_paths_of_slower_stages(balanced, deadline)
     # start-time searches keep a share of the limit for `_polished`; one proven in time leaves it to the tie-breaks
     search_deadline = deadline - POLISH_SHARE * time_limit_s if program.timing == START_TIMES else deadline
     found.searching_fastest = True
-    fastest = _minimize(
-        program,
-        {program.iteration: 1.0},
-        search_deadline,
-        progress=_log_progress,
-        heuristics=not seeded,
-        hint={variable: balanced[variable] for variable in program.count.values()} if seeded else None,
-    )
+    if fallback is not None and time.perf_counter() >= search_deadline:
+        # HiGHS takes seconds on a large program before it first checks its clock
+        log.info("no time left to search: building the program and the plan without search took the limit")
+        fastest = MilpResult("stopped", None, None, -INF, 0)
+    else:
+        fastest = _minimize(
+            program,
+            {program.iteration: 1.0},
+            search_deadline,
+            progress=_log_progress,
+            heuristics=not seeded,
+            hint={variable: balanced[variable] for variable in program.count.values()} if seeded else None,
+        )
     found.searching_fastest = False
     found.add(fastest.values)
     if math.isfinite(fastest.bound):
@@ -267,7 +281,7 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
                 format_ms(fallback_plan.iteration_time_ms),
             )
             values, plan = fallback, fallback_plan
-    if not proven and plan is not None and program.timing == START_TIMES:
+    if not proven and plan is not None and program.timing == START_TIMES and time.perf_counter() < deadline:
         polished = _polished(program, values, deadline)
         found.add(polished)
         if polished is not None:
@@ -291,7 +305,10 @@ def _search(profile: ModelProfile, spec: PipelineSpec, time_limit_s: float, foun
         lower_bound = plan.iteration_time_ms
     else:  # HiGHS's bound is -inf or nan before its first LP is solved (large schedules)
         searched_bound = fastest.bound if math.isfinite(fastest.bound) else -INF
-        busiest = _busiest_rank_bound_ms(profile, spec, schedule, groups)
+        # its program costs what this one did to build: past a small share of the limit, the bound that costs nothing
+        allowance = min(BOUND_LIMIT_S, max(BOUND_LEAST_S, BOUND_SHARE * time_limit_s))
+        busiest = _busiest_rank_bound_ms(profile, spec, schedule, groups, allowance) if built_s <= allowance else 0.0
+        busiest = max(busiest, _average_work_bound_ms(profile, spec))  # the LP may not solve in time
         lower_bound = min(max(searched_bound, busiest), plan.iteration_time_ms)
     return plan.with_search(
         status="optimal" if proven else "feasible",
@@ -340,12 +357,16 @@ def _polished(program: IntegerProgram, values: list[float], deadline: float) -> 
 
 
 def _busiest_rank_bound_ms(
-    profile: ModelProfile, spec: PipelineSpec, schedule: Schedule, groups: list[LayerGroup]
+    profile: ModelProfile,
+    spec: PipelineSpec,
+    schedule: Schedule,
+    groups: list[LayerGroup],
+    time_limit_s: float = BOUND_LIMIT_S,
 ) -> float:
     """A lower bound on any plan's iteration time, for a search stopped before it had a good one:
     the busiest rank's work (every action it runs) at the optimum of the LP relaxation of the
     program without its time rows, memory rows kept (so recompute the budget forces counts).
-    Milliseconds; 0 if that LP does not solve in time."""
+    Milliseconds; 0 if that LP does not solve within `time_limit_s`."""
     program = IntegerProgram(profile, spec, schedule, groups, with_budget=True, timing=PATHS)  # no path rows yet
     busiest = program.milp.variable()
     compiled = schedule.compiled
@@ -355,7 +376,7 @@ def _busiest_rank_bound_ms(
             variable = program.action_duration[action]
             work[variable] = work.get(variable, 0.0) - 1.0
         program.milp.row(work, lower=0.0)
-    relaxed = program.milp.minimize({busiest: 1.0}, time_limit_s=BOUND_LIMIT_S, relaxed=True)
+    relaxed = program.milp.minimize({busiest: 1.0}, time_limit_s=time_limit_s, relaxed=True)
     return relaxed.objective if relaxed.status == "optimal" else 0.0
 
 

@@ -122,7 +122,7 @@ def _reduce_walk(placement: LayerPlacement, virtual: int) -> Linear:
     pinned = [g for g in placement.groups if g.pinned_virtual_stage == virtual]
     first = [g for g in pinned if g.kind == HEAD]
     freed_first = sum(g.size * freed(g, NONE) for g in first)
-    body = {count: -freed(placement.groups[g], m) for (g, c, m), count in placement.count.items() if c == virtual}
+    body = {count: -freed(placement.groups[g], m) for g, m, count in placement.counts_at[virtual]}
     last_rows = [(size(g, NONE) - freed_first, body) for g in pinned if g.kind != HEAD]
     return placement.largest(
         virtual,

@@ -208,12 +208,16 @@ class _Fitting:
         self.memory = memory
         self.budget_mib = program.spec.memory_budget_bytes / MIB
         self.pinned = _pinned_virtual_stages(program)
+        # each rank's keys in the order of `counts`: scanning every key per rank is quadratic in the ranks
+        self.keys_of_rank: list[list[Key]] = [[] for _ in range(program.schedule.ranks)]
+        for key in self.counts:
+            self.keys_of_rank[program.schedule.rank_of(key[1])].append(key)
 
     def point(self) -> list[float]:
         return self.program.point({self.program.count[key]: number for key, number in self.counts.items() if number})
 
     def rank_counts(self, rank: int) -> dict[Key, int]:
-        return {key: number for key, number in self.counts.items() if self.program.schedule.rank_of(key[1]) == rank}
+        return {key: self.counts[key] for key in self.keys_of_rank[rank]}
 
     def fit(self, ranks: set[int], *, move_layers: bool) -> bool:
         """Rank by rank while one of `ranks` is over the budget: the mode switch that frees the most
@@ -252,8 +256,8 @@ class _Fitting:
         while True:
             switches = [
                 (g, c, mode, c, to)
-                for (g, c, mode), number in counts.items()
-                if number and self.program.schedule.rank_of(c) == rank
+                for g, c, mode in self.keys_of_rank[rank]
+                if counts[g, c, mode]
                 for to in groups[g].modes
                 if to != mode
             ]
@@ -313,8 +317,8 @@ class _Fitting:
     def cheapest_switch(self, rank: int, now: float) -> tuple[int, int, str, int, str] | None:
         groups, counts = self.program.groups, self.counts
         best, best_cost = None, INF  # extra ms per MiB freed
-        for (g, c, mode), number in counts.items():
-            if not number or self.program.schedule.rank_of(c) != rank:
+        for g, c, mode in self.keys_of_rank[rank]:
+            if not counts[g, c, mode]:
                 continue
             for to in groups[g].modes:
                 if to == mode:
@@ -331,10 +335,11 @@ class _Fitting:
 
     def leanest_peak(self, rank: int) -> float:
         """The rank's peak with each of its layers in the mode that keeps the fewest activations."""
-        groups, schedule = self.program.groups, self.program.schedule
+        groups = self.program.groups
         switched = []
-        for (g, c, mode), number in list(self.counts.items()):
-            if number and schedule.rank_of(c) == rank:
+        for g, c, mode in self.keys_of_rank[rank]:
+            number = self.counts[g, c, mode]
+            if number:
                 leanest = min(groups[g].modes, key=lambda m: (groups[g].activation_mib[m], groups[g].extra_ms[m]))
                 if leanest != mode:
                     for _ in range(number):
@@ -351,11 +356,10 @@ class _Fitting:
         schedule, num_virtual_stages = program.schedule, program.schedule.num_virtual_stages
         best, best_room = None, -INF  # the budget left on the rank it moves to
         for c in schedule.virtual_stages_of(rank):
-            held = [g for (g, virtual, _), number in counts.items() if virtual == c and number]
+            keys = [key for key in self.keys_of_rank[rank] if key[1] == c]
+            held = [key[0] for key in keys if counts[key]]
             if not held or (
-                sum(counts[key] for key in counts if key[1] == c) == 1
-                and c not in self.pinned
-                and not program.spec.allow_empty_chunks
+                sum(counts[key] for key in keys) == 1 and c not in self.pinned and not program.spec.allow_empty_chunks
             ):
                 continue  # every virtual stage keeps a layer
             for g, to_virtual in ((max(held), c + 1), (min(held), c - 1)):  # model order: last layer on, first back
