@@ -71,8 +71,8 @@ def check_degrees(stated: Iterable[Stated], spec: PipelineSpec | None, where: st
 
     Raises:
         PlanMismatch: naming the key, both values and what to do, where the config shards less than the
-            plan assumed (a smaller tensor, context, expert or FSDP degree; no optimizer sharding where the
-            plan had ZeRO; a smaller data-parallel size where the plan sharded over it).
+            plan assumed (a smaller tensor, context, expert or FSDP degree; a lower ZeRO stage; a smaller
+            data-parallel size where the plan's ZeRO or FSDP sharded over it).
     """
     if spec is None:
         return
@@ -113,13 +113,9 @@ def _planned(degree: str, planned: int, spec: PipelineSpec) -> str:
             if planned
             else "no ZeRO sharding (optimizer state whole on every rank)"
         )
-    zero = (
-        ""
-        if degree != DATA
-        else " with FSDP"
-        if spec.fsdp
-        else f" with ZeRO stage {spec.zero_stage}" * bool(spec.zero_stage)
-    )
+    zero = ""
+    if degree == DATA and (spec.fsdp or spec.zero_stage):
+        zero = " with FSDP" if spec.fsdp else f" with ZeRO stage {spec.zero_stage}"
     return f"{degree} parallel {planned}{zero} (solved with {SOLVE_FLAGS[degree]} {planned})"
 
 
