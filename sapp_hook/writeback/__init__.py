@@ -2,7 +2,8 @@
 
 Every writer keeps comments, key order and unrelated keys, checks the plan against the config (stage
 and layer counts, schedule, micro-batches) before touching anything, writes atomically with a backup,
-and in a dry run only returns the diff. Where a target cannot express the plan it says so in `WriteBack.notes`.
+and in a dry run only returns the diff. Where a target cannot express the plan it says so in `WriteBack.notes`;
+where the config runs other parallel degrees than the plan was solved for, `degrees` says so or refuses.
 """
 
 from __future__ import annotations

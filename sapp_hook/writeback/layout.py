@@ -62,6 +62,8 @@ class Layout:
         plan_data: the plan JSON (`Plan.to_dict`) it was read from.
         microbatch_group_size: Interleaved1F1B's group size (Megatron's `microbatch_group_size_per_vp_stage`)
             as the spec states it; None: the schedule's default.
+        spec: the `PipelineSpec` the plan was solved for (its other parallel degrees are checked against
+            the config's); None where the layout was built without one.
 
     Example:
         >>> from solver import PipelineSpec
@@ -81,6 +83,7 @@ class Layout:
     mindformers: Mapping[str, object]
     plan_data: Mapping[str, object]  # the plan JSON (Plan.to_dict) it was read from
     microbatch_group_size: int | None = None  # Interleaved1F1B: the spec's, None for the schedule's default
+    spec: PipelineSpec | None = None
 
     @property
     def num_virtual_stages(self) -> int:
@@ -278,4 +281,5 @@ def layout_from_dict(data: object) -> Layout:
         mindformers=mindformers,
         plan_data=data,
         microbatch_group_size=spec.microbatch_group_size,
+        spec=spec,
     )

@@ -16,6 +16,9 @@ from sapp_hook.writeback.text.provenance import Ch, Field, Reading, Site, part_o
 SWITCH, ONE, MANY = 0, 1, -1
 PP_SIZE = "--pipeline-model-parallel-size"
 TP_SIZE = "--tensor-model-parallel-size"
+CP_SIZE = "--context-parallel-size"
+EP_SIZE = "--expert-model-parallel-size"
+DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"  # ZeRO-1: optimizer state sharded over data parallel
 NUM_LAYERS = "--num-layers"
 MTP_LAYERS = "--mtp-num-layers"
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -84,6 +87,9 @@ FLAGS = {
     **MINDSPEED_FLAGS,
     PP_SIZE: ONE,
     TP_SIZE: ONE,
+    CP_SIZE: ONE,
+    EP_SIZE: ONE,
+    DISTRIBUTED_OPTIMIZER: SWITCH,
     NUM_LAYERS: ONE,
     MTP_LAYERS: ONE,
     LAYOUT: ONE,

@@ -9,13 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from basics.errors import InputError
+from sapp_hook.writeback.degrees import CONTEXT, EXPERT, TENSOR, ZERO, Stated, check_degrees
 from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.megatron.flags import (
+    CP_SIZE,
     DECODER_LAYERS,
     DISTRIBUTE,
+    DISTRIBUTED_OPTIMIZER,
     EMBEDDING_IN_SPLIT,
     ENCODER_LAYERS,
+    EP_SIZE,
     FIRST,
     GLOBAL_BATCH,
     GRANULARITY,
@@ -39,6 +43,7 @@ from sapp_hook.writeback.megatron.flags import (
     RAMPUP,
     RECOMPUTE_ACTIVATIONS,
     RECOMPUTE_LAYERS,
+    TP_SIZE,
     VIRTUAL_STAGES,
     FlagValue,
     Occurrence,
@@ -325,6 +330,35 @@ def check_micro_batches(
             )
     else:
         notes.append(f"{said} make {layout.micro_batches} micro-batches per step at no data-parallel size ({caveat})")
+
+
+def check_parallel_degrees(
+    reading: Reading, last: dict[str, Occurrence], layout: Layout, path: Path, notes: list[str], *, complete: bool
+) -> None:
+    """The tensor, context and expert sizes and the distributed optimizer the script passes, against the plan's
+    (`writeback.degrees`). A size known only at launch states none; one a launch may change (a variable from
+    the environment, a branch) only gets a note. A missing --use-distributed-optimizer states it off where the
+    launch command's every argument is seen (`complete`)."""
+    stated = []
+    for flag, degree in ((TP_SIZE, TENSOR), (CP_SIZE, CONTEXT), (EP_SIZE, EXPERT)):
+        if flag not in last:
+            continue
+        value = value_of(reading, last[flag])
+        if value.number():
+            stated.append(
+                Stated(
+                    degree, flag, value.number() or 1, _caveat(value), f"{flag} is {_said(reading, last[flag], value)}"
+                )
+            )
+    if DISTRIBUTED_OPTIMIZER in last:
+        caveat = _caveat(value_of(reading, last[DISTRIBUTED_OPTIMIZER]))
+        said = f"{DISTRIBUTED_OPTIMIZER} is passed (ZeRO stage 1: optimizer state only)"
+        stated.append(Stated(ZERO, DISTRIBUTED_OPTIMIZER, 1, caveat, said, fix=""))
+    elif complete:
+        fix = f"pass {DISTRIBUTED_OPTIMIZER}" if layout.spec and layout.spec.zero_stage == 1 else ""
+        said = f"{DISTRIBUTED_OPTIMIZER} is not passed (no ZeRO sharding)"
+        stated.append(Stated(ZERO, DISTRIBUTED_OPTIMIZER, 0, said=said, fix=fix))
+    check_degrees(stated, layout.spec, str(path), notes)
 
 
 def check_interleaving(reading: Reading, last: dict[str, Occurrence], layout: Layout) -> None:

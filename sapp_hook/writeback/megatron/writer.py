@@ -64,6 +64,7 @@ from sapp_hook.writeback.megatron.plan_flags import (
     check_layers,
     check_micro_batches,
     check_model,
+    check_parallel_degrees,
     check_pipeline_size,
     layout_string,
     plan_flags,
@@ -117,6 +118,8 @@ def write_megatron(path: Path, layout: Layout, *, dry_run: bool = False) -> Writ
     mtp = check_layers(reading, last, layout, path, notes, dialect.noop if dialect else ())
     check_micro_batches(reading, last, layout, path, notes)
     check_interleaving(reading, last, layout)
+    seen_whole = not _unseen(reading, launchers) and not reading.unfollowed
+    check_parallel_degrees(reading, last, layout, path, notes, complete=seen_whole)
     removed_flags: list[str] = []
     if dialect is None:
         inexact = plan_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from sapp_hook.writeback.degrees import CONTEXT, DATA, EXPERT, TENSOR
 from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
@@ -15,6 +16,7 @@ from sapp_hook.writeback.mindformers.values import (
     cells,
     check_layers,
     check_scheduler,
+    check_stated_degrees,
     held_layers,
     interleave_value,
     is_int,
@@ -29,6 +31,12 @@ TEMPLATE_V2_SECTIONS = ("distribute_parallel_config", "training_args", "model_co
 # What llm_template_v2 takes where a config leaves these unset (its TrainingConfig and TrainingParallelConfig).
 V2_DEFAULT_GLOBAL_BATCH, V2_DEFAULT_MICRO_BATCH, V2_DEFAULT_INTERLEAVE = 512, 1, 1
 PARALLEL = ("distribute_parallel_config",)
+DEGREE_KEYS = {
+    "tensor_model_parallel_size": TENSOR,
+    "context_parallel_size": CONTEXT,
+    "expert_model_parallel_size": EXPERT,
+    "data_parallel_size": DATA,
+}
 PIPELINE = (*PARALLEL, "pipeline_parallel_config")
 
 
@@ -46,6 +54,7 @@ def write_template_v2(edit: YamlEdit, layout: Layout, path: Path, result: WriteB
         path,
         result,
     )
+    check_stated_degrees(parallel, "distribute_parallel_config", DEGREE_KEYS, layout, path, result)
     check_layers(section(document, ("model_config",), path), "model_config", layout, path, result)
     _check_micro_batches(document, parallel, layout, path, result)
     scheduler = check_scheduler(

@@ -7,10 +7,11 @@ every layer, a per-rank list stays one where the plan has one chunk, op patterns
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.degrees import Stated, check_degrees
 from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
@@ -124,6 +125,26 @@ def note_pipeline_size(
         f"{where} was {shown(value)}{' (no pipeline parallelism)' if value == 1 else ''}; set to the plan's "
         f"{layout.pipeline_parallel}{devices}"
     )
+
+
+def check_stated_degrees(
+    parallel: Mapping,
+    where: str,
+    keys: Mapping[str, str],
+    layout: Layout,
+    path: Path,
+    result: WriteBack,
+    *,
+    also: Sequence[Stated] = (),
+) -> None:
+    """The degrees `parallel` (the section at `where`) states under `keys` (key -> degree), and `also`, against
+    the plan's: a whole number >= 1 states one; anything else (null: from the device count) states none."""
+    stated = [
+        Stated(degree, f"{where}.{key}", parallel[key])
+        for key, degree in keys.items()
+        if is_int(parallel.get(key)) and parallel[key] >= 1
+    ]
+    check_degrees([*stated, *also], layout.spec, str(path), result.notes)
 
 
 def check_layers(model: Mapping, where: str, layout: Layout, path: Path, result: WriteBack) -> None:

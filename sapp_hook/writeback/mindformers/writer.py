@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.degrees import CONTEXT, DATA, EXPERT, TENSOR, ZERO, Stated
 from sapp_hook.writeback.files import WriteBack, commit_config, read_config
 from sapp_hook.writeback.layout import Layout
 from sapp_hook.writeback.mindformers.v2 import TEMPLATE_V2_SECTIONS, write_template_v2
 from sapp_hook.writeback.mindformers.values import (
     check_layers,
     check_scheduler,
+    check_stated_degrees,
     interleave_value,
     note_pipeline_size,
     section,
@@ -28,6 +30,8 @@ from sapp_hook.writeback.mindformers.values import (
 from sapp_hook.writeback.text.yaml_splice import MISSING, YamlEdit
 from solver.formats.mindformers import MINDFORMERS_PLACES
 
+# parallel_config's degrees (model_parallel is MindFormers' tensor parallel)
+DEGREE_KEYS = {"model_parallel": TENSOR, "context_parallel": CONTEXT, "expert_parallel": EXPERT, "data_parallel": DATA}
 TRAINING_SECTIONS = ("parallel_config", "model", "recompute_config")
 RECOMPUTE_KEYS = ("recompute", "select_recompute", "select_comm_recompute")
 
@@ -80,12 +84,26 @@ def _refuse_pynative(document: Mapping[str, object], path: Path) -> None:
         )
 
 
+def _optimizer_sharding(document: Mapping, path: Path) -> list[Stated]:
+    """MindSpore's parallel optimizer, which shards optimizer state over data parallel (over one rank, nothing)."""
+    optimizer = section(document, ("parallel",), path).get("enable_parallel_optimizer")
+    if not isinstance(optimizer, bool) or section(document, ("parallel_config",), path).get("data_parallel") == 1:
+        return []
+    key = "parallel.enable_parallel_optimizer"
+    return [
+        Stated(ZERO, key, int(optimizer), said=f"{key} is {optimizer}", fix="" if optimizer else f"set {key} to True")
+    ]
+
+
 def _write_classic(edit: YamlEdit, layout: Layout, path: Path, result: WriteBack) -> None:
     """The plan in the classic training config's places; every check before the first change."""
     document = edit.data
     parallel = section(document, ("parallel_config",), path)
     note_pipeline_size(
         parallel, "parallel_config.pipeline_stage", ("data_parallel", "model_parallel"), layout, path, result
+    )
+    check_stated_degrees(
+        parallel, "parallel_config", DEGREE_KEYS, layout, path, result, also=_optimizer_sharding(document, path)
     )
     model = section(document, ("model", "model_config"), path, required=True)
     check_layers(model, "model.model_config", layout, path, result)

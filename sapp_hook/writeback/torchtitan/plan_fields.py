@@ -3,9 +3,11 @@ points, the activation checkpointing, and notes for the degree and schedule a pl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from basics.errors import InputError, shown
+from sapp_hook.writeback.degrees import CONTEXT, DATA, EXPERT, FSDP, TENSOR, Stated, check_degrees
 from sapp_hook.writeback.errors import PlanMismatch
 from sapp_hook.writeback.files import WriteBack
 from sapp_hook.writeback.layout import Layout
@@ -24,6 +26,14 @@ NO_PIPELINE = {
     "flux": "torchtitan/models/flux, experiments/flux before",
     "llama3-siglip2": "torchtitan/experiments/vlm",
 }
+# The degrees a config states, by key (data_parallel_shard_degree: the ranks FSDP shards each layer over)
+DEGREE_KEYS = {
+    "tensor_parallel_degree": TENSOR,
+    "context_parallel_degree": CONTEXT,
+    "expert_parallel_degree": EXPERT,
+    "data_parallel_shard_degree": FSDP,
+}
+REPLICATE = "data_parallel_replicate_degree"
 
 
 def module_names(layout: Layout, head: str | tuple[str, ...], model: str | None = None) -> list[list[str]]:
@@ -159,3 +169,22 @@ def change_notes(result: WriteBack, where: str, degree: int | None, schedule: ob
         result.notes.append(
             f"{where}.pipeline_parallel_schedule was {schedule!r}; set to the plan's {layout.schedule!r}"
         )
+
+
+def check_stated_degrees(
+    values: Mapping[str, object], section: str, layout: Layout, where: str, notes: list[str]
+) -> None:
+    """The degrees `values` (the `section` table's keys, as Python values) state against the plan's: a
+    whole number >= 1 states one (data_parallel_shard_degree -1 is the ranks left at launch: none); the
+    data-parallel size is replicate x shard where the shard degree is stated (replicate's default is 1)."""
+
+    def whole(key: str) -> int | None:
+        value = values.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+    stated = [Stated(degree, f"{section}.{key}", value) for key, degree in DEGREE_KEYS.items() if (value := whole(key))]
+    shard, replicate = whole("data_parallel_shard_degree"), whole(REPLICATE) if REPLICATE in values else 1
+    if shard and replicate:
+        named = f"{REPLICATE} x data_parallel_shard_degree" if REPLICATE in values else "data_parallel_shard_degree"
+        stated.append(Stated(DATA, f"{section}.{named}", replicate * shard))
+    check_degrees(stated, layout.spec, where, notes)

@@ -65,6 +65,7 @@ from sapp_hook.writeback.torchtitan.plan_fields import (
     change_notes,
     check_degree,
     check_pipelines,
+    check_stated_degrees,
     checkpointing,
     module_names,
 )
@@ -237,6 +238,7 @@ def write_python(path: Path, function: str | None, as_read: str, layout: Layout,
         )
     result = WriteBack(path=path, diff="")
     change_notes(result, f"{chosen.name}: parallelism", degree, parallelism.get("pipeline_parallel_schedule"), layout)
+    check_stated_degrees(parallelism, "parallelism", layout, where, result.notes)
     wanted = {
         "pipeline_parallel_degree": layout.pipeline_parallel,
         "pipeline_parallel_schedule": layout.schedule,

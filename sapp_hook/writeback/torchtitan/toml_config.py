@@ -29,6 +29,7 @@ from sapp_hook.writeback.torchtitan.plan_fields import (
     change_notes,
     check_degree,
     check_pipelines,
+    check_stated_degrees,
     checkpointing,
     module_names,
     split_points,
@@ -74,6 +75,13 @@ def write_toml(path: Path, old: str, layout: Layout, *, dry_run: bool) -> WriteB
         )
     result = WriteBack(path=path, diff="")
     change_notes(result, dialect.table, degree, table.get("pipeline_parallel_schedule"), layout)
+    # 2024's TorchTitan keeps the degrees in [training], later ones in [parallelism]
+    degrees = document.get("parallelism") if "parallelism" in document else document.get("training")
+    if isinstance(degrees, Mapping):
+        section = "parallelism" if "parallelism" in document else "training"
+        check_stated_degrees(
+            {key: _plain(value) for key, value in degrees.items()}, section, layout, str(path), result.notes
+        )
     written = {
         "pipeline_parallel_degree": layout.pipeline_parallel,
         "pipeline_parallel_schedule": _schedule(table.get("pipeline_parallel_schedule"), layout, dialect),
