@@ -158,7 +158,6 @@ def trace_model(config: object, *, sequence: int, micro_batch_size: int, dtype: 
         handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(leave))
     handles.append(tail[0].register_forward_pre_hook(lambda m, a: current.append(end)))
-    saved_from: dict[object, tuple[PartTrace, int]] = {}
     shared: dict[object, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -176,7 +175,6 @@ def trace_model(config: object, *, sequence: int, micro_batch_size: int, dtype: 
                     part.saved_input_bytes += size
         else:  # made by an earlier part for every layer (rotary cos/sin, masks): held once per stage
             shared[key] = size
-        saved_from[key] = (part, size)
         return tensor
 
     try:
