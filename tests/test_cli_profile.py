@@ -101,7 +101,7 @@ ESTIMATE = ["--estimate"]
         (ESTIMATE, ["--tensor-parallel", "3"], "--tensor-parallel: expected a divisor of num_heads 4, got 3"),
         (ESTIMATE, ["--optimizer-bytes", "-4"], "--optimizer-bytes: expected a number >= 0, got -4.0"),
         (ESTIMATE, ["--dtype", "int8"], "--dtype: expected one of float32, bfloat16, float16, got 'int8'"),
-        (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: analytic estimates cover llama, mistral"),
+        (ESTIMATE, ["--model", "tiny-gpt2"], "--model: tiny-gpt2: model_type: gpt2: expected a decoder whose blocks"),
         (FAST, ["--link-bandwidth", "1e9"], "--link-bandwidth: needs --estimate"),
         (FAST, ["--expert-parallel", "2"], "--expert-parallel: needs --estimate"),
         (

@@ -168,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> ModelProfile:
     """profiler.estimate.analytic's estimate of the config at the flags' shape and throughputs; no torch."""
-    from profiler.estimate.analytic import analytic_profile, shape_from_config
+    from profiler.estimate.analytic import LLAMA_FAMILY, analytic_profile, shape_from_config
     from sapp_hook.models import config_data
 
     data, where = config_data(args.model)
@@ -186,6 +186,8 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
         **{name: "--" + name.replace("_", "-") for name in (*LAYOUT, *NETWORK)},
     }
     layout = {name: getattr(args, name) for name in LAYOUT if getattr(args, name) is not None}
+    if data.get("model_type") not in LLAMA_FAMILY:
+        return _estimate_traced(args, data, where)
     try:
         shape = shape_from_config(
             data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype, **layout
@@ -206,6 +208,40 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
             )
             raise InputError("--model", f"{where} at {shape}: the estimate's {exc.field}: {exc.detail}") from None
         raise InputError("--model", f"{where}: {exc.field}: {exc.detail}") from None
+    return dataclasses.replace(profile, model=f"{where} (estimated)")
+
+
+def _estimate_traced(args: argparse.Namespace, data: dict, where: str) -> ModelProfile:
+    """profiler.estimate.generic's estimate of a config outside the Llama family: the model built on the
+    meta device and traced on fake tensors (needs torch and transformers, runs nothing real)."""
+    for name in (*LAYOUT, *NETWORK):
+        value = getattr(args, name)
+        if value not in (None, False, 1, "balanced"):
+            flag = "--" + name.replace("_", "-")
+            raise InputError(
+                flag,
+                f"the traced estimate of {data.get('model_type')!r} is for one rank of no model parallelism "
+                f"and states no collectives; leave {flag} out (solve --data-parallel shards its memory)",
+            )
+    check_torch()
+    import transformers
+
+    from profiler.estimate.generic import traced_profile
+
+    transformers.logging.set_verbosity_error()  # the CLI owns the terminal
+    flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype"}
+    try:
+        profile = traced_profile(
+            data,
+            sequence=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            dtype=args.dtype,
+            flops_per_second=FLOPS if args.flops is None else args.flops,
+            bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
+            optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
+        )
+    except InputError as exc:
+        raise InputError(flags.get(exc.field, "--model"), f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
 
 

@@ -1,0 +1,212 @@
+"""Any decoder-only transformers model, built from its config on the meta device (no memory, no weights)
+and its parameters counted exactly: per decoder layer, embedding, final norm and LM head, and the
+multi-token-prediction (MTP) modules a config declares but transformers does not build.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from basics.errors import InputError
+
+# what a config.json carries that is provenance or remote code, not architecture
+_NOT_ARCHITECTURE = ("auto_map", "_name_or_path", "transformers_version", "architectures", "quantization_config")
+# config keys that give the number of MTP modules (DeepSeek-V3's, MindFormers' and Megatron's names)
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_depth", "mtp_num_layers")
+
+
+@dataclass(frozen=True)
+class PartCount:
+    """One part of a model: its parameters, and of them the routed experts' (each token uses
+    experts_per_token of num_experts of those)."""
+
+    name: str
+    kind: str  # "head", "body:<signature>", "mtp", "tail"
+    parameters: int
+    routed_parameters: int = 0
+    tensors: int = 0  # parameter tensors (Adam keeps a step count per tensor)
+
+    def active(self, experts_per_token: int, num_experts: int) -> float:
+        """Parameters one token passes through: the routed experts' in proportion to those chosen."""
+        if not self.routed_parameters:
+            return float(self.parameters)
+        return self.parameters - self.routed_parameters * (1 - experts_per_token / num_experts)
+
+
+@dataclass(frozen=True)
+class ModelCount:
+    """Every part's parameter count, in model order (head, decoder layers, MTP modules, tail)."""
+
+    model_type: str
+    parts: tuple[PartCount, ...]
+    experts_per_token: int = 0
+    num_experts: int = 0
+    tied_embeddings: bool = False
+
+    def total(self, *, mtp: bool = True) -> int:
+        """All parameters, each counted once (tied embeddings once; MTP modules' own parameters, their
+        embedding and output head being the main model's)."""
+        return sum(p.parameters for p in self.parts if mtp or p.kind != "mtp")
+
+    def active(self, *, mtp: bool = True, embedding: bool = False) -> float:
+        """Parameters one token passes through, the input embedding left out unless asked (DeepSeek's
+        and most model cards' convention: a lookup, not a matmul); a tied embedding counts as the head."""
+        total = 0.0
+        for part in self.parts:
+            if part.kind == "mtp" and not mtp:
+                continue
+            if part.kind == "head" and not embedding and not self.tied_embeddings:
+                continue
+            total += part.active(self.experts_per_token, self.num_experts) if self.num_experts else part.parameters
+        return total
+
+
+def build_config(fields: Mapping[str, object]) -> object:
+    """A transformers `PretrainedConfig` from a config.json's fields (a plain dict)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: nothing to download
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in fields.items() if k not in _NOT_ARCHITECTURE}
+    model_type = data.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise InputError("model_type", "expected a string (llama, deepseek_v3, gemma2, ...)")
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        StrictDataclassError = ValueError
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        detail = " ".join(str(exc).split())
+        raise InputError("model_type", f"transformers cannot build {model_type!r}: {detail}") from None
+
+
+def build_meta_model(config: object) -> nn.Module:
+    """`config`'s causal language model on the meta device: shapes only, built in seconds at any size."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        kind = getattr(config, "model_type", "?")
+        raise InputError("model_type", f"{kind} has no causal language model in transformers: {exc}") from None
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, tuple[nn.Module, ...]]:
+    """(the inner model, its decoder layers, the modules after them: final norm and LM head)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        kind = getattr(model.config, "model_type", "?")
+        raise InputError("model_type", f"{kind}: expected a decoder whose blocks are `model.layers`")
+    tail = tuple(m for m in (getattr(inner, "norm", None), model.get_output_embeddings()) if m is not None)
+    return inner, layers, tail
+
+
+def _routed(module: nn.Module) -> int:
+    """Parameters of the routed experts under `module`: those in a submodule named `experts`
+    (transformers' stacked or listed experts), not the shared ones."""
+    return sum(p.numel() for name, p in module.named_parameters() if "experts." in name and "shared" not in name)
+
+
+def layer_signature(layer: nn.Module, layer_type: object = None) -> tuple:
+    """What makes two decoder layers cost the same: their class, parameter shapes, attention type."""
+    shapes = tuple((name, tuple(p.shape)) for name, p in layer.named_parameters())
+    return (type(layer).__name__, shapes, layer_type)
+
+
+def signature_names(signatures: list[tuple]) -> list[str]:
+    """A short kind name per distinct signature, in order of first appearance: "moe" where a layer has
+    routed experts, else "dense", suffixed by the attention type where layers differ in it."""
+    names: dict[tuple, str] = {}
+    for signature in signatures:
+        if signature in names:
+            continue
+        routed = any("experts." in name and "shared" not in name for name, _ in signature[1])
+        base = "moe" if routed else "dense"
+        if len({s[2] for s in signatures}) > 1 and signature[2] is not None:
+            base += "-" + str(signature[2]).replace("_attention", "")
+        name, n = base, 2
+        while name in names.values():
+            name, n = f"{base}{n}", n + 1
+        names[signature] = name
+    return [names[s] for s in signatures]
+
+
+def mtp_depth(config: object) -> int:
+    """How many MTP modules the config declares (0: none)."""
+    for key in MTP_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def mtp_parameters(config: object, last_layer: nn.Module) -> int:
+    """One MTP module's own parameters, as DeepSeek-V3 (and MindFormers, Megatron-LM) build it: a
+    decoder layer like the model's last, RMSNorms of the embedding and of the hidden state, the
+    projection of their concatenation (2h -> h) and the norm before the shared output head; the
+    embedding and the head are the main model's."""
+    hidden = int(config.hidden_size)
+    layer = sum(p.numel() for p in last_layer.parameters())
+    return layer + 3 * hidden + 2 * hidden * hidden
+
+
+def count_parameters(config: object) -> ModelCount:
+    """Every part's parameters, exact, from `config`'s model built on the meta device."""
+    model = build_meta_model(config)
+    _, layers, tail = decoder_parts(model)
+    embedding = model.get_input_embeddings()
+    tied = embedding is not None and any(p is embedding.weight for m in tail for p in m.parameters(recurse=False))
+    layer_types = getattr(config, "layer_types", None) or [None] * len(layers)
+    signatures = [layer_signature(layer, layer_types[i]) for i, layer in enumerate(layers)]
+    kinds = signature_names(signatures)
+    parts = [PartCount("head", "head", sum(p.numel() for p in embedding.parameters()), 0, 1)]
+    parts += [
+        PartCount(
+            f"layers.{i}",
+            f"body:{kinds[i]}",
+            sum(p.numel() for p in layer.parameters()),
+            _routed(layer),
+            len(list(layer.parameters())),
+        )
+        for i, layer in enumerate(layers)
+    ]
+    for depth in range(mtp_depth(config)):  # its layer's tensors, two norms, the projection, the head's norm
+        tensors = len(list(layers[-1].parameters())) + 4
+        parts.append(PartCount(f"mtp.{depth}", "mtp", mtp_parameters(config, layers[-1]), _routed(layers[-1]), tensors))
+    tail_parameters = {id(p): p.numel() for m in tail for p in m.parameters()}
+    if tied:
+        tail_parameters.pop(id(embedding.weight), None)
+    parts.append(PartCount("tail", "tail", sum(tail_parameters.values()), 0, len(tail_parameters)))
+    counted = sum(p.parameters for p in parts if p.kind != "mtp")
+    whole = sum(p.numel() for p in model.parameters())
+    if counted != whole:  # a parameter outside embedding, layers, final norm and head (a vision tower, ...)
+        raise InputError(
+            "model_type",
+            f"{config.model_type}: {whole - counted:,} parameters lie outside the embedding, "
+            "decoder layers, final norm and LM head; expected a decoder-only model",
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = _first_int(text, ("n_routed_experts", "num_experts", "num_local_experts"))
+    return ModelCount(
+        model_type=str(config.model_type),
+        parts=tuple(parts),
+        experts_per_token=_first_int(text, ("num_experts_per_tok", "moe_topk")) if experts else 0,
+        num_experts=experts,
+        tied_embeddings=tied,
+    )
+
+
+def _first_int(config: object, keys: tuple[str, ...]) -> int:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
