@@ -3,7 +3,6 @@ random weights. The built-in examples, or any `config.json` transformers knows."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,8 +59,10 @@ BUILTIN_MODELS: dict[str, dict[str, object]] = {
 
 def load_config(model: str) -> PretrainedConfig:
     """A built-in model's config, or one read from a `config.json` (or a folder holding one)."""
+    from profiler.estimate.meta_model import build_config
+
     data, where = config_data(model)
-    return _config_from_dict(data, where)
+    return build_config(data, field="--model", where=where)
 
 
 def config_data(model: str) -> tuple[dict[str, object], str]:
@@ -133,27 +134,6 @@ def check_sequence(config: PretrainedConfig, seq_len: int) -> None:
         raise InputError(
             "--seq-len", f"{seq_len} tokens; the model takes at most {positions} (max_position_embeddings)"
         )
-
-
-def _config_from_dict(data: dict[str, object], where: str) -> PretrainedConfig:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: nothing to download
-    from transformers import AutoConfig
-
-    model_type = data.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise InputError("--model", f"{where}: expected a string `model_type` (llama, gpt2, qwen2_moe, ...)")
-    for key in ("auto_map", "_name_or_path", "transformers_version", "architectures"):
-        data.pop(key, None)  # remote code and provenance: not what the architecture is built from
-    try:
-        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
-    except ImportError:
-        StrictDataclassError = ValueError
-    try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
-        raise InputError(
-            "--model", f"{where}: transformers cannot build model_type {model_type!r}: {_one_line(exc)}"
-        ) from None
 
 
 def _one_line(error: BaseException) -> str:

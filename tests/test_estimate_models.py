@@ -12,8 +12,9 @@ import torch
 
 from profiler.estimate.analytic import analytic_profile, shape_from_config
 from profiler.estimate.generic import parameter_report, traced_profile
+from profiler.estimate.meta_model import build_config
 from sapp_hook.cli import main
-from sapp_hook.models import _config_from_dict, profile_example
+from sapp_hook.models import profile_example
 from solver import load_profile
 from solver.vocabulary.profile import FULL, NONE, SELECTIVE
 
@@ -91,9 +92,7 @@ TINY = {
 def test_traced_activations_equal_the_measured_profile_scaled_down(model_type):
     fields = {"model_type": model_type, "tie_word_embeddings": False, **TINY[model_type]}
     estimate = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="float32")
-    measured = profile_example(
-        _config_from_dict(dict(fields), model_type), steps=1, warmup_steps=1, micro_batch_size=2, seq_len=32
-    )
+    measured = profile_example(build_config(fields), steps=1, warmup_steps=1, micro_batch_size=2, seq_len=32)
     assert len(estimate.layers) == len(measured.layers)
     state = measured.checkpoint_state_bytes  # the CPU generator's state a checkpoint keeps, stated apart
     for ours, theirs in zip(estimate.layers, measured.layers, strict=True):

@@ -90,6 +90,14 @@ def analytic_profile(
         >>> sorted(profile.layers[1].recompute)
         ['full', 'none', 'selective']
     """
+    check_rates(flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
+    one_d = _one_d_profile(shape, flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
+    rank = profile_for_mesh(one_d, shape.mesh)
+    return rank if network is None else with_collectives(rank, shape, network, flops_per_second)
+
+
+def check_rates(flops_per_second: float, bytes_per_second: float, optimizer_bytes_per_parameter: float) -> None:
+    """The device's rates (> 0) and the optimizer's bytes a parameter (>= 0), each refused by name."""
     for name, value in (("flops_per_second", flops_per_second), ("bytes_per_second", bytes_per_second)):
         if not _finite(value) or not value > 0:
             raise InputError(name, f"expected a number > 0, got {value!r}")
@@ -97,9 +105,6 @@ def analytic_profile(
         raise InputError(
             "optimizer_bytes_per_parameter", f"expected a number >= 0, got {optimizer_bytes_per_parameter!r}"
         )
-    one_d = _one_d_profile(shape, flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
-    rank = profile_for_mesh(one_d, shape.mesh)
-    return rank if network is None else with_collectives(rank, shape, network, flops_per_second)
 
 
 def _one_d_profile(

@@ -15,7 +15,7 @@ import copy
 from collections.abc import Mapping
 
 from basics.errors import InputError
-from profiler.estimate.analytic import _finite
+from profiler.estimate.analytic import check_rates
 from profiler.estimate.meta_model import ModelCount, PartCount, build_config, count_parameters
 from profiler.estimate.traced import PartTrace, trace_model
 from solver.parallel.model_parallel import DTYPE_BYTES
@@ -48,13 +48,7 @@ def traced_profile(
     for name, value in (("sequence", sequence), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
-    for name, value in (("flops_per_second", flops_per_second), ("bytes_per_second", bytes_per_second)):
-        if not _finite(value) or not value > 0:
-            raise InputError(name, f"expected a number > 0, got {value!r}")
-    if not _finite(optimizer_bytes_per_parameter) or optimizer_bytes_per_parameter < 0:
-        raise InputError(
-            "optimizer_bytes_per_parameter", f"expected a number >= 0, got {optimizer_bytes_per_parameter!r}"
-        )
+    check_rates(flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
     if dtype not in DTYPE_BYTES:
         raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     config = build_config(fields)

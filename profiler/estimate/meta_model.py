@@ -66,24 +66,27 @@ class ModelCount:
         return total
 
 
-def build_config(fields: Mapping[str, object]) -> object:
-    """A transformers `PretrainedConfig` from a config.json's fields (a plain dict)."""
+def build_config(fields: Mapping[str, object], *, field: str = "model_type", where: str = "") -> object:
+    """A transformers `PretrainedConfig` from a config.json's fields (a plain dict); InputError naming `field`
+    (`where`: the file, for the message) where transformers cannot build it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: nothing to download
     from transformers import AutoConfig
 
+    at = f"{where}: " if where else ""
+    # remote code and provenance: not what the architecture is built from
     data = {k: v for k, v in fields.items() if k not in _NOT_ARCHITECTURE}
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise InputError("model_type", "expected a string (llama, deepseek_v3, gemma2, ...)")
+        raise InputError(field, f"{at}expected a string `model_type` (llama, deepseek_v3, gemma2, ...)")
     try:
-        from huggingface_hub.errors import StrictDataclassError
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
     except ImportError:
         StrictDataclassError = ValueError
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
         detail = " ".join(str(exc).split())
-        raise InputError("model_type", f"transformers cannot build {model_type!r}: {detail}") from None
+        raise InputError(field, f"{at}transformers cannot build model_type {model_type!r}: {detail}") from None
 
 
 def build_meta_model(config: object) -> nn.Module:

@@ -428,14 +428,7 @@ def recompute_flags(
     removed_flags: list[str],
     notes: list[str],
 ) -> str:
-    cells, seen = [], 0
-    for cell in layout.virtual_stages():
-        decoders = []
-        for layer in cell:
-            seen += layer.is_body
-            if layer.is_body and seen <= layout.body_layers - mtp:
-                decoders.append(layer.recompute)
-        cells.append(decoders)
+    cells = decoder_modes(layout, mtp)
     if mtp and any(layer.recompute != NONE for layer in [layer for layer in layout.layers if layer.is_body][-mtp:]):
         notes.append("Megatron-LM's recompute flags do not reach the MTP layers: they keep their activations")
     for occurrence in occurring:
@@ -479,3 +472,17 @@ def recompute_flags(
 def where(reading: Reading, occurrence: Occurrence) -> str:
     trail = occurrence.name[0].trail if occurrence.name else ()
     return reading.where(trail[-1]) if trail else "?"
+
+
+def decoder_modes(layout: Layout, mtp: int) -> list[list[str]]:
+    """The recompute mode of each decoder layer (the last `mtp` body layers, MTP's, not counted), per virtual
+    stage."""
+    cells, seen = [], 0
+    for cell in layout.virtual_stages():
+        modes = []
+        for layer in cell:
+            seen += layer.is_body
+            if layer.is_body and seen <= layout.body_layers - mtp:
+                modes.append(layer.recompute)
+        cells.append(modes)
+    return cells

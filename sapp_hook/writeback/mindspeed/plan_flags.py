@@ -40,7 +40,7 @@ from sapp_hook.writeback.megatron.flags import (
 )
 from sapp_hook.writeback.megatron.layout_string import LayoutError, check
 from sapp_hook.writeback.megatron.plan_flags import RECOMPUTE_FLAGS as MEGATRON_RECOMPUTE
-from sapp_hook.writeback.megatron.plan_flags import layout_string, recompute_flags, where
+from sapp_hook.writeback.megatron.plan_flags import decoder_modes, layout_string, recompute_flags, where
 from sapp_hook.writeback.mindspeed.dialect import MASTER, RELEASE, SAID, Dialect
 from sapp_hook.writeback.text.provenance import Reading
 from simulator.schedules.interleaved import default_group_size
@@ -95,7 +95,7 @@ def mindspeed_flags(
             )
     _checkpoint_note(reading, last, wanted, split, notes)
     megatron = recompute_flags(reading, last, occurring, layout, mtp, wanted, removed_flags, notes)
-    cells = _decoder_modes(layout, mtp)
+    cells = decoder_modes(layout, mtp)
     modes = {mode for cell in cells for mode in cell}
     if SELECTIVE in modes and modes <= {NONE, SELECTIVE}:  # said by MindSpeed's flags, not Megatron's
         inexact.append(_selective(last, cells, dialect, wanted, removed_flags, notes))
@@ -263,19 +263,6 @@ def _checkpoint_note(
 
 
 # -- MindSpeed's own recompute flags ---------------------------------------------------------------
-
-
-def _decoder_modes(layout: Layout, mtp: int) -> list[list[str]]:
-    """The recompute mode of each decoder layer (MTP layers not counted), per virtual stage."""
-    cells, seen = [], 0
-    for cell in layout.virtual_stages():
-        modes = []
-        for layer in cell:
-            seen += layer.is_body
-            if layer.is_body and seen <= layout.body_layers - mtp:
-                modes.append(layer.recompute)
-        cells.append(modes)
-    return cells
 
 
 def _no_own_recompute(
