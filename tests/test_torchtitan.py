@@ -139,6 +139,7 @@ def test_torchtitan_profiles_plans_writes_relaunches_and_trains_with_the_plan(jo
     relaunch = sorted(launches[2:], key=lambda line: line["rank"])
     assert [line["parts"][0] for line in relaunch] == planned
     assert (job / "train.toml.sapp-hook.bak").read_text() == CONFIG  # what was there, kept
+    assert (job / "out" / "check.json").is_file(), done.stderr[-3000:]  # the relaunch checked the plan it reused
     checked = json.loads((job / "out" / "check.json").read_text())
     for rank in checked["ranks"]:
         assert (
