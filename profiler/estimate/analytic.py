@@ -22,6 +22,7 @@ from profiler.estimate.blocks import (
     norm_bytes,
 )
 from profiler.estimate.collectives import Network, with_collectives
+from profiler.estimate.conventions import StaticConvention, plain
 from profiler.estimate.shape import (
     LLAMA_FAMILY,
     TransformerShape,
@@ -52,6 +53,7 @@ def analytic_profile(
     bytes_per_second: float = BYTES_PER_SECOND,
     optimizer_bytes_per_parameter: float = OPTIMIZER_BYTES_PER_PARAMETER,
     network: Network | None = None,
+    static_memory: StaticConvention | None = None,
 ) -> ModelProfile:
     """Every layer's estimated costs on one rank of the shape's mesh (`ModelProfile.mesh` says which):
     the 1-D estimate, then `solver.parallel.model_parallel`'s rules, then, given a `network`, each layer's
@@ -69,6 +71,9 @@ def analytic_profile(
         optimizer_bytes_per_parameter: optimizer state per parameter, bytes. Default 8 (Adam, fp32).
         network: the links collectives run on (`profiler.estimate.collectives.Network`); None: no
             collective time.
+        static_memory: a framework's bytes a parameter of weights, gradients and optimizer state
+            (`profiler.estimate.conventions.CONVENTIONS`), in place of the shape's dtype and
+            `optimizer_bytes_per_parameter`; None: those.
 
     Returns:
         The `ModelProfile`: a head (embedding), a "body:dense" or "body:moe" layer per block with the
@@ -91,7 +96,11 @@ def analytic_profile(
         ['full', 'none', 'selective']
     """
     check_rates(flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
-    one_d = _one_d_profile(shape, flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
+    if static_memory is None:
+        static_memory = plain(shape.dtype, optimizer_bytes_per_parameter)
+    else:
+        check_rates(flops_per_second, bytes_per_second, static_memory.optimizer_bytes)
+    one_d = _one_d_profile(shape, flops_per_second, bytes_per_second, static_memory)
     rank = profile_for_mesh(one_d, shape.mesh)
     return rank if network is None else with_collectives(rank, shape, network, flops_per_second)
 
@@ -108,7 +117,7 @@ def check_rates(flops_per_second: float, bytes_per_second: float, optimizer_byte
 
 
 def _one_d_profile(
-    s: TransformerShape, flops_per_second: float, bytes_per_second: float, optimizer_bytes_per_parameter: float
+    s: TransformerShape, flops_per_second: float, bytes_per_second: float, static_memory: StaticConvention
 ) -> ModelProfile:
     """The estimate on one process, with what each parallel dimension treats apart stated."""
     p = DTYPE_BYTES[s.dtype]
@@ -120,15 +129,17 @@ def _one_d_profile(
     def seconds_ms(flops: float, moved_bytes: float = 0.0) -> float:
         return 1e3 * (flops / flops_per_second + moved_bytes / bytes_per_second)
 
+    weight, gradient = static_memory.parameter_bytes, static_memory.gradient_bytes
+
     def static(elements: float, tensors: int, replicated: float, whole_gradient: float, experts: float = 0.0) -> dict:
         return {
-            "parameter_bytes": elements * p,
-            "gradient_bytes": elements * p,
+            "parameter_bytes": elements * weight,
+            "gradient_bytes": elements * gradient,
             "parameter_tensors": tensors,
-            "optimizer_bytes": elements * optimizer_bytes_per_parameter + 4 * tensors,
-            "replicated_parameter_bytes": replicated * p,
-            "replicated_gradient_bytes": whole_gradient * p,
-            "expert_parameter_bytes": float(experts * p),
+            "optimizer_bytes": elements * static_memory.optimizer_bytes + static_memory.tensor_bytes * tensors,
+            "replicated_parameter_bytes": replicated * weight,
+            "replicated_gradient_bytes": whole_gradient * gradient,
+            "expert_parameter_bytes": float(experts * weight),
         }
 
     layers = []

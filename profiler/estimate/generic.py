@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from basics.errors import InputError
 from profiler.estimate.analytic import check_rates
+from profiler.estimate.conventions import StaticConvention, plain
 from profiler.estimate.meta_model import ModelCount, PartCount, build_config, count_parameters
 from profiler.estimate.traced import PartTrace, trace_model
 from solver.parallel.model_parallel import DTYPE_BYTES
@@ -33,8 +34,11 @@ def traced_profile(
     flops_per_second: float = 1e14,
     bytes_per_second: float = 2e12,
     optimizer_bytes_per_parameter: float = 8.0,
+    static_memory: StaticConvention | None = None,
 ) -> ModelProfile:
-    """Every layer's estimated costs for the transformers config `fields` (a config.json's dict).
+    """Every layer's estimated costs for the transformers config `fields` (a config.json's dict); the
+    static bytes a parameter from `static_memory` (a framework's convention) where given, else from
+    `dtype` and `optimizer_bytes_per_parameter`.
 
     Returns:
         The `ModelProfile`: a head, a "body:<kind>" layer per decoder layer (kind: "dense" or "moe",
@@ -51,6 +55,10 @@ def traced_profile(
     check_rates(flops_per_second, bytes_per_second, optimizer_bytes_per_parameter)
     if dtype not in DTYPE_BYTES:
         raise InputError("dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if static_memory is None:
+        static_memory = plain(dtype, optimizer_bytes_per_parameter)
+    else:
+        check_rates(flops_per_second, bytes_per_second, static_memory.optimizer_bytes)
     config = build_config(fields)
     counts = count_parameters(config)
     body = [part for part in counts.parts if part.kind.startswith("body:")]
@@ -74,11 +82,11 @@ def traced_profile(
     def static(part: PartCount, extra: int = 0) -> dict:
         n = part.parameters + extra
         return {
-            "parameter_bytes": float(n * p),
-            "gradient_bytes": float(n * p),
+            "parameter_bytes": float(n * static_memory.parameter_bytes),
+            "gradient_bytes": float(n * static_memory.gradient_bytes),
             "parameter_tensors": part.tensors,
-            "optimizer_bytes": n * optimizer_bytes_per_parameter + 4 * part.tensors,
-            "expert_parameter_bytes": float(part.routed_parameters * p),
+            "optimizer_bytes": n * static_memory.optimizer_bytes + static_memory.tensor_bytes * part.tensors,
+            "expert_parameter_bytes": float(part.routed_parameters * static_memory.parameter_bytes),
         }
 
     head_part, tail_part = counts.parts[0], counts.parts[-1]
@@ -120,7 +128,11 @@ def traced_profile(
         model_output_bytes=tokens * vocab * p + LOSS_BYTES,
         loss_bytes=LOSS_BYTES,
         stage_shared_bytes=head_trace.shared_bytes,
-        tied_parameters=(TiedParameter(("embedding", "lm_head"), ("head", "tail"), float(tied * p)),) if tied else (),
+        tied_parameters=(
+            TiedParameter(("embedding", "lm_head"), ("head", "tail"), float(tied * static_memory.parameter_bytes)),
+        )
+        if tied
+        else (),
         dimensions=_dimensions(text, counts),
     )
 

@@ -11,6 +11,7 @@ from profiler.estimate.analytic import BYTES_PER_SECOND as BANDWIDTH
 from profiler.estimate.analytic import FLOPS_PER_SECOND as FLOPS
 from profiler.estimate.analytic import OPTIMIZER_BYTES_PER_PARAMETER as OPTIMIZER_BYTES
 from profiler.estimate.collectives import Network
+from profiler.estimate.conventions import CONVENTIONS, StaticConvention, convention
 from sapp_hook.cli.common import (
     command,
     configure_logging,
@@ -39,7 +40,10 @@ NETWORK = (
 )
 # the layout a rank is measured on (D x T gloo processes) or estimated for
 MESH = ("tensor_parallel", "sequence_parallel", "data_parallel", "fsdp", "reshard_after_forward")
-ESTIMATING = tuple(name for name in ("flops", "bandwidth", "optimizer_bytes", *LAYOUT, *NETWORK) if name not in MESH)
+ESTIMATING = tuple(
+    name for name in ("flops", "bandwidth", "optimizer_bytes", "framework", *LAYOUT, *NETWORK) if name not in MESH
+)
+DTYPE = "float32"  # the parameters' dtype where neither --dtype nor --framework says
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -69,9 +73,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=128, metavar="L", help="default 128")
     parser.add_argument(
         "--dtype",
-        default="float32",
         metavar="NAME",
-        help="the parameters' dtype: float32 (default), bfloat16 or float16",
+        help=f"the parameters' dtype: {DTYPE} (default), bfloat16 or float16; with --framework, the compute "
+        "dtype (default bfloat16)",
     )
     measured = parser.add_argument_group("measuring")
     measured.add_argument("--steps", type=int, metavar="N", help=f"measured steps per recompute mode (default {STEPS})")
@@ -143,7 +147,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         metavar="N",
         help=f"optimizer state per parameter (default {OPTIMIZER_BYTES:g}: Adam's two fp32 states; "
-        "12 with an fp32 master copy of 16-bit weights)",
+        "12 with an fp32 master copy of 16-bit weights; with --framework, in place of its own)",
+    )
+    estimated.add_argument(
+        "--framework",
+        metavar="NAME",
+        help="keep weights, gradients and optimizer state as this framework does: "
+        f"{', '.join(CONVENTIONS)} (docs/cli.md lists the bytes a parameter of each); "
+        "default: --dtype weights and gradients, --optimizer-bytes of optimizer state",
     )
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object on stdout")
@@ -158,15 +169,31 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             flag = "--" + name.replace("_", "-")
             raise InputError(flag, "is for measuring; --estimate runs nothing" if args.estimate else "needs --estimate")
+    static = _static_memory(args)
+    if args.dtype is None:
+        args.dtype = DTYPE if static is None else static.compute_dtype
     if args.estimate:
-        profile = _estimate(args)
+        profile = _estimate(args, static)
     else:
         profile = _measure(args, talk)
     written = write_output(outputs, "out", profile.save)
-    return finish(args, profile.to_dict(), profile_report(profile), [written])
+    report = profile_report(profile) + ("" if static is None else "\n" + static.note())
+    return finish(args, profile.to_dict(), report, [written])
 
 
-def _estimate(args: argparse.Namespace) -> ModelProfile:
+def _static_memory(args: argparse.Namespace) -> StaticConvention | None:
+    """--framework's bytes a parameter, with --optimizer-bytes in place of its optimizer state where given;
+    None without --framework (the estimate keeps --dtype's weights and gradients, --optimizer-bytes of state)."""
+    if args.framework is None:
+        return None
+    try:
+        chosen = convention(args.framework)
+    except InputError as exc:
+        raise InputError("--framework", exc.detail) from None
+    return chosen if args.optimizer_bytes is None else chosen.with_optimizer_bytes(args.optimizer_bytes)
+
+
+def _estimate(args: argparse.Namespace, static: StaticConvention | None) -> ModelProfile:
     """profiler.estimate.analytic's estimate of the config at the flags' shape and throughputs; no torch."""
     from profiler.estimate.analytic import LLAMA_FAMILY, analytic_profile, shape_from_config
     from sapp_hook.models import config_data
@@ -187,7 +214,7 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
     }
     layout = {name: getattr(args, name) for name in LAYOUT if getattr(args, name) is not None}
     if data.get("model_type") not in LLAMA_FAMILY:
-        return _estimate_traced(args, data, where)
+        return _estimate_traced(args, data, where, static)
     try:
         shape = shape_from_config(
             data, sequence=args.seq_len, micro_batch_size=args.micro_batch_size, dtype=args.dtype, **layout
@@ -196,8 +223,9 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
             shape,
             flops_per_second=FLOPS if args.flops is None else args.flops,
             bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
-            optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
+            optimizer_bytes_per_parameter=_optimizer_bytes(args, static),
             network=_network(args),
+            static_memory=static,
         )
     except InputError as exc:
         if exc.field in flags:
@@ -211,7 +239,7 @@ def _estimate(args: argparse.Namespace) -> ModelProfile:
     return dataclasses.replace(profile, model=f"{where} (estimated)")
 
 
-def _estimate_traced(args: argparse.Namespace, data: dict, where: str) -> ModelProfile:
+def _estimate_traced(args: argparse.Namespace, data: dict, where: str, static: StaticConvention | None) -> ModelProfile:
     """profiler.estimate.generic's estimate of a config outside the Llama family: the model built on the
     meta device and traced on fake tensors (needs torch and transformers, runs nothing real)."""
     for name in (*LAYOUT, *NETWORK):
@@ -238,11 +266,19 @@ def _estimate_traced(args: argparse.Namespace, data: dict, where: str) -> ModelP
             dtype=args.dtype,
             flops_per_second=FLOPS if args.flops is None else args.flops,
             bytes_per_second=BANDWIDTH if args.bandwidth is None else args.bandwidth,
-            optimizer_bytes_per_parameter=OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes,
+            optimizer_bytes_per_parameter=_optimizer_bytes(args, static),
+            static_memory=static,
         )
     except InputError as exc:
         raise InputError(flags.get(exc.field, "--model"), f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
+
+
+def _optimizer_bytes(args: argparse.Namespace, static: StaticConvention | None) -> float:
+    """What --optimizer-bytes gives, or the convention's, or the estimate's default."""
+    if static is not None:
+        return static.optimizer_bytes
+    return OPTIMIZER_BYTES if args.optimizer_bytes is None else args.optimizer_bytes
 
 
 def _network(args: argparse.Namespace) -> Network | None:
