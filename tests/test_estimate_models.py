@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from profiler.estimate.analytic import analytic_profile, shape_from_config
-from profiler.estimate.generic import parameter_report, traced_profile
+from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
 from profiler.estimate.meta_model import build_config
 from sapp_hook.cli import main
 from sapp_hook.models import profile_example
 from solver import load_profile
+from solver.parallel.model_parallel import profile_for_mesh
 from solver.vocabulary.profile import FULL, NONE, SELECTIVE
+from solver.vocabulary.profile_parts import Mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "estimate"
 torch.set_num_threads(1)
@@ -92,15 +94,24 @@ TINY = {
 def test_traced_activations_equal_the_measured_profile_scaled_down(model_type):
     fields = {"model_type": model_type, "tie_word_embeddings": False, **TINY[model_type]}
     estimate = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="float32")
+    # the measured MoE layers keep what their routing of random weights comes to: the same seed, the same routing
+    torch.manual_seed(0)
     measured = profile_example(build_config(fields), steps=1, warmup_steps=1, micro_batch_size=2, seq_len=32)
-    assert len(estimate.layers) == len(measured.layers)
+    # transformers builds no MTP module (DeepseekV3Config declares one by default): compared without it
+    ours_layers = [layer for layer in estimate.layers if layer.kind != MTP_KIND]
+    assert len(ours_layers) == len(measured.layers)
     state = measured.checkpoint_state_bytes  # the CPU generator's state a checkpoint keeps, stated apart
-    for ours, theirs in zip(estimate.layers, measured.layers, strict=True):
+    # The measurement, not the estimate, varies from run to run in MoE layers (1 KiB of one layer in about one
+    # run of three, whatever the seed), likely as it knows a saved tensor by its storage's address, which a
+    # short-lived tensor of the routing may free for a later one. Dense layers are exact.
+    moe = model_type == "deepseek_v3"
+    same = (lambda a, b: a == pytest.approx(b, abs=2048)) if moe else (lambda a, b: a == b)
+    for ours, theirs in zip(ours_layers, measured.layers, strict=True):
         assert ours.parameter_bytes == theirs.parameter_bytes
-        assert ours.recompute[NONE].activation_bytes == theirs.recompute[NONE].activation_bytes
+        assert same(ours.recompute[NONE].activation_bytes, theirs.recompute[NONE].activation_bytes)
         for mode in (SELECTIVE, FULL):
             if mode in ours.recompute:
-                assert ours.recompute[mode].activation_bytes == theirs.recompute[mode].activation_bytes - state
+                assert same(ours.recompute[mode].activation_bytes, theirs.recompute[mode].activation_bytes - state)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -135,15 +146,99 @@ def test_cli_estimates_a_model_outside_the_llama_family(tmp_path, capsys):
     assert [layer.kind for layer in profile.layers] == ["head", *["body:dense"] * 32, "tail"]
     assert profile.source == "traced"
     assert profile.layers[1].parameter_bytes == 2 * 113_252_352
+    phi = ["profile", "--model", str(FIXTURES / "phi-3-mini-4k.json"), "--estimate", "--out", str(out)]
+    assert main([*phi, "--tensor-parallel", "2", "--quiet"]) == 0
+    rank = load_profile(str(out))
+    assert rank.mesh == Mesh(tensor_parallel=2)
+    # a layer's 2 norms of 3072 replicated, the rest split (fp32, the default)
+    assert rank.layers[1].parameter_bytes == 4 * ((113_252_352 - 2 * 3072) / 2 + 2 * 3072)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:
-        main(
-            ["profile", "--model", str(FIXTURES / "phi-3-mini-4k.json"), "--estimate", "--tensor-parallel", "2",
-             "--out", str(out)]
-        )  # fmt: skip
+        main([*phi, "--link-bandwidth", "1e11"])
     assert exit_code.value.code == 2
     assert capsys.readouterr().err == (
-        "sapp-hook profile: error: --tensor-parallel: the traced estimate of 'phi3' is for one rank of no model "
-        "parallelism and states no collectives; leave --tensor-parallel out (solve --data-parallel shards its "
-        "memory)\n"
+        "sapp-hook profile: error: --link-bandwidth: the traced estimate of 'phi3' states no collectives; leave "
+        "--link-bandwidth out (solve --data-parallel and --zero-stage shard its memory)\n"
     )
+    with pytest.raises(SystemExit) as exit_code:
+        main([*phi, "--tensor-parallel", "2", "--sequence-parallel"])
+    assert "sp_whole_activation_bytes: not in the profile" in capsys.readouterr().err
+
+
+LLAMA = dict(
+    model_type="llama", hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_traced_tensor_split_equals_the_analytic_rules(dtype):
+    # what tensor parallelism leaves whole, found by tracing the model again with heads and FFN widths
+    # halved, is the Llama family's hand count; so is one rank of tensor parallel 2
+    traced = traced_profile(LLAMA, sequence=256, micro_batch_size=2, dtype=dtype)
+    formulas = analytic_profile(shape_from_config(LLAMA, sequence=256, micro_batch_size=2, dtype=dtype))
+    for ours, theirs in zip(traced.layers, formulas.layers, strict=True):
+        assert ours.replicated_parameter_bytes == theirs.replicated_parameter_bytes
+        assert ours.replicated_gradient_bytes == theirs.replicated_gradient_bytes
+        for mode, cost in ours.recompute.items():
+            assert cost.tp_whole_activation_bytes == theirs.recompute[mode].tp_whole_activation_bytes
+    rank = profile_for_mesh(traced, Mesh(tensor_parallel=2))
+    formulas = analytic_profile(
+        shape_from_config(LLAMA, sequence=256, micro_batch_size=2, dtype=dtype, tensor_parallel=2)
+    )
+    for ours, theirs in zip(rank.layers, formulas.layers, strict=True):
+        assert ours.parameter_bytes == theirs.parameter_bytes
+        assert ours.gradient_bytes == theirs.gradient_bytes
+        for mode, cost in ours.recompute.items():
+            assert cost.activation_bytes == theirs.recompute[mode].activation_bytes
+
+
+def test_traced_deepseek_tensor_split_replicates_the_mla_latents_and_the_router():
+    fields = {"model_type": "deepseek_v3", "tie_word_embeddings": False, **TINY["deepseek_v3"]}
+    profile = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="bfloat16")
+    dense, moe = profile.layers[1], profile.layers[2]
+    # h 64, q latent 32, kv latent 16 + rope 8: two norms, the latents' norms, both down projections
+    mla = 2 * 64 + 32 + 16 + 64 * 32 + 64 * (16 + 8)
+    assert dense.replicated_parameter_bytes == 2 * mla
+    assert moe.replicated_parameter_bytes == 2 * (mla + 8 * 64)  # and the router
+    assert profile.dimensions["head_dim"] == (8 + 8 + 16) // 2  # MLA: keys' and values' mean, for K + V
+    rank = profile_for_mesh(profile, Mesh(tensor_parallel=2, expert_parallel=4))
+    assert rank.layers[2].expert_parameter_bytes == moe.expert_parameter_bytes / 4
+    whole = moe.recompute[NONE].tp_whole_activation_bytes
+    assert rank.layers[2].recompute[NONE].activation_bytes == (moe.recompute[NONE].activation_bytes - whole) / 2 + whole
+
+
+def test_deepseek_v3_mtp_layer_and_a_16_stage_plan_in_64gb(tmp_path, capsys):
+    # DeepSeek-V3's own layout (report, section 3.2): 16 pipeline stages, 64-way expert parallel,
+    # ZeRO-1 over data parallel; its MTP module is the last body layer, with the tail on the last stage
+    out = tmp_path / "ds.json"
+    base = ["--model", str(FIXTURES / "deepseek-v3.json"), "--estimate", "--dtype", "bfloat16", "--seq-len", "4096",
+            "--micro-batch-size", "1"]  # fmt: skip
+    assert main(["profile", *base, "--out", str(out), "--quiet"]) == 0
+    profile = load_profile(str(out))
+    assert [layer.kind for layer in profile.layers[-3:]] == ["body:moe", MTP_KIND, "tail"]
+    mtp, decoder, tail = profile.layers[-2], profile.layers[-3], profile.layers[-1]
+    assert mtp.name == "mtp.0"
+    assert mtp.parameter_bytes == 2 * (11_610_067_968 + 129280 * 7168)  # with its copy of the embedding
+    assert mtp.expert_parameter_bytes == decoder.expert_parameter_bytes
+    assert list(mtp.recompute) == [NONE]  # the frameworks' recompute flags do not reach MTP layers
+    tokens, h = 4096, 7168
+    extra = 8 * tokens + 2 * tokens * (4 * h + 4 + 2 * h) + 2 * tokens * h * 2
+    kept = decoder.recompute[NONE].activation_bytes + extra + tail.recompute[NONE].activation_bytes
+    assert mtp.recompute[NONE].activation_bytes == kept
+    assert [tied.layers for tied in profile.tied_parameters] == [("head", "mtp.0")]
+    capsys.readouterr()
+    solve = ["solve", "--profile", str(out), "--pipeline-parallel", "16", "--micro-batches", "64", "--schedule", "1F1B",
+             "--memory", "64GB", "--time-limit", "20", "--json"]  # fmt: skip
+    assert main([*solve, "--expert-parallel", "64", "--data-parallel", "128", "--zero-stage", "1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["status"], plan["fits"]) == ("optimal", True)
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert plan["solve_seconds"] < 20
+    # one rank of tensor parallel 2 and expert parallel 16, estimated as such
+    rank = tmp_path / "ds-tp2.json"
+    assert (
+        main(["profile", *base, "--tensor-parallel", "2", "--expert-parallel", "16", "--out", str(rank), "--quiet"])
+        == 0
+    )
+    assert load_profile(str(rank)).mesh == Mesh(tensor_parallel=2, expert_parallel=16)

@@ -4,25 +4,49 @@ Gemma-2/3, Phi-3, GLM-4, ...): parameters counted exactly on the meta device
 (`profiler.estimate.traced`), times from FLOPs and bytes over the throughputs given, as
 `profiler.estimate.analytic` does for the Llama family.
 
-One rank of no model parallelism (tensor, context and expert parallel degrees 1); data parallelism
-and ZeRO shard it in `solve` as any profile. MTP modules (DeepSeek-V3's `num_nextn_predict_layers`)
-are counted in `parameter_report` but are not layers of the profile.
+The profile is of one process and says what tensor parallelism splits (as `analytic` does for the
+Llama family), so `solver.parallel.model_parallel`'s rules make it any rank's of a tensor, context or
+expert parallel mesh: what stays whole is found by tracing the model again with its heads and FFN
+widths halved (a rank of tensor parallel 2: Megatron-LM's and TorchTitan's split, MLA's compressed
+q and kv latents replicated), W = 2 A(t=2) - A(1). Sequence parallelism and expert token counts other
+than balanced are not stated (their fields are left out, and `solve` refuses them by name).
+MTP modules (DeepSeek-V3's `num_nextn_predict_layers`, MindFormers' `mtp_depth`, Megatron's
+`mtp_num_layers`) are layers of kind "body:mtp" after the last decoder layer, as MindFormers and
+Megatron-LM place them: a decoder layer like the last, the norms and 2h x h projection before it,
+the shared head's logits and loss after it, and the first one a copy of the embedding.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 
 from basics.errors import InputError
 from profiler.estimate.analytic import check_rates
 from profiler.estimate.conventions import StaticConvention, plain
-from profiler.estimate.meta_model import ModelCount, PartCount, build_config, count_parameters
+from profiler.estimate.meta_model import (
+    ModelCount,
+    PartCount,
+    build_config,
+    build_meta_model,
+    count_parameters,
+    decoder_parts,
+)
 from profiler.estimate.traced import PartTrace, trace_model
 from solver.parallel.model_parallel import DTYPE_BYTES
 from solver.vocabulary.profile import FULL, NONE, SELECTIVE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
 
 LOSS_BYTES = 4  # the loss, an fp32 scalar
+MTP_KIND = "body:mtp"  # what the MindFormers and Megatron-LM writers read as an MTP layer
+# the sizes tensor parallelism splits: attention heads and FFN widths (dense, routed, shared experts)
+SPLIT_SIZES = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def traced_profile(
@@ -65,21 +89,22 @@ def traced_profile(
     first = {}
     for index, part in enumerate(body):
         first.setdefault(part.kind, index)
-    traces = trace_model(
-        _cut(config, max(first.values()) + 1), sequence=sequence, micro_batch_size=micro_batch_size, dtype=dtype
-    )
+    shape = {"sequence": sequence, "micro_batch_size": micro_batch_size, "dtype": dtype}
+    cut = _cut(config, max(first.values()) + 1)
+    traces = trace_model(cut, **shape)
     head_trace, tail_trace = traces[0], traces[-1]
     by_kind = {kind: traces[1 + index] for kind, index in first.items()}
     p = DTYPE_BYTES[dtype]
     tokens = micro_batch_size * sequence
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text(config)
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)
     hidden_bytes = float(tokens * hidden * p)
+    split = _tensor_split(cut, first, shape, hidden_bytes, by_kind)
 
     def ms(flops: float, moved_bytes: float = 0.0) -> float:
         return 1e3 * (flops / flops_per_second + moved_bytes / bytes_per_second)
 
-    def static(part: PartCount, extra: int = 0) -> dict:
+    def static(part: PartCount, extra: int = 0, replicated: float | None = None, whole: float | None = None) -> dict:
         n = part.parameters + extra
         return {
             "parameter_bytes": float(n * static_memory.parameter_bytes),
@@ -87,10 +112,15 @@ def traced_profile(
             "parameter_tensors": part.tensors,
             "optimizer_bytes": n * static_memory.optimizer_bytes + static_memory.tensor_bytes * part.tensors,
             "expert_parameter_bytes": float(part.routed_parameters * static_memory.parameter_bytes),
+            "replicated_parameter_bytes": None
+            if replicated is None
+            else float(replicated * static_memory.parameter_bytes),
+            "replicated_gradient_bytes": None if whole is None else float(whole * static_memory.gradient_bytes),
         }
 
     head_part, tail_part = counts.parts[0], counts.parts[-1]
     tied = head_part.parameters if counts.tied_embeddings else 0
+    ids = head_trace.saved_bytes  # the token ids, whole on every rank
     layers = [
         LayerProfile(
             name="head",
@@ -98,29 +128,65 @@ def traced_profile(
             forward_ms=ms(0, hidden_bytes),
             backward_ms=ms(0, 2 * head_part.parameters * p),
             weight_ms=ms(0, 2 * head_part.parameters * p),
-            recompute={NONE: RecomputeCost(0.0, head_trace.saved_bytes, float(head_part.parameters * p))},
-            **static(head_part),
+            recompute={
+                NONE: RecomputeCost(
+                    0.0,
+                    ids,
+                    float(head_part.parameters * p),
+                    tp_whole_activation_bytes=ids,
+                    sp_whole_activation_bytes=ids,
+                )
+            },
+            # the embedding's gradient stays whole under tensor parallelism (torch's DTensor embedding backward)
+            **static(head_part, 0, 0, head_part.parameters),
         )
     ]
-    layers += [_body_layer(part, by_kind[part.kind], hidden_bytes, ms, static(part)) for part in body]
+    for part in body:
+        whole = split.get(part.kind)
+        layer = _body_layer(part, by_kind[part.kind], hidden_bytes, ms, whole and whole[1])
+        layers.append(dataclasses.replace(layer, **static(part, 0, whole and whole[0], whole and whole[0])))
     log_probs = tokens * vocab * 4.0
     labels = 8.0 * tokens + LOSS_BYTES
     # the fp32 gradients of log-probabilities and logits less the freed labels; with few tokens, the head's gradients
     working = max(2 * log_probs - labels, (tail_part.parameters + tied) * p + hidden_bytes)
-    layers.append(
-        LayerProfile(
-            name="tail",
-            kind="tail",
-            forward_ms=ms(tail_trace.forward_flops, 2 * log_probs),
-            backward_ms=ms(2 * tail_trace.forward_flops, 2 * log_probs),
-            weight_ms=ms(tail_trace.forward_flops),
-            recompute={NONE: RecomputeCost(0.0, tail_trace.saved_bytes, working)},
-            **static(tail_part, tied),
-        )
+    norm = tail_part.parameters - (0 if tied else vocab * hidden)  # the final norm's, replicated
+    tail = LayerProfile(
+        name="tail",
+        kind="tail",
+        forward_ms=ms(tail_trace.forward_flops, 2 * log_probs),
+        backward_ms=ms(2 * tail_trace.forward_flops, 2 * log_probs),
+        weight_ms=ms(tail_trace.forward_flops),
+        # the logits stay whole (no loss parallel)
+        recompute={
+            NONE: RecomputeCost(0.0, tail_trace.saved_bytes, working, tp_whole_activation_bytes=tail_trace.saved_bytes)
+        },
+        **static(tail_part, tied, norm, norm),
     )
+    mtp = [part for part in counts.parts if part.kind == "mtp"]
+    decoder = layers[-1]
+    for index, part in enumerate(mtp):
+        own = dataclasses.replace(
+            part,
+            parameters=part.parameters + (0 if index else head_part.parameters),
+            tensors=part.tensors + (not index),
+        )
+        whole = split.get(body[-1].kind)
+        # its three norms too; the embedding copy is split by vocabulary, its gradient too (Megatron-LM's)
+        replicated = None if whole is None else whole[0] + 3 * hidden
+        layer = _mtp_layer(decoder, tail, ids, hidden, tokens, p, ms)
+        layers.append(dataclasses.replace(layer, name=part.name, **static(own, 0, replicated, replicated)))
+    layers.append(tail)
+    embedding = float(head_part.parameters * static_memory.parameter_bytes)
+    ties = (
+        (TiedParameter(("embedding", "lm_head"), ("head", "tail"), float(tied * static_memory.parameter_bytes)),)
+        if tied
+        else ()
+    )
+    if mtp:  # the first MTP layer's own copy of the embedding, kept equal to the head's
+        ties += (TiedParameter(("embedding", "mtp embedding"), ("head", mtp[0].name), embedding),)
     return ModelProfile(
         layers=tuple(layers),
-        model=f"traced {counts.model_type} {len(body)}x{hidden}",
+        model=f"traced {counts.model_type} {len(body)}x{hidden}" + (f" + {len(mtp)} MTP" if mtp else ""),
         source="traced",
         dtype=dtype,
         micro_batch={"size": micro_batch_size, "sequence": sequence},
@@ -128,20 +194,24 @@ def traced_profile(
         model_output_bytes=tokens * vocab * p + LOSS_BYTES,
         loss_bytes=LOSS_BYTES,
         stage_shared_bytes=head_trace.shared_bytes,
-        tied_parameters=(
-            TiedParameter(("embedding", "lm_head"), ("head", "tail"), float(tied * static_memory.parameter_bytes)),
-        )
-        if tied
-        else (),
+        tied_parameters=ties,
         dimensions=_dimensions(text, counts),
     )
 
 
-def _body_layer(part: PartCount, trace: PartTrace, hidden_bytes: float, ms, static: dict) -> LayerProfile:  # type: ignore[no-untyped-def]
-    """A decoder layer from its kind's trace: none keeps what autograd saved, selective the block's input
-    and the matmul and attention outputs, full the input; the backward's working set is the widest
-    weighted output's gradient and its input's, plus what the mode rebuilds."""
-    kept = {NONE: trace.saved_bytes, SELECTIVE: hidden_bytes + trace.selective_bytes, FULL: hidden_bytes}
+def _kept(trace: PartTrace, hidden_bytes: float) -> dict[str, float]:
+    """What a decoder layer keeps per mode: none what autograd saved, selective the block's input and the
+    matmul and attention outputs, full the input."""
+    return {NONE: trace.saved_bytes, SELECTIVE: hidden_bytes + trace.selective_bytes, FULL: hidden_bytes}
+
+
+def _body_layer(  # type: ignore[no-untyped-def]
+    part: PartCount, trace: PartTrace, hidden_bytes: float, ms, whole: dict[str, float] | None
+) -> LayerProfile:
+    """A decoder layer from its kind's trace (`whole`: per mode, what tensor parallelism leaves whole);
+    the backward's working set is the widest weighted output's gradient and its input's, plus what the
+    mode rebuilds."""
+    kept = _kept(trace, hidden_bytes)
     saved_input = {NONE: trace.saved_input_bytes, SELECTIVE: hidden_bytes, FULL: hidden_bytes}
     elementwise_ms = ms(0, 2 * max(kept[NONE] - kept[SELECTIVE], 0.0))  # read and write what is rebuilt
     forward_ms = ms(trace.forward_flops)
@@ -154,6 +224,7 @@ def _body_layer(part: PartCount, trace: PartTrace, hidden_bytes: float, ms, stat
             gradients + max(kept[NONE] - kept[mode], 0.0),
             pending_bytes=trace.pending_bytes,
             saved_input_bytes=saved_input[mode],
+            tp_whole_activation_bytes=None if whole is None else whole[mode],
         )
         for mode in (NONE, SELECTIVE, FULL)
     }
@@ -164,14 +235,86 @@ def _body_layer(part: PartCount, trace: PartTrace, hidden_bytes: float, ms, stat
         backward_ms=2 * forward_ms + elementwise_ms,
         weight_ms=ms(trace.weight_flops),
         recompute=recompute,
-        **static,
+        parameter_bytes=0.0,
+        gradient_bytes=0.0,
+        optimizer_bytes=0.0,
     )
+
+
+def _mtp_layer(decoder: LayerProfile, tail: LayerProfile, ids: float, h: int, tokens: int, p: int, ms) -> LayerProfile:  # type: ignore[no-untyped-def]
+    """One MTP module's costs (its static fields left to the caller): the embedding of the next tokens,
+    RMSNorms of it and of the hidden state, their concatenation through the 2h x h projection, a
+    decoder layer like the last, and the shared head's logits and loss (the tail's costs again). It
+    keeps its activations: the frameworks' recompute flags do not reach MTP layers."""
+    # the two norms' fp32 input and 1/rms and normalised input, the projection's 2h input; all whole
+    extra = ids + 2 * tokens * (4 * h + 4 + p * h) + 2 * tokens * h * p
+    projection = 2 * tokens * 2 * h * h
+    none, end = decoder.recompute[NONE], tail.recompute[NONE]
+    whole = none.tp_whole_activation_bytes
+    cost = RecomputeCost(
+        0.0,
+        none.activation_bytes + extra + end.activation_bytes,
+        max(none.working_bytes, end.working_bytes),
+        pending_bytes=(none.pending_bytes or 0.0) + tokens * h * p,
+        saved_input_bytes=float(tokens * h * p) if p == 4 else 0.0,  # the hidden state's norm keeps it as fp32
+        tp_whole_activation_bytes=None if whole is None else whole + extra + end.activation_bytes,
+    )
+    return LayerProfile(
+        name="mtp",
+        kind=MTP_KIND,
+        forward_ms=decoder.forward_ms + ms(projection) + tail.forward_ms,
+        backward_ms=decoder.backward_ms + ms(2 * projection) + tail.backward_ms,
+        weight_ms=(decoder.weight_ms or 0.0) + ms(projection) + (tail.weight_ms or 0.0),
+        recompute={NONE: cost},
+        parameter_bytes=0.0,
+        gradient_bytes=0.0,
+        optimizer_bytes=0.0,
+    )
+
+
+def _text(config: object) -> object:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _tensor_split(
+    cut: object, first: dict[str, int], shape: dict, hidden_bytes: float, by_kind: dict[str, PartTrace]
+) -> dict[str, tuple[int, dict[str, float]]]:
+    """Per decoder layer kind: (the parameters tensor parallelism replicates, what of each mode's
+    activations it leaves whole), from `cut` built and traced again with its heads and FFN widths
+    halved. {} where a size is odd, or where halving them does not halve or keep each weight (a model
+    that derives one size from another): tensor parallelism is then not stated."""
+    halved = copy.deepcopy(cut)
+    text = _text(halved)
+    if not getattr(text, "head_dim", None):  # keep each head's width: it is not split
+        text.head_dim = int(text.hidden_size) // int(text.num_attention_heads)
+    for key in SPLIT_SIZES:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if value % 2:
+                return {}
+            setattr(text, key, value // 2)
+    _, whole_layers, _ = decoder_parts(build_meta_model(cut))
+    _, half_layers, _ = decoder_parts(build_meta_model(halved))
+    replicated = {}
+    for kind, index in first.items():
+        whole = {name: p.numel() for name, p in whole_layers[index].named_parameters()}
+        half = {name: p.numel() for name, p in half_layers[index].named_parameters()}
+        if whole.keys() != half.keys() or any(half[n] not in (whole[n], whole[n] / 2) for n in whole):
+            return {}
+        replicated[kind] = sum(n for name, n in whole.items() if half[name] == n)
+    traces = trace_model(halved, **shape)
+    split = {}
+    for kind, index in first.items():
+        one, two = _kept(by_kind[kind], hidden_bytes), _kept(traces[1 + index], hidden_bytes)
+        # a rank of t keeps (A - W) / t + W: W = 2 A(2) - A(1)
+        split[kind] = (replicated[kind], {mode: min(max(2 * two[mode] - one[mode], 0.0), one[mode]) for mode in one})
+    return split
 
 
 def _cut(config: object, layers: int) -> object:
     """`config` with its first `layers` decoder layers only (per-layer lists cut to match)."""
     cut = copy.deepcopy(config)
-    text = cut.get_text_config() if hasattr(cut, "get_text_config") else cut
+    text = _text(cut)
     text.num_hidden_layers = layers
     if isinstance(getattr(text, "layer_types", None), list):
         text.layer_types = text.layer_types[:layers]
@@ -185,7 +328,9 @@ def _dimensions(text: object, counts: ModelCount) -> dict[str, int]:
     """The sizes a parallel layout must divide, where the config names them."""
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     hidden = int(text.hidden_size)
-    head_dim = getattr(text, "head_dim", None) or getattr(text, "v_head_dim", None) or (hidden // heads if heads else 0)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    if getattr(text, "kv_lora_rank", None):  # MLA: keys (nope + rope) and values differ; their mean, for K + V
+        head_dim = (text.qk_nope_head_dim + text.qk_rope_head_dim + text.v_head_dim) // 2
     return {
         "hidden": hidden,
         "heads": heads,

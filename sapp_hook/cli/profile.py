@@ -241,23 +241,32 @@ def _estimate(args: argparse.Namespace, static: StaticConvention | None) -> Mode
 
 def _estimate_traced(args: argparse.Namespace, data: dict, where: str, static: StaticConvention | None) -> ModelProfile:
     """profiler.estimate.generic's estimate of a config outside the Llama family: the model built on the
-    meta device and traced on fake tensors (needs torch and transformers, runs nothing real)."""
-    for name in (*LAYOUT, *NETWORK):
+    meta device and traced on fake tensors (needs torch and transformers, runs nothing real), for one
+    rank of the flags' tensor, context and expert parallel layout."""
+    for name in NETWORK:
         value = getattr(args, name)
-        if value not in (None, False, 1, "balanced"):
+        if value not in (None, False, 1):
             flag = "--" + name.replace("_", "-")
             raise InputError(
                 flag,
-                f"the traced estimate of {data.get('model_type')!r} is for one rank of no model parallelism "
-                f"and states no collectives; leave {flag} out (solve --data-parallel shards its memory)",
+                f"the traced estimate of {data.get('model_type')!r} states no collectives; leave {flag} out "
+                "(solve --data-parallel and --zero-stage shard its memory)",
             )
     check_torch()
     import transformers
 
     from profiler.estimate.generic import traced_profile
+    from solver.parallel.model_parallel import profile_for_mesh
+    from solver.vocabulary.profile_parts import Mesh
 
+    layout = {name: getattr(args, name) for name in LAYOUT if getattr(args, name) is not None}
+    try:
+        mesh = Mesh(**layout)
+    except InputError as exc:
+        raise InputError("--" + exc.field.removeprefix("mesh.").replace("_", "-"), exc.detail) from None
     transformers.logging.set_verbosity_error()  # the CLI owns the terminal
     flags = {"sequence": "--seq-len", "micro_batch_size": "--micro-batch-size", "dtype": "--dtype"}
+    flags.update({name: "--" + name.replace("_", "-") for name in LAYOUT})
     try:
         profile = traced_profile(
             data,
@@ -269,6 +278,7 @@ def _estimate_traced(args: argparse.Namespace, data: dict, where: str, static: S
             optimizer_bytes_per_parameter=_optimizer_bytes(args, static),
             static_memory=static,
         )
+        profile = profile_for_mesh(profile, mesh)
     except InputError as exc:
         raise InputError(flags.get(exc.field, "--model"), f"{where}: {exc.field}: {exc.detail}") from None
     return dataclasses.replace(profile, model=f"{where} (estimated)")
