@@ -31,7 +31,7 @@ def reference_simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationRe
         rank_busy_ms=tuple(busy),
         rank_peak_memory_bytes=peaks,
         rank_peak_activations=in_flight,
-        bubble=_bubble_split(schedule, costs, iteration_ms, end, replay=reference_replay),
+        bubble=_bubble_split(schedule, costs, iteration_ms, replay=reference_replay),
     )
 
 

@@ -83,7 +83,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
         rank_busy_ms=tuple(busy),
         rank_peak_memory_bytes=peaks,
         rank_peak_activations=in_flight,
-        bubble=_bubble_split(schedule, costs, iteration_ms, end),
+        bubble=_bubble_split(schedule, costs, iteration_ms),
     )
 
 
@@ -205,24 +205,26 @@ def _bubble_split(
     schedule: Schedule,
     costs: PipelineCosts,
     iteration_ms: float,
-    end_ms: list[float],
     replay: Callable[[CompiledSchedule, list[float], float], tuple[list[float], list[float]]] = _replay,
 ) -> BubbleSplit:
-    """Split the idle time by what a replay without each cause gives (see BubbleSplit); `end_ms`: the replay
-    of `costs`, reused where another has the same durations."""
+    """Split the idle time by what a replay without each cause gives (see BubbleSplit); `iteration_ms`: that
+    of `costs`."""
     chunks = costs.all_chunks()
     useful_ms = schedule.micro_batches * sum(c.forward_ms + c.backward_ms for c in chunks)
     if useful_ms <= 0:
         raise InputError("costs", "forward and backward times are all zero: there is no work to schedule")
     compiled = schedule.compiled
 
-    plain_ms = durations(compiled, costs)
+    replayed = [(costs.p2p_ms, durations(compiled, costs), iteration_ms)]  # a replay of the same durations is reused
 
     def makespan(chunk_costs: PipelineCosts) -> float:
         action_ms = durations(compiled, chunk_costs)
-        if chunk_costs.p2p_ms == costs.p2p_ms and action_ms == plain_ms:
-            return max(end_ms)  # the same replay
-        return max(replay(compiled, action_ms, chunk_costs.p2p_ms)[1])
+        for p2p_ms, same_ms, span_ms in replayed:
+            if p2p_ms == chunk_costs.p2p_ms and same_ms == action_ms:
+                return span_ms
+        span_ms = max(replay(compiled, action_ms, chunk_costs.p2p_ms)[1])
+        replayed.append((chunk_costs.p2p_ms, action_ms, span_ms))
+        return span_ms
 
     def share(extra_ms: float) -> float:
         """Iteration time `extra_ms` as a fraction of the useful work per rank."""
