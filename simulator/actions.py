@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 FORWARD = "F"
@@ -35,6 +38,34 @@ class Action(NamedTuple):
     def kind(self) -> str:
         """The former name of `op`."""
         return self.op
+
+
+_new_action = partial(tuple.__new__, Action)  # no Python frame per action, unlike Action(...)
+
+
+def make_actions(stages: Iterable[int], ops: Iterable[str], microbatches: Iterable[int]) -> list[Action]:
+    """`[Action(stage, op, microbatch) ...]` over the three in step, none overlapped."""
+    return list(map(_new_action, zip(stages, ops, microbatches, repeat(False))))
+
+
+def one_f_one_b_order(
+    forward: tuple[list[int], list[int]], backward: tuple[list[int], list[int]], warmup: int
+) -> list[Action]:
+    """A rank's 1F1B order: `warmup` forwards, then one forward and one backward in turn, then the remaining
+    backwards. `forward` and `backward`: (stage indices, micro-batches) in the order each kind runs."""
+    (forward_stages, forward_mbs), (backward_stages, backward_mbs) = forward, backward
+    total = len(forward_stages)
+    warmup = min(warmup, total)
+    steady = total - warmup
+
+    def in_turn(forwards: list[int], backwards: list[int]) -> list[int]:
+        merged = forwards[:warmup] + [0] * (2 * steady) + backwards[steady:]
+        merged[warmup : warmup + 2 * steady : 2] = forwards[warmup:]
+        merged[warmup + 1 : warmup + 2 * steady : 2] = backwards[:steady]
+        return merged
+
+    ops = [FORWARD] * warmup + [FORWARD, FULL_BACKWARD] * steady + [FULL_BACKWARD] * warmup
+    return make_actions(in_turn(forward_stages, backward_stages), ops, in_turn(forward_mbs, backward_mbs))
 
 
 def parse_action(text: str) -> Action:

@@ -17,9 +17,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter
+
+import numpy as np
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OPS, Action
 from simulator.errors import ScheduleError
+
+OP_INDEX = {op: i for i, op in enumerate(OPS)}
+_OP_OF_LETTER = np.full(256, -1, dtype=np.int8)
+_OP_OF_LETTER[[ord(op) for op in OPS]] = range(len(OPS))
+
+
+@dataclass(frozen=True)
+class ActionTable:
+    """Every action of a schedule as arrays, rank by rank in schedule order."""
+
+    offsets: np.ndarray  # action id of each rank's first action; last entry = total
+    stage: np.ndarray
+    op: np.ndarray  # index in OPS
+    microbatch: np.ndarray
+    ops: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -39,66 +57,97 @@ class CompiledSchedule:
         return len(self.rank)
 
     @cached_property
-    def cost_slot(self) -> list[int]:
+    def cost_slot(self) -> np.ndarray:
         """Per action, where its duration sits in a flat table ordered rank, chunk, op (as OPS)."""
         chunks = max(self.chunk, default=0) + 1
-        op_index = {op: i for i, op in enumerate(OPS)}
-        return [
-            (rank * chunks + chunk) * len(OPS) + op_index[op] for rank, chunk, op in zip(self.rank, self.chunk, self.op)
-        ]
+        op = _OP_OF_LETTER[np.frombuffer("".join(self.op).encode("ascii"), dtype=np.uint8)]
+        return (np.array(self.rank, dtype=np.int64) * chunks + self.chunk) * len(OPS) + op
+
+    @cached_property
+    def replay_steps(self) -> tuple[list[int], list[int]]:
+        """Along `order`: each action's rank, and the action it waits for where that one ran on another rank,
+        else -1 (one on its own rank ends before the action's rank predecessor does)."""
+        waits = [dep if crossing else -1 for dep, crossing in zip(self.dependency, self.crosses_ranks)]
+        return [self.rank[i] for i in self.order], [waits[i] for i in self.order]
 
 
 def compile_schedule(
-    name: str, rank_actions: Sequence[Sequence[Action]], chunks: int, micro_batches: int
+    name: str,
+    rank_actions: Sequence[Sequence[Action]],
+    chunks: int,
+    micro_batches: int,
+    table: ActionTable | None = None,
 ) -> CompiledSchedule:
-    """Flatten schedule `name`'s per-rank action lists, resolve dependencies and find a replay order;
-    raise ScheduleError on deadlock."""
+    """Flatten schedule `name`'s per-rank action lists (`table`: them as arrays, where already made), resolve
+    dependencies and find a replay order; raise ScheduleError on deadlock."""
+    table = table or action_table(rank_actions)
+    if table is None:
+        raise ScheduleError(f"schedule {name}", "expected Action lists with ops among F, B, I, W")
     num_ranks = len(rank_actions)
     num_stages = num_ranks * chunks
-    last_stage = num_stages - 1
-    ranks: list[int] = []
-    chunks: list[int] = []
-    ops: list[str] = []
-    stage_of: list[int] = []
-    microbatch_of: list[int] = []
-    offsets = [0]
-    for rank, actions in enumerate(rank_actions):
-        for action in actions:
-            ranks.append(rank)
-            chunks.append(action.stage_index // num_ranks)
-            ops.append(action.op)
-            stage_of.append(action.stage_index)
-            microbatch_of.append(action.microbatch)
-        offsets.append(len(ranks))
+    offsets = table.offsets
+    rank = np.repeat(np.arange(num_ranks), np.diff(offsets))
+    stage, op = table.stage, table.op
+    ids = np.arange(len(op))
+    slot = stage * micro_batches + table.microbatch
 
     # Where each (stage, micro-batch) forward and input-gradient action lives.
-    forward_id = [-1] * (num_stages * micro_batches)
-    input_grad_id = [-1] * (num_stages * micro_batches)
-    for action_id, op in enumerate(ops):
-        slot = stage_of[action_id] * micro_batches + microbatch_of[action_id]
-        if op == FORWARD:
-            forward_id[slot] = action_id
-        elif op in (FULL_BACKWARD, BACKWARD_INPUT):
-            input_grad_id[slot] = action_id
+    forward_id = np.full(num_stages * micro_batches, -1)
+    input_grad_id = np.full(num_stages * micro_batches, -1)
+    is_forward = op == OP_INDEX[FORWARD]
+    makes_input_grad = (op == OP_INDEX[FULL_BACKWARD]) | (op == OP_INDEX[BACKWARD_INPUT])
+    forward_id[slot[is_forward]] = ids[is_forward]
+    input_grad_id[slot[makes_input_grad]] = ids[makes_input_grad]
 
-    dependency = [-1] * len(ops)
-    for action_id, op in enumerate(ops):
-        stage, microbatch = stage_of[action_id], microbatch_of[action_id]
-        if op == FORWARD:
-            if stage > 0:
-                dependency[action_id] = forward_id[(stage - 1) * micro_batches + microbatch]
-        elif op == BACKWARD_WEIGHT:
-            dependency[action_id] = input_grad_id[stage * micro_batches + microbatch]
-        elif stage == last_stage:
-            dependency[action_id] = forward_id[stage * micro_batches + microbatch]
-        else:
-            dependency[action_id] = input_grad_id[(stage + 1) * micro_batches + microbatch]
-    crosses = [dep >= 0 and ranks[dep] != ranks[i] for i, dep in enumerate(dependency)]
+    dependency = np.full(len(op), -1)
+    waits_forward = is_forward & (stage > 0)
+    dependency[waits_forward] = forward_id[slot[waits_forward] - micro_batches]
+    is_weight = op == OP_INDEX[BACKWARD_WEIGHT]
+    dependency[is_weight] = input_grad_id[slot[is_weight]]
+    on_last = makes_input_grad & (stage == num_stages - 1)
+    dependency[on_last] = forward_id[slot[on_last]]
+    from_next = makes_input_grad & (stage < num_stages - 1)
+    dependency[from_next] = input_grad_id[slot[from_next] + micro_batches]
+    crosses = (dependency >= 0) & (rank[dependency] != rank)
 
-    order = _dependency_order(offsets, dependency)
-    if len(order) < len(ops):
-        raise ScheduleError(f"schedule {name}", _deadlock_report(rank_actions, offsets, order, dependency))
-    return CompiledSchedule(tuple(offsets), ranks, chunks, ops, dependency, crosses, order)
+    offset_list = offsets.tolist()
+    dependency_list = dependency.tolist()
+    order = _dependency_order(offset_list, dependency_list)
+    if len(order) < len(op):
+        raise ScheduleError(f"schedule {name}", _deadlock_report(rank_actions, offset_list, order, dependency_list))
+    return CompiledSchedule(
+        tuple(offset_list),
+        rank.tolist(),
+        (stage // num_ranks).tolist(),
+        list(table.ops),
+        dependency_list,
+        crosses.tolist(),
+        order,
+    )
+
+
+def action_table(rank_actions: Sequence[Sequence[Action]]) -> ActionTable | None:
+    """The actions as arrays; None where one is not a plain Action (an op outside OPS, a stage or
+    micro-batch that is not an integer)."""
+    flat = [action for actions in rank_actions for action in actions]
+    offsets = np.cumsum([0, *(len(actions) for actions in rank_actions)])
+    if not flat:
+        empty = np.zeros(0, dtype=np.int64)
+        return ActionTable(offsets, empty, empty, empty, ())
+    try:
+        stages, ops, microbatches = (tuple(map(itemgetter(field), flat)) for field in range(3))
+        letters = np.frombuffer("".join(ops).encode("ascii"), dtype=np.uint8)
+        if len(letters) != len(flat) or not set(map(type, stages + microbatches)) <= {int, bool}:
+            return None
+        stage, microbatch = (
+            np.fromiter(numbers, dtype=np.int64, count=len(flat)) for numbers in (stages, microbatches)
+        )
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None
+    op = _OP_OF_LETTER[letters]
+    if (op < 0).any():
+        return None
+    return ActionTable(offsets, stage, op, microbatch, ops)
 
 
 def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
@@ -106,24 +155,28 @@ def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:
     num_ranks = len(offsets) - 1
     next_id = offsets[:-1]
     done = bytearray(offsets[-1])
-    waiting: dict[int, list[int]] = {}
+    waiting: list[list[int] | None] = [None] * offsets[-1]  # per action, the ranks blocked on it
     ready = list(range(num_ranks - 1, -1, -1))
     order: list[int] = []
     while ready:
         rank = ready.pop()
-        action_id, end = next_id[rank], offsets[rank + 1]
+        first = action_id = next_id[rank]
+        end = offsets[rank + 1]
         while action_id < end:
             dep = dependency[action_id]
             if dep >= 0 and not done[dep]:
-                waiting.setdefault(dep, []).append(rank)
+                if waiting[dep] is None:
+                    waiting[dep] = [rank]
+                else:
+                    waiting[dep].append(rank)
                 break
             done[action_id] = 1
-            order.append(action_id)
-            woken = waiting.pop(action_id, None)
-            if woken:
+            woken = waiting[action_id]
+            if woken is not None:
                 ready.extend(woken)
             action_id += 1
         next_id[rank] = action_id
+        order.extend(range(first, action_id))
     return order
 
 

@@ -12,14 +12,18 @@ what data parallelism holds within the step (`simulator.sharded`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
+
+import numpy as np
 
 from basics.errors import InputError, check_instance
-from simulator.actions import BACKWARD_INPUT, FORWARD
+from simulator.actions import BACKWARD_INPUT, FORWARD, OPS
 from simulator.compiled import CompiledSchedule
 from simulator.costs import ChunkCosts, PipelineCosts
 from simulator.result import BubbleSplit, SimulationResult
 from simulator.schedule import Schedule
-from simulator.sharded import memory_points
+from simulator.sharded import rank_memory_peaks
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
@@ -60,14 +64,15 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
     """
     _check_shape(schedule, costs)
     compiled = schedule.compiled
-    durations = _durations(compiled, costs)
-    start, end = _replay(compiled, durations, costs.p2p_ms)
+    action_ms = durations(compiled, costs)
+    start, end = _replay(compiled, action_ms, costs.p2p_ms)
     iteration_ms = max(end)
 
-    busy = [0.0] * schedule.ranks
-    for action_id, duration in enumerate(durations):
-        busy[compiled.rank[action_id]] += duration
-    peaks, in_flight = zip(*(_rank_memory(compiled, costs, rank) for rank in range(schedule.ranks)))
+    offsets = compiled.rank_offsets
+    action_array = np.array(action_ms)
+    # accumulate adds in order, as a running sum does
+    busy = [float(np.add.accumulate(action_array[a:b])[-1]) if b > a else 0.0 for a, b in itertools.pairwise(offsets)]
+    peaks, in_flight = _memory_peaks(compiled, costs)
 
     return SimulationResult(
         schedule=schedule,
@@ -109,7 +114,7 @@ def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
     """
     _check_shape(schedule, costs)
     compiled = schedule.compiled
-    start, end = _replay(compiled, _durations(compiled, costs), costs.p2p_ms)
+    start, end = _replay(compiled, durations(compiled, costs), costs.p2p_ms)
     action = max(range(len(end)), key=end.__getitem__)
     chain = [action]
     while start[action] > 0:
@@ -133,7 +138,8 @@ def _check_shape(schedule: Schedule, costs: PipelineCosts) -> None:
         )
 
 
-def _durations(compiled: CompiledSchedule, costs: PipelineCosts) -> list[float]:
+def durations(compiled: CompiledSchedule, costs: PipelineCosts) -> list[float]:
+    """Every action's duration in ms, by action id."""
     table = []  # ordered as CompiledSchedule.cost_slot reads it: rank, chunk, op
     for row in costs.chunk_costs:
         for cost in row:
@@ -143,56 +149,82 @@ def _durations(compiled: CompiledSchedule, costs: PipelineCosts) -> list[float]:
                 cost.split_input_ms() + cost.recompute_ms,
                 cost.split_weight_ms(),
             ]
-    return [table[slot] for slot in compiled.cost_slot]
+    return np.array(table, dtype=float)[compiled.cost_slot].tolist()
 
 
-def _replay(compiled: CompiledSchedule, durations: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
-    rank, dependency, crosses = compiled.rank, compiled.dependency, compiled.crosses_ranks
-    start = [0.0] * len(durations)
-    end = [0.0] * len(durations)
+def _replay(compiled: CompiledSchedule, action_ms: list[float], p2p_ms: float) -> tuple[list[float], list[float]]:
+    """Start and end of every action, in `compiled.order`: what an action waits for on its own rank ended
+    before its rank predecessor did, so only waits across ranks are looked at."""
+    ranks, waits = compiled.replay_steps
+    start = [0.0] * len(action_ms)
+    end = [0.0] * len(action_ms)
     rank_free = [0.0] * (len(compiled.rank_offsets) - 1)
-    for action_id in compiled.order:
-        r = rank[action_id]
-        begin = rank_free[r]
-        dep = dependency[action_id]
+    for action_id, rank, dep in zip(compiled.order, ranks, waits):
+        time = rank_free[rank]
         if dep >= 0:
-            ready = end[dep] + p2p_ms if crosses[action_id] else end[dep]
-            if ready > begin:
-                begin = ready
-        finish = begin + durations[action_id]
-        start[action_id] = begin
-        end[action_id] = finish
-        rank_free[r] = finish
+            ready = end[dep] + p2p_ms
+            if ready > time:
+                time = ready
+        start[action_id] = time
+        time += action_ms[action_id]
+        end[action_id] = time
+        rank_free[rank] = time
     return start, end
 
 
-def _rank_memory(compiled: CompiledSchedule, costs: PipelineCosts, rank: int) -> tuple[float, int]:
-    """Peak bytes and peak number of activations held on `rank` (independent of timing)."""
-    row: tuple[ChunkCosts, ...] = costs.chunk_costs[rank]
-    peak = sum(chunk.static_bytes for chunk in row)
-    held = peak_held = 0
-    first, last = compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]
-    ops = list(zip(compiled.chunk[first:last], compiled.op[first:last]))
-    for (_, op), point in zip(ops, memory_points(ops, row, costs.unshard_lookahead)):
-        if op == FORWARD:
-            held += 1
-            peak_held = max(peak_held, held)
-        elif op != BACKWARD_INPUT:
-            held -= 1
-        peak = max(peak, point.held_bytes, point.during_bytes or 0.0)
-    return peak, peak_held
+def _memory_peaks(compiled: CompiledSchedule, costs: PipelineCosts) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per rank, peak bytes and peak number of activations held (independent of timing). Running sums in
+    action order, as `simulator.sharded.memory_points` adds; that walk itself where data parallelism holds
+    memory within the step."""
+    if any(chunk.sharded is not None for chunk in costs.all_chunks()):
+        return tuple(zip(*(rank_memory_peaks(compiled, costs, rank) for rank in range(costs.ranks))))
+    change, working = [], []  # ordered as CompiledSchedule.cost_slot reads them
+    for row in costs.chunk_costs:
+        for chunk in row:
+            change += [chunk.held_change_bytes(op) for op in OPS]
+            working += [chunk.working_bytes_during(op) for op in OPS]
+    slot = compiled.cost_slot
+    action_change = np.array(change, dtype=float)[slot]
+    action_working = np.array(working, dtype=float)[slot]
+    is_forward = slot % len(OPS) == OPS.index(FORWARD)
+    activations = np.where(is_forward, 1, np.where(slot % len(OPS) == OPS.index(BACKWARD_INPUT), 0, -1))
+    peaks, in_flight = [], []
+    for rank, (first, last) in enumerate(itertools.pairwise(compiled.rank_offsets)):
+        static = sum(chunk.static_bytes for chunk in costs.chunk_costs[rank])
+        held = np.add.accumulate(np.concatenate(([static], action_change[first:last])))
+        during = (held[:-1] + action_working[first:last])[~is_forward[first:last]]
+        peak = max(static, float(held[1:].max(initial=-np.inf)), float(during.max(initial=-np.inf)))
+        if is_forward[first:last].any():
+            peak = max(peak, 0.0)
+        peaks.append(peak)
+        in_flight.append(max(0, int(np.cumsum(activations[first:last]).max(initial=0))))
+    return tuple(peaks), tuple(in_flight)
 
 
-def _bubble_split(schedule: Schedule, costs: PipelineCosts, iteration_ms: float) -> BubbleSplit:
-    """Split the idle time by what a replay without each cause gives (see BubbleSplit)."""
+def _bubble_split(
+    schedule: Schedule,
+    costs: PipelineCosts,
+    iteration_ms: float,
+    replay: Callable[[CompiledSchedule, list[float], float], tuple[list[float], list[float]]] = _replay,
+) -> BubbleSplit:
+    """Split the idle time by what a replay without each cause gives (see BubbleSplit); `iteration_ms`: that
+    of `costs`."""
     chunks = costs.all_chunks()
     useful_ms = schedule.micro_batches * sum(c.forward_ms + c.backward_ms for c in chunks)
     if useful_ms <= 0:
         raise InputError("costs", "forward and backward times are all zero: there is no work to schedule")
     compiled = schedule.compiled
 
+    replayed = [(costs.p2p_ms, durations(compiled, costs), iteration_ms)]  # a replay of the same durations is reused
+
     def makespan(chunk_costs: PipelineCosts) -> float:
-        return max(_replay(compiled, _durations(compiled, chunk_costs), chunk_costs.p2p_ms)[1])
+        action_ms = durations(compiled, chunk_costs)
+        for p2p_ms, same_ms, span_ms in replayed:
+            if p2p_ms == chunk_costs.p2p_ms and same_ms == action_ms:
+                return span_ms
+        span_ms = max(replay(compiled, action_ms, chunk_costs.p2p_ms)[1])
+        replayed.append((chunk_costs.p2p_ms, action_ms, span_ms))
+        return span_ms
 
     def share(extra_ms: float) -> float:
         """Iteration time `extra_ms` as a fraction of the useful work per rank."""

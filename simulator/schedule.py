@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from basics.files import atomic_write_text
 from simulator.actions import (
     BACKWARD_INPUT,
@@ -53,7 +55,7 @@ from simulator.actions import (
     format_rank_cells,
     parse_rank_cells,
 )
-from simulator.compiled import CompiledSchedule, compile_schedule
+from simulator.compiled import ActionTable, CompiledSchedule, action_table, compile_schedule
 from simulator.errors import ScheduleError
 
 PLACEMENTS = ("loop", "v")
@@ -152,9 +154,14 @@ class Schedule:
         return tuple(self.stage_index(rank, chunk) for chunk in range(self.chunks))
 
     @cached_property
+    def action_table(self) -> ActionTable | None:
+        """Every action as arrays (None where one is not a plain Action: its check then says which)."""
+        return action_table(self.rank_actions)
+
+    @cached_property
     def compiled(self) -> CompiledSchedule:
         """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
-        return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches)
+        return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches, self.action_table)
 
     def to_csv(self) -> str:
         """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""
@@ -201,7 +208,40 @@ def _check_actions(schedule: Schedule) -> None:
         raise ScheduleError(
             "rank_actions", f"expected one action list per rank ({ranks}), got {len(schedule.rank_actions)}"
         )
-    num_virtual_stages = ranks * chunks
+    if not _actions_fit(schedule):
+        _find_misfit(schedule)
+
+
+def _actions_fit(schedule: Schedule) -> bool:
+    """`_check_actions`' rules over arrays: True where every action fits them (False: look for which one
+    does not, action by action)."""
+    table = schedule.action_table
+    if table is None:
+        return False
+    ranks, micro_batches = schedule.ranks, schedule.micro_batches
+    num_virtual_stages = ranks * schedule.chunks
+    stage, microbatch = table.stage, table.microbatch
+    if not ((stage >= 0) & (stage < num_virtual_stages) & (microbatch >= 0) & (microbatch < micro_batches)).all():
+        return False
+    chunk, offset = np.divmod(stage, ranks)
+    owner = np.where((chunk % 2 == 1) & (schedule.placement == "v"), ranks - 1 - offset, offset)
+    if not (owner == np.repeat(np.arange(ranks), np.diff(table.offsets))).all():
+        return False
+    counts = np.bincount(
+        (stage * micro_batches + microbatch) * 4 + table.op, minlength=num_virtual_stages * micro_batches * 4
+    )
+    if counts.max(initial=0) > 1:
+        return False
+    has_f, has_b, has_i, has_w = (
+        counts.reshape(-1, 4)[:, OP_CODE[op]] == 1 for op in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+    )
+    return bool((has_f & ~(has_b & (has_i | has_w)) & (has_b | (has_i & has_w))).all())
+
+
+def _find_misfit(schedule: Schedule) -> None:
+    """Raise ScheduleError on the first action, or (stage, micro-batch), that breaks `_check_actions`' rules."""
+    ranks, micro_batches = schedule.ranks, schedule.micro_batches
+    num_virtual_stages = ranks * schedule.chunks
     counts = bytearray(num_virtual_stages * micro_batches * 4)
     for rank, actions in enumerate(schedule.rank_actions):
         for position, action in enumerate(actions):

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
-from simulator.costs import ChunkCosts, ShardedCosts
+from simulator.compiled import CompiledSchedule
+from simulator.costs import ChunkCosts, PipelineCosts, ShardedCosts
 
 UNSHARD, RESHARD = "UNSHARD", "RESHARD"
 
@@ -116,6 +117,23 @@ def memory_points(
             sharded -= released
             state.gathered, state.gradients = 0.0, False
         yield MemoryPoint(memory, sharded, *most)
+
+
+def rank_memory_peaks(compiled: CompiledSchedule, costs: PipelineCosts, rank: int) -> tuple[float, int]:
+    """Peak bytes and peak number of activations held on `rank`, walking its `memory_points`."""
+    row = costs.chunk_costs[rank]
+    peak = sum(chunk.static_bytes for chunk in row)
+    held = peak_held = 0
+    first, last = compiled.rank_offsets[rank], compiled.rank_offsets[rank + 1]
+    ops = list(zip(compiled.chunk[first:last], compiled.op[first:last]))
+    for (_, op), point in zip(ops, memory_points(ops, row, costs.unshard_lookahead)):
+        if op == FORWARD:
+            held += 1
+            peak_held = max(peak_held, held)
+        elif op != BACKWARD_INPUT:
+            held -= 1
+        peak = max(peak, point.held_bytes, point.during_bytes or 0.0)
+    return peak, peak_held
 
 
 def _backward_working(chunk: ChunkCosts, op: str, state: _ChunkState) -> tuple[float, float | None]:

@@ -20,7 +20,7 @@ def test_a_schedule_too_large_for_the_time_limit_is_refused_naming_its_largest_c
     assert caught.value.field == "micro_batches"
     assert caught.value.detail == (
         "4 x 1 x 1,000,000 (ranks x chunks x micro-batches) make 8,000,000 1F1B actions, which take about "
-        "200 s to build and replay (some 25 us each), more than the time limit of 10 s: at most 55,000 "
+        "128 s to build and replay (some 16 us each), more than the time limit of 10 s: at most 85,937 "
         "micro-batches fit it, or allow more time"
     )
     with pytest.raises(InputError) as caught:  # split backwards: three actions per micro-batch and chunk
@@ -29,9 +29,9 @@ def test_a_schedule_too_large_for_the_time_limit_is_refused_naming_its_largest_c
     with pytest.raises(InputError) as caught:
         check_time_limit("1F1B", 50_000, None, 8, 1)
     assert caught.value.field == "pipeline_parallel" and caught.value.detail.endswith(
-        "at most 5,000 ranks fit it, or allow more time"
+        "at most 7,812 ranks fit it, or allow more time"
     )
-    check_time_limit("1F1B", 4, None, 55_000, 10)  # 440,000 actions: 11 s, the limit and a second's grace
+    check_time_limit("1F1B", 4, None, 85_937, 10)  # 687,496 actions: 11 s, the limit and a second's grace
     check_time_limit("Interleaved1F1B", 16, 3, 16, 0.01)  # a tiny limit still gets the plan found without search
     check_time_limit("1F1B", 4, None, 1_000_000, float("inf"))
 
@@ -47,7 +47,7 @@ def test_solve_refuses_a_micro_batch_count_it_cannot_build_in_time_before_buildi
     assert time.perf_counter() - started < 10
     assert done.returncode == 2
     assert done.stderr.startswith("sapp-hook solve: error: --micro-batches: 4 x 1 x 1,000,000 (ranks x chunks")
-    assert "at most 55,000 micro-batches fit it, or allow more time" in done.stderr
+    assert "at most 85,937 micro-batches fit it, or allow more time" in done.stderr
 
 
 def test_a_search_over_a_thousand_ranks_returns_a_fitting_plan_within_its_limit():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-from simulator.actions import FORWARD, FULL_BACKWARD, Action
+from simulator.actions import Action, one_f_one_b_order
 
 Table = list[tuple[int, int]]  # (micro-batch, chunk), in the order forwards run
 
@@ -78,20 +78,7 @@ def less_memory_interleaved_actions(ranks: int, chunks: int, micro_batches: int)
 
 
 def _one_f_one_b_over_table(table: Table, ranks: int, chunks: int, rank: int, warmup: int) -> list[Action]:
-    total = len(table)
-    warmup = min(warmup, total)
-
-    def forward(k: int) -> Action:
-        mb, chunk = table[k]
-        return Action(chunk * ranks + rank, FORWARD, mb)
-
-    def backward(k: int) -> Action:
-        mb, chunk = table[k]
-        return Action((chunks - 1 - chunk) * ranks + rank, FULL_BACKWARD, mb)
-
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions.append(forward(warmup + k))
-        actions.append(backward(k))
-    actions.extend(backward(k) for k in range(total - warmup, total))
-    return actions
+    microbatches = [mb for mb, _ in table]
+    forward_stages = [chunk * ranks + rank for _, chunk in table]
+    backward_stages = [(chunks - 1 - chunk) * ranks + rank for _, chunk in table]
+    return one_f_one_b_order((forward_stages, microbatches), (backward_stages, microbatches), warmup)

@@ -6,9 +6,9 @@ import math
 from basics.errors import InputError
 from simulator.schedules import schedule_kind
 
-# What any search must do took 17-28 us an action from 0.1 to 0.6 M actions on the machine measured
+# What any search must do took about 13 us an action at 0.4 M actions on the machine measured
 # (docs/results/benchmarks.md): a search is refused where it cannot return within its limit.
-SECONDS_PER_ACTION = 25e-6
+SECONDS_PER_ACTION = 16e-6
 GRACE_S = 1.0  # past the limit: however small the limit, a small schedule still gets its plan found without search
 
 

@@ -1,13 +1,14 @@
-"""Simulator speed (pytest-benchmark; `make bench`). Target: well under a second for each case, schedule
-building included. SAPP's `PipelineSimulator.run`, timed beside sapp-hook's API on one machine, takes
-0.67-0.79 s at 65,536 blocks where sapp-hook takes 0.17 s, and raises RecursionError from about 4,000
-micro-batches per chunk chain, so it cannot run the first case (SAPP.md section 3)."""
+"""Simulator speed (pytest-benchmark; `make bench`): build, replay and critical path at 2k, 65k and 1M actions,
+and the cases of docs/results/benchmarks.md. SAPP's `PipelineSimulator.run` took 0.69 s at 65,536 blocks
+(issue 44's side-by-side) and raises RecursionError from about 4,000 micro-batches per chunk chain, so it
+cannot run the first case (SAPP.md section 3)."""
 
 from __future__ import annotations
 
 import pytest
 
-from simulator import PipelineCosts, build_schedule, simulate
+from simulator import PipelineCosts, build_schedule, critical_path, simulate
+from simulator.reference import reference_simulate
 
 CASES = {
     "1F1B-8x1x4096": ("1F1B", 8, 1, 4096),  # 65,536 actions
@@ -50,6 +51,48 @@ def test_resimulate_built_schedule(benchmark, case):
     _ = schedule.compiled  # built outside the timed replay
     pipeline_costs = costs(ranks, chunks)
     result = benchmark.pedantic(simulate, args=(schedule, pipeline_costs), rounds=5, iterations=1)
+    assert result.iteration_time_ms > 0
+
+
+SIZES = {  # 1F1B at 2k, 65k and 1M actions
+    "2k": (16, 64),
+    "65k": (32, 1024),
+    "1M": (32, 16384),
+}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_build(benchmark, size):
+    """Action lists, their check and the compiled dependencies and order."""
+    ranks, micro_batches = SIZES[size]
+    schedule = benchmark.pedantic(lambda: build_schedule("1F1B", ranks, micro_batches).compiled, rounds=3, iterations=1)
+    assert schedule.num_actions == 2 * ranks * micro_batches
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_replay(benchmark, size):
+    ranks, micro_batches = SIZES[size]
+    schedule = build_schedule("1F1B", ranks, micro_batches)
+    _ = schedule.compiled
+    result = benchmark.pedantic(simulate, args=(schedule, costs(ranks, 1)), rounds=3, iterations=1)
+    assert result.iteration_time_ms > 0
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_critical_path(benchmark, size):
+    ranks, micro_batches = SIZES[size]
+    schedule = build_schedule("1F1B", ranks, micro_batches)
+    _ = schedule.compiled
+    path = benchmark.pedantic(critical_path, args=(schedule, costs(ranks, 1)), rounds=3, iterations=1)
+    assert len(path) >= 2 * micro_batches
+
+
+def test_reference_replay_65k(benchmark):
+    """The plain replay the fast one is tested against, for the ratio."""
+    ranks, micro_batches = SIZES["65k"]
+    schedule = build_schedule("1F1B", ranks, micro_batches)
+    _ = schedule.compiled
+    result = benchmark.pedantic(reference_simulate, args=(schedule, costs(ranks, 1)), rounds=3, iterations=1)
     assert result.iteration_time_ms > 0
 
 
