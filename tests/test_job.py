@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,37 @@ def test_one_process_runs_the_work_itself():
     assert job.by_rank0(lambda: [3]) == [3]
     with pytest.raises(InputError, match="config: plan mismatch"):
         job.by_rank0(lambda: _work("input"))
+
+
+EXIT = """
+import atexit, sys, tempfile
+import torch.distributed as dist
+from sapp_hook.hook import job
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda: (print("groups destroyed"), destroy())
+class Teardown:
+    def __del__(self):
+        print("interpreter torn down")
+teardown = Teardown()  # its __del__ runs as the interpreter is torn down, where gloo's threads may abort
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+job.leave_groups_at_exit(int(sys.argv[1]))
+if sys.argv[2] == "destroy":
+    dist.destroy_process_group()
+atexit.register(print, "the job's exit handler ran")  # registered after the hook's module: runs before its end
+raise SystemExit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 75])
+@pytest.mark.parametrize("destroyed", [False, True])
+def test_a_job_ended_for_the_relaunch_leaves_its_groups_and_ends_with_its_status(status, destroyed):
+    """A job the hook ends for the relaunch keeps its status and runs its own exit handlers; where it left its
+    process groups, they are destroyed for it and the interpreter is not torn down (gloo's threads torn down
+    with it now and then abort the process, which torchrun reports as the job's failure)."""
+    command = [sys.executable, "-c", EXIT, str(status), "destroy" if destroyed else "keep"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr
+    if destroyed:  # the job that destroyed its groups itself exits as any program does
+        assert done.stdout == "groups destroyed\nthe job's exit handler ran\ninterpreter torn down\n"
+    else:
+        assert done.stdout == "the job's exit handler ran\ngroups destroyed\n"

@@ -3,8 +3,11 @@ what every rank (or rank 0) says, as bytes over the default process group (nothi
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -86,3 +89,28 @@ def check_coordinated() -> None:
             "torch.distributed process group joins them, so each would plan and write the config on its own: "
             "call torch.distributed.init_process_group() before the first step(), or launch one process",
         )
+
+
+def leave_groups_at_exit(status: int) -> None:
+    """End the process with `status` once the interpreter's exit handlers registered after this module's import
+    have run, without tearing the interpreter down: a job ended early for the relaunch skips its own
+    `destroy_process_group()`, and gloo's threads torn down with the interpreter now and then abort the
+    process (SIGABRT, every rank), which torchrun reports as a failure of the whole job."""
+    global _exit_status
+    if dist.is_available() and dist.is_initialized():  # without a group, nothing to tear down: a plain exit
+        _exit_status = status
+
+
+_exit_status: int | None = None
+
+
+@atexit.register  # at import: the handlers a job registers later run before it
+def _end() -> None:
+    # a job that destroyed its groups after all exits as it would
+    if _exit_status is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)

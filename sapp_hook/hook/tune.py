@@ -529,9 +529,14 @@ class AutoTuner:
             return
         if os.environ.get(ENVIRONMENT["planned_file"]):  # `sapp-hook run` reads it: a clean exit, no failure told
             self.console.say("exiting for the relaunch with the plan")
-            raise SystemExit(0)
-        self.console.say(f"exiting with status {REPLAN_EXIT_CODE} so that the launcher restarts the job with the plan")
-        raise SystemExit(REPLAN_EXIT_CODE)
+            status = 0
+        else:
+            self.console.say(
+                f"exiting with status {REPLAN_EXIT_CODE} so that the launcher restarts the job with the plan"
+            )
+            status = REPLAN_EXIT_CODE
+        job.leave_groups_at_exit(status)
+        raise SystemExit(status)
 
     def _deliver(self, result: TuneResult) -> bool:
         """On rank 0: the plan written, reported, said and left for `sapp-hook run`; whether the job must be
