@@ -242,3 +242,21 @@ def test_deepseek_v3_mtp_layer_and_a_16_stage_plan_in_64gb(tmp_path, capsys):
         == 0
     )
     assert load_profile(str(rank)).mesh == Mesh(tensor_parallel=2, expert_parallel=16)
+
+
+def test_gemma2_9b_16_stage_plan_in_64gb_is_proven_in_seconds(tmp_path, capsys):
+    # its sliding and global layers cost the same at 4096 tokens (the window): one group, as a Llama's
+    out = tmp_path / "gemma.json"
+    base = ["--model", str(FIXTURES / "gemma-2-9b.json"), "--estimate", "--dtype", "bfloat16", "--seq-len", "4096"]
+    assert main(["profile", *base, "--out", str(out), "--quiet"]) == 0
+    kinds = [layer.kind for layer in load_profile(str(out)).layers]
+    assert kinds[1:-1] == ["body:dense-sliding", "body:dense-full"] * 21
+    capsys.readouterr()
+    solve = ["solve", "--profile", str(out), "--pipeline-parallel", "16", "--micro-batches", "64", "--schedule", "1F1B",
+             "--memory", "64GB", "--time-limit", "20", "--json"]  # fmt: skip
+    assert main(solve) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # one group per layer: time-limited at 60 s with 35,653.4 ms, the bound 35,278.1 ms
+    assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
+    assert round(plan["iteration_time"], 3) == 35577.484
+    assert plan["solve_seconds"] < 10

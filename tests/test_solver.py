@@ -73,6 +73,41 @@ def test_two_body_kinds_keep_model_order_and_match_brute_force(name, stages, chu
     assert kinds_in_order == list(plan.layer_kinds)
 
 
+def test_body_kinds_that_cost_the_same_share_a_group_and_plan_as_one_kind():
+    # Gemma-2 alternates sliding and global attention layers, which cost the same at a sequence within the window
+    one_kind = small_profile(6)
+    alternating = dataclasses.replace(
+        one_kind,
+        layers=tuple(
+            dataclasses.replace(layer, kind=("body:sliding", "body:full")[i % 2]) if layer.is_body else layer
+            for i, layer in enumerate(one_kind.layers)
+        ),
+    )
+    spec = spec_for("1F1B", 4, 1, 6, 400)
+    groups = layer_groups(alternating, spec, 1)
+    assert [(g.kind, g.first, g.size) for g in groups] == [("head", 0, 1), ("body:full", 1, 6), ("tail", 7, 1)]
+    # a body layer that costs as the head stays apart from it; bodies that cost differently stay apart
+    headlike = dataclasses.replace(alternating.layers[0], name="adapter", kind="body:adapter")
+    pinned = dataclasses.replace(alternating, layers=(alternating.layers[0], headlike, *alternating.layers[1:]))
+    assert [(g.kind, g.size) for g in layer_groups(pinned, spec, 1)] == [
+        ("head", 1),
+        ("body:adapter", 1),
+        ("body:full", 6),
+        ("tail", 1),
+    ]
+    two_kinds = small_profile(6, two_kinds=True)
+    assert [(g.kind, g.size) for g in layer_groups(two_kinds, spec, 1)] == [
+        ("head", 1),
+        ("body:decoder", 3),
+        ("body:moe", 3),
+        ("tail", 1),
+    ]
+    plan, same = solve(alternating, spec), solve(one_kind, spec)
+    assert plan.status == "optimal" and plan.iteration_time_ms == same.iteration_time_ms
+    assert (plan.stage_layer_counts, plan.layer_modes) == (same.stage_layer_counts, same.layer_modes)
+    assert plan.layer_kinds == tuple(layer.kind for layer in alternating.layers)
+
+
 def test_no_recompute_where_memory_has_room(caplog):
     import logging
 

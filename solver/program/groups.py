@@ -1,5 +1,5 @@
-"""Layer groups: runs of consecutive layers of one kind with identical costs, which the search
-treats as interchangeable copies (it counts layers per group instead of placing each one)."""
+"""Layer groups: runs of consecutive layers with identical costs, which the search treats as
+interchangeable copies (it counts layers per group instead of placing each one)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from basics.errors import InputError
 from basics.units import MIB
 from simulator.schedule import Schedule
 from solver.parallel.sharding import layer_static, step_gradient_bytes
-from solver.vocabulary.profile import HEAD, TAIL, LayerProfile, ModelProfile
+from solver.vocabulary.profile import BODY_PREFIX, HEAD, TAIL, LayerProfile, ModelProfile
 from solver.vocabulary.spec import PipelineSpec
 
 
 @dataclass
 class LayerGroup:
-    """Consecutive layers of one kind, planned as interchangeable copies of their mean."""
+    """Consecutive layers with identical costs, planned as interchangeable copies of their first."""
 
-    kind: str
+    kind: str  # the first layer's: head, tail, or one of the body kinds the group holds
     first: int
     size: int
     modes: tuple[str, ...]
@@ -49,8 +49,10 @@ class LayerGroup:
 
 
 def layer_groups(profile: ModelProfile, spec: PipelineSpec, num_virtual_stages: int) -> list[LayerGroup]:
-    """Runs of consecutive layers with one kind and identical costs: the solver's interchangeable units.
-    (Layers of one kind that cost differently form separate groups, kept in model order.)"""
+    """Runs of consecutive layers with identical costs: the solver's interchangeable units. Body layers
+    of different kinds that cost the same (Gemma-2's sliding and global attention at a sequence no
+    longer than the window) share a group; heads and tails never join the body's; layers that cost
+    differently form separate groups, kept in model order."""
     runs: list[list[int]] = []
     for index, layer in enumerate(profile.layers):
         if runs and _costs_key(profile.layers[runs[-1][0]]) == _costs_key(layer):
@@ -127,8 +129,9 @@ def _undominated_modes(layer: LayerProfile) -> tuple[str, ...]:
 
 
 def _costs_key(layer: LayerProfile) -> tuple:
+    # a body kind's name changes no cost: alternating kinds that cost the same (Gemma-2) make one group
     return (
-        layer.kind,
+        BODY_PREFIX if layer.is_body else layer.kind,
         layer.forward_ms,
         layer.backward_ms,
         layer.split_weight_ms(),
