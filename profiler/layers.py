@@ -2,6 +2,7 @@
 
 The head (embedding and whatever runs before the first block) and the tail (final norm, LM head, loss)
 are not modules of their own: the recorder finds them by when they run relative to the blocks.
+Multi-token-prediction (MTP) modules are blocks of kind `body:mtp`, after the decoder blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from basics.errors import InputError
+from solver.vocabulary.profile import MTP_KIND
 
 
 @dataclass(frozen=True)
@@ -25,25 +27,61 @@ class Block:
     kind: str
 
 
-def find_blocks(model: nn.Module, patterns: Sequence[str] | None = None, *, part: bool = False) -> tuple[Block, ...]:
-    """The body layers of `model` in module order.
+def find_blocks(
+    model: nn.Module,
+    patterns: Sequence[str] | None = None,
+    *,
+    part: bool = False,
+    mtp: Sequence[str] | None = (),
+) -> tuple[Block, ...]:
+    """The body layers of `model`: its decoder blocks in module order, then its MTP modules.
 
     With `patterns` (fnmatch on qualified module names, e.g. `model.layers.*`), the outermost modules
     that match. Otherwise the modules named in transformers' `_no_split_modules`, else the largest
     `ModuleList`/`Sequential` of two or more same-typed children. `part`: `model` is a pipeline rank's part
     of a model, which a plan may leave without blocks (its embedding or output layer alone): none is no error.
+    `mtp`: module-name patterns (fnmatch) of the multi-token-prediction modules, blocks of kind `body:mtp`
+    after the others (no decoder block is looked for inside them); None: the outermost modules whose own
+    name starts with "mtp" (`mtp`, `model.mtp_layers`); (): none. A matched `ModuleList` stands for its
+    children, one MTP depth each.
     """
+    mtp_found = _mtp_modules(model, mtp, part)
+    inside = {id(m) for _, module in mtp_found for m in module.modules()}
     if patterns:
         found = [] if part and not _any_matching(model, patterns) else _matching(model, patterns)
+        found = [(name, module) for name, module in found if id(module) not in inside]
     else:
-        found = _no_split_blocks(model) or _largest_repeated_list(model)
+        found = _no_split_blocks(model, inside) or _largest_repeated_list(model, inside)
         if not found:
             raise InputError(
                 "layers",
                 "found no repeated blocks (no ModuleList of two or more modules of one type); "
                 "name the blocks with module-name patterns such as 'model.layers.*'",
             )
-    return _with_kinds(found)
+    return _with_kinds(found) + tuple(Block(name=name, module=module, kind=MTP_KIND) for name, module in mtp_found)
+
+
+def _mtp_modules(model: nn.Module, patterns: Sequence[str] | None, part: bool) -> list[tuple[str, nn.Module]]:
+    """The MTP modules `find_blocks` takes for `patterns`, a matched ModuleList's children in its place."""
+    if patterns is None:
+        named = [
+            (name, m) for name, m in model.named_modules() if name and name.rsplit(".", 1)[-1].lower().startswith("mtp")
+        ]
+        matched = _outermost(named)
+    elif not patterns or (part and not _any_matching(model, patterns)):
+        return []
+    else:
+        try:
+            matched = _matching(model, patterns)
+        except InputError as error:
+            raise InputError("mtp_layers", error.detail) from None
+    found = []
+    for name, module in matched:
+        if isinstance(module, nn.ModuleList):
+            found.extend((f"{name}.{child}", sub) for child, sub in module.named_children())
+        else:
+            found.append((name, module))
+    return found
 
 
 def _any_matching(model: nn.Module, patterns: Sequence[str]) -> bool:
@@ -59,20 +97,26 @@ def _matching(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.M
     return _outermost([(name, module) for name, module in named if any(fnmatchcase(name, p) for p in patterns)])
 
 
-def _no_split_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _no_split_blocks(model: nn.Module, skipped: set[int]) -> list[tuple[str, nn.Module]]:
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if not classes:
         return []
-    found = _outermost([(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes])
+    found = _outermost(
+        [
+            (name, m)
+            for name, m in model.named_modules()
+            if name and type(m).__name__ in classes and id(m) not in skipped
+        ]
+    )
     return found if len(found) >= 2 else []
 
 
-def _largest_repeated_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _largest_repeated_list(model: nn.Module, skipped: set[int]) -> list[tuple[str, nn.Module]]:
     """The longest ModuleList of one type, or run of one type inside a Sequential (which holds the
     embedding and the head around its blocks: `nn.Sequential(embed, *blocks, head)`)."""
     best: tuple[tuple[int, int], list[tuple[str, nn.Module]]] | None = None
     for name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2 or id(container) in skipped:
             continue
         children = list(container.named_children())
         runs = [list(run) for _, run in itertools.groupby(children, key=lambda child: type(child[1]))]

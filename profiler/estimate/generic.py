@@ -35,10 +35,18 @@ from profiler.estimate.meta_model import (
 )
 from profiler.estimate.traced import PartTrace, trace_model
 from solver.parallel.model_parallel import DTYPE_BYTES
-from solver.vocabulary.profile import FULL, NONE, SELECTIVE, LayerProfile, ModelProfile, RecomputeCost, TiedParameter
+from solver.vocabulary.profile import (
+    FULL,
+    MTP_KIND,
+    NONE,
+    SELECTIVE,
+    LayerProfile,
+    ModelProfile,
+    RecomputeCost,
+    TiedParameter,
+)
 
 LOSS_BYTES = 4  # the loss, an fp32 scalar
-MTP_KIND = "body:mtp"  # what the MindFormers and Megatron-LM writers read as an MTP layer
 # the sizes tensor parallelism splits: attention heads and FFN widths (dense, routed, shared experts)
 SPLIT_SIZES = (
     "num_attention_heads",

@@ -45,19 +45,20 @@ def build_profile(
     """The profile of what `recorder` and `samples` measured of `model`'s head, `blocks` (each in
     `modes`) and tail; with `pool`, the blocks of each body kind take their kind's pooled times."""
     structure = recorder.structure
+    body = [*structure.body_order, *structure.mtp_order]  # MTP blocks last, whatever order they ran in
     slots: list[object] = [
         *([HEAD] if recorder.has_head else []),
-        *structure.body_order,
+        *body,
         *([TAIL] if recorder.has_tail else []),
     ]
     samples = {slot: samples.get(slot, LayerSamples()) for slot in slots}
     timing = dict(samples)
     if pool:
         by_kind: dict[str, LayerSamples] = {}
-        for index in structure.body_order:
+        for index in body:
             kind = blocks[index].kind
             by_kind[kind] = by_kind[kind].merged(samples[index]) if kind in by_kind else samples[index]
-        timing.update({index: by_kind[blocks[index].kind] for index in structure.body_order})
+        timing.update({index: by_kind[blocks[index].kind] for index in body})
     state = checkpoint_state_bytes(device)  # in every recompute mode's activations, and stated
     dimensions = model_dimensions(model.config.to_dict()) if tagged(model) else {}
     roles = parameter_roles(model) if tagged(model) else None
@@ -68,7 +69,8 @@ def build_profile(
         if slot in (HEAD, TAIL):
             name, kind, layer_modes = str(slot), str(slot), (NONE,)
         else:
-            name, kind, layer_modes = blocks[slot].name, blocks[slot].kind, modes
+            name, kind = blocks[slot].name, blocks[slot].kind
+            layer_modes = (NONE,) if slot in recorder.mtp else modes  # frameworks recompute no MTP layer
         layers.append(
             _layer(
                 name,

@@ -33,7 +33,7 @@ from profiler.layers import find_blocks
 from profiler.measure.build import build_profile
 from profiler.measure.clock import clock_for, device_of, memory_for
 from profiler.measure.cpu_memory import CpuMemory
-from profiler.measure.recorder import BACKWARD, FORWARD, TAIL, Recorder
+from profiler.measure.recorder import BACKWARD, FORWARD, TAIL, Pass, Recorder
 from profiler.measure.samples import LayerSamples
 from profiler.measure.split import SplitBackward, measure_split_backward
 from profiler.parallel import holds_fsdp
@@ -83,6 +83,7 @@ class LayerProfiler:
         warmup_steps: int = 1,
         modes: Sequence[str] = TORCH_MODES,
         layers: Sequence[str] | None = None,
+        mtp_layers: Sequence[str] | None = None,
         part: bool = False,
         pool: bool = True,
         split_backward: bool = True,
@@ -101,6 +102,10 @@ class LayerProfiler:
             warmup_steps: steps before them (>= 1), which find the layers' order. Default 1.
             modes: the recompute modes to measure, "none" among them. Default none, selective, full.
             layers: module-name patterns (fnmatch) for the body blocks; None: found automatically.
+            mtp_layers: module-name patterns (fnmatch) of multi-token-prediction modules, measured as body layers
+                of kind "body:mtp" placed after the decoder blocks, without recompute (as MindFormers and
+                Megatron-LM run them); a matched ModuleList stands for its children. None: the outermost modules
+                whose own name starts with "mtp" (`mtp`, `model.mtp_layers`); (): none.
             part: `model` is a pipeline rank's part of a model, which may hold no block (found by `layers`).
             pool: give the layers of one kind their kind's median times.
             split_backward: time each body kind's backward split in two as torch's stages split it,
@@ -123,7 +128,7 @@ class LayerProfiler:
             )
         self.model = model
         self.optimizer = optimizer
-        self.blocks = find_blocks(model, layers, part=part)
+        self.blocks = find_blocks(model, layers, part=part, mtp=mtp_layers)
         self.steps, self.warmup_steps, self.modes = steps, warmup_steps, modes
         self.pool, self.split_backward, self.tail = pool, split_backward, tail
         self.model_name = model_name or type(model).__name__
@@ -311,13 +316,14 @@ class LayerProfiler:
             ends = [record.backward_end] if record.backward_end is not None else record.parameter_marks
             backward_ms = max((elapsed(record.backward_start, end) for end in ends), default=0.0)
             once = record.step_collective_ms  # what a pipeline runs once a step: not the layer's per micro-batch
+            nested_ms = _nested_ms(record.nested, elapsed)
             # what a stage computes for all its blocks (the rotary tables) is kept by the first block
             # to save it: counted per stage (`ModelProfile.stage_shared_bytes`), not as that block's
             shared = sum(size for key, size in record.kept_bytes.items() if key in record.shared_keys)
             self.samples.setdefault(slot, LayerSamples()).add(
-                mode,
-                forward_ms=elapsed(record.forward_start, record.forward_end) - once.get(FORWARD, 0.0),
-                backward_ms=backward_ms - once.get(BACKWARD, 0.0),
+                record.mode,  # the step's, but an MTP block's always none
+                forward_ms=elapsed(record.forward_start, record.forward_end) - once.get(FORWARD, 0.0) - nested_ms[0],
+                backward_ms=backward_ms - once.get(BACKWARD, 0.0) - nested_ms[1],
                 kept_bytes=sum(record.kept_bytes.values()) - shared,
                 input_bytes=record.input_bytes,
                 backward_peak_bytes=record.backward_peak_bytes,
@@ -329,7 +335,7 @@ class LayerProfiler:
     def _collect_working_sets(self, mode: str) -> None:
         for slot, record in self.recorder.passes:
             if record.backward_peak_bytes is not None:
-                self.samples.setdefault(slot, LayerSamples()).add_working_set(mode, record.backward_peak_bytes)
+                self.samples.setdefault(slot, LayerSamples()).add_working_set(record.mode, record.backward_peak_bytes)
 
     def _stop_counting(self) -> None:
         """Leave a memory step's CpuMemory, if one is entered (the recorder reads it only then)."""
@@ -359,6 +365,17 @@ class LayerProfiler:
     def backward_splits(self) -> dict[str, SplitBackward]:
         """Per body kind, and the tail where it was given: its backward split in two, measured alone."""
         return dict(self._backward_splits)
+
+
+def _nested_ms(nested: list[Pass], elapsed: Callable[[object, object], float]) -> tuple[float, float]:
+    """The forward and backward times of the MTP passes run inside the tail's windows: not the tail's."""
+    forward = sum(elapsed(n.forward_start, n.forward_end) for n in nested if n.forward_end is not None)
+    backward = sum(
+        elapsed(n.backward_start, n.backward_end)
+        for n in nested
+        if n.backward_start is not None and n.backward_end is not None
+    )
+    return forward, backward
 
 
 def _check_count(value: object, field: str, minimum: int) -> None:

@@ -9,12 +9,16 @@ A step's timeline, per micro-batch (the slots are the head, each body layer, the
 Times come from marks at those points (`clock`), so every slot's interval is what ran between them. Memory
 comes from a saved-tensor hook: each storage autograd saves is counted once per forward, for the slot that
 saved it first, parameters and buffers excluded.
+
+MTP blocks (kind `body:mtp`) run after the last decoder block, inside the tail's windows: they are timed
+by their own marks, which the tail's times leave out; each one's backward ends when its share of its
+input's gradient is formed (a view of the input it is handed), and its work never runs under recompute.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +28,19 @@ from torch.utils._pytree import tree_leaves
 from basics.errors import InputError
 from profiler.layers import Block
 from profiler.measure.clock import DeviceMemory, EventClock, WallClock
+from profiler.measure.tensors import (
+    _detached,
+    _input_tensor,
+    _output_tensor,
+    _tensor_bytes,
+    _unpack,
+    _without_cache,
+    storage_key,
+    unique_bytes,
+)
 from profiler.recompute import set_recompute
 from profiler.tp_roles import Owners, tagged
-from solver.vocabulary.profile import NONE
+from solver.vocabulary.profile import MTP_KIND, NONE
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +69,7 @@ class Pass:
     )
     # per phase ("forward", "backward"): collectives a pipeline runs once a step, left out of the layer's times
     step_collective_ms: dict[str, float] = field(default_factory=dict)
+    nested: list[Pass] = field(default_factory=list)  # the tail's: MTP passes run inside its windows
 
 
 @dataclass
@@ -71,7 +86,8 @@ class _Forward:
 class Structure:
     """What the warm-up step found: the order blocks run in and which slot owns each parameter."""
 
-    body_order: list[int] = field(default_factory=list)
+    body_order: list[int] = field(default_factory=list)  # decoder blocks
+    mtp_order: list[int] = field(default_factory=list)  # MTP blocks, the profile's last body layers
     module_slots: dict[int, object] = field(default_factory=dict)  # id(module) -> slot, for modules outside blocks
     slot_parameters: dict[object, list[nn.Parameter]] = field(default_factory=dict)  # every parameter a slot uses
     parameter_slots: dict[int, object] = field(default_factory=dict)  # id(param) -> the first slot that uses it
@@ -99,6 +115,7 @@ class Recorder:
         self.model = model
         self.count_memory = count_memory
         self.blocks = blocks
+        self.mtp = {index for index, block in enumerate(blocks) if block.kind == MTP_KIND}
         self.clock = clock
         self.memory = memory
         self.structure = Structure()
@@ -109,6 +126,7 @@ class Recorder:
         self.has_head = self.has_tail = False
         self._forward: _Forward | None = None
         self._in_backward: dict[object, Pass] = {}
+        self._resume: dict[int, tuple[object, tuple[Pass, str] | None]] = {}  # MTP block -> what ran before it
         self._memory_window: Pass | None = None  # the layer whose backward the allocator's peak is read for
         self._read_on_close = True  # False for the head's window, read at each of its gradients instead
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -181,7 +199,8 @@ class Recorder:
         for handle in self._discovery_handles:
             handle.remove()
         self._discovery_handles.clear()
-        missing = [b.name for i, b in enumerate(self.blocks) if i not in self.structure.body_order]
+        ran = {*self.structure.body_order, *self.structure.mtp_order}
+        missing = [b.name for i, b in enumerate(self.blocks) if i not in ran]
         if missing:
             raise InputError("layers", f"never ran in the warm-up step: {', '.join(missing)}")
         if self._repeated:
@@ -212,7 +231,7 @@ class Recorder:
             elif isinstance(slot, tuple):  # ran between two blocks: counted with the earlier one
                 slot = slot[1]
             structure.slot_parameters.setdefault(slot, []).extend(own)
-        order = [HEAD, *structure.body_order, TAIL]
+        order = [HEAD, *structure.body_order, *structure.mtp_order, TAIL]
         for slot in order:
             for param in structure.slot_parameters.get(slot, []):
                 structure.parameter_slots.setdefault(id(param), slot)
@@ -227,7 +246,11 @@ class Recorder:
         for undo in self._undo_recompute:
             undo()
         self._undo_recompute = [
-            set_recompute(block.module, mode, self._kept_by(index) if on_kept and self.count_memory else None)
+            set_recompute(
+                block.module,
+                NONE if index in self.mtp else mode,  # frameworks recompute no MTP layer
+                self._kept_by(index) if on_kept and self.count_memory else None,
+            )
             for index, block in enumerate(self.blocks)
         ]
         self.mode = mode
@@ -251,17 +274,23 @@ class Recorder:
         self._add_passes(passes)
 
     def _block_pre(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if index not in self.structure.body_order:
-                self.structure.body_order.append(index)
+        mtp = index in self.mtp
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            order = self.structure.mtp_order if mtp else self.structure.body_order
+            if index not in order:
+                order.append(index)
             if self._runs_in_forward is not None:
                 self._runs_in_forward[index] = self._runs_in_forward.get(index, 0) + 1
                 if self._runs_in_forward[index] > 1:
                     self._repeated.add(index)
-            self._body_started = index
+            if not mtp:  # what runs inside an MTP block (the shared LM head) stays the tail's
+                self._body_started = index
             forward = self._forward
             if not self.recording or forward is None:
-                return
+                return None
+            if mtp:
+                return self._mtp_pre(index, forward, args, kwargs)
             now = self.clock.mark()
             head = forward.passes.get(HEAD) if index == self.structure.first_body else None
             if head is not None:
@@ -282,18 +311,51 @@ class Recorder:
                 for t in tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor) and t is not block_input
             )
+            return None
 
         return hook
 
+    def _mtp_pre(self, index: int, forward: _Forward, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """An MTP block's pass, nested in the tail's; it is handed a view of its input, whose gradient is its
+        share of the input's (the input's own gradient waits for the tail's share too)."""
+        step = Pass(NONE, forward_start=self.clock.mark())
+        self._resume[index] = (forward.current, self.running)
+        tail = forward.passes.get(TAIL)
+        if tail is not None:
+            tail.nested.append(step)
+        forward.passes[index] = step
+        forward.current = index
+        self.running = (step, FORWARD)
+        self._add_passes({index: step})
+        if index in self.capture_for and index not in self.captured_inputs:
+            self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
+        block_input = _input_tensor(args, kwargs)
+        if block_input is None:
+            return None
+        view = block_input.view_as(block_input)
+        step.input_key, step.input_bytes = storage_key(view)
+        view.register_hook(self._mtp_input_grad(index, step))
+        args = tuple(view if value is block_input else value for value in args)
+        return args, {key: view if value is block_input else value for key, value in kwargs.items()}
+
     def _block_post(self, index: int) -> Callable:
+        mtp = index in self.mtp
+
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            self._body_started = index
+            if not mtp:
+                self._body_started = index
             forward = self._forward
             if not self.recording or forward is None or index not in forward.passes:
                 return
             now = self.clock.mark()
             step = forward.passes[index]
             step.forward_end = now
+            if mtp:
+                forward.current, self.running = self._resume.pop(index, (TAIL, None))
+                block_output = _output_tensor(output)
+                if block_output is not None:
+                    block_output.register_hook(self._mtp_output_grad(index, step))
+                return
             tail = None
             self.running = None
             if index == self.structure.last_body and self.has_tail:
@@ -369,6 +431,29 @@ class Recorder:
 
         return hook
 
+    def _mtp_output_grad(self, index: int, step: Pass) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            step.backward_start = self.clock.mark()
+            self._resume[index] = (TAIL, self.running)
+            self._in_backward[index] = step
+            self.running = (step, BACKWARD)
+            if self.memory is not None:
+                self._open_memory_window(step)
+
+        return hook
+
+    def _mtp_input_grad(self, index: int, step: Pass) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            step.backward_end = self.clock.mark()
+            _, resumed = self._resume.pop(index, (TAIL, None))
+            self.running = resumed
+            if self.memory is not None:
+                self._close_memory_window(step)
+                if resumed is not None and resumed[1] == BACKWARD:  # the tail's window goes on
+                    self._open_memory_window(resumed[0])
+
+        return hook
+
     def _input_grad(self, step: Pass, head: Pass | None) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             now = self.clock.mark()
@@ -416,7 +501,9 @@ class Recorder:
 
     def _read_memory_window(self) -> None:
         window = self._memory_window
-        window.backward_peak_bytes = self.memory.peak() - window.backward_base_bytes
+        peak = self.memory.peak() - window.backward_base_bytes
+        # a window reopened (the tail's, after an MTP block's backward) keeps its highest reading
+        window.backward_peak_bytes = max(peak, window.backward_peak_bytes or peak)
 
     def _gradient_accumulated(self, param: torch.Tensor) -> None:
         if param.grad is not None:
@@ -473,65 +560,3 @@ class Recorder:
 
     def _add_passes(self, passes: dict[object, Pass]) -> None:
         self.passes.extend(passes.items())
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """A key for the memory behind `tensor` and its size in bytes (views share their base's key; a
-    DTensor's are its local shard's)."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
-    try:
-        storage = tensor.untyped_storage()
-        return storage.data_ptr() or id(storage), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-        return id(tensor), tensor.numel() * tensor.element_size()
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return storage_key(tensor)[1]
-
-
-def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """The bytes of the storages behind `tensors`, each counted once (tied and viewed tensors share one)."""
-    return sum(dict(storage_key(t) for t in tensors).values())
-
-
-def _input_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The activation a block receives: the first floating tensor argument that requires grad."""
-    candidates = [*args, kwargs.get("hidden_states"), *kwargs.values()]
-    for value in candidates:
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return value
-    return None
-
-
-def _output_tensor(output: object) -> torch.Tensor | None:
-    for value in tree_leaves(output):
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            return value
-    return None
-
-
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
-
-
-def _without_cache(kwargs: dict) -> dict:
-    """A block's keyword arguments without a KV cache, which a re-run would append to a second time."""
-    kwargs = {key: None if key in _CACHE_ARGUMENTS else value for key, value in kwargs.items()}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return kwargs
-
-
-def _detached(values: object) -> object:
-    """A copy of a block's inputs (or the tail's) for re-running it alone: tensors detached and cloned."""
-
-    def copy(value: object) -> object:
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone().requires_grad_(value.requires_grad)
-        return value
-
-    return torch.utils._pytree.tree_map(copy, values)

@@ -30,6 +30,7 @@ NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL = "none", "selective", "comm", "sele
 # In MindFormers' enum order: none, select_recompute, select_comm_recompute, both, recompute.
 RECOMPUTE_MODES = (NONE, SELECTIVE, COMM, SELECTIVE_COMM, FULL)
 HEAD, TAIL, BODY_PREFIX = "head", "tail", "body:"
+MTP_KIND = BODY_PREFIX + "mtp"  # a multi-token-prediction module: the MindFormers and Megatron-LM writers place it last
 MAX_LAYERS = 100_000
 LAYER_MESH_FIELDS = (
     "parameter_tensors",

@@ -167,8 +167,9 @@ def check_layers(
     notes: list[str],
     noop: tuple[int, ...] = (),
 ) -> int:
-    """The MTP layers (`--mtp-num-layers`, the plan's last body layers); the layer count checked (`noop`:
-    ids of layers that do nothing, counted in --num-layers: MindSpeed-LLM's --noop-layers)."""
+    """The MTP layers (`--mtp-num-layers`, the plan's last body layers, which must be all its layers of an MTP
+    kind); the layer count checked (`noop`: ids of layers that do nothing, counted in --num-layers: MindSpeed-LLM's
+    --noop-layers)."""
     mtp = 0
     if MTP_LAYERS in last:
         value = value_of(reading, last[MTP_LAYERS])
@@ -181,6 +182,13 @@ def check_layers(
         mtp = value.number() or 0
     if mtp >= layout.body_layers:
         raise PlanMismatch(f"places {layout.body_layers} layers; {path} has {MTP_LAYERS} {mtp}")
+    body = [index for index, layer in enumerate(layout.layers) if layer.is_body]
+    planned = [index for index in body if "mtp" in layout.layers[index].kind.lower()]
+    if planned and (len(planned) != mtp or planned != body[-len(planned) :]):  # else an MTP layer runs as a decoder's
+        raise PlanMismatch(
+            f"places {len(planned)} multi-token-prediction layers ({layout.layers[planned[0]].kind}); {path} has "
+            f"{MTP_LAYERS} {mtp}, whose layers Megatron-LM places after the decoder layers"
+        )
     if NUM_LAYERS not in last:
         _check_pattern_layers(reading, last, layout.body_layers - mtp, path)
         return mtp
