@@ -158,7 +158,8 @@ def test_a_measured_mtp_module_is_a_layer_after_the_decoder_layers(measured):
     assert tail.parameter_bytes == _bytes(model.lm.lm_head) + _bytes(model.lm.model.norm)
     assert mtp.recompute[NONE].activation_bytes == _mtp_saved_bytes(model) > 0
     # the tail's times leave out the MTP module's, which runs inside them: a decoder layer and the head again
-    assert 0 < tail.forward_ms < mtp.forward_ms and 0 < tail.backward_ms < mtp.backward_ms
+    # (its backward some ten times the tail's own here; the forwards are too close to compare on a busy machine)
+    assert 0 < tail.forward_ms and 0 < tail.backward_ms < mtp.backward_ms
     assert mtp.weight_ms is not None and mtp.input_ms is not None  # its backward split, measured alone
 
 
@@ -169,7 +170,7 @@ def test_an_mtp_module_run_before_the_lm_head_is_placed_last_all_the_same(measur
     assert [(layer.name, layer.kind, layer.parameter_bytes) for layer in first.layers] == [
         (layer.name, layer.kind, layer.parameter_bytes) for layer in profile.layers
     ]
-    assert 0 < first.layers[-1].forward_ms < first.layers[-2].forward_ms
+    assert 0 < first.layers[-1].backward_ms < first.layers[-2].backward_ms
 
 
 def _plan(profile):  # type: ignore[no-untyped-def]
