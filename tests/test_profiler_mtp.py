@@ -159,7 +159,7 @@ def test_a_measured_mtp_module_is_a_layer_after_the_decoder_layers(measured):
     assert mtp.recompute[NONE].activation_bytes == _mtp_saved_bytes(model) > 0
     # the tail's times leave out the MTP module's, which runs inside them: a decoder layer and the head again
     # (its backward some ten times the tail's own here; the forwards are too close to compare on a busy machine)
-    assert 0 < tail.forward_ms and 0 < tail.backward_ms < mtp.backward_ms
+    assert tail.forward_ms > 0 and 0 < tail.backward_ms < mtp.backward_ms
     assert mtp.weight_ms is not None and mtp.input_ms is not None  # its backward split, measured alone
 
 
