@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import os
-import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from basics.errors import InputError
 from profiler.distributed import all_gather_bytes
+from sapp_hook.validation.gloo import end_without_teardown
 
 
 def distributed() -> bool:
@@ -110,7 +109,4 @@ def _end() -> None:
     if _exit_status is None or not (dist.is_available() and dist.is_initialized()):
         return
     dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_exit_status)
+    end_without_teardown(_exit_status)

@@ -22,12 +22,18 @@ def spawn(main: Callable[..., None], args: tuple, world_size: int, join: bool = 
 def _rank(rank: int, main: Callable[..., None], *args: Any) -> None:
     main(rank, *args)
     # Gloo groups can outlive destroy_process_group (a DeviceMesh in DTensor's caches holds its groups,
-    # torch.distributed.nn.functional binds group.WORLD); torn down with the interpreter, their threads
-    # now and then abort the rank (SIGABRT, "terminate called without an active exception"). End here.
+    # torch.distributed.nn.functional binds group.WORLD)
+    end_without_teardown(0)
+
+
+def end_without_teardown(status: int) -> None:
+    """End the process with `status`, logs and streams flushed, without tearing the interpreter down: gloo's
+    threads torn down with it now and then abort the process (SIGABRT, "terminate called without an active
+    exception")."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 @contextmanager
