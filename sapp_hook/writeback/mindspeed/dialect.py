@@ -90,13 +90,9 @@ def _version(last: dict[str, Occurrence], path: Path) -> tuple[str, str]:
 
 def _source_tree(path: Path) -> Path | None:
     """The MindSpeed-LLM checkout holding the script (its examples/ run from the root), if any."""
-    folder = path.resolve().parent
-    for _ in range(TREE_DEPTH):
+    for folder in path.resolve().parents[:TREE_DEPTH]:
         if (folder / "mindspeed_llm").is_dir() or (folder / "modellink").is_dir():
             return folder
-        if folder.parent == folder:
-            return None
-        folder = folder.parent
     return None
 
 
