@@ -15,8 +15,7 @@ comes back through the forward chain.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 import numpy as np
@@ -51,24 +50,15 @@ class CompiledSchedule:
     dependency: list[int]  # the action id waited for, -1 for none
     crosses_ranks: list[bool]  # the dependency is on another rank: its output travels by P2P
     order: list[int]  # every action id, each after the one it depends on and its rank predecessor
+    # per action, where its duration sits in a flat table ordered rank, chunk, op (as OPS)
+    cost_slot: np.ndarray = field(compare=False, repr=False)
+    # along `order`: each action's rank, and the action it waits for where that one ran on another rank,
+    # else -1 (one on its own rank ends before the action's rank predecessor does)
+    replay_steps: tuple[list[int], list[int]] = field(compare=False, repr=False)
 
     @property
     def num_actions(self) -> int:
         return len(self.rank)
-
-    @cached_property
-    def cost_slot(self) -> np.ndarray:
-        """Per action, where its duration sits in a flat table ordered rank, chunk, op (as OPS)."""
-        chunks = max(self.chunk, default=0) + 1
-        op = _OP_OF_LETTER[np.frombuffer("".join(self.op).encode("ascii"), dtype=np.uint8)]
-        return (np.array(self.rank, dtype=np.int64) * chunks + self.chunk) * len(OPS) + op
-
-    @cached_property
-    def replay_steps(self) -> tuple[list[int], list[int]]:
-        """Along `order`: each action's rank, and the action it waits for where that one ran on another rank,
-        else -1 (one on its own rank ends before the action's rank predecessor does)."""
-        waits = [dep if crossing else -1 for dep, crossing in zip(self.dependency, self.crosses_ranks)]
-        return [self.rank[i] for i in self.order], [waits[i] for i in self.order]
 
 
 def compile_schedule(
@@ -112,17 +102,26 @@ def compile_schedule(
 
     offset_list = offsets.tolist()
     dependency_list = dependency.tolist()
-    order = _dependency_order(offset_list, dependency_list)
-    if len(order) < len(op):
-        raise ScheduleError(f"schedule {name}", _deadlock_report(rank_actions, offset_list, order, dependency_list))
+    order = _travel_order(offsets, rank, stage, is_forward, dependency)
+    if order is None:
+        walked = _dependency_order(offset_list, dependency_list)
+        if len(walked) < len(op):
+            raise ScheduleError(
+                f"schedule {name}", _deadlock_report(rank_actions, offset_list, walked, dependency_list)
+            )
+        order = np.array(walked, dtype=np.int64)
+    chunk = stage // num_ranks
+    waits = np.where(crosses, dependency, -1)
     return CompiledSchedule(
         tuple(offset_list),
         rank.tolist(),
-        (stage // num_ranks).tolist(),
+        chunk.tolist(),
         list(table.ops),
         dependency_list,
         crosses.tolist(),
-        order,
+        order.tolist(),
+        cost_slot=(rank * chunks + chunk) * len(OPS) + op,
+        replay_steps=(rank[order].tolist(), waits[order].tolist()),
     )
 
 
@@ -148,6 +147,26 @@ def action_table(rank_actions: Sequence[Sequence[Action]]) -> ActionTable | None
     if (op < 0).any():
         return None
     return ActionTable(offsets, stage, op, microbatch, ops)
+
+
+def _travel_order(
+    offsets: np.ndarray, rank: np.ndarray, stage: np.ndarray, is_forward: np.ndarray, dependency: np.ndarray
+) -> np.ndarray | None:
+    """The actions by their position in their rank's list, those at one position ordered the way each
+    travels: forwards by ascending stage, then backwards by descending stage. None where that order runs
+    an action before the one it depends on (a schedule of one's own may); every schedule `build_schedule`
+    makes holds it, and checking it takes a few array passes where finding an order takes a step per action."""
+    count = len(rank)
+    position = np.arange(count) - offsets[:-1][rank]
+    stages = int(stage.max(initial=0)) + 1
+    travel = np.where(is_forward, stage, 2 * stages - 1 - stage)
+    order = np.argsort(position * (2 * stages) + travel, kind="stable")
+    place = np.empty(count, dtype=np.int64)
+    place[order] = np.arange(count)
+    waits = dependency >= 0
+    if not (place[dependency[waits]] < place[waits]).all():
+        return None
+    return order
 
 
 def _dependency_order(offsets: list[int], dependency: list[int]) -> list[int]:

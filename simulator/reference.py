@@ -55,12 +55,12 @@ def reference_critical_path(schedule: Schedule, costs: PipelineCosts) -> list[in
 def reference_replay(
     compiled: CompiledSchedule, action_ms: list[float], p2p_ms: float
 ) -> tuple[list[float], list[float]]:
-    """Start and end of every action, visiting them in `compiled.order` and honouring every dependency."""
+    """Start and end of every action, visiting them in `reference_order`'s order and honouring every dependency."""
     rank, dependency, crosses = compiled.rank, compiled.dependency, compiled.crosses_ranks
     start = [0.0] * len(action_ms)
     end = [0.0] * len(action_ms)
     rank_free = [0.0] * (len(compiled.rank_offsets) - 1)
-    for action_id in compiled.order:
+    for action_id in reference_order(compiled.rank_offsets, compiled.dependency):
         r = rank[action_id]
         begin = rank_free[r]
         dep = dependency[action_id]
@@ -76,8 +76,8 @@ def reference_replay(
 
 
 def reference_order(offsets: tuple[int, ...], dependency: list[int]) -> list[int]:
-    """What `CompiledSchedule.order` holds, action by action: each rank runs as far as it can; a rank blocked
-    on an action resumes when that action is done."""
+    """An order of every action, each after the one it depends on and its rank predecessor, found action
+    by action: each rank runs as far as it can; a rank blocked on an action resumes when that action is done."""
     num_ranks = len(offsets) - 1
     next_id = list(offsets[:-1])
     done = bytearray(offsets[-1])

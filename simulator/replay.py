@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from basics.collector import without_collector
 from basics.errors import InputError, check_instance
 from simulator.actions import BACKWARD_INPUT, FORWARD, OPS
 from simulator.compiled import CompiledSchedule
@@ -26,6 +27,7 @@ from simulator.schedule import Schedule
 from simulator.sharded import rank_memory_peaks
 
 
+@without_collector
 def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
     """Replay `schedule` with `costs`: when every action starts and ends, each rank's peak memory, the
     bubble split.
@@ -87,6 +89,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts) -> SimulationResult:
     )
 
 
+@without_collector
 def critical_path(schedule: Schedule, costs: PipelineCosts) -> list[int]:
     """Action ids of a chain of waits that sets the iteration time, first to last: each action in
     it starts the moment the one before it ends (plus the P2P time where the chain changes rank),

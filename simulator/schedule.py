@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basics.collector import collector_paused
 from basics.files import atomic_write_text
 from simulator.actions import (
     BACKWARD_INPUT,
@@ -161,7 +162,8 @@ class Schedule:
     @cached_property
     def compiled(self) -> CompiledSchedule:
         """The schedule compiled for replay (dependencies, a deadlock-free order); raises on deadlock."""
-        return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches, self.action_table)
+        with collector_paused():
+            return compile_schedule(self.name, self.rank_actions, self.chunks, self.micro_batches, self.action_table)
 
     def to_csv(self) -> str:
         """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""

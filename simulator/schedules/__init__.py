@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from basics.collector import without_collector
 from basics.deprecation import renamed_keywords
 from basics.errors import InputError, shown
 from simulator.actions import Action
@@ -127,6 +128,7 @@ def schedule_kind(name: str) -> ScheduleKind:
 
 
 @renamed_keywords(stages="ranks")
+@without_collector
 def build_schedule(
     name: str,
     ranks: int,
