@@ -146,3 +146,23 @@ def test_sapp_nd_deepseek_v3_terms_against_the_traced_layers():
     assert [layer.name for layer in mtp] == ["mtp.0"]
     assert mtp[0].parameter_bytes == p * (last + 3 * h + 2 * h * h + v * h)
     assert [t.layers for t in profile.tied_parameters] == [("head", "mtp.0")]
+
+
+def test_megatron_per_layer_term_against_a_llama_layer_with_selective_recompute():
+    s, b, h, heads, kv_heads, ffn, p = 128, 2, 256, 8, 2, 704, 2
+    kv = kv_heads * h // heads
+    fields = dict(
+        model_type="llama", hidden_size=h, intermediate_size=ffn, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    layer = traced_profile(fields, sequence=s, micro_batch_size=b, dtype="bfloat16").layers[1]
+    megatron = s * b * h * (18 + 4 * ffn / h)  # GeLU kernels: LayerNorm inputs, dropout masks, a 2-matmul MLP
+    # ours: the input, q k v (GQA: k and v kv wide), the attention output and its fp32 log-sum-exp, the
+    # output projection, SwiGLU's gate and up (its third matmul's output), the down projection; no dropout
+    ours = p * s * b * (h + (h + 2 * kv) + h + h + 2 * ffn + h) + 4 * s * b * heads
+    assert (
+        layer.recompute[SELECTIVE].activation_bytes
+        == ours
+        == 2 * s * b * (5 * h + 2 * kv) + 4 * s * b * ffn + 4 * s * b * heads
+    )
+    assert megatron - ours == 2 * s * b * (4 * h - 2 * kv) - 4 * s * b * heads
