@@ -127,7 +127,7 @@ def traced_profile(
         }
 
     head_part, tail_part = counts.parts[0], counts.parts[-1]
-    tied = head_part.parameters if counts.tied_embeddings else 0
+    tied = vocab * hidden if counts.tied_embeddings else 0  # the token embedding's, not learned positions
     ids = head_trace.saved_bytes  # the token ids, whole on every rank
     layers = [
         LayerProfile(
@@ -308,6 +308,8 @@ def _tensor_split(
         whole = {name: p.numel() for name, p in whole_layers[index].named_parameters()}
         half = {name: p.numel() for name, p in half_layers[index].named_parameters()}
         if whole.keys() != half.keys() or any(half[n] not in (whole[n], whole[n] / 2) for n in whole):
+            return {}
+        if all(half[n] == whole[n] for n in whole):  # the head width grew instead (GPT-2's h / heads): not stated
             return {}
         replicated[kind] = sum(n for name, n in whole.items() if half[name] == n)
     traces = trace_model(halved, **shape)

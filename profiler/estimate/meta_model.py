@@ -101,15 +101,25 @@ def build_meta_model(config: object) -> nn.Module:
         raise InputError("model_type", f"{kind} has no causal language model in transformers: {exc}") from None
 
 
-def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, tuple[nn.Module, ...]]:
-    """(the inner model, its decoder layers, the modules after them: final norm and LM head)."""
+def decoder_parts(model: nn.Module) -> tuple[tuple[nn.Module, ...], nn.ModuleList, tuple[nn.Module, ...]]:
+    """(the modules before the decoder layers that hold parameters: token and position embeddings; the
+    decoder layers; those after them: final norm, and the LM head), by the order the inner model
+    registers its children, whatever their names (Llama's `layers` and `norm`, GPT-2's `h` and `ln_f`)."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    children = list(inner.children()) if isinstance(inner, nn.Module) else []
     layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
+    if not isinstance(layers, nn.ModuleList):  # a decoder whose one list of blocks has another name
+        lists = [m for m in children if isinstance(m, nn.ModuleList)]
+        layers = lists[0] if len(lists) == 1 else None
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not any(m is layers for m in children):
         kind = getattr(model.config, "model_type", "?")
-        raise InputError("model_type", f"{kind}: expected a decoder whose blocks are `model.layers`")
-    tail = tuple(m for m in (getattr(inner, "norm", None), model.get_output_embeddings()) if m is not None)
-    return inner, layers, tail
+        raise InputError("model_type", f"{kind}: expected a decoder whose blocks are one list, e.g. `model.layers`")
+    at = next(i for i, m in enumerate(children) if m is layers)
+    weighted = [next(m.parameters(), None) is not None for m in children]  # rotary, dropout: none
+    head = tuple(m for m, w in zip(children[:at], weighted[:at], strict=True) if w)
+    tail = [m for m, w in zip(children[at + 1 :], weighted[at + 1 :], strict=True) if w]
+    tail.append(model.get_output_embeddings())
+    return head, layers, tuple(m for m in tail if m is not None)
 
 
 def _routed(module: nn.Module) -> int:
@@ -164,13 +174,14 @@ def mtp_parameters(config: object, last_layer: nn.Module) -> int:
 def count_parameters(config: object) -> ModelCount:
     """Every part's parameters, exact, from `config`'s model built on the meta device."""
     model = build_meta_model(config)
-    _, layers, tail = decoder_parts(model)
+    head, layers, tail = decoder_parts(model)
     embedding = model.get_input_embeddings()
     tied = embedding is not None and any(p is embedding.weight for m in tail for p in m.parameters(recurse=False))
     layer_types = getattr(config, "layer_types", None) or [None] * len(layers)
     signatures = [layer_signature(layer, layer_types[i]) for i, layer in enumerate(layers)]
     kinds = signature_names(signatures)
-    parts = [PartCount("head", "head", sum(p.numel() for p in embedding.parameters()), 0, 1)]
+    head_parameters = [p for m in head for p in m.parameters()]  # the embedding, and learned positions
+    parts = [PartCount("head", "head", sum(p.numel() for p in head_parameters), 0, len(head_parameters))]
     parts += [
         PartCount(
             f"layers.{i}",
