@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_estimate_models import TINY
 
-from profiler.estimate.generic import MTP_KIND, parameter_report
+from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
 from sapp_hook.cli import main
 from solver import load_profile
 
@@ -104,3 +105,16 @@ def test_qwen3_next_16_stage_plan_in_64gb(tmp_path, capsys):
     assert max(plan["rank_peak_memory_bytes"]) <= 64e9
     assert plan["gap"] < 0.1
     assert plan["iteration_time"] < 0.6 * plan["even_split"]["full_recompute_iteration_time"]
+
+
+def test_qwen3_next_tensor_split_divides_the_linear_attention_heads():
+    # Megatron-LM splits gated DeltaNet by its key and value heads as attention by its heads: what stays whole
+    # is the two norms, the router, the shared expert's gate, and the head-wide norm of the linear layer (or
+    # q and k norms of the full one)
+    fields = {"model_type": "qwen3_next", "tie_word_embeddings": False, **TINY["qwen3_next"]}
+    profile = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="float32")
+    linear, full = profile.layers[1], profile.layers[2]
+    h, experts, head_dim = 64, 8, 16
+    shared = 2 * h + experts * h + h
+    assert linear.replicated_parameter_bytes == 4 * (shared + head_dim)
+    assert full.replicated_parameter_bytes == 4 * (shared + 2 * head_dim)
