@@ -87,25 +87,55 @@ TINY = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=512, pad_token_id=0, max_position_embeddings=128,
     ),
+    # GLM-4-0414: partial rotary, biased q/k/v, norms after attention and MLP too
+    "glm4": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, pad_token_id=0, partial_rotary_factor=0.5, attention_bias=True,
+        max_position_embeddings=128,
+    ),
+    "glm4_moe": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, pad_token_id=0, partial_rotary_factor=0.5, attention_bias=True,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, num_nextn_predict_layers=0, max_position_embeddings=128,
+    ),
+    "gemma3_text": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=512, sliding_window=16, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+    ),
+    # Qwen3-Next: a gated-DeltaNet (linear attention) layer, then a gated full-attention one, both MoE
+    "qwen3_next": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=256,
+    ),
 }  # fmt: skip
+# tokens per sequence: 160 makes Qwen3-Next's delta rule run three chunks of 64, the last padded
+SEQUENCE = {"qwen3_next": 160}
+MOE = {"deepseek_v3", "glm4_moe", "qwen3_next"}
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_traced_activations_equal_the_measured_profile_scaled_down(model_type):
     fields = {"model_type": model_type, "tie_word_embeddings": False, **TINY[model_type]}
-    estimate = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="float32")
+    sequence = SEQUENCE.get(model_type, 32)
+    estimate = traced_profile(fields, sequence=sequence, micro_batch_size=2, dtype="float32")
     # the measured MoE layers keep what their routing of random weights comes to: the same seed, the same routing
     torch.manual_seed(0)
-    measured = profile_example(build_config(fields), steps=1, warmup_steps=1, micro_batch_size=2, seq_len=32)
+    measured = profile_example(build_config(fields), steps=1, warmup_steps=1, micro_batch_size=2, seq_len=sequence)
     # transformers builds no MTP module (DeepseekV3Config declares one by default): compared without it
     ours_layers = [layer for layer in estimate.layers if layer.kind != MTP_KIND]
     assert len(ours_layers) == len(measured.layers)
     state = measured.checkpoint_state_bytes  # the CPU generator's state a checkpoint keeps, stated apart
     # The measurement, not the estimate, varies from run to run in MoE layers (1 KiB of one layer in about one
     # run of three, whatever the seed), likely as it knows a saved tensor by its storage's address, which a
-    # short-lived tensor of the routing may free for a later one. Dense layers are exact.
-    moe = model_type == "deepseek_v3"
-    same = (lambda a, b: a == pytest.approx(b, abs=2048)) if moe else (lambda a, b: a == b)
+    # short-lived tensor of the routing may free for a later one. Dense layers are exact. Qwen3-Next's linear
+    # layer measured 33,792 bytes (2.4%) under the estimate in two runs of four at 32 tokens, none of five at 160.
+    slack = {"qwen3_next": {"rel": 0.03}}.get(model_type, {"abs": 2048} if model_type in MOE else {"abs": 0, "rel": 0})
+    same = lambda a, b: a == pytest.approx(b, **slack)  # noqa: E731
     for ours, theirs in zip(ours_layers, measured.layers, strict=True):
         assert ours.parameter_bytes == theirs.parameter_bytes
         assert same(ours.recompute[NONE].activation_bytes, theirs.recompute[NONE].activation_bytes)

@@ -47,10 +47,13 @@ from solver.vocabulary.profile import (
 )
 
 LOSS_BYTES = 4  # the loss, an fp32 scalar
-# the sizes tensor parallelism splits: attention heads and FFN widths (dense, routed, shared experts)
+# the sizes tensor parallelism splits: attention heads (linear attention's too) and FFN widths (dense, routed,
+# shared experts)
 SPLIT_SIZES = (
     "num_attention_heads",
     "num_key_value_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
     "intermediate_size",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",

@@ -1,0 +1,120 @@
+"""`profile --estimate` for GLM-4, Gemma-3 and Qwen3-Next (hybrid linear and full attention): parameters
+against the totals their authors publish, and a 16-stage plan in 64 GB from each estimate. Their traced
+activations against a measured profile scaled down are in tests/test_estimate_models.py (`TINY`).
+
+Fixtures: the config.json each Hugging Face repository ships, tests/fixtures/estimate/:
+- glm-4-9b-0414.json: huggingface.co/THUDM/GLM-4-9B-0414/blob/main/config.json
+- glm-4.5-air.json: huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json
+- gemma-3-1b.json: huggingface.co/google/gemma-3-1b-pt/blob/main/config.json
+- qwen3-next-80b-a3b.json: huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (its sizes
+  as github.com/THUDM/slime scripts/models/qwen3-next-80B-A3B.sh gives them to Megatron-LM)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_estimate_models import TINY
+
+from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
+from sapp_hook.cli import main
+from solver import load_profile
+
+FIXTURES = Path(__file__).parent / "fixtures" / "estimate"
+torch.set_num_threads(1)
+
+
+def published(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def test_gemma3_glm4_and_qwen3_next_parameters_match_their_publications():
+    # Gemma 3 report (arXiv 2503.19786), Table 1: 1B, 302M embedding and 698M non-embedding parameters;
+    # github.com/keras-team/keras-hub keras_hub/src/models/gemma3/gemma3_presets.py: gemma3_1b "params": 999885952
+    gemma = parameter_report(published("gemma-3-1b"))
+    assert gemma.tied_embeddings
+    assert gemma.total() == 999_885_952
+    assert gemma.parts[0].parameters == 301_989_888
+    assert abs((gemma.total() - gemma.parts[0].parameters) / 698e6 - 1) < 0.005
+    kinds = [part.kind for part in gemma.parts[1:-1]]
+    assert kinds == (["body:dense-sliding"] * 5 + ["body:dense-full"]) * 4 + ["body:dense-sliding"] * 2
+    # GLM-4-9B-0414: "9B" in its name; its Hugging Face page counts 9.4B parameters (its safetensors)
+    glm = parameter_report(published("glm-4-9b-0414"))
+    assert glm.total() == 9_400_279_040
+    assert abs(glm.total() / 9.4e9 - 1) < 0.005
+    # GLM-4.5 report (arXiv 2508.06471) and the GLM-4.5-Air card: 106B total, 12B active parameters, which
+    # leave out the embedding, the output head and the MTP layer
+    air = parameter_report(published("glm-4.5-air"))
+    embedding = air.parts[0].parameters
+    assert [part.kind for part in air.parts[-2:]] == ["mtp", "tail"]
+    assert air.total(mtp=False) == 106_852_245_504
+    assert abs((air.total(mtp=False) - 2 * embedding) / 106e9 - 1) < 0.005
+    assert round((air.active(mtp=False) - embedding) / 1e9) == 12  # 12.18B: "12B" is given to two figures
+    # Qwen3-Next-80B-A3B card: 80B total, "3B activated" (one figure: not checkable to 0.5%)
+    qwen = parameter_report(published("qwen3-next-80b-a3b"))
+    assert qwen.total() == 79_674_391_296
+    assert abs(qwen.total() / 80e9 - 1) < 0.005
+    assert (qwen.experts_per_token, qwen.num_experts) == (10, 512)
+    assert round((qwen.active() - qwen.parts[0].parameters) / 1e9) == 3  # 3.25B, head in, embedding out
+    assert [part.kind for part in qwen.parts[1:5]] == ["body:moe-linear"] * 3 + ["body:moe-full"]
+
+
+def _plan(tmp_path, capsys, name: str, *flags: str, limit: int = 20) -> tuple[list[str], dict]:
+    """The layer kinds of the estimate of fixture `name` (bf16, 4096 tokens) and its 16-stage 1F1B plan in 64 GB."""
+    out = tmp_path / f"{name}.json"
+    base = ["--model", str(FIXTURES / f"{name}.json"), "--estimate", "--dtype", "bfloat16", "--seq-len", "4096"]
+    assert main(["profile", *base, "--out", str(out), "--quiet"]) == 0
+    kinds = [layer.kind for layer in load_profile(str(out)).layers]
+    capsys.readouterr()
+    solve = ["solve", "--profile", str(out), "--pipeline-parallel", "16", "--micro-batches", "64", "--schedule", "1F1B",
+             "--memory", "64GB", "--time-limit", str(limit), "--json", *flags]  # fmt: skip
+    assert main(solve) == 0
+    return kinds, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["gemma-3-1b", "glm-4-9b-0414"])
+def test_gemma3_and_glm4_16_stage_plans_in_64gb_are_proven_in_seconds(tmp_path, capsys, name):
+    kinds, plan = _plan(tmp_path, capsys, name)
+    assert len(kinds) == 2 + {"gemma-3-1b": 26, "glm-4-9b-0414": 40}[name]
+    assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert plan["solve_seconds"] < 10
+
+
+def test_glm45_air_16_stage_plan_with_its_mtp_layer_in_64gb(tmp_path, capsys):
+    # 106B parameters do not fit 16 x 64 GB with Adam: expert parallel 8 and ZeRO-1 over data parallel 8,
+    # DeepSeek-V3's kind of layout (no published GLM-4.5-Air training layout gives 16 stages)
+    kinds, plan = _plan(tmp_path, capsys, "glm-4.5-air", "--expert-parallel", "8", "--data-parallel", "8",
+                        "--zero-stage", "1")  # fmt: skip
+    assert kinds == ["head", "body:dense", *["body:moe"] * 45, MTP_KIND, "tail"]
+    assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert plan["solve_seconds"] < 10
+
+
+def test_qwen3_next_16_stage_plan_in_64gb(tmp_path, capsys):
+    # its linear and full attention layers cost differently, so the search is not proven in seconds: the
+    # plan of 13,520.8 ms found within 5 s here is the one found in 60 s, 7.8% over the bound
+    kinds, plan = _plan(tmp_path, capsys, "qwen3-next-80b-a3b", "--expert-parallel", "8", "--data-parallel", "8",
+                        "--zero-stage", "1", limit=5)  # fmt: skip
+    assert kinds[1:-1] == (["body:moe-linear"] * 3 + ["body:moe-full"]) * 12
+    assert plan["status"] in ("optimal", "feasible") and plan["fits"]
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert plan["gap"] < 0.1
+    assert plan["iteration_time"] < 0.6 * plan["even_split"]["full_recompute_iteration_time"]
+
+
+def test_qwen3_next_tensor_split_divides_the_linear_attention_heads():
+    # Megatron-LM splits gated DeltaNet by its key and value heads as attention by its heads: what stays whole
+    # is the two norms, the router, the shared expert's gate, and the head-wide norm of the linear layer (or
+    # q and k norms of the full one)
+    fields = {"model_type": "qwen3_next", "tie_word_embeddings": False, **TINY["qwen3_next"]}
+    profile = traced_profile(fields, sequence=32, micro_batch_size=2, dtype="float32")
+    linear, full = profile.layers[1], profile.layers[2]
+    h, experts, head_dim = 64, 8, 16
+    shared = 2 * h + experts * h + h
+    assert linear.replicated_parameter_bytes == 4 * (shared + head_dim)
+    assert full.replicated_parameter_bytes == 4 * (shared + 2 * head_dim)
