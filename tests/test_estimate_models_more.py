@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_estimate_models import TINY
 
+from basics.errors import InputError
 from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
 from sapp_hook.cli import main
 from solver import load_profile
@@ -118,3 +119,12 @@ def test_qwen3_next_tensor_split_divides_the_linear_attention_heads():
     shared = 2 * h + experts * h + h
     assert linear.replicated_parameter_bytes == 4 * (shared + head_dim)
     assert full.replicated_parameter_bytes == 4 * (shared + 2 * head_dim)
+
+
+def test_a_padding_token_outside_the_vocabulary_is_refused_by_name():
+    fields = dict(model_type="glm4", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, pad_token_id=151329)  # fmt: skip
+    with pytest.raises(InputError) as caught:
+        traced_profile(fields, sequence=32, micro_batch_size=1, dtype="float32")
+    assert caught.value.field == "pad_token_id"
+    assert caught.value.detail == "expected a token of the vocabulary (vocab_size 512), got 151329"

@@ -227,3 +227,22 @@ def test_megatron_refuses_a_plan_whose_mtp_layer_its_script_does_not_declare(mea
         f"places 1 multi-token-prediction layers (body:mtp); {script} has --mtp-num-layers 0, whose layers "
         "Megatron-LM places after the decoder layers"
     )
+
+
+def test_autotune_plans_mtp_modules_its_patterns_name():
+    from sapp_hook import autotune
+
+    torch.manual_seed(0)
+    model = DeepseekWithMtp()
+    model.next_tokens = model.mtp  # the same module under a name the default (`mtp*`) does not find
+    del model.mtp
+    optimizer = torch.optim.AdamW(model.parameters())
+    tuner = autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, mtp_layers=["next_tokens"], quiet=True)
+    names = ["lm.model.layers.0", "lm.model.layers.1", "lm.model.layers.2", "next_tokens.0"]
+    assert [block.name for block in tuner.profiler.blocks] == names
+    assert [block.kind == MTP_KIND for block in tuner.profiler.blocks] == [False, False, False, True]
+    tuner = autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, quiet=True)
+    assert [block.name for block in tuner.profiler.blocks][-1] == "next_tokens.0.layer"  # a fourth decoder layer
+    with pytest.raises(InputError) as caught:
+        autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, mtp_layers="next_tokens")
+    assert caught.value.field == "mtp_layers"

@@ -93,6 +93,10 @@ def build_meta_model(config: object) -> nn.Module:
     """`config`'s causal language model on the meta device: shapes only, built in seconds at any size."""
     from transformers import AutoModelForCausalLM
 
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:  # torch asserts it
+        raise InputError("pad_token_id", f"expected a token of the vocabulary (vocab_size {vocab}), got {pad}")
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)

@@ -40,7 +40,7 @@ def check_arguments(model: object, optimizer: object, **given: object) -> None:
         value = given[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(name, f"expected an integer >= 1, got {value!r}")
-    for name in ("modes", "layers"):
+    for name in ("modes", "layers", "mtp_layers"):
         value = given[name]
         if value is not None and (
             isinstance(value, str)

@@ -87,6 +87,8 @@ class AutoTuner:
         warmup_steps: steps before those, untimed (>= 1).
         modes: recompute modes to profile and plan, "none" among them (only "none" under a split backward).
         layers: module-name patterns of the blocks; None: found in the model.
+        mtp_layers: module-name patterns of multi-token-prediction modules, planned as layers of kind "body:mtp"
+            after the blocks, never recomputed; None: the outermost modules named `mtp*`; (): none.
         on_plan: "continue" (training goes on) or "exit" (`step()` raises SystemExit once the plan is written,
             for the launcher to restart the job with it: status 75, 0 under `sapp-hook run`; none where the
             config already said the plan).
@@ -153,6 +155,7 @@ class AutoTuner:
         warmup_steps: int = 1,
         modes: Sequence[str] = TORCH_MODES,
         layers: Sequence[str] | None = None,
+        mtp_layers: Sequence[str] | None = None,
         on_plan: str = "continue",
         cache_dir: str | Path | None = None,
         force: bool = False,
@@ -187,6 +190,7 @@ class AutoTuner:
             warmup_steps=warmup_steps,
             modes=modes,
             layers=layers,
+            mtp_layers=mtp_layers,
             cache_dir=cache_dir,
             force=force,
             out_dir=out_dir,
@@ -247,7 +251,8 @@ class AutoTuner:
         self._pipeline_group = pipeline_group
         self._pipeline: Pipeline | None = None
         self._solving_ranks: tuple[int, ...] = ()
-        self._profiling = {"steps": profile_steps, "warmup_steps": warmup_steps, "modes": modes, "layers": layers}
+        self._profiling = dict(steps=profile_steps, warmup_steps=warmup_steps, modes=modes)
+        self._profiling |= dict(layers=layers, mtp_layers=mtp_layers)
         self.profiler = self._new_profiler()
         if target is not None:  # now, not after the profiling steps
             check_destination(target, config, target_field=field["target"], config_field=field["config"])
