@@ -406,12 +406,9 @@ class Recorder:
             if self._forward is forward:
                 self._forward = None  # nothing saved from here on belongs to this forward
             tail = forward.passes.get(TAIL)
-            if tail is not None:
-                tail.forward_end = tail.backward_start = self.clock.mark()
-                self._in_backward[TAIL] = tail
-                self.running = (tail, BACKWARD)
-                if self.memory is not None:  # the loss and LM head's backward: closed by the last block's
-                    self._open_memory_window(tail)
+            if tail is not None:  # the loss and LM head's backward: its window closed by the last block's
+                tail.forward_end = self.clock.mark()
+                self._start_backward(TAIL, tail, tail.forward_end)
 
         return hook
 
@@ -423,24 +420,24 @@ class Recorder:
             later = self.running[0] if self.running is not None and self.running[1] == BACKWARD else None
             if later is not None and later.backward_end is None:  # ends where this one starts: what runs
                 later.backward_end = now  # between (FSDP's gathers for this one) is this one's
-            step.backward_start = now
-            self._in_backward[index] = step
-            self.running = (step, BACKWARD)
-            if self.memory is not None:
-                self._open_memory_window(step)
+            self._start_backward(index, step, now)
 
         return hook
 
     def _mtp_output_grad(self, index: int, step: Pass) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            step.backward_start = self.clock.mark()
             self._resume[index] = (TAIL, self.running)
-            self._in_backward[index] = step
-            self.running = (step, BACKWARD)
-            if self.memory is not None:
-                self._open_memory_window(step)
+            self._start_backward(index, step, self.clock.mark())
 
         return hook
+
+    def _start_backward(self, key: object, step: Pass, now: object) -> None:
+        """`step`'s backward starts at `now` (a clock mark): it is the one running, and its memory window opens."""
+        step.backward_start = now
+        self._in_backward[key] = step
+        self.running = (step, BACKWARD)
+        if self.memory is not None:
+            self._open_memory_window(step)
 
     def _mtp_input_grad(self, index: int, step: Pass) -> Callable:
         def hook(grad: torch.Tensor) -> None:
