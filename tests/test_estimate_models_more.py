@@ -23,6 +23,7 @@ from basics.errors import InputError
 from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
 from sapp_hook.cli import main
 from solver import load_profile
+from solver.vocabulary.profile import NONE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "estimate"
 torch.set_num_threads(1)
@@ -128,3 +129,47 @@ def test_a_padding_token_outside_the_vocabulary_is_refused_by_name():
         traced_profile(fields, sequence=32, micro_batch_size=1, dtype="float32")
     assert caught.value.field == "pad_token_id"
     assert caught.value.detail == "expected a token of the vocabulary (vocab_size 512), got 151329"
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "falcon", "stablelm"])
+def test_a_model_that_derives_its_head_width_states_no_tensor_split(model_type):
+    # each derives a head's width from hidden / heads: halving the heads widens them, and its attention weights
+    # stay whole (StableLM's halved forward breaks on its partial rotary); counted as replicated, TP would keep
+    # the whole attention on every rank
+    fields = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+    profile = traced_profile(fields, sequence=32, micro_batch_size=1, dtype="float32")
+    assert [layer.replicated_parameter_bytes for layer in profile.layers[1:-1]] == [None, None]
+    assert profile.layers[1].recompute[NONE].activation_bytes > 0
+
+
+def test_hybrid_and_llama4_layouts_estimate():
+    # Jamba's layer_types is a property of its periods (cut with the layer count); Llama 4's text model names
+    # itself its decoder (its blocks are under `model`)
+    jamba = dict(model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, num_experts=4, attn_layer_period=2, attn_layer_offset=1,
+                 expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2)  # fmt: skip
+    profile = traced_profile(jamba, sequence=32, micro_batch_size=1, dtype="float32")
+    assert [layer.kind for layer in profile.layers] == ["head", "body:dense-linear", "body:moe-full", "tail"]
+    llama4 = dict(model_type="llama4_text", hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                  num_local_experts=4)  # fmt: skip
+    profile = traced_profile(llama4, sequence=32, micro_batch_size=1, dtype="float32")
+    assert [layer.kind for layer in profile.layers] == ["head", "body:moe", "body:moe", "tail"]
+
+
+def test_a_config_transformers_cannot_build_or_run_is_refused_naming_model_type():
+    dbrx = dict(model_type="dbrx", d_model=64, n_layers=2, n_heads=4, vocab_size=512,
+                ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), attn_config=dict(kv_n_heads=2))  # fmt: skip
+    with pytest.raises(InputError) as caught:  # its attention reads attn_config.rope_theta
+        traced_profile(dbrx, sequence=32, micro_batch_size=1, dtype="float32")
+    assert caught.value.field == "model_type"
+    assert caught.value.detail == (
+        "transformers cannot build dbrx's model from this config: 'DbrxAttentionConfig' object has no attribute "
+        "'rope_theta'"
+    )
+    dbrx["attn_config"]["rope_theta"] = 500000  # built; its forward clamps by clip_qkv None, on any tensor
+    with pytest.raises(InputError) as caught:
+        traced_profile(dbrx, sequence=32, micro_batch_size=1, dtype="float32")
+    assert caught.value.field == "model_type"
+    assert caught.value.detail.startswith("dbrx: its forward does not run on fake tensors")

@@ -18,6 +18,7 @@ the shared head's logits and loss after it, and the first one a copy of the embe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Mapping
@@ -292,12 +293,13 @@ def _tensor_split(
 ) -> dict[str, tuple[int, dict[str, float]]]:
     """Per decoder layer kind: (the parameters tensor parallelism replicates, what of each mode's
     activations it leaves whole), from `cut` built and traced again with its heads and FFN widths
-    halved. {} where a size is odd, or where halving them does not halve or keep each weight (a model
-    that derives one size from another): tensor parallelism is then not stated."""
+    halved. {} where a size is odd, or where halving them widens a head, does not halve or keep each weight,
+    or breaks the forward (a model that derives one size from another): tensor parallelism is then not stated."""
     halved = copy.deepcopy(cut)
     text = _text(halved)
     if not getattr(text, "head_dim", None):  # keep each head's width: it is not split
         text.head_dim = int(text.hidden_size) // int(text.num_attention_heads)
+    width = int(text.head_dim)
     for key in SPLIT_SIZES:
         value = getattr(text, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -306,6 +308,9 @@ def _tensor_split(
             setattr(text, key, value // 2)
     _, whole_layers, _ = decoder_parts(build_meta_model(cut))
     _, half_layers, _ = decoder_parts(build_meta_model(halved))
+    widths = {getattr(m, a, None) for m in half_layers.modules() for a in ("head_dim", "head_size")} - {None}
+    if widths - {width}:  # it derives a head's width from hidden / heads: halving widens its heads, splits none
+        return {}
     replicated = {}
     for kind, index in first.items():
         whole = {name: p.numel() for name, p in whole_layers[index].named_parameters()}
@@ -315,7 +320,10 @@ def _tensor_split(
         if all(half[n] == whole[n] for n in whole):  # the head width grew instead (GPT-2's h / heads): not stated
             return {}
         replicated[kind] = sum(n for name, n in whole.items() if half[name] == n)
-    traces = trace_model(halved, **shape)
+    try:
+        traces = trace_model(halved, **shape)
+    except InputError:  # its forward breaks with the sizes halved (one derived from another): not stated
+        return {}
     split = {}
     for kind, index in first.items():
         one, two = _kept(by_kind[kind], hidden_bytes), _kept(traces[1 + index], hidden_bytes)
@@ -330,7 +338,8 @@ def _cut(config: object, layers: int) -> object:
     text = _text(cut)
     text.num_hidden_layers = layers
     if isinstance(getattr(text, "layer_types", None), list):
-        text.layer_types = text.layer_types[:layers]
+        with contextlib.suppress(AttributeError):  # a property of the layer count (Jamba's): cut with it
+            text.layer_types = text.layer_types[:layers]
     for key in ("num_nextn_predict_layers", "mtp_depth", "mtp_num_layers"):
         if hasattr(text, key):
             setattr(text, key, 0)

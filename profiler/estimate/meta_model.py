@@ -103,13 +103,19 @@ def build_meta_model(config: object) -> nn.Module:
     except ValueError as exc:
         kind = getattr(config, "model_type", "?")
         raise InputError("model_type", f"{kind} has no causal language model in transformers: {exc}") from None
+    except (AttributeError, TypeError, KeyError) as exc:  # a field its modeling code reads is missing or malformed
+        kind = getattr(config, "model_type", "?")
+        detail = " ".join(str(exc).split())
+        raise InputError("model_type", f"transformers cannot build {kind}'s model from this config: {detail}") from None
 
 
 def decoder_parts(model: nn.Module) -> tuple[tuple[nn.Module, ...], nn.ModuleList, tuple[nn.Module, ...]]:
     """(the modules before the decoder layers that hold parameters: token and position embeddings; the
     decoder layers; those after them: final norm, and the LM head), by the order the inner model
     registers its children, whatever their names (Llama's `layers` and `norm`, GPT-2's `h` and `ln_f`)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if inner is None or inner is model:  # Llama 4's text model names itself its decoder
+        inner = getattr(model, "model", None)
     children = list(inner.children()) if isinstance(inner, nn.Module) else []
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):  # a decoder whose one list of blocks has another name

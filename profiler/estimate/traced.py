@@ -188,7 +188,7 @@ def trace_model(config: object, *, sequence: int, micro_batch_size: int, dtype: 
             flops = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
             with flops:
                 model(input_ids=ids, labels=ids, use_cache=False)
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         raise InputError(
             "model_type",
             f"{config.model_type}: its forward does not run on fake tensors ({' '.join(str(exc).split())[:200]})",
