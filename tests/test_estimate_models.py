@@ -79,6 +79,14 @@ TINY = {
         moe_intermediate_size=32, n_group=2, topk_group=1, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128,
     ),
+    # DeepSeek-V2: MLA, two shared experts, softmax routing limited to topk_group of n_group groups
+    "deepseek_v2": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=512, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+        moe_intermediate_size=32, n_group=2, topk_group=1, topk_method="group_limited_greedy", norm_topk_prob=False,
+        routed_scaling_factor=16.0, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=16, max_position_embeddings=128,
+    ),
     "gemma2": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=512, sliding_window=16, query_pre_attn_scalar=16, max_position_embeddings=128,
@@ -86,6 +94,11 @@ TINY = {
     "phi3": dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=512, pad_token_id=0, max_position_embeddings=128,
+    ),
+    # Phi-4: Phi-3's architecture with grouped-query attention, 4 query heads to a key-value head
+    "phi4": dict(
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=512, pad_token_id=0, max_position_embeddings=128,
     ),
     # GLM-4-0414: partial rotary, biased q/k/v, norms after attention and MLP too
     "glm4": dict(
@@ -115,7 +128,7 @@ TINY = {
 }  # fmt: skip
 # tokens per sequence: 160 makes Qwen3-Next's delta rule run three chunks of 64, the last padded
 SEQUENCE = {"qwen3_next": 160}
-MOE = {"deepseek_v3", "glm4_moe", "qwen3_next"}
+MOE = {"deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"}
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))

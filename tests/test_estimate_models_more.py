@@ -1,4 +1,4 @@
-"""`profile --estimate` for GLM-4, Gemma-3 and Qwen3-Next (hybrid linear and full attention): parameters
+"""`profile --estimate` for GLM-4, Gemma-3, Qwen3-Next (hybrid linear and full attention), DeepSeek-V2 and Phi-4: parameters
 against the totals their authors publish, and a 16-stage plan in 64 GB from each estimate. Their traced
 activations against a measured profile scaled down are in tests/test_estimate_models.py (`TINY`).
 
@@ -8,6 +8,14 @@ Fixtures: the config.json each Hugging Face repository ships, tests/fixtures/est
 - gemma-3-1b.json: huggingface.co/google/gemma-3-1b-pt/blob/main/config.json
 - qwen3-next-80b-a3b.json: huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (its sizes
   as github.com/THUDM/slime scripts/models/qwen3-next-80B-A3B.sh gives them to Megatron-LM)
+- deepseek-v2.json: huggingface.co/deepseek-ai/DeepSeek-V2/blob/main/config.json, as github.com/NVIDIA-NeMo/Megatron-Bridge
+  tests/unit_tests/models/deepseek/test_deepseek_bridges.py (`ds_v2_config`) restates it; fields transformers does
+  not read left out (scoring_func "softmax", its router's only kind; aux_loss_alpha and seq_aux, training losses;
+  rope_scaling, YaRN's scale, not a shape). The routing fields keep their names: transformers' deepseek_v2 reads
+  n_group, topk_group and topk_method ("group_limited_greedy") as the remote code does.
+- phi-4.json: huggingface.co/microsoft/phi-4/blob/main/config.json (model_type phi3), as public projects restate it
+  (found by its fields; Hugging Face is not reachable from here); its GGUF metadata (Ollama's phi4, general.license.link
+  to huggingface.co/microsoft/phi-4) gives general.parameter_count 14659507200 and the same shapes.
 """
 
 from __future__ import annotations
@@ -64,10 +72,33 @@ def test_gemma3_glm4_and_qwen3_next_parameters_match_their_publications():
     assert [part.kind for part in qwen.parts[1:5]] == ["body:moe-linear"] * 3 + ["body:moe-full"]
 
 
-def _plan(tmp_path, capsys, name: str, *flags: str, limit: int = 20) -> tuple[list[str], dict]:
+def test_deepseek_v2_and_phi4_parameters_match_their_publications():
+    # DeepSeek-V2 report (arXiv 2405.04434) and model card: 236B total, 21B activated per token (two figures)
+    ds = parameter_report(published("deepseek-v2"))
+    h, heads, experts, ffn = 5120, 128, 160, 1536
+    mla = h * 1536 + 1536 + 1536 * heads * (128 + 64) + h * (512 + 64) + 512 + 512 * heads * 256 + heads * 128 * h
+    moe = mla + 2 * h + (experts + 2) * 3 * h * ffn + experts * h  # routed and 2 shared experts, the router
+    assert [part.kind for part in ds.parts[1:3]] == ["body:dense", "body:moe"]  # first_k_dense_replace 1
+    assert {part.parameters for part in ds.parts[2:-1]} == {moe}
+    assert ds.total() == 235_741_434_880
+    assert abs(ds.total() / 236e9 - 1) < 0.005
+    assert (ds.experts_per_token, ds.num_experts) == (6, 160)
+    assert ds.active() == 20_851_512_320  # head in, embedding out (DeepSeek's convention)
+    assert round(ds.active() / 1e9) == 21
+    # Phi-4 report (arXiv 2412.08905): "14B"; its Hugging Face page 14.7B, the safetensors' 14,659,507,200
+    phi = parameter_report(published("phi-4"))
+    layer = h * (h + 2 * 1280) + h * h + 3 * h * 17920 + 2 * h  # GQA 40 / 10 heads of 128, SwiGLU, two norms
+    assert {part.parameters for part in phi.parts[1:-1]} == {layer}
+    assert phi.total() == 14_659_507_200
+    assert abs(phi.total() / 14.7e9 - 1) < 0.005
+    assert int(phi.total() / 1e9) == 14  # the report's "14B" truncates
+
+
+def _plan(tmp_path, capsys, name: str, *flags: str, limit: int = 20, micro_batch: int = 2) -> tuple[list[str], dict]:
     """The layer kinds of the estimate of fixture `name` (bf16, 4096 tokens) and its 16-stage 1F1B plan in 64 GB."""
     out = tmp_path / f"{name}.json"
-    base = ["--model", str(FIXTURES / f"{name}.json"), "--estimate", "--dtype", "bfloat16", "--seq-len", "4096"]
+    base = ["--model", str(FIXTURES / f"{name}.json"), "--estimate", "--dtype", "bfloat16", "--seq-len", "4096",
+            "--micro-batch-size", str(micro_batch)]  # fmt: skip
     assert main(["profile", *base, "--out", str(out), "--quiet"]) == 0
     kinds = [layer.kind for layer in load_profile(str(out)).layers]
     capsys.readouterr()
@@ -107,6 +138,29 @@ def test_qwen3_next_16_stage_plan_in_64gb(tmp_path, capsys):
     assert max(plan["rank_peak_memory_bytes"]) <= 64e9
     assert plan["gap"] < 0.1
     assert plan["iteration_time"] < 0.6 * plan["even_split"]["full_recompute_iteration_time"]
+
+
+def test_deepseek_v2_16_stage_plan_in_its_published_layout(tmp_path, capsys):
+    # DeepSeek-V2 report, section 3.1.3: 16-way (zero-bubble) pipeline, 8-way expert parallel, ZeRO-1 data
+    # parallel, no tensor parallel; the data-parallel degree is not given: 8, the least that carries expert parallel 8.
+    # Micro-batches of one sequence, as DeepSeek-V3's plan
+    kinds, plan = _plan(tmp_path, capsys, "deepseek-v2", "--expert-parallel", "8", "--data-parallel", "8",
+                        "--zero-stage", "1", micro_batch=1)  # fmt: skip
+    assert kinds == ["head", "body:dense", *["body:moe"] * 59, "tail"]
+    assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
+    assert round(plan["iteration_time"], 1) == 52045.3
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert plan["solve_seconds"] < 10
+
+
+def test_phi4_16_stage_plan_in_64gb_is_proven_in_seconds(tmp_path, capsys):
+    kinds, plan = _plan(tmp_path, capsys, "phi-4")
+    assert kinds == ["head", *["body:dense"] * 40, "tail"]
+    assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
+    assert round(plan["iteration_time"], 1) == 40741.8
+    assert max(plan["rank_peak_memory_bytes"]) <= 64e9
+    assert not plan["even_split"]["fits"]  # 120 GiB on rank 0 without recompute
+    assert plan["solve_seconds"] < 10
 
 
 def test_qwen3_next_tensor_split_divides_the_linear_attention_heads():
