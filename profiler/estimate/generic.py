@@ -308,7 +308,8 @@ def _tensor_split(
             setattr(text, key, value // 2)
     _, whole_layers, _ = decoder_parts(build_meta_model(cut))
     _, half_layers, _ = decoder_parts(build_meta_model(halved))
-    widths = {getattr(m, a, None) for m in half_layers.modules() for a in ("head_dim", "head_size")} - {None}
+    attributes = (getattr(m, a, None) for m in half_layers.modules() for a in ("head_dim", "head_size"))
+    widths = {w for w in attributes if isinstance(w, int)}
     if widths - {width}:  # it derives a head's width from hidden / heads: halving widens its heads, splits none
         return {}
     replicated = {}
