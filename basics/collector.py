@@ -16,7 +16,8 @@ R = TypeVar("R")
 def collector_paused() -> Iterator[None]:
     """Pause `gc` for the block, as it was before afterwards: a collector pass runs every 700 new
     containers and a full one looks at every object the process holds, which, for a schedule's
-    tens of thousands of action tuples, costs about a third of building and replaying it."""
+    tens of thousands of action tuples, costs more than much of the work. gc is the process's: another
+    thread that disables it meanwhile finds it enabled again when the block ends."""
     if not gc.isenabled():
         yield
         return

@@ -200,8 +200,8 @@ def test_replay_work_per_action_stays_small(name):
 
 
 def test_no_collector_pass_runs_while_a_schedule_is_built_and_replayed():
-    """Counts, not times: the collector's passes over tens of thousands of action tuples cost a third of the
-    work, and none are needed (nothing made there is in a reference cycle). Each call leaves one pass, over
+    """Counts, not times: the collector's passes over tens of thousands of action tuples cost a large share
+    of the work, and none are needed (nothing made there is in a reference cycle). Each call leaves one pass, over
     what it made, to the first allocation after it."""
     passes = []
 

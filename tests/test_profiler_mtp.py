@@ -243,6 +243,13 @@ def test_autotune_plans_mtp_modules_its_patterns_name():
     assert [block.kind == MTP_KIND for block in tuner.profiler.blocks] == [False, False, False, True]
     tuner = autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, quiet=True)
     assert [block.name for block in tuner.profiler.blocks][-1] == "next_tokens.0.layer"  # a fourth decoder layer
+    model.mtp = model.next_tokens  # found by its name, unless no MTP module is asked for
+    del model.next_tokens
+    assert (
+        autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, quiet=True).profiler.blocks[-1].name == "mtp.0"
+    )
+    tuner = autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, mtp_layers=(), quiet=True)
+    assert [block.kind == MTP_KIND for block in tuner.profiler.blocks] == [False] * 4
     with pytest.raises(InputError) as caught:
         autotune(model, optimizer, pipeline_parallel=2, micro_batches=4, mtp_layers="next_tokens")
     assert caught.value.field == "mtp_layers"

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from basics.errors import InputError
 from profiler.estimate.analytic import check_rates
@@ -33,6 +34,7 @@ from profiler.estimate.meta_model import (
     build_meta_model,
     count_parameters,
     decoder_parts,
+    text_config,
 )
 from profiler.estimate.traced import PartTrace, trace_model
 from solver.parallel.model_parallel import DTYPE_BYTES
@@ -46,6 +48,9 @@ from solver.vocabulary.profile import (
     RecomputeCost,
     TiedParameter,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
 
 LOSS_BYTES = 4  # the loss, an fp32 scalar
 # the sizes tensor parallelism splits: attention heads (linear attention's too) and FFN widths (dense, routed,
@@ -108,7 +113,7 @@ def traced_profile(
     by_kind = {kind: traces[1 + index] for kind, index in first.items()}
     p = DTYPE_BYTES[dtype]
     tokens = micro_batch_size * sequence
-    text = _text(config)
+    text = text_config(config)
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)
     hidden_bytes = float(tokens * hidden * p)
     split = _tensor_split(cut, first, shape, hidden_bytes, by_kind)
@@ -131,7 +136,7 @@ def traced_profile(
         }
 
     head_part, tail_part = counts.parts[0], counts.parts[-1]
-    tied = vocab * hidden if counts.tied_embeddings else 0  # the token embedding's, not learned positions
+    tied = counts.output_parameters if counts.tied_embeddings else 0  # the token embedding's, not learned positions
     ids = head_trace.saved_bytes  # the token ids, whole on every rank
     layers = [
         LayerProfile(
@@ -161,7 +166,7 @@ def traced_profile(
     labels = 8.0 * tokens + LOSS_BYTES
     # the fp32 gradients of log-probabilities and logits less the freed labels; with few tokens, the head's gradients
     working = max(2 * log_probs - labels, (tail_part.parameters + tied) * p + hidden_bytes)
-    norm = tail_part.parameters - (0 if tied else vocab * hidden)  # the final norm's, replicated
+    norm = tail_part.parameters - (0 if tied else counts.output_parameters)  # the final norm's, replicated
     tail = LayerProfile(
         name="tail",
         kind="tail",
@@ -284,22 +289,18 @@ def _mtp_layer(decoder: LayerProfile, tail: LayerProfile, ids: float, h: int, to
     )
 
 
-def _text(config: object) -> object:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _tensor_split(
     cut: object, first: dict[str, int], shape: dict, hidden_bytes: float, by_kind: dict[str, PartTrace]
 ) -> dict[str, tuple[int, dict[str, float]]]:
     """Per decoder layer kind: (the parameters tensor parallelism replicates, what of each mode's
     activations it leaves whole), from `cut` built and traced again with its heads and FFN widths
-    halved. {} where a size is odd, or where halving them widens a head, does not halve or keep each weight,
-    or breaks the forward (a model that derives one size from another): tensor parallelism is then not stated."""
+    halved. A kind is left out where halving them widens one of its heads (a model that derives a head's
+    width from hidden / heads), neither halves nor keeps one of its weights, or halves none; {} where a
+    size is odd or the halved forward breaks: tensor parallelism is then not stated."""
     halved = copy.deepcopy(cut)
-    text = _text(halved)
+    text = text_config(halved)
     if not getattr(text, "head_dim", None):  # keep each head's width: it is not split
         text.head_dim = int(text.hidden_size) // int(text.num_attention_heads)
-    width = int(text.head_dim)
     for key in SPLIT_SIZES:
         value = getattr(text, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -308,35 +309,47 @@ def _tensor_split(
             setattr(text, key, value // 2)
     _, whole_layers, _ = decoder_parts(build_meta_model(cut))
     _, half_layers, _ = decoder_parts(build_meta_model(halved))
-    attributes = (getattr(m, a, None) for m in half_layers.modules() for a in ("head_dim", "head_size"))
-    widths = {w for w in attributes if isinstance(w, int)}
-    if widths - {width}:  # it derives a head's width from hidden / heads: halving widens its heads, splits none
-        return {}
     replicated = {}
     for kind, index in first.items():
+        widths, half_widths = _head_widths(whole_layers[index]), _head_widths(half_layers[index])
+        if any(half_widths.get(name, width) > width for name, width in widths.items()):
+            continue
         whole = {name: p.numel() for name, p in whole_layers[index].named_parameters()}
         half = {name: p.numel() for name, p in half_layers[index].named_parameters()}
         if whole.keys() != half.keys() or any(half[n] not in (whole[n], whole[n] / 2) for n in whole):
-            return {}
-        if all(half[n] == whole[n] for n in whole):  # the head width grew instead (GPT-2's h / heads): not stated
-            return {}
-        replicated[kind] = sum(n for name, n in whole.items() if half[name] == n)
+            continue
+        if any(half[n] < whole[n] for n in whole):
+            replicated[kind] = sum(n for name, n in whole.items() if half[name] == n)
+    if not replicated:
+        return {}
     try:
         traces = trace_model(halved, **shape)
     except InputError:  # its forward breaks with the sizes halved (one derived from another): not stated
         return {}
     split = {}
-    for kind, index in first.items():
-        one, two = _kept(by_kind[kind], hidden_bytes), _kept(traces[1 + index], hidden_bytes)
+    for kind, replicated_parameters in replicated.items():
+        one, two = _kept(by_kind[kind], hidden_bytes), _kept(traces[1 + first[kind]], hidden_bytes)
         # a rank of t keeps (A - W) / t + W: W = 2 A(2) - A(1)
-        split[kind] = (replicated[kind], {mode: min(max(2 * two[mode] - one[mode], 0.0), one[mode]) for mode in one})
+        kept = {mode: min(max(2 * two[mode] - one[mode], 0.0), one[mode]) for mode in one}
+        split[kind] = (replicated_parameters, kept)
     return split
+
+
+def _head_widths(layer: nn.Module) -> dict[str, int]:
+    """Each attention module's head width (`head_dim` or `head_size`), by module name."""
+    widths = {}
+    for name, module in layer.named_modules():
+        for attribute in ("head_dim", "head_size"):
+            width = getattr(module, attribute, None)
+            if isinstance(width, int) and not isinstance(width, bool):
+                widths[f"{name}.{attribute}"] = width
+    return widths
 
 
 def _cut(config: object, layers: int) -> object:
     """`config` with its first `layers` decoder layers only (per-layer lists cut to match)."""
     cut = copy.deepcopy(config)
-    text = _text(cut)
+    text = text_config(cut)
     text.num_hidden_layers = layers
     if isinstance(getattr(text, "layer_types", None), list):
         with contextlib.suppress(AttributeError):  # a property of the layer count (Jamba's): cut with it

@@ -47,6 +47,7 @@ class ModelCount:
     experts_per_token: int = 0
     num_experts: int = 0
     tied_embeddings: bool = False
+    output_parameters: int = 0  # the LM head's weight (the token embedding's, where tied)
 
     def total(self, *, mtp: bool = True) -> int:
         """All parameters, each counted once (tied embeddings once; MTP modules' own parameters, their
@@ -64,6 +65,11 @@ class ModelCount:
                 continue
             total += part.active(self.experts_per_token, self.num_experts) if self.num_experts else part.parameters
         return total
+
+
+def text_config(config: object) -> object:
+    """The language model's config: `config` itself, or the text config of a multimodal one."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def build_config(fields: Mapping[str, object], *, field: str = "model_type", where: str = "") -> object:
@@ -93,26 +99,28 @@ def build_meta_model(config: object) -> nn.Module:
     """`config`'s causal language model on the meta device: shapes only, built in seconds at any size."""
     from transformers import AutoModelForCausalLM
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
-    if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:  # torch asserts it
-        raise InputError("pad_token_id", f"expected a token of the vocabulary (vocab_size {vocab}), got {pad}")
+    kind = getattr(config, "model_type", "?")
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except ValueError as exc:
-        kind = getattr(config, "model_type", "?")
         raise InputError("model_type", f"{kind} has no causal language model in transformers: {exc}") from None
-    except (AttributeError, TypeError, KeyError) as exc:  # a field its modeling code reads is missing or malformed
-        kind = getattr(config, "model_type", "?")
+    except (AttributeError, TypeError, KeyError, AssertionError) as exc:  # a field it reads is missing or wrong
+        text = text_config(config)
+        pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+        outside = isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab
+        if isinstance(exc, AssertionError) and outside:  # torch's embedding asserts its padding index
+            raise InputError(
+                "pad_token_id", f"expected a token of the vocabulary (vocab_size {vocab}), got {pad}"
+            ) from None
         detail = " ".join(str(exc).split())
         raise InputError("model_type", f"transformers cannot build {kind}'s model from this config: {detail}") from None
 
 
 def decoder_parts(model: nn.Module) -> tuple[tuple[nn.Module, ...], nn.ModuleList, tuple[nn.Module, ...]]:
-    """(the modules before the decoder layers that hold parameters: token and position embeddings; the
-    decoder layers; those after them: final norm, and the LM head), by the order the inner model
-    registers its children, whatever their names (Llama's `layers` and `norm`, GPT-2's `h` and `ln_f`)."""
+    """(the embeddings registered before the decoder layers: tokens', learned positions'; the decoder
+    layers; the norms registered after them, and the LM head), whatever their names (Llama's `layers` and
+    `norm`, GPT-2's `h` and `ln_f`). InputError naming model_type where another module holds parameters."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else None
     if inner is None or inner is model:  # Llama 4's text model names itself its decoder
         inner = getattr(model, "model", None)
@@ -124,12 +132,22 @@ def decoder_parts(model: nn.Module) -> tuple[tuple[nn.Module, ...], nn.ModuleLis
     if not isinstance(layers, nn.ModuleList) or not len(layers) or not any(m is layers for m in children):
         kind = getattr(model.config, "model_type", "?")
         raise InputError("model_type", f"{kind}: expected a decoder whose blocks are one list, e.g. `model.layers`")
-    at = next(i for i, m in enumerate(children) if m is layers)
-    weighted = [next(m.parameters(), None) is not None for m in children]  # rotary, dropout: none
-    head = tuple(m for m, w in zip(children[:at], weighted[:at], strict=True) if w)
-    tail = [m for m, w in zip(children[at + 1 :], weighted[at + 1 :], strict=True) if w]
+    weighted = [(name, m) for name, m in inner.named_children() if next(m.parameters(), None) is not None]
+    at = next(i for i, (_, m) in enumerate(weighted) if m is layers)  # rotary, dropout: no parameters, left out
+    head, tail = [m for _, m in weighted[:at]], [m for _, m in weighted[at + 1 :]]
+    # registration order is not run order: a projection or a per-layer embedding registered beside them runs
+    # elsewhere (OPT's final norm before its layers, Gemma-3n's per-layer embeddings after)
+    misplaced = [name for name, m in weighted[:at] if not isinstance(m, nn.Embedding)]
+    misplaced += [name for name, m in weighted[at + 1 :] if "norm" not in type(m).__name__.lower()]
+    if misplaced:
+        kind = getattr(model.config, "model_type", "?")
+        raise InputError(
+            "model_type",
+            f"{kind}: the parameters of {', '.join(misplaced)} lie outside the embeddings before the decoder "
+            "layers and the norms after them; expected a decoder-only model",
+        )
     tail.append(model.get_output_embeddings())
-    return head, layers, tuple(m for m in tail if m is not None)
+    return tuple(head), layers, tuple(m for m in tail if m is not None)
 
 
 def _routed(module: nn.Module) -> int:
@@ -217,7 +235,7 @@ def count_parameters(config: object) -> ModelCount:
             f"{config.model_type}: {whole - counted:,} parameters lie outside the embedding, "
             "decoder layers, final norm and LM head; expected a decoder-only model",
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     experts = _first_int(text, ("n_routed_experts", "num_experts", "num_local_experts"))
     return ModelCount(
         model_type=str(config.model_type),
@@ -225,6 +243,7 @@ def count_parameters(config: object) -> ModelCount:
         experts_per_token=_first_int(text, ("num_experts_per_tok", "moe_topk")) if experts else 0,
         num_experts=experts,
         tied_embeddings=tied,
+        output_parameters=model.get_output_embeddings().weight.numel(),
     )
 
 

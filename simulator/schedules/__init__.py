@@ -187,7 +187,7 @@ def build_schedule(
         raise InputError(
             largest,
             f"{_count(ranks)} x {_count(chunks)} x {_count(micro_batches)} (ranks x chunks x micro-batches) make "
-            f"{_count(actions)} actions; expected at most {MAX_ACTIONS:,} (a million take about 1 s and 0.5 GB to build and replay)",
+            f"{_count(actions)} actions; expected at most {MAX_ACTIONS:,} (a million take about 2 s and 0.5 GB to build and replay)",
         )
     fewest = kind.min_micro_batches(ranks, chunks)
     if micro_batches < fewest:
