@@ -21,24 +21,15 @@ Fixtures: the config.json each Hugging Face repository ships, tests/fixtures/est
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
-from test_estimate_models import TINY
+from test_estimate_models import FIXTURES, TINY, published
 
 from basics.errors import InputError
 from profiler.estimate.generic import MTP_KIND, parameter_report, traced_profile
 from sapp_hook.cli import main
 from solver import load_profile
 from solver.vocabulary.profile import NONE
-
-FIXTURES = Path(__file__).parent / "fixtures" / "estimate"
-torch.set_num_threads(1)
-
-
-def published(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
 def test_gemma3_glm4_and_qwen3_next_parameters_match_their_publications():
