@@ -14,6 +14,7 @@ comes back through the forward chain.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -136,11 +137,10 @@ def action_table(rank_actions: Sequence[Sequence[Action]]) -> ActionTable | None
     try:
         stages, ops, microbatches = (tuple(map(itemgetter(field), flat)) for field in range(3))
         letters = np.frombuffer("".join(ops).encode("ascii"), dtype=np.uint8)
-        if len(letters) != len(flat) or not set(map(type, stages + microbatches)) <= {int, bool}:
+        if len(letters) != len(flat):
             return None
-        stage, microbatch = (
-            np.fromiter(numbers, dtype=np.int64, count=len(flat)) for numbers in (stages, microbatches)
-        )
+        # an int64 array refuses what is not an integer (a float, a string) in one pass, where numpy would cast
+        stage, microbatch = (np.frombuffer(array("q", numbers), dtype=np.int64) for numbers in (stages, microbatches))
     except (TypeError, ValueError, OverflowError, IndexError):
         return None
     op = _OP_OF_LETTER[letters]

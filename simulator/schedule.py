@@ -250,6 +250,8 @@ def _find_misfit(schedule: Schedule) -> None:
             where = f"rank {rank} action {position} ({action})"
             if action.op not in OP_CODE:
                 raise ScheduleError(where, f"unknown op {action.op!r}; expected one of {OPS}")
+            if not all(hasattr(n, "__index__") for n in (action.stage_index, action.microbatch)):  # int, numpy ints
+                raise ScheduleError(where, "expected an integer stage index and micro-batch")
             if not 0 <= action.stage_index < num_virtual_stages:
                 raise ScheduleError(where, f"stage index outside 0..{num_virtual_stages - 1}")
             if not 0 <= action.microbatch < micro_batches:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from simulator import SCHEDULES, Action, InputError, PipelineCosts, Schedule, ScheduleError, build_schedule, simulate
@@ -209,6 +210,16 @@ def test_action_on_the_wrong_rank_is_refused():
     actions[0][0] = Action(1, "F", 0)
     with pytest.raises(ScheduleError, match="runs on rank 1"):
         make(actions)
+
+
+@pytest.mark.parametrize("stage", [0.0, "0", np.float64(0.0)])
+def test_a_stage_index_that_is_not_an_integer_is_refused(stage):
+    actions = one_f_one_b()
+    actions[0][0] = Action(stage, "F", 0)
+    with pytest.raises(ScheduleError, match=r"rank 0 action 0 \(0(\.0)?F0\): expected an integer stage index"):
+        make(actions)
+    actions[0][0] = Action(np.int64(0), "F", 0)  # numpy's integers are integers
+    make(actions)
 
 
 def test_repeated_action_is_refused():
