@@ -14,6 +14,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
 TESTS = Path(__file__).parent
 MEGATRON_CORE = importlib.metadata.version("megatron-core")  # the test extras pin it: a missing one fails here
 
@@ -154,3 +157,41 @@ def test_megatron_core_profiles_plans_writes_relaunches_and_trains_with_the_plan
     assert [layer for line in relaunch for layer in line["layers"]] == [1, 2, 3, 4]
     for rank in json.loads((tmp_path / "out" / "check.json").read_text())["ranks"]:
         assert rank["measured_activation_bytes"] == rank["predicted_activation_bytes"], rank
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_step_ends_with_the_optimizers_so_the_last_needs_no_call_after_it(monkeypatch, with_optimizer):
+    """A job that trains exactly the steps profiling needs gets its plan: the wrapper ends a step at the optimizer's
+    step, not at the next call (without an optimizer to watch, the next call ends it, as before)."""
+    from profiler_cases import batch, llama
+
+    from sapp_hook.frameworks import megatron_core
+    from sapp_hook.hook.tune import AutoTuner
+
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def plain_tuner(chunk, optimizer, micro_batches, **options):  # Megatron's parallel_state left out
+        tuner = AutoTuner(chunk, optimizer, pipeline_parallel=2, micro_batches=micro_batches, **options)
+        tuner.profiler.attach()
+        return tuner
+
+    def forward_backward(*, step, num_microbatches, forward_only=False):
+        loss = model(input_ids=batch(step), labels=batch(step), use_cache=False).loss
+        if not forward_only:
+            loss.backward()
+
+    monkeypatch.setattr(megatron_core, "tuner_for", plain_tuner)
+    monkeypatch.setattr(megatron_core, "_unwrapped", lambda chunk: chunk)
+    wrapped = megatron_core.autotuned(forward_backward, model, optimizer if with_optimizer else None, quiet=True,
+                                      profile_steps=1)  # fmt: skip
+    wrapped(step=-1, num_microbatches=4, forward_only=True)  # evaluation: passes through, no tuner
+    assert wrapped.tuner is None
+    steps = 0
+    while steps < 20 and (wrapped.tuner is None or wrapped.tuner.result is None):
+        wrapped(step=steps, num_microbatches=4)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps += 1
+    needed = wrapped.tuner.profiler.total_steps  # a warm-up, then none and full: one timed, one counting memory
+    assert (needed, steps) == (5, 5 if with_optimizer else 6)

@@ -11,8 +11,8 @@ schedule's own steps, one rank plans and writes the job's launch script, and the
 
     sapp-hook run -- bash train.sh
 
-A step ends where the next call of the wrapped function starts (after the optimizer's step); calls with
-`forward_only=True` (evaluation) pass through untouched. The pipeline's size, its process group and the data-,
+A step ends with the optimizer's step (without an optimizer, or where Megatron skips its step, where the next
+call of the wrapped function starts); calls with `forward_only=True` (evaluation) pass through untouched. The pipeline's size, its process group and the data-,
 tensor- and context-parallel degrees come from Megatron's `parallel_state`, the micro-batches from the first call.
 """
 
@@ -87,23 +87,37 @@ def autotuned(
     if options.get("config") is not None:
         options.setdefault("target", "megatron")
     options.setdefault("modes", MODES)
-    state: dict[str, Any] = {"tuner": None}
+    inner = _torch_optimizer(optimizer)
+    state: dict[str, Any] = {"tuner": None, "open": False, "hook": None}
+
+    def optimizer_stepped(*_: Any) -> None:
+        if state["open"]:  # the step ends with its optimizer's: the last one too, with no call after it
+            state["open"] = False
+            state["tuner"].step()
 
     @functools.wraps(forward_backward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("forward_only"):
             return forward_backward(*args, **kwargs)
+        if state["hook"] is not None:  # removed here, not in its own call: torch is going over its hooks then
+            state["hook"].remove()
+            state["hook"] = None
         tuner = state["tuner"]
         if tuner is None:
             tuner = state["tuner"] = tuner_for(chunks[0], optimizer, kwargs["num_microbatches"], **options)
             wrapped.tuner = tuner
-        else:
-            tuner.step()  # the previous call's step, the optimizer's included, ends here
+        elif state["open"]:  # no optimizer step since the last call (none given, or a step Megatron skipped)
+            state["open"] = False
+            tuner.step()
         try:
-            return forward_backward(*args, **kwargs)
+            value = forward_backward(*args, **kwargs)
         except BaseException as error:
             tuner.close(error)
             raise
+        state["open"] = True
+        if inner is not None:  # after the profiler's own hook, which counts the optimizer's steps
+            state["hook"] = inner.register_step_post_hook(optimizer_stepped)
+        return value
 
     wrapped.tuner = None
     return wrapped
