@@ -250,3 +250,20 @@ def test_a_module_registered_beside_the_layers_that_may_run_elsewhere_is_refused
         "opt: the parameters of final_layer_norm lie outside the embeddings before the decoder layers and the "
         "norms after them; expected a decoder-only model"
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [("num_hidden_layers", 0, "0"), ("hidden_size", -64, "-64"), ("intermediate_size", 0, "0"),
+     ("vocab_size", 512.0, "512.0")],
+)  # fmt: skip
+def test_a_size_that_is_not_a_positive_integer_is_refused_naming_it(key, value, shown):
+    fields = dict(model_type="glm4", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, pad_token_id=0)  # fmt: skip
+    for estimate in (
+        lambda: traced_profile({**fields, key: value}, sequence=32),
+        lambda: parameter_report({**fields, key: value}),
+    ):
+        with pytest.raises(InputError) as caught:
+            estimate()
+        assert (caught.value.field, caught.value.detail) == (key, f"expected an integer >= 1, got {shown}")

@@ -32,6 +32,7 @@ from profiler.estimate.meta_model import (
     PartCount,
     build_config,
     build_meta_model,
+    check_sizes,
     count_parameters,
     decoder_parts,
     text_config,
@@ -100,6 +101,7 @@ def traced_profile(
         static_memory = plain(dtype, optimizer_bytes_per_parameter)
     else:
         check_rates(flops_per_second, bytes_per_second, static_memory.optimizer_bytes)
+    check_sizes(fields)
     config = build_config(fields)
     counts = count_parameters(config)
     body = [part for part in counts.parts if part.kind.startswith("body:")]
@@ -382,4 +384,5 @@ def _dimensions(text: object, counts: ModelCount) -> dict[str, int]:
 
 def parameter_report(fields: Mapping[str, object]) -> ModelCount:
     """The exact parameter count of every part of the config's model, MTP modules included."""
+    check_sizes(fields)
     return count_parameters(build_config(fields))

@@ -12,10 +12,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from basics.errors import InputError
+from basics.errors import InputError, shown
 
 # what a config.json carries that is provenance or remote code, not architecture
 _NOT_ARCHITECTURE = ("auto_map", "_name_or_path", "transformers_version", "architectures", "quantization_config")
+# the sizes a decoder-only config gives (Llama's names, GPT-2's): each a count of at least 1 where given
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+)
 # config keys that give the number of MTP modules (DeepSeek-V3's, MindFormers' and Megatron's names)
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_depth", "mtp_num_layers")
 
@@ -65,6 +78,18 @@ class ModelCount:
                 continue
             total += part.active(self.experts_per_token, self.num_experts) if self.num_experts else part.parameters
         return total
+
+
+def check_sizes(fields: Mapping[str, object]) -> None:
+    """InputError naming the field where a config's size (its own or its text config's) is not an integer >= 1:
+    transformers builds a zero-wide layer, and torch fails deep inside on a negative one."""
+    for where in (fields, fields.get("text_config")):
+        if not isinstance(where, Mapping):
+            continue
+        for key in SIZE_FIELDS:
+            value = where.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(key, f"expected an integer >= 1, got {shown(value)}")
 
 
 def text_config(config: object) -> object:
