@@ -43,9 +43,14 @@ class Action(NamedTuple):
 _new_action = partial(tuple.__new__, Action)  # no Python frame per action, unlike Action(...)
 
 
+def as_actions(rows: Iterable[tuple[int, str, int, bool]]) -> list[Action]:
+    """`rows` of (stage, op, microbatch, overlapped) as Actions, with no Python frame per action."""
+    return list(map(_new_action, rows))
+
+
 def make_actions(stages: Iterable[int], ops: Iterable[str], microbatches: Iterable[int]) -> list[Action]:
     """`[Action(stage, op, microbatch) ...]` over the three in step, none overlapped."""
-    return list(map(_new_action, zip(stages, ops, microbatches, repeat(False))))
+    return as_actions(zip(stages, ops, microbatches, repeat(False)))
 
 
 def one_f_one_b_order(

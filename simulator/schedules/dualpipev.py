@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Action, as_actions
 
 
 def dualpipev_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
@@ -23,15 +23,15 @@ def _rank_actions(ranks: int, micro_batches: int, rank: int) -> list[Action]:
     next_forward = {down: 0, up: 0}
     next_backward = {down: 0, up: 0}  # B and I share the count: each micro-batch has one of them
     pending_weights: deque[tuple[int, int]] = deque()
-    actions: list[Action] = []
+    rows: list[tuple[int, str, int, bool]] = []  # made Actions at once, at the end
 
     def forward(stage: int) -> None:
-        actions.append(Action(stage, FORWARD, next_forward[stage]))
+        rows.append((stage, FORWARD, next_forward[stage], False))
         next_forward[stage] += 1
 
     def backward(stage: int, *, split: bool = False, overlapped: bool = False) -> None:
         microbatch = next_backward[stage]
-        actions.append(Action(stage, BACKWARD_INPUT if split else FULL_BACKWARD, microbatch, overlapped))
+        rows.append((stage, BACKWARD_INPUT if split else FULL_BACKWARD, microbatch, overlapped))
         if split:
             pending_weights.append((stage, microbatch))
         next_backward[stage] += 1
@@ -39,7 +39,7 @@ def _rank_actions(ranks: int, micro_batches: int, rank: int) -> list[Action]:
     def weight_if_pending() -> None:
         if pending_weights:
             stage, microbatch = pending_weights.popleft()
-            actions.append(Action(stage, BACKWARD_WEIGHT, microbatch))
+            rows.append((stage, BACKWARD_WEIGHT, microbatch, False))
 
     def overlapped_forward_backward(forward_stage: int, backward_stage: int) -> None:
         forward(forward_stage)
@@ -86,4 +86,4 @@ def _rank_actions(ranks: int, micro_batches: int, rank: int) -> list[Action]:
     # 8. W0: the remaining weight gradients.
     while pending_weights:
         weight_if_pending()
-    return actions
+    return as_actions(rows)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from simulator.actions import FORWARD, FULL_BACKWARD, Action
+from simulator.actions import FORWARD, FULL_BACKWARD, Action, make_actions
 
 
 def gpipe_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
-    return [
-        [Action(rank, FORWARD, m) for m in range(micro_batches)]
-        + [Action(rank, FULL_BACKWARD, m) for m in range(micro_batches)]
-        for rank in range(ranks)
-    ]
+    every = list(range(micro_batches))
+    ops = [FORWARD] * micro_batches + [FULL_BACKWARD] * micro_batches
+    return [make_actions([rank] * 2 * micro_batches, ops, every + every) for rank in range(ranks)]

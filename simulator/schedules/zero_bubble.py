@@ -10,24 +10,24 @@ gradient, on the critical path) and W (weight gradient, deferred to fill bubbles
 
 from __future__ import annotations
 
-from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
+from simulator.actions import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, as_actions
 
 
 def zbh1_actions(ranks: int, micro_batches: int) -> list[list[Action]]:
     schedule = []
     for rank in range(ranks):
         warmup = min(ranks - rank - 1, micro_batches)
-        actions = [Action(rank, FORWARD, m) for m in range(warmup)]
+        rows = [(rank, FORWARD, m, False) for m in range(warmup)]  # made Actions at once, at the end
         next_weight = 0
         for backward_mb in range(micro_batches):
             if warmup + backward_mb < micro_batches:
-                actions.append(Action(rank, FORWARD, warmup + backward_mb))
-            actions.append(Action(rank, BACKWARD_INPUT, backward_mb))
+                rows.append((rank, FORWARD, warmup + backward_mb, False))
+            rows.append((rank, BACKWARD_INPUT, backward_mb, False))
             if backward_mb >= rank:
-                actions.append(Action(rank, BACKWARD_WEIGHT, next_weight))
+                rows.append((rank, BACKWARD_WEIGHT, next_weight, False))
                 next_weight += 1
-        actions.extend(Action(rank, BACKWARD_WEIGHT, m) for m in range(next_weight, micro_batches))
-        schedule.append(actions)
+        rows.extend((rank, BACKWARD_WEIGHT, m, False) for m in range(next_weight, micro_batches))
+        schedule.append(as_actions(rows))
     return schedule
 
 
@@ -41,10 +41,10 @@ def _zbv_rank(ranks: int, micro_batches: int, rank: int) -> list[Action]:
     down, up = rank, 2 * ranks - 1 - rank  # chunk 0 going down the ranks, chunk 1 coming back
     count = {(down, FORWARD): 0, (up, FORWARD): 0, (down, BACKWARD_INPUT): 0, (up, BACKWARD_INPUT): 0}
     count.update({(down, BACKWARD_WEIGHT): 0, (up, BACKWARD_WEIGHT): 0})
-    actions: list[Action] = []
+    rows: list[tuple[int, str, int, bool]] = []  # made Actions at once, at the end
 
     def run(stage: int, op: str) -> None:
-        actions.append(Action(stage, op, count[stage, op]))
+        rows.append((stage, op, count[stage, op], False))
         count[stage, op] += 1
 
     # Warm-up: fill the V down to this rank, then alternate the way back up with the way down.
@@ -77,4 +77,4 @@ def _zbv_rank(ranks: int, micro_batches: int, rank: int) -> list[Action]:
         run(up, BACKWARD_WEIGHT)
     while count[down, BACKWARD_WEIGHT] < count[down, BACKWARD_INPUT]:
         run(down, BACKWARD_WEIGHT)
-    return [action for action in actions if action.microbatch < micro_batches]
+    return as_actions(row for row in rows if row[2] < micro_batches)
