@@ -297,6 +297,6 @@ def test_gemma2_9b_16_stage_plan_in_64gb_is_proven_in_seconds(tmp_path, capsys):
              "--memory", "64GB", "--time-limit", "20", "--json"]  # fmt: skip
     assert main(solve) == 0
     plan = json.loads(capsys.readouterr().out)
-    # one group per layer: time-limited at 60 s with 35,653.4 ms, the bound 35,278.1 ms
+    # proven: with one group per layer the search stopped at its limit (docs/results/estimate-models.md)
     assert (plan["status"], plan["gap"], plan["fits"]) == ("optimal", 0.0, True)
     assert round(plan["iteration_time"], 3) == 35577.484
