@@ -296,12 +296,7 @@ class Recorder:
             if head is not None:
                 head.forward_end = now
             step = Pass(self.mode, forward_start=now)
-            forward.passes[index] = step
-            forward.current = index
-            self.running = (step, FORWARD)
-            self._add_passes({index: step})
-            if index in self.capture_for and index not in self.captured_inputs:
-                self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
+            self._start_forward(index, forward, step, args, kwargs)
             block_input = _input_tensor(args, kwargs)
             if block_input is not None:
                 step.input_key, step.input_bytes = storage_key(block_input)
@@ -323,12 +318,7 @@ class Recorder:
         tail = forward.passes.get(TAIL)
         if tail is not None:
             tail.nested.append(step)
-        forward.passes[index] = step
-        forward.current = index
-        self.running = (step, FORWARD)
-        self._add_passes({index: step})
-        if index in self.capture_for and index not in self.captured_inputs:
-            self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
+        self._start_forward(index, forward, step, args, kwargs)
         block_input = _input_tensor(args, kwargs)
         if block_input is None:
             return None
@@ -337,6 +327,15 @@ class Recorder:
         view.register_hook(self._mtp_input_grad(index, step))
         args = tuple(view if value is block_input else value for value in args)
         return args, {key: view if value is block_input else value for key, value in kwargs.items()}
+
+    def _start_forward(self, index: int, forward: _Forward, step: Pass, args: tuple, kwargs: dict) -> None:
+        """`step` is block `index`'s pass in `forward` and the one running; its input kept where asked."""
+        forward.passes[index] = step
+        forward.current = index
+        self.running = (step, FORWARD)
+        self._add_passes({index: step})
+        if index in self.capture_for and index not in self.captured_inputs:
+            self.captured_inputs[index] = _detached(args), _detached(_without_cache(kwargs))
 
     def _block_post(self, index: int) -> Callable:
         mtp = index in self.mtp
