@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_properties import built_schedules
 
 from simulator import SCHEDULES, ChunkCosts, PipelineCosts, build_schedule, critical_path, simulate
 from simulator.compiled import _travel_order
@@ -55,12 +56,8 @@ def chunk_costs(draw, nd: bool, sharded: bool) -> ChunkCosts:
 
 @st.composite
 def replays(draw):
-    name = draw(st.sampled_from(list(SCHEDULES)))
-    kind = SCHEDULES[name]
-    ranks = draw(st.integers(1, 6))
-    chunks = draw(st.integers(kind.min_chunks, kind.max_chunks or 4))
-    fewest = kind.min_micro_batches(ranks, chunks)
-    schedule = build_schedule(name, ranks, draw(st.integers(fewest, fewest + 10)), chunks)
+    schedule = draw(built_schedules())
+    ranks, chunks = schedule.ranks, schedule.chunks
     nd, sharded = draw(st.booleans()), draw(st.booleans())
     if draw(st.booleans()):  # every chunk alike: the balanced replay is the replay itself
         rows = ((draw(chunk_costs(nd, False)),) * chunks,) * ranks

@@ -15,14 +15,20 @@ sizes = st.integers(min_value=0, max_value=2**34)
 
 
 @st.composite
-def replays(draw):
+def built_schedules(draw):
+    """Any schedule kind, 1-6 ranks, its chunks, up to 10 micro-batches past its fewest."""
     name = draw(st.sampled_from(list(SCHEDULES)))
     kind = SCHEDULES[name]
     ranks = draw(st.integers(1, 6))
     chunks = draw(st.integers(kind.min_chunks, kind.max_chunks or 4))
     fewest = kind.min_micro_batches(ranks, chunks)
-    micro_batches = draw(st.integers(fewest, fewest + 10))
-    schedule = build_schedule(name, ranks, micro_batches, chunks)
+    return build_schedule(name, ranks, draw(st.integers(fewest, fewest + 10)), chunks)
+
+
+@st.composite
+def replays(draw):
+    schedule = draw(built_schedules())
+    ranks, chunks = schedule.ranks, schedule.chunks
 
     def chunk_costs():
         forward = draw(st.floats(0.1, 50.0))
